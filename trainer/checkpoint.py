@@ -1,0 +1,429 @@
+"""CheckpointStore: committed, verified, discoverable checkpoints on any fsspec store.
+
+Layout (see design.md):
+
+    <root>/step-000001200/manifest.json   written LAST: the commit point
+    <root>/step-000001200/<payload files> safetensors for tensors, JSON for the rest
+    <root>/LATEST                          hint: name of the newest committed step dir
+
+A checkpoint exists if and only if its manifest exists, parses, and every file
+it lists has the listed size; sha256 is checked when a file is read. Nothing
+here unpickles: safetensors and JSON only.
+
+Limits: one writer per root (rank 0 of one job). Object stores give no atomic
+rename, so on them a half-written step dir is simply a dir without manifest,
+which discovery skips and retention removes.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import posixpath
+import re
+import threading
+import time
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from typing import Any
+
+import fsspec
+import torch
+from fsspec.implementations.local import LocalFileSystem
+from safetensors.torch import load as safetensors_load
+
+log = logging.getLogger(__name__)
+
+FORMAT_VERSION = 1
+MANIFEST = "manifest.json"
+LATEST = "LATEST"
+_STEP_RE = re.compile(r"^step-(\d{9,})$")
+_CHUNK = 64 << 20
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint could not be written or read."""
+
+
+class CheckpointCorrupt(CheckpointError):
+    """A checkpoint's file does not match its manifest (size or sha256)."""
+
+
+def step_dir_name(step: int) -> str:
+    return f"step-{step:09d}"
+
+
+# ------------------------------------------------------------ state <-> files
+
+
+def split_tensors(tree: Any, prefix: str = "") -> tuple[dict[str, torch.Tensor], Any]:
+    """Replace every tensor in a nested state dict by {"__tensor__": key}.
+
+    Returns the tensors (for safetensors) and the JSON-able skeleton. Tuples
+    become lists and int dict keys are tagged so `join_tensors` restores them.
+    """
+    tensors: dict[str, torch.Tensor] = {}
+
+    def walk(x: Any, path: str) -> Any:
+        if isinstance(x, torch.Tensor):
+            tensors[path] = x
+            return {"__tensor__": path}
+        if isinstance(x, Mapping):
+            out = {}
+            for k, v in x.items():
+                key = f"__int__{k}" if isinstance(k, int) else str(k)
+                out[key] = walk(v, f"{path}.{k}" if path else str(k))
+            return out
+        if isinstance(x, list | tuple):
+            return [walk(v, f"{path}.{i}") for i, v in enumerate(x)]
+        if x is None or isinstance(x, bool | int | float | str):
+            return x
+        raise TypeError(f"cannot checkpoint value of type {type(x).__name__} at {path!r}")
+
+    return tensors, walk(tree, prefix)
+
+
+def join_tensors(skeleton: Any, tensors: Mapping[str, torch.Tensor]) -> Any:
+    if isinstance(skeleton, dict):
+        if set(skeleton) == {"__tensor__"}:
+            return tensors[skeleton["__tensor__"]]
+        return {
+            (int(k[len("__int__") :]) if k.startswith("__int__") else k): join_tensors(v, tensors)
+            for k, v in skeleton.items()
+        }
+    if isinstance(skeleton, list):
+        return [join_tensors(v, tensors) for v in skeleton]
+    return skeleton
+
+
+# ------------------------------------------------------------ safetensors writer
+
+_DTYPES = {
+    torch.float64: "F64",
+    torch.float32: "F32",
+    torch.float16: "F16",
+    torch.bfloat16: "BF16",
+    torch.int64: "I64",
+    torch.int32: "I32",
+    torch.int16: "I16",
+    torch.int8: "I8",
+    torch.uint8: "U8",
+    torch.bool: "BOOL",
+}
+
+
+def _tensor_bytes(t: torch.Tensor) -> memoryview:
+    t = t.detach()
+    if t.device.type != "cpu":
+        t = t.cpu()
+    t = t.contiguous()
+    if t.numel() == 0:
+        return memoryview(b"")
+    return memoryview(t.reshape(-1).view(torch.uint8).numpy())
+
+
+def write_safetensors(f, tensors: Mapping[str, torch.Tensor], on_bytes: Callable[[memoryview], None]) -> int:
+    """Stream `tensors` to file object `f` in the safetensors format; returns bytes written.
+
+    Written by hand because the safetensors package can only serialize to a
+    complete in-memory `bytes` copy or to a local path, and checkpoints must go
+    to any fsspec file (S3, GCS) without a second full copy in memory while the
+    sha256 is computed on the way. The result is read back with the safetensors
+    library itself (tests check the round trip).
+    """
+    header: dict[str, Any] = {}
+    offset = 0
+    names = sorted(tensors)
+    for name in names:
+        t = tensors[name]
+        if t.dtype not in _DTYPES:
+            raise TypeError(f"cannot store tensor {name!r} of dtype {t.dtype} in safetensors")
+        n = t.numel() * t.element_size()
+        header[name] = {"dtype": _DTYPES[t.dtype], "shape": list(t.shape), "data_offsets": [offset, offset + n]}
+        offset += n
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)
+    head = memoryview(len(raw).to_bytes(8, "little") + raw)
+    total = 0
+    for chunk in [head] + [_tensor_bytes(tensors[n]) for n in names]:
+        for i in range(0, len(chunk), _CHUNK):
+            piece = chunk[i : i + _CHUNK]
+            on_bytes(piece)
+            f.write(piece)
+            total += len(piece)
+    return total
+
+
+# ------------------------------------------------------------ the store
+
+
+@dataclass
+class CheckpointInfo:
+    url: str
+    step: int
+    valid: bool
+    reason: str = ""
+    manifest: dict[str, Any] | None = None
+
+    @property
+    def name(self) -> str:
+        return step_dir_name(self.step)
+
+    @property
+    def total_bytes(self) -> int:
+        if not self.manifest:
+            return 0
+        return sum(int(v["bytes"]) for v in self.manifest.get("files", {}).values())
+
+    @property
+    def time_utc(self) -> str:
+        return (self.manifest or {}).get("time_utc", "")
+
+
+@dataclass
+class SaveResult:
+    info: CheckpointInfo
+    seconds: float
+    total_bytes: int
+    deleted: list[int] = field(default_factory=list)
+
+
+Payload = bytes | Mapping[str, torch.Tensor]
+
+
+class CheckpointStore:
+    """Writes, discovers, verifies and prunes checkpoints under one fsspec root URL."""
+
+    def __init__(
+        self,
+        url: str,
+        storage_options: Mapping[str, Any] | None = None,
+        keep: int = 3,
+        keep_every_steps: int = 0,
+    ):
+        self.url = url.rstrip("/")
+        self.fs, self.root = fsspec.core.url_to_fs(self.url, **dict(storage_options or {}))
+        self.root = self.root.rstrip("/")
+        self.keep = keep
+        self.keep_every_steps = keep_every_steps
+        self._local = isinstance(self.fs, LocalFileSystem)
+
+    # -- paths
+    def _path(self, *parts: str) -> str:
+        return posixpath.join(self.root, *parts)
+
+    def url_for(self, step: int) -> str:
+        return f"{self.url}/{step_dir_name(step)}"
+
+    # -- writing
+    def _put_small(self, path: str, data: bytes) -> None:
+        """Write a small file so that readers see the old or the new content, never half."""
+        if self._local:
+            tmp = f"{path}.tmp-{threading.get_ident()}"
+            with self.fs.open(tmp, "wb") as f:
+                f.write(data)
+            self.fs.mv(tmp, path)
+        else:
+            # One PUT: object stores make it visible whole or not at all.
+            self.fs.pipe_file(path, data)
+
+    def write(self, step: int, files: Mapping[str, Payload], meta: Mapping[str, Any]) -> SaveResult:
+        """Write payload files, then the manifest (commit), then LATEST, then apply retention."""
+        t0 = time.perf_counter()
+        d = self._path(step_dir_name(step))
+        existing = self.check(step)
+        if existing.valid:
+            log.info("checkpoint %s is already committed; not writing it again", existing.url)
+            return SaveResult(existing, 0.0, existing.total_bytes)
+        if self._local:
+            self.fs.makedirs(d, exist_ok=True)
+        entries: dict[str, dict[str, Any]] = {}
+        for name, payload in files.items():
+            sha = hashlib.sha256()
+            with self.fs.open(posixpath.join(d, name), "wb") as f:
+                if isinstance(payload, bytes | bytearray):
+                    sha.update(payload)
+                    f.write(payload)
+                    n = len(payload)
+                else:
+                    n = write_safetensors(f, payload, sha.update)
+            entries[name] = {"bytes": n, "sha256": sha.hexdigest()}
+        manifest = {
+            "format_version": FORMAT_VERSION,
+            "step": step,
+            "time_utc": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+            **dict(meta),
+            "files": entries,
+        }
+        self._put_small(posixpath.join(d, MANIFEST), json.dumps(manifest, indent=1).encode())
+        info = self.check(step)
+        if not info.valid:
+            raise CheckpointError(f"checkpoint {info.url} did not verify after writing: {info.reason}")
+        self._put_small(self._path(LATEST), step_dir_name(step).encode())
+        deleted = self.apply_retention()
+        total = sum(e["bytes"] for e in entries.values())
+        return SaveResult(info, time.perf_counter() - t0, total, deleted)
+
+    # -- discovery
+    def steps(self) -> list[int]:
+        """Step numbers of every step dir under the root, committed or not (one listing)."""
+        try:
+            names = self.fs.ls(self.root, detail=False)
+        except FileNotFoundError:
+            return []
+        out = []
+        for n in names:
+            m = _STEP_RE.match(posixpath.basename(n.rstrip("/")))
+            if m:
+                out.append(int(m.group(1)))
+        return sorted(set(out))
+
+    def check(self, step: int) -> CheckpointInfo:
+        """Manifest parses and every listed file has its size (no hashing)."""
+        d = self._path(step_dir_name(step))
+        url = self.url_for(step)
+        try:
+            raw = self.fs.cat_file(posixpath.join(d, MANIFEST))
+        except FileNotFoundError:
+            return CheckpointInfo(url, step, False, "no manifest.json (incomplete or interrupted save)")
+        try:
+            manifest = json.loads(raw)
+            files = manifest["files"]
+            if int(manifest["step"]) != step:
+                raise ValueError(f"manifest says step {manifest['step']}")
+            if int(manifest.get("format_version", 0)) > FORMAT_VERSION:
+                raise ValueError(f"format_version {manifest['format_version']} is newer than this gentrain")
+        except (ValueError, KeyError, TypeError) as e:
+            return CheckpointInfo(url, step, False, f"manifest.json is unreadable: {e}")
+        try:
+            listing = {posixpath.basename(e["name"]): e for e in self.fs.ls(d, detail=True)}
+        except FileNotFoundError:
+            listing = {}
+        for name, entry in files.items():
+            found = listing.get(name)
+            if found is None:
+                return CheckpointInfo(url, step, False, f"{name} is missing", manifest)
+            if int(found.get("size") or 0) != int(entry["bytes"]):
+                return CheckpointInfo(
+                    url, step, False, f"{name} has {found.get('size')} bytes, manifest says {entry['bytes']}", manifest
+                )
+        return CheckpointInfo(url, step, True, "", manifest)
+
+    def list(self) -> list[CheckpointInfo]:
+        return [self.check(s) for s in self.steps()]
+
+    def latest_hint(self) -> int | None:
+        try:
+            name = self.fs.cat_file(self._path(LATEST)).decode().strip()
+        except (FileNotFoundError, UnicodeDecodeError):
+            return None
+        m = _STEP_RE.match(name)
+        return int(m.group(1)) if m else None
+
+    def valid_candidates(self) -> Iterable[CheckpointInfo]:
+        """Committed checkpoints, newest first, each checked lazily.
+
+        LATEST is read first (one GET); one listing of step dir names finds any
+        newer step dir the hint does not know of (a crash between manifest and
+        LATEST), which is checked before it. Invalid ones are skipped with a
+        warning naming why.
+        """
+        hint = self.latest_hint()
+        steps = self.steps()
+        order = sorted(steps, reverse=True)
+        if hint is not None and hint in steps:
+            newer = [s for s in order if s > hint]
+            order = newer + [hint] + [s for s in order if s < hint]
+        for s in order:
+            info = self.check(s)
+            if info.valid:
+                yield info
+            else:
+                log.warning("skipping checkpoint %s: %s", info.url, info.reason)
+
+    def latest_valid(self) -> CheckpointInfo | None:
+        return next(iter(self.valid_candidates()), None)
+
+    # -- reading
+    def read_file(self, info: CheckpointInfo, name: str) -> bytes:
+        """One payload file, checked against the manifest's size and sha256."""
+        assert info.manifest is not None
+        entry = info.manifest["files"].get(name)
+        if entry is None:
+            raise CheckpointCorrupt(f"{info.url}: manifest lists no file {name!r}")
+        try:
+            data = self.fs.cat_file(self._path(info.name, name))
+        except FileNotFoundError:
+            raise CheckpointCorrupt(f"{info.url}/{name} is missing") from None
+        if len(data) != int(entry["bytes"]):
+            raise CheckpointCorrupt(f"{info.url}/{name}: {len(data)} bytes, manifest says {entry['bytes']}")
+        digest = hashlib.sha256(data).hexdigest()
+        if digest != entry["sha256"]:
+            raise CheckpointCorrupt(f"{info.url}/{name}: sha256 {digest[:12]}… does not match the manifest")
+        return data
+
+    def read_tensors(self, info: CheckpointInfo, name: str) -> dict[str, torch.Tensor]:
+        return safetensors_load(self.read_file(info, name))
+
+    def read_json(self, info: CheckpointInfo, name: str) -> Any:
+        return json.loads(self.read_file(info, name))
+
+    def verify(self, info: CheckpointInfo) -> list[str]:
+        """Full check of every file (size and sha256); returns the problems found."""
+        if not info.valid:
+            return [info.reason]
+        problems = []
+        for name in info.manifest["files"]:
+            try:
+                self.read_file(info, name)
+            except CheckpointCorrupt as e:
+                problems.append(str(e))
+        return problems
+
+    # -- retention
+    def apply_retention(self) -> list[int]:
+        """Delete checkpoints beyond `keep` newest + milestones; never the newest valid one.
+
+        Runs only after a newer checkpoint is committed. Uncommitted step dirs
+        older than the newest committed one are debris of interrupted saves and
+        are removed too. A failed delete is logged; the next save retries it.
+        """
+        infos = self.list()
+        valid = [i for i in infos if i.valid]
+        if not valid:
+            return []
+        newest = valid[-1].step
+        keep = {i.step for i in valid[-self.keep :]}
+        if self.keep_every_steps:
+            keep |= {i.step for i in valid if i.step % self.keep_every_steps == 0}
+        deleted = []
+        for info in infos:
+            if info.step in keep or info.step >= newest:
+                continue
+            d = self._path(info.name)
+            try:
+                if info.valid:
+                    # Manifest first: a half-deleted checkpoint must look invalid, not valid.
+                    self.fs.rm_file(posixpath.join(d, MANIFEST))
+                self.fs.rm(d, recursive=True)
+                deleted.append(info.step)
+            except (OSError, FileNotFoundError) as e:
+                log.warning("could not delete old checkpoint %s (will retry after the next save): %s", info.url, e)
+        return deleted
+
+
+def resolve_checkpoint(url: str, storage_options: Mapping[str, Any] | None = None) -> tuple[CheckpointStore, CheckpointInfo | None]:
+    """A URL that is either one checkpoint (step-NNN) or a root; returns its store and checkpoint.
+
+    For a root, the newest valid checkpoint; for a step dir, that one (valid or not).
+    """
+    url = url.rstrip("/")
+    base = posixpath.basename(url)
+    m = _STEP_RE.match(base)
+    if m:
+        store = CheckpointStore(url[: -len(base) - 1] or ".", storage_options)
+        return store, store.check(int(m.group(1)))
+    store = CheckpointStore(url, storage_options)
+    return store, store.latest_valid()

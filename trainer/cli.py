@@ -1,0 +1,192 @@
+"""Command line: argument parsing and dispatch only (`gentrain ...` and `python -m trainer ...`)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+from typing import Any
+
+from trainer.config import ConfigError, load_config, preset_names, preset_summary
+from trainer.elastic import EXIT_INVALID_CHECKPOINT, EXIT_OK, EXIT_USAGE, DistEnv
+
+log = logging.getLogger("gentrain")
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="gentrain",
+        description="Train generative image models on a CPU, under torchrun, or on Kubernetes.",
+    )
+    sub = p.add_subparsers(dest="command", required=True)
+
+    t = sub.add_parser("train", help="train a model (default preset: digits-ddpm)")
+    t.add_argument("config", nargs="?", help="preset name or YAML file")
+    t.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides, values parsed as YAML")
+
+    s = sub.add_parser("sample", help="sample an image grid from a checkpoint")
+    s.add_argument("checkpoint", help="a checkpoint (…/step-000001200) or a checkpoint root (newest valid)")
+    s.add_argument("--num", type=int, default=64)
+    s.add_argument("--out", default="grid.png")
+    s.add_argument("--seed", type=int, default=0)
+    s.add_argument("--steps", type=int, default=None, help="inference steps (default: the run's sample.inference_steps)")
+    s.add_argument("--scheduler", choices=["ddim", "dpm"], default=None)
+    s.add_argument("--guidance-scale", type=float, default=None)
+    s.add_argument("--no-ema", action="store_true", help="use the raw weights instead of the EMA weights")
+    s.add_argument("--storage-options", type=json.loads, default={}, help="JSON passed to fsspec")
+
+    c = sub.add_parser("checkpoints", help="list or verify checkpoints")
+    csub = c.add_subparsers(dest="action", required=True)
+    cl = csub.add_parser("list", help="table of the checkpoints under a root")
+    cl.add_argument("root")
+    cl.add_argument("--storage-options", type=json.loads, default={})
+    cv = csub.add_parser("verify", help="check sizes and sha256 of every file; exit 1 when invalid")
+    cv.add_argument("url", help="one checkpoint, or a root (verifies the newest valid one)")
+    cv.add_argument("--storage-options", type=json.loads, default={})
+
+    sub.add_parser("presets", help="list the built-in presets")
+    return p
+
+
+def _setup_logging(env: DistEnv) -> None:
+    level = logging.INFO if env.rank == 0 else logging.WARNING
+    prefix = f"[rank {env.rank}] " if env.world_size > 1 else ""
+    logging.basicConfig(
+        level=level,
+        format=f"%(asctime)s %(levelname)s {prefix}%(message)s",
+        datefmt="%Y-%m-%dT%H:%M:%S",
+        stream=sys.stderr,
+    )
+    for noisy in ("fsspec", "s3fs", "gcsfs", "aiobotocore", "botocore", "urllib3", "PIL", "matplotlib"):
+        logging.getLogger(noisy).setLevel(logging.WARNING)
+
+
+def cmd_train(args: argparse.Namespace) -> int:
+    env = DistEnv.from_environ()
+    _setup_logging(env)
+    if args.config and "=" in args.config:
+        # `gentrain train key=value ...` with no preset: argparse took the first override.
+        args.overrides.insert(0, args.config)
+        args.config = None
+    cfg = load_config(args.config, args.overrides)
+    # Before anything imports prometheus_client (see trainer.metrics).
+    from trainer.metrics import configure_multiprocess_dir
+
+    configure_multiprocess_dir(env, cfg.metrics.port > 0)
+    from trainer.loop import Trainer
+
+    return Trainer(cfg, env).fit()
+
+
+def cmd_sample(args: argparse.Namespace) -> int:
+    _setup_logging(DistEnv())
+    import torch
+
+    from trainer.checkpoint import resolve_checkpoint
+    from trainer.config import Config
+    from trainer.images import save_grid
+    from trainer.state import ema_file, model_file
+    from trainer.tasks import task_class
+
+    store, info = resolve_checkpoint(args.checkpoint, args.storage_options)
+    if info is None or not info.valid:
+        why = info.reason if info else "no valid checkpoint under this root"
+        print(f"gentrain: cannot sample from {args.checkpoint}: {why}", file=sys.stderr)
+        return EXIT_INVALID_CHECKPOINT
+    cfg = Config.model_validate(info.manifest["config"])
+    task = task_class(cfg.task)(cfg.model, cfg.data.image_size, cfg.data.channels, cfg.seed)
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    modules = task.build_parts()
+    for name, module in modules.items():
+        fname = ema_file(name)
+        if args.no_ema or fname not in info.manifest["files"]:
+            fname = model_file(name)
+        module.load_state_dict(store.read_tensors(info, fname))
+        module.to(device).eval()
+    s = cfg.sample
+    images = task.sample(
+        modules,
+        args.num,
+        seed=args.seed,
+        device=device,
+        inference_steps=args.steps or s.inference_steps,
+        scheduler=args.scheduler or s.scheduler,
+        guidance_scale=s.guidance_scale if args.guidance_scale is None else args.guidance_scale,
+    )
+    save_grid(images, args.out)
+    print(f"wrote {args.out}: {args.num} samples from {info.url} (step {info.step})")
+    return EXIT_OK
+
+
+def _human_bytes(n: int) -> str:
+    for unit in ("B", "KB", "MB", "GB"):
+        if n < 1024 or unit == "GB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return str(n)
+
+
+def cmd_checkpoints(args: argparse.Namespace) -> int:
+    _setup_logging(DistEnv())
+    from trainer.checkpoint import CheckpointStore, resolve_checkpoint
+
+    if args.action == "list":
+        store = CheckpointStore(args.root, args.storage_options)
+        infos = store.list()
+        if not infos:
+            print(f"no checkpoints under {args.root}")
+            return EXIT_OK
+        hint = store.latest_hint()
+        print(f"{'step':>10}  {'time (UTC)':<25}  {'size':>9}  status")
+        for i in infos:
+            status = "valid" if i.valid else f"INVALID: {i.reason}"
+            if i.step == hint:
+                status += " (LATEST)"
+            print(f"{i.step:>10}  {i.time_utc or '-':<25}  {_human_bytes(i.total_bytes):>9}  {status}")
+        return EXIT_OK
+
+    store, info = resolve_checkpoint(args.url, args.storage_options)
+    if info is None:
+        print(f"INVALID: no valid checkpoint under {args.url}")
+        return EXIT_INVALID_CHECKPOINT
+    problems = store.verify(info)
+    if problems:
+        print(f"INVALID: {info.url}")
+        for p in problems:
+            print(f"  {p}")
+        return EXIT_INVALID_CHECKPOINT
+    files = info.manifest["files"]
+    print(f"valid: {info.url} (step {info.step}, {len(files)} files, {_human_bytes(info.total_bytes)}, sha256 checked)")
+    return EXIT_OK
+
+
+def cmd_presets(args: argparse.Namespace) -> int:
+    for name in preset_names():
+        print(f"{name:<20} {preset_summary(name)}")
+    return EXIT_OK
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    handlers: dict[str, Any] = {
+        "train": cmd_train,
+        "sample": cmd_sample,
+        "checkpoints": cmd_checkpoints,
+        "presets": cmd_presets,
+    }
+    try:
+        return handlers[args.command](args)
+    except ConfigError as e:
+        print(f"gentrain: config error: {e}", file=sys.stderr)
+        return EXIT_USAGE
+    except KeyboardInterrupt:
+        return 130
+    finally:
+        sys.stderr.flush()
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("PYTHONUNBUFFERED", "1")
+    sys.exit(main())

@@ -1,0 +1,58 @@
+"""Datasets, the validation split and the resumable per-rank loader."""
+
+from __future__ import annotations
+
+import numpy as np
+from torch.utils.data import DataLoader
+
+from trainer.config import Config
+from trainer.data.datasets import DigitsDataset, ImageFolderDataset, Subset, collate
+from trainer.data.sampler import SampleRef, SampleStream, StepBatchSampler
+
+__all__ = ["build_splits", "build_train_loader", "SampleStream", "SampleRef", "Subset", "collate"]
+
+# The train/validation split must not move when the training seed changes.
+_SPLIT_SEED = 20240917
+
+
+def build_dataset(cfg: Config):
+    d = cfg.data
+    if d.source == "digits":
+        return DigitsDataset(d.image_size, d.channels)
+    return ImageFolderDataset(d.path, d.image_size, d.channels)
+
+
+def build_splits(cfg: Config) -> tuple[Subset, Subset | None, int | None]:
+    """(train, validation or None, number of classes or None)."""
+    ds = build_dataset(cfg)
+    n = len(ds)
+    perm = np.random.default_rng(_SPLIT_SEED).permutation(n)
+    n_val = int(n * cfg.data.val_fraction)
+    train_idx = np.sort(perm[n_val:])
+    val_idx = np.sort(perm[:n_val])
+    shape = (cfg.data.channels, cfg.data.image_size, cfg.data.image_size)
+    train = Subset(ds, train_idx, cfg.data.flip, shape)
+    val = Subset(ds, val_idx, False, shape) if n_val else None
+    return train, val, getattr(ds, "num_classes", None)
+
+
+def build_train_loader(train: Subset, cfg: Config, cursor: int, rank: int, world_size: int) -> DataLoader:
+    stream = SampleStream(len(train), cfg.seed)
+    sampler = StepBatchSampler(stream, cursor, cfg.train.batch_size, rank, world_size)
+    workers = cfg.train.num_workers
+    return DataLoader(
+        train,
+        batch_sampler=sampler,
+        collate_fn=collate,
+        num_workers=workers,
+        persistent_workers=False,
+        prefetch_factor=2 if workers else None,
+    )
+
+
+def validation_refs(val: Subset, batch_size: int, batches: int, rank: int, world_size: int) -> list[list[SampleRef]]:
+    """Fixed validation batches (the first `batches` of the split, in order), this rank's share."""
+    total = min(len(val), batch_size * batches)
+    mine = list(range(rank, total, world_size))
+    refs = [SampleRef(index=i, position=i, aug_seed=0) for i in mine]
+    return [refs[i : i + batch_size] for i in range(0, len(refs), batch_size)]

@@ -1,0 +1,148 @@
+"""Image datasets: the built-in UCI digits and a recursive image folder; no torchvision."""
+
+from __future__ import annotations
+
+import logging
+import os
+from importlib import resources
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from PIL import Image, UnidentifiedImageError
+
+from trainer.data.sampler import SampleRef
+
+log = logging.getLogger(__name__)
+
+IMAGE_EXTENSIONS = (".png", ".jpg", ".jpeg", ".webp")
+
+
+def load_digits_arrays() -> tuple[np.ndarray, np.ndarray]:
+    """The 1,797 labelled 8x8 UCI optdigits (as scikit-learn ships them): uint8 0..16, labels."""
+    with resources.files("trainer.data").joinpath("digits.npz").open("rb") as f:
+        data = np.load(f, allow_pickle=False)
+        return data["images"], data["labels"]
+
+
+class DigitsDataset:
+    """UCI handwritten digits, upsampled once to `image_size` (bilinear) and scaled to [-1, 1]."""
+
+    def __init__(self, image_size: int, channels: int = 1):
+        images, labels = load_digits_arrays()
+        x = torch.from_numpy(images.astype(np.float32) / 16.0).unsqueeze(1)
+        if image_size != x.shape[-1]:
+            x = F.interpolate(x, size=(image_size, image_size), mode="bilinear", align_corners=False)
+        x = x.clamp(0, 1) * 2 - 1
+        self.images = x.expand(-1, channels, -1, -1).contiguous()
+        self.labels = torch.from_numpy(labels.astype(np.int64))
+        self.num_classes = 10
+
+    def __len__(self) -> int:
+        return len(self.images)
+
+    def load(self, index: int, aug_seed: int, flip: bool) -> tuple[torch.Tensor, int] | None:
+        img = self.images[index]
+        if flip and aug_seed & 1:
+            img = img.flip(-1)
+        return img, int(self.labels[index])
+
+
+class ImageFolderDataset:
+    """Every png/jpg/jpeg/webp below `root` (recursive), resized on the short side and center-cropped.
+
+    Labels come from the first-level subfolder names when there are any
+    (sorted, like torchvision's ImageFolder), else -1. Files that cannot be
+    decoded are skipped at load time: the batch is one sample short, the skip
+    is counted by the loop and each bad file is logged once per process.
+    """
+
+    def __init__(self, root: str, image_size: int, channels: int = 3):
+        base = Path(root)
+        if not base.is_dir():
+            raise FileNotFoundError(f"data.path {root!r} is not a folder")
+        files = sorted(
+            p for p in base.rglob("*") if p.is_file() and p.suffix.lower() in IMAGE_EXTENSIONS
+        )
+        if not files:
+            raise FileNotFoundError(f"data.path {root!r} holds no {'/'.join(IMAGE_EXTENSIONS)} files")
+        self.files = files
+        classes = sorted({p.relative_to(base).parts[0] for p in files if len(p.relative_to(base).parts) > 1})
+        self.class_index = {c: i for i, c in enumerate(classes)}
+        self.num_classes = len(classes) or None
+        self.labels = [
+            self.class_index.get(p.relative_to(base).parts[0], -1) if len(p.relative_to(base).parts) > 1 else -1
+            for p in files
+        ]
+        self.image_size = image_size
+        self.channels = channels
+        self._reported: set[str] = set()
+
+    def __len__(self) -> int:
+        return len(self.files)
+
+    def load(self, index: int, aug_seed: int, flip: bool) -> tuple[torch.Tensor, int] | None:
+        path = self.files[index]
+        try:
+            with Image.open(path) as im:
+                im = im.convert("L" if self.channels == 1 else "RGB")
+                im = resize_center_crop(im, self.image_size)
+        except (OSError, UnidentifiedImageError, ValueError, Image.DecompressionBombError) as e:
+            if str(path) not in self._reported:
+                self._reported.add(str(path))
+                log.warning("skipping unreadable image %s (pid %d): %s", path, os.getpid(), e)
+            return None
+        arr = np.asarray(im, dtype=np.float32) / 127.5 - 1.0
+        x = torch.from_numpy(arr).reshape(self.image_size, self.image_size, self.channels).permute(2, 0, 1)
+        if flip and aug_seed & 1:
+            x = x.flip(-1)
+        return x.contiguous(), self.labels[index]
+
+
+def resize_center_crop(im: Image.Image, size: int) -> Image.Image:
+    w, h = im.size
+    scale = size / min(w, h)
+    nw, nh = max(size, round(w * scale)), max(size, round(h * scale))
+    im = im.resize((nw, nh), Image.Resampling.BICUBIC)
+    left, top = (nw - size) // 2, (nh - size) // 2
+    return im.crop((left, top, left + size, top + size))
+
+
+class Subset:
+    """Training or validation part of a dataset, mapping local to dataset indices."""
+
+    def __init__(self, dataset, indices: np.ndarray, flip: bool, image_shape: tuple[int, int, int]):
+        self.dataset = dataset
+        self.indices = indices
+        self.flip = flip
+        self.image_shape = image_shape
+
+    def __len__(self) -> int:
+        return len(self.indices)
+
+    def __getitem__(self, ref: SampleRef):
+        index = int(self.indices[ref.index])
+        item = self.dataset.load(index, ref.aug_seed, self.flip)
+        if item is None:
+            return torch.zeros(self.image_shape), -1, index, ref.position, False
+        image, label = item
+        return image, label, index, ref.position, True
+
+
+def collate(items: list) -> dict:
+    """Stack a step's samples. Unreadable ones stay as zero images with valid=0.
+
+    Keeping their slots (instead of dropping them) keeps every chunk non-empty
+    and the same size on every rank, so DDP's collectives never disagree; the
+    loss gives those slots zero weight and the loop counts them as skipped.
+    """
+    valid = torch.tensor([it[4] for it in items], dtype=torch.bool)
+    return {
+        "images": torch.stack([it[0] for it in items]),
+        "labels": torch.tensor([it[1] for it in items], dtype=torch.int64),
+        "indices": torch.tensor([it[2] for it in items], dtype=torch.int64),
+        "positions": [it[3] for it in items],
+        "valid": valid,
+        "skipped": int((~valid).sum()),
+    }

@@ -1,0 +1,125 @@
+"""Process model under torchrun: rank and restart accounting, stop signals, exit codes."""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import sys
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+log = logging.getLogger(__name__)
+
+EXIT_OK = 0
+EXIT_INVALID_CHECKPOINT = 1
+EXIT_USAGE = 2
+EXIT_PREEMPTED = 143  # 128 + SIGTERM, what Kubernetes and torchrun expect from a stopped worker
+
+
+@dataclass(frozen=True)
+class DistEnv:
+    """What torchrun tells a worker; a plain `python` run is rank 0 of 1."""
+
+    rank: int = 0
+    world_size: int = 1
+    local_rank: int = 0
+    local_world_size: int = 1
+    group_rank: int = 0
+    restart_count: int = 0
+    run_id: str = "local"
+
+    @classmethod
+    def from_environ(cls, env: Mapping[str, str] | None = None) -> DistEnv:
+        env = os.environ if env is None else env
+
+        def num(key: str, default: int) -> int:
+            return int(env.get(key, default))
+
+        return cls(
+            rank=num("RANK", 0),
+            world_size=num("WORLD_SIZE", 1),
+            local_rank=num("LOCAL_RANK", 0),
+            local_world_size=num("LOCAL_WORLD_SIZE", 1),
+            group_rank=num("GROUP_RANK", 0),
+            restart_count=num("TORCHELASTIC_RESTART_COUNT", 0),
+            run_id=env.get("TORCHELASTIC_RUN_ID", "local"),
+        )
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def is_local_main(self) -> bool:
+        return self.local_rank == 0
+
+
+class StopRequest:
+    """SIGTERM/SIGINT set a flag; the loop stops at the end of the current optimizer step.
+
+    The handler does nothing else: the loop agrees on the stop with every rank
+    (see `agree_to_stop`) so no rank leaves while others wait in a collective.
+    A second signal exits at once with 143 (the last committed checkpoint
+    stays valid, since a checkpoint only exists once its manifest is written).
+    """
+
+    def __init__(self) -> None:
+        self.signum: int | None = None
+        self.received_at: float | None = None
+
+    def install(self) -> None:
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, self._handle)
+
+    def _handle(self, signum: int, frame) -> None:
+        if self.signum is not None:
+            sys.stderr.write(f"gentrain: second signal {signal.Signals(signum).name}, exiting now\n")
+            sys.stderr.flush()
+            os._exit(EXIT_PREEMPTED)
+        self.signum = signum
+        self.received_at = time.monotonic()
+
+    @property
+    def requested(self) -> bool:
+        return self.signum is not None
+
+    def seconds_left(self, grace_seconds: float) -> float:
+        if self.received_at is None:
+            return grace_seconds
+        return grace_seconds - (time.monotonic() - self.received_at)
+
+
+def agree_to_stop(local_flag: bool, device: torch.device) -> bool:
+    """True on every rank if any rank was asked to stop (one all-reduce of an int)."""
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return local_flag
+    t = torch.tensor([1 if local_flag else 0], dtype=torch.int32, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return bool(t.item())
+
+
+def broadcast_object(obj, src: int = 0):
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=src)
+    return box[0]
+
+
+def gather_objects(obj) -> list:
+    """Every rank's `obj`, in rank order, on every rank (small values only)."""
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return [obj]
+    out = [None] * dist.get_world_size()
+    dist.all_gather_object(out, obj)
+    return out
+
+
+def barrier() -> None:
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        dist.barrier()

@@ -1,0 +1,46 @@
+"""Image grids and PNG output with PIL and numpy (no torchvision)."""
+
+from __future__ import annotations
+
+import io
+import math
+import os
+
+import numpy as np
+import torch
+from PIL import Image
+
+
+def make_grid(images: torch.Tensor, nrow: int | None = None, padding: int = 1, upscale: int = 1) -> np.ndarray:
+    """(N, C, H, W) floats in [0, 1] -> an (H', W', C) uint8 grid, `nrow` images per row."""
+    n, c, h, w = images.shape
+    nrow = nrow or math.ceil(math.sqrt(n))
+    ncol = math.ceil(n / nrow)
+    x = (images.clamp(0, 1) * 255).round().to(torch.uint8)
+    if upscale > 1:
+        x = x.repeat_interleave(upscale, dim=2).repeat_interleave(upscale, dim=3)
+        h, w = h * upscale, w * upscale
+    grid = np.zeros((ncol * (h + padding) + padding, nrow * (w + padding) + padding, c), dtype=np.uint8)
+    for i in range(n):
+        r, col = divmod(i, nrow)
+        top, left = padding + r * (h + padding), padding + col * (w + padding)
+        grid[top : top + h, left : left + w] = x[i].permute(1, 2, 0).numpy()
+    return grid
+
+
+def grid_png_bytes(images: torch.Tensor, nrow: int | None = None, upscale: int | None = None) -> bytes:
+    # Tiny images (8-32 px) are unreadable at 1:1; scale them up with nearest neighbour.
+    if upscale is None:
+        upscale = max(1, 64 // images.shape[-1])
+    grid = make_grid(images, nrow=nrow, upscale=upscale)
+    im = Image.fromarray(grid[..., 0] if grid.shape[-1] == 1 else grid)
+    buf = io.BytesIO()
+    im.save(buf, format="PNG")
+    return buf.getvalue()
+
+
+def save_grid(images: torch.Tensor, path: str, nrow: int | None = None) -> str:
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "wb") as f:
+        f.write(grid_png_bytes(images, nrow))
+    return path

@@ -1,0 +1,147 @@
+"""Prometheus exporter: every worker records, local rank 0 of each node serves all local ranks.
+
+Workers record through prometheus_client's multiprocess mode into a directory
+shared by the node's workers and fresh for each restart of the worker group
+(keyed by torchrun's run id, node rank and restart count), so a restart never
+double-counts: counters start again from zero, which `rate()` handles.
+
+prometheus_client picks its multiprocess value store when it is first
+imported, so `configure_multiprocess_dir` must run before anything imports it;
+`trainer.cli` calls it first thing for `train`.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import tempfile
+from typing import Any
+
+import torch
+
+from trainer.elastic import DistEnv
+
+log = logging.getLogger(__name__)
+
+# Step time and data wait, seconds: tiny CPU models to multi-second GPU steps.
+_STEP_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
+_SAVE_BUCKETS = (0.01, 0.05, 0.1, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
+
+
+def configure_multiprocess_dir(env: DistEnv, enabled: bool) -> str | None:
+    """Point PROMETHEUS_MULTIPROC_DIR at this worker group's fresh directory."""
+    if not enabled:
+        return None
+    base = os.environ.get("GENTRAIN_METRICS_DIR") or os.path.join(tempfile.gettempdir(), "gentrain-metrics")
+    node_dir = os.path.join(base, f"{env.run_id}-node{env.group_rank}")
+    path = os.path.join(node_dir, f"restart-{env.restart_count}" if env.run_id != "local" else f"pid-{os.getpid()}")
+    os.makedirs(path, exist_ok=True)
+    if env.is_local_main:
+        # Older restarts of this node's worker group are dead: drop their files.
+        for entry in os.listdir(node_dir):
+            old = os.path.join(node_dir, entry)
+            if old != path and entry.startswith("restart-"):
+                shutil.rmtree(old, ignore_errors=True)
+    os.environ["PROMETHEUS_MULTIPROC_DIR"] = path
+    return path
+
+
+class TrainingMetrics:
+    """The gentrain_* metrics; a disabled instance (metrics.port=0) records nothing."""
+
+    def __init__(self, env: DistEnv, port: int, host: str, task: str, version: str):
+        self.enabled = port > 0
+        self.env = env
+        self.server = None
+        if not self.enabled:
+            return
+        if "PROMETHEUS_MULTIPROC_DIR" not in os.environ:
+            raise RuntimeError("configure_multiprocess_dir() must run before TrainingMetrics()")
+        from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, multiprocess, start_http_server
+
+        self.build_info = Gauge(
+            "gentrain_build_info", "gentrain build and task; value is 1", ["version", "torch", "task"], multiprocess_mode="max"
+        )
+        self.step = Gauge("gentrain_step", "Optimizer steps completed", multiprocess_mode="max")
+        self.samples = Counter("gentrain_samples", "Training samples consumed (all ranks summed)")
+        self.loss = Gauge("gentrain_loss", "Last training loss of rank 0, by loss name", ["name"], multiprocess_mode="max")
+        self.lr = Gauge("gentrain_learning_rate", "Learning rate of the first part", multiprocess_mode="max")
+        self.step_seconds = Histogram("gentrain_step_duration_seconds", "Wall time of one optimizer step", buckets=_STEP_BUCKETS)
+        self.data_wait = Histogram("gentrain_data_wait_seconds", "Time waiting for the next batch", buckets=_STEP_BUCKETS)
+        self.save_seconds = Histogram("gentrain_checkpoint_save_seconds", "Time to write a checkpoint", buckets=_SAVE_BUCKETS)
+        self.stall_seconds = Histogram(
+            "gentrain_checkpoint_stall_seconds", "Training-thread time spent on a checkpoint", buckets=_SAVE_BUCKETS
+        )
+        self.ckpt_bytes = Gauge("gentrain_checkpoint_bytes", "Size of the last checkpoint", multiprocess_mode="max")
+        self.ckpt_last = Gauge(
+            "gentrain_checkpoint_last_success_timestamp_seconds", "Unix time of the last committed checkpoint", multiprocess_mode="max"
+        )
+        self.ckpt_failures = Counter("gentrain_checkpoint_failures", "Checkpoint saves that failed")
+        self.restarts = Gauge("gentrain_restarts", "Worker-group restarts (TORCHELASTIC_RESTART_COUNT)", multiprocess_mode="max")
+        self.world_size = Gauge("gentrain_world_size", "Processes in the job", multiprocess_mode="max")
+        self.skipped = Counter("gentrain_skipped_samples", "Samples skipped because they could not be read")
+        self.preemptions = Counter("gentrain_preemptions", "Stops by SIGTERM/SIGINT with an emergency checkpoint")
+        self.device_memory = None
+        if torch.cuda.is_available():
+            self.device_memory = Gauge(
+                "gentrain_device_memory_bytes", "GPU memory allocated by the node's workers", multiprocess_mode="livesum"
+            )
+
+        self.build_info.labels(version=version, torch=torch.__version__, task=task).set(1)
+        self.restarts.set(env.restart_count)
+        self.world_size.set(env.world_size)
+        if env.is_local_main:
+            registry = CollectorRegistry()
+            multiprocess.MultiProcessCollector(registry)
+            self.server, _ = start_http_server(port, addr=host, registry=registry)
+            log.info("metrics on http://%s:%d/metrics", host, port)
+
+    def on_step(self, step: int, samples: int, data_wait: float, duration: float, lr: float, losses: dict[str, float] | None, skipped: int) -> None:
+        if not self.enabled:
+            return
+        self.step.set(step)
+        self.samples.inc(samples)
+        self.data_wait.observe(data_wait)
+        self.step_seconds.observe(duration)
+        self.lr.set(lr)
+        if skipped:
+            self.skipped.inc(skipped)
+        if losses is not None:
+            for name, value in losses.items():
+                self.loss.labels(name=name).set(value)
+        if self.device_memory is not None:
+            self.device_memory.set(torch.cuda.memory_allocated())
+
+    def on_checkpoint(self, stall: float, result: Any | None) -> None:
+        if not self.enabled:
+            return
+        self.stall_seconds.observe(stall)
+        if result is not None:
+            self.on_checkpoint_done(result)
+
+    def on_checkpoint_done(self, result: Any) -> None:
+        if not self.enabled:
+            return
+        import time
+
+        self.save_seconds.observe(result.seconds)
+        self.ckpt_bytes.set(result.total_bytes)
+        self.ckpt_last.set(time.time())
+
+    def on_checkpoint_failure(self) -> None:
+        if self.enabled:
+            self.ckpt_failures.inc()
+
+    def on_preemption(self) -> None:
+        if self.enabled:
+            self.preemptions.inc()
+
+    def close(self) -> None:
+        if not self.enabled:
+            return
+        from prometheus_client import multiprocess
+
+        if self.server is not None:
+            self.server.shutdown()
+        multiprocess.mark_process_dead(os.getpid())
