@@ -270,7 +270,7 @@ class CheckpointStore:
     def steps(self) -> list[int]:
         """Step numbers of every step dir under the root, committed or not (one listing)."""
         try:
-            names = self.fs.ls(self.root, detail=False)
+            names = self.fs.ls(self.root, detail=False, refresh=True)
         except FileNotFoundError:
             return []
         out = []
@@ -298,7 +298,7 @@ class CheckpointStore:
         except (ValueError, KeyError, TypeError) as e:
             return CheckpointInfo(url, step, False, f"manifest.json is unreadable: {e}")
         try:
-            listing = {posixpath.basename(e["name"]): e for e in self.fs.ls(d, detail=True)}
+            listing = {posixpath.basename(e["name"]): e for e in self.fs.ls(d, detail=True, refresh=True)}
         except FileNotFoundError:
             listing = {}
         for name, entry in files.items():

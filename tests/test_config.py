@@ -1,0 +1,102 @@
+"""Config: layers, precedence, and clear errors with exit code 2."""
+
+from __future__ import annotations
+
+import pytest
+from conftest import clean_env, run_cli
+
+from trainer.config import ConfigError, load_config, parse_overrides
+
+
+def test_no_preset_means_digits_ddpm():
+    cfg = load_config(None, [], environ={})
+    assert cfg.name == "digits-ddpm"
+    assert cfg.data.source == "digits"
+    assert cfg.run_dir == "runs/digits-ddpm"
+    assert cfg.checkpoint_url == "runs/digits-ddpm/checkpoints"
+
+
+def test_values_are_parsed_as_yaml():
+    tree = parse_overrides(
+        [
+            "train.lr=3e-4",
+            "model.block_out_channels=[32,64]",
+            'checkpoint.storage_options={"client_kwargs": {"endpoint_url": "http://127.0.0.1:9000"}}',
+            "ema.enabled=false",
+        ]
+    )
+    assert tree["train"]["lr"] == pytest.approx(3e-4)
+    assert tree["model"]["block_out_channels"] == [32, 64]
+    assert tree["checkpoint"]["storage_options"]["client_kwargs"]["endpoint_url"] == "http://127.0.0.1:9000"
+    assert tree["ema"]["enabled"] is False
+
+
+def test_precedence_file_then_env_then_arguments(tmp_path):
+    f = tmp_path / "my.yaml"
+    f.write_text("name: mine\ntrain:\n  lr: 0.1\n  max_steps: 7\ncheckpoint:\n  every_steps: 3\n")
+    env = {"GENTRAIN_TRAIN__LR": "0.2", "GENTRAIN_CHECKPOINT__URL": "s3://bucket/run", "GENTRAIN_NAME": "env-name"}
+    cfg = load_config(str(f), ["train.lr=0.3"], environ=env)
+    assert cfg.train.lr == pytest.approx(0.3)  # argument beats env beats file
+    assert cfg.checkpoint.url == "s3://bucket/run"  # env beats default
+    assert cfg.name == "env-name"
+    assert cfg.train.max_steps == 7  # file beats preset default
+    assert cfg.checkpoint.every_steps == 3
+
+
+def test_async_key_keeps_its_name():
+    cfg = load_config(None, ["checkpoint.async=true"], environ={})
+    assert cfg.checkpoint.async_ is True
+    assert cfg.to_dict()["checkpoint"]["async"] is True
+
+
+@pytest.mark.parametrize(
+    "override, must_mention",
+    [
+        ("train.lrr=1", ["unknown config key 'train.lrr'", "Known keys in train", "lr"]),
+        ("nosuch.key=1", ["unknown config key 'nosuch'"]),
+        ("train.lr=fast", ["train.lr", "'fast'", "valid number"]),
+        ("train.batch_size=0", ["train.batch_size", "0", "greater than or equal to 1"]),
+        ("train.precision=fp8", ["train.precision", "'fp8'", "'no', 'fp16' or 'bf16'"]),
+        ("model.prediction_type=x0", ["model.prediction_type", "'x0'", "epsilon"]),
+        ("model.unet_size=3", ["unknown config key 'model.unet_size'", "block_out_channels"]),
+        ("data.source=folder", ["data.path"]),
+        ("task=gan9000", ["task", "gan9000", "ddpm"]),
+    ],
+)
+def test_bad_values_name_key_value_and_what_is_allowed(override, must_mention):
+    with pytest.raises(ConfigError) as e:
+        load_config(None, [override], environ={})
+    for text in must_mention:
+        assert text in str(e.value)
+
+
+def test_bad_environment_variable_is_an_error():
+    with pytest.raises(ConfigError, match="unknown config key 'train.nope'"):
+        load_config(None, [], environ={"GENTRAIN_TRAIN__NOPE": "1"})
+
+
+def test_missing_yaml_file_is_a_clear_error():
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_config("nope.yaml", [], environ={})
+
+
+def test_cli_config_error_exits_2_without_traceback(tmp_path):
+    r = run_cli("train", "train.lr=fast", "foo=1", f"run.dir={tmp_path}", timeout=60)
+    assert r.returncode == 2, r.stderr
+    assert "Traceback" not in r.stderr
+    assert "train.lr = 'fast'" in r.stderr
+    assert "unknown config key 'foo'" in r.stderr
+
+
+def test_cli_env_error_exits_2(tmp_path):
+    r = run_cli("train", f"run.dir={tmp_path}", env=clean_env(GENTRAIN_CHECKPOINT__EVERY_STEPS="often"), timeout=60)
+    assert r.returncode == 2
+    assert "checkpoint.every_steps" in r.stderr
+
+
+def test_cli_presets_lists_each_with_a_line():
+    r = run_cli("presets", timeout=60)
+    assert r.returncode == 0
+    lines = r.stdout.strip().splitlines()
+    assert any(line.startswith("digits-ddpm") and "digits" in line[12:] for line in lines)
+    assert all(len(line.split(None, 1)) == 2 for line in lines)
