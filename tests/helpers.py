@@ -39,14 +39,39 @@ def wait_for_log(log_path: Path, text: str, proc: subprocess.Popen | None = None
     raise AssertionError(f"{text!r} not logged within {timeout}s:\n{log_path.read_text()[-3000:]}")
 
 
-def kill_group(proc: subprocess.Popen) -> None:
-    """Kill the process group we started (by the PID we hold), if still alive."""
-    if proc.poll() is None:
+def descendants(pid: int) -> list[int]:
+    """Every live descendant of `pid` (torchrun workers live in sessions of their own)."""
+    parent_of = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    parent_of[int(entry)] = int(f.read().rsplit(")", 1)[1].split()[1])
+            except OSError:
+                continue
+    out, frontier = [], [pid]
+    while frontier:
+        p = frontier.pop()
+        kids = [c for c, pp in parent_of.items() if pp == p]
+        out += kids
+        frontier += kids
+    return out
+
+
+def kill_tree(proc: subprocess.Popen) -> None:
+    """SIGKILL the process we started and everything below it, by the PIDs we find under it."""
+    for pid in [proc.pid, *descendants(proc.pid)]:
         try:
-            os.killpg(proc.pid, signal.SIGKILL)
+            os.kill(pid, signal.SIGKILL)
         except ProcessLookupError:
             pass
-        proc.wait(timeout=30)
+    proc.wait(timeout=30)
+
+
+def kill_group(proc: subprocess.Popen) -> None:
+    """Clean-up: kill the process we started and all its descendants, if still alive."""
+    if proc.poll() is None:
+        kill_tree(proc)
 
 
 def final_weights(url: str, step: int | None = None, part: str = "unet", storage_options=None) -> dict[str, dict[str, torch.Tensor]]:

@@ -159,7 +159,7 @@ class Trainer:
                 return self.stop_for_preemption()
             if self._due(cfg.checkpoint.every_steps) and self.step < cfg.train.max_steps:
                 self.save_checkpoint()
-            if self._due(cfg.train.val_every_steps) and self.val_set is not None:
+            if self._due(cfg.train.val_every_steps) and self.val_set is not None and self.step < cfg.train.max_steps:
                 self.validate()
             if self._due(cfg.sample.every_steps) and self.step < cfg.train.max_steps:
                 self.sample_grid()

@@ -1,0 +1,18 @@
+#!/usr/bin/env bash
+# Fresh virtualenv with the test extras, system tools the tests drive (prometheus,
+# promtool), then the whole suite. This is what CI runs (.ci/run).
+# Extra arguments go to pytest, e.g. scripts/test.sh -k checkpoint
+set -euo pipefail
+cd "$(dirname "$0")/.."
+VENV=${VENV:-.venv-test}
+python3 -m venv "$VENV"
+"$VENV/bin/pip" install -q torch==2.13.0
+"$VENV/bin/pip" install -q -c constraints.txt -e ".[test]"
+"$VENV/bin/pip" check
+if ! command -v prometheus >/dev/null || ! command -v promtool >/dev/null; then
+  if [ "$(id -u)" = 0 ]; then SUDO=""; else SUDO="sudo"; fi
+  $SUDO apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq --no-install-recommends prometheus >/dev/null
+fi
+export PATH="$PWD/$VENV/bin:$PATH"
+exec "$VENV/bin/python" -m pytest "$@"

@@ -1,0 +1,61 @@
+"""Start torchrun agents for tests and find their worker processes."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from conftest import clean_env
+
+
+def start_torchrun(torchrun_args: list[str], train_args: list[str], log_path: Path, **env: str) -> subprocess.Popen:
+    """`torchrun ... -m trainer train ...` as the leader of a new process group (killable as a unit)."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", *torchrun_args, "-m", "trainer", "train", *train_args]
+    return subprocess.Popen(
+        cmd,
+        stdout=open(log_path, "w"),
+        stderr=subprocess.STDOUT,
+        env=clean_env(**env),
+        start_new_session=True,
+    )
+
+
+def children(pid: int) -> list[int]:
+    """Direct child PIDs of `pid` (from /proc)."""
+    out = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == pid:
+            out.append(int(entry))
+    return sorted(out)
+
+
+def worker_pids(agent_pid: int) -> list[int]:
+    """torchrun's workers: python children of the agent running `-m trainer`."""
+    pids = []
+    for child in children(agent_pid):
+        try:
+            with open(f"/proc/{child}/cmdline", "rb") as f:
+                cmdline = f.read().split(b"\0")
+        except OSError:
+            continue
+        if b"trainer" in cmdline:
+            pids.append(child)
+    return pids
+
+
+def rank_of(pid: int) -> int | None:
+    try:
+        with open(f"/proc/{pid}/environ", "rb") as f:
+            env = dict(kv.split(b"=", 1) for kv in f.read().split(b"\0") if b"=" in kv)
+    except OSError:
+        return None
+    return int(env[b"RANK"]) if b"RANK" in env else None
