@@ -75,6 +75,13 @@ class Checkpointer:
     def _run(self, step: int, files: Mapping[str, Payload], meta: Mapping[str, Any]) -> SaveResult:
         result = self.store.write(step, files, meta)
         self.last_result = result
+        log.info(
+            "checkpoint committed %s (%.1f MB in %.2fs%s)",
+            result.info.url,
+            result.total_bytes / 1e6,
+            result.seconds,
+            f", pruned steps {result.deleted}" if result.deleted else "",
+        )
         if self.on_done is not None:
             self.on_done(result)
         return result

@@ -304,10 +304,8 @@ class Trainer:
             if sync and self.step >= self.cfg.train.max_steps:
                 raise
             return False
+        del stall, result  # the checkpointer logs and reports the commit itself
         self.metrics.on_checkpoint(time.perf_counter() - t0, None)
-        if result is not None:
-            log.info("checkpoint %s (%.1f MB, %.2fs)", result.info.url, result.total_bytes / 1e6, result.seconds)
-        del stall
         return True
 
     def _count_checkpoint_failure(self, err: BaseException) -> None:
