@@ -20,11 +20,13 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import os
 import posixpath
 import re
 import threading
 import time
 from collections.abc import Callable, Iterable, Mapping
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from typing import Any
@@ -156,6 +158,44 @@ def write_safetensors(f, tensors: Mapping[str, torch.Tensor], on_bytes: Callable
     return total
 
 
+class _Hasher:
+    """sha256 on a helper thread, overlapped with the write of the same bytes.
+
+    hashlib releases the GIL on large buffers, so hashing chunk i while chunk
+    i+1 is written hides the ~1.4 GB/s hash behind the (slower) write.
+    """
+
+    def __init__(self) -> None:
+        self._sha = hashlib.sha256()
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="gentrain-sha")
+        self._pending: Future | None = None
+
+    def __enter__(self) -> _Hasher:
+        return self
+
+    def update(self, chunk: memoryview) -> None:
+        if self._pending is not None:
+            self._pending.result()
+        self._pending = self._pool.submit(self._sha.update, chunk)
+
+    def hexdigest(self) -> str:
+        if self._pending is not None:
+            self._pending.result()
+            self._pending = None
+        return self._sha.hexdigest()
+
+    def __exit__(self, *exc) -> None:
+        if self._pending is not None:
+            self._pending.result()
+        self._pool.shutdown(wait=True)
+
+
+def _fsync(f) -> None:
+    f.flush()
+    inner = getattr(f, "f", f)  # fsspec's LocalFileOpener wraps the real file
+    os.fsync(inner.fileno())
+
+
 # ------------------------------------------------------------ the store
 
 
@@ -222,9 +262,10 @@ class CheckpointStore:
         """Write a small file so that readers see the old or the new content, never half."""
         if self._local:
             tmp = f"{path}.tmp-{threading.get_ident()}"
-            with self.fs.open(tmp, "wb") as f:
+            with open(tmp, "wb") as f:
                 f.write(data)
-            self.fs.mv(tmp, path)
+                _fsync(f)
+            os.replace(tmp, path)
         else:
             # One PUT: object stores make it visible whole or not at all.
             self.fs.pipe_file(path, data)
@@ -239,17 +280,12 @@ class CheckpointStore:
             return SaveResult(existing, 0.0, existing.total_bytes)
         if self._local:
             self.fs.makedirs(d, exist_ok=True)
-        entries: dict[str, dict[str, Any]] = {}
-        for name, payload in files.items():
-            sha = hashlib.sha256()
-            with self.fs.open(posixpath.join(d, name), "wb") as f:
-                if isinstance(payload, bytes | bytearray):
-                    sha.update(payload)
-                    f.write(payload)
-                    n = len(payload)
-                else:
-                    n = write_safetensors(f, payload, sha.update)
-            entries[name] = {"bytes": n, "sha256": sha.hexdigest()}
+        # Files are written concurrently: each hashes on its own thread, so
+        # sha256 (0.3-1.4 GB/s per core, CPU-dependent) is not one core's job,
+        # and object stores upload several files at once.
+        with ThreadPoolExecutor(max_workers=min(4, len(files)) or 1, thread_name_prefix="gentrain-put") as pool:
+            futures = {name: pool.submit(self._write_payload, d, name, payload) for name, payload in files.items()}
+            entries = {name: fut.result() for name, fut in futures.items()}
         manifest = {
             "format_version": FORMAT_VERSION,
             "step": step,
@@ -265,6 +301,18 @@ class CheckpointStore:
         deleted = self.apply_retention()
         total = sum(e["bytes"] for e in entries.values())
         return SaveResult(info, time.perf_counter() - t0, total, deleted)
+
+    def _write_payload(self, d: str, name: str, payload: Payload) -> dict[str, Any]:
+        with self.fs.open(posixpath.join(d, name), "wb") as f, _Hasher() as sha:
+            if isinstance(payload, bytes | bytearray):
+                sha.update(memoryview(payload))
+                f.write(payload)
+                n = len(payload)
+            else:
+                n = write_safetensors(f, payload, sha.update)
+            if self._local:
+                _fsync(f)  # payload durable before the manifest commits it
+            return {"bytes": n, "sha256": sha.hexdigest()}
 
     # -- discovery
     def steps(self) -> list[int]:
