@@ -100,3 +100,53 @@ class GCSServer(Server):
 
     def storage_options(self) -> dict:
         return {"endpoint_url": self.endpoint, "token": "anon"}
+
+
+class PrometheusServer(Server):
+    """Debian's prometheus with a temporary config scraping `targets` every second."""
+
+    def __init__(self, targets: list[str], workdir, port: int | None = None):
+        import shutil
+
+        binary = shutil.which("prometheus")
+        if binary is None:
+            raise RuntimeError("prometheus is not installed (scripts/test.sh installs Debian's package)")
+        port = port or free_port()
+        config = workdir / "prometheus.yml"
+        config.write_text(
+            "global:\n  scrape_interval: 1s\n  evaluation_interval: 1s\n"
+            "scrape_configs:\n  - job_name: gentrain\n    static_configs:\n"
+            f"      - targets: {targets!r}\n".replace("'", '"')
+        )
+        super().__init__(
+            [
+                binary,
+                f"--config.file={config}",
+                f"--storage.tsdb.path={workdir / 'tsdb'}",
+                f"--web.listen-address=127.0.0.1:{port}",
+                "--log.level=warn",
+            ],
+            port,
+            ready_path="/-/ready",
+        )
+
+    def query(self, promql: str) -> list[dict]:
+        import json
+        import urllib.parse
+
+        url = f"{self.endpoint}/api/v1/query?query={urllib.parse.quote(promql)}"
+        with urllib.request.urlopen(url, timeout=5) as r:
+            body = json.load(r)
+        assert body["status"] == "success", body
+        return body["data"]["result"]
+
+    def query_range(self, promql: str, seconds: int) -> list[dict]:
+        import json
+        import urllib.parse
+
+        end = time.time()
+        q = urllib.parse.urlencode({"query": promql, "start": end - seconds, "end": end, "step": "1"})
+        with urllib.request.urlopen(f"{self.endpoint}/api/v1/query_range?{q}", timeout=5) as r:
+            body = json.load(r)
+        assert body["status"] == "success", body
+        return body["data"]["result"]

@@ -88,6 +88,7 @@ class SampleConfig(_Section):
 class MetricsConfig(_Section):
     port: int = Field(0, ge=0, le=65535, description="0 = off")
     host: str = "0.0.0.0"
+    linger_seconds: float = Field(0.0, ge=0, description="keep serving final values this long at exit")
 
 
 class ElasticConfig(_Section):

@@ -61,6 +61,20 @@ def check_batch_split(batch_size: int, world_size: int, grad_accum: int) -> int:
     return batch_size // (world_size * grad_accum)
 
 
+def flat_hparams(tree: dict, prefix: str = "") -> dict[str, Any]:
+    """{"train": {"lr": 1e-3}} -> {"train.lr": 1e-3}; trackers take scalars and strings only."""
+    out: dict[str, Any] = {}
+    for k, v in tree.items():
+        key = f"{prefix}{k}"
+        if isinstance(v, dict) and v:
+            out.update(flat_hparams(v, key + "."))
+        elif isinstance(v, bool | int | float | str):
+            out[key] = v
+        else:
+            out[key] = json.dumps(v)
+    return out
+
+
 class Trainer:
     def __init__(self, cfg: Config, env: DistEnv | None = None):
         self.cfg = cfg
@@ -91,7 +105,15 @@ class Trainer:
         self.store = CheckpointStore(
             cfg.checkpoint_url, cfg.checkpoint.storage_options, cfg.checkpoint.keep, cfg.checkpoint.keep_every_steps
         )
-        self.metrics = TrainingMetrics(self.env, cfg.metrics.port, cfg.metrics.host, cfg.task, __version__)
+        self.metrics = TrainingMetrics(
+            self.env,
+            cfg.metrics.port,
+            cfg.metrics.host,
+            cfg.task,
+            __version__,
+            checkpoint_every_steps=cfg.checkpoint.every_steps,
+            linger_seconds=cfg.metrics.linger_seconds,
+        )
         self.checkpointer = (
             Checkpointer(self.store, cfg.checkpoint.async_, on_done=self.metrics.on_checkpoint_done)
             if self.env.is_main
@@ -101,10 +123,11 @@ class Trainer:
         self.cursor = 0  # global samples consumed: the data position
         self.skipped_samples = 0
         self.resumed_from: str | None = None
+        self._resumed_time: float | None = None
         self.checkpoint_failures = 0
         self._ledger = None
         if trackers:
-            self.accelerator.init_trackers(cfg.name, config=cfg.to_dict())
+            self.accelerator.init_trackers(cfg.name, config=flat_hparams(cfg.to_dict()))
 
     # ------------------------------------------------------------------ setup
 
@@ -140,6 +163,7 @@ class Trainer:
         cfg = self.cfg
         self.stop_request.install()
         self.resume()
+        self.metrics.on_resume(self.step, self._resumed_time)
         self._log_start()
         loader = iter(build_train_loader(self.train_set, cfg, self.cursor, self.env.rank, self.env.world_size))
         progress = self._progress_bar()
@@ -265,6 +289,7 @@ class Trainer:
         self.cursor = int(progress["cursor"])
         self.skipped_samples = int(progress.get("skipped_samples", 0))
         self.resumed_from = self.store.url_for(chosen)
+        self._resumed_time = progress.get("time_unix")
         if progress.get("world_size") != self.env.world_size:
             log.info(
                 "resuming a %s-rank checkpoint on %d ranks: same data cursor, reduction order changes",
@@ -280,6 +305,7 @@ class Trainer:
             "skipped_samples": self.skipped_samples,
             "world_size": self.env.world_size,
             "seed": self.cfg.seed,
+            "time_unix": time.time(),
         }
 
     def save_checkpoint(self, sync: bool = False) -> bool:

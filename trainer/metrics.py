@@ -50,10 +50,13 @@ def configure_multiprocess_dir(env: DistEnv, enabled: bool) -> str | None:
 class TrainingMetrics:
     """The gentrain_* metrics; a disabled instance (metrics.port=0) records nothing."""
 
-    def __init__(self, env: DistEnv, port: int, host: str, task: str, version: str):
+    def __init__(
+        self, env: DistEnv, port: int, host: str, task: str, version: str, checkpoint_every_steps: int = 0, linger_seconds: float = 0.0
+    ):
         self.enabled = port > 0
         self.env = env
         self.server = None
+        self.linger_seconds = linger_seconds
         if not self.enabled:
             return
         if "PROMETHEUS_MULTIPROC_DIR" not in os.environ:
@@ -78,6 +81,9 @@ class TrainingMetrics:
             "gentrain_checkpoint_last_success_timestamp_seconds", "Unix time of the last committed checkpoint", multiprocess_mode="max"
         )
         self.ckpt_failures = Counter("gentrain_checkpoint_failures", "Checkpoint saves that failed")
+        self.ckpt_interval = Gauge(
+            "gentrain_checkpoint_interval_steps", "checkpoint.every_steps of the run (for staleness alerts)", multiprocess_mode="max"
+        )
         self.restarts = Gauge("gentrain_restarts", "Worker-group restarts (TORCHELASTIC_RESTART_COUNT)", multiprocess_mode="max")
         self.world_size = Gauge("gentrain_world_size", "Processes in the job", multiprocess_mode="max")
         self.skipped = Counter("gentrain_skipped_samples", "Samples skipped because they could not be read")
@@ -91,11 +97,26 @@ class TrainingMetrics:
         self.build_info.labels(version=version, torch=torch.__version__, task=task).set(1)
         self.restarts.set(env.restart_count)
         self.world_size.set(env.world_size)
+        self.ckpt_interval.set(checkpoint_every_steps)
         if env.is_local_main:
             registry = CollectorRegistry()
             multiprocess.MultiProcessCollector(registry)
             self.server, _ = start_http_server(port, addr=host, registry=registry)
             log.info("metrics on http://%s:%d/metrics", host, port)
+
+    def on_resume(self, step: int, checkpoint_time: float | None) -> None:
+        """Start values: the resumed step, and the age of the checkpoint we start from.
+
+        With no checkpoint yet, the start time stands in, so staleness alerts
+        measure from the start of the run instead of from 1970.
+        """
+        if not self.enabled:
+            return
+        import time
+
+        self.step.set(step)
+        if self.env.is_main:
+            self.ckpt_last.set(checkpoint_time or time.time())
 
     def on_step(self, step: int, samples: int, data_wait: float, duration: float, lr: float, losses: dict[str, float] | None, skipped: int) -> None:
         if not self.enabled:
@@ -143,5 +164,10 @@ class TrainingMetrics:
         from prometheus_client import multiprocess
 
         if self.server is not None:
+            if self.linger_seconds:
+                import time
+
+                # Let the last scrape see the final step before the pod goes away.
+                time.sleep(self.linger_seconds)
             self.server.shutdown()
         multiprocess.mark_process_dead(os.getpid())

@@ -1,0 +1,142 @@
+"""Metrics: a real Prometheus scrapes real training processes on 127.0.0.1."""
+
+from __future__ import annotations
+
+import re
+import shutil
+import subprocess
+import time
+import urllib.request
+
+import pytest
+from conftest import clean_env, free_port, tiny
+from elastic_helpers import start_torchrun
+from helpers import final_weights, kill_group, start_cli, wait_for_log
+from servers import PrometheusServer
+
+pytestmark = pytest.mark.skipif(shutil.which("prometheus") is None, reason="needs Debian's prometheus (scripts/test.sh installs it)")
+
+REQUIRED = [
+    "gentrain_build_info",
+    "gentrain_step",
+    "gentrain_samples_total",
+    "gentrain_loss",
+    "gentrain_learning_rate",
+    "gentrain_step_duration_seconds",
+    "gentrain_data_wait_seconds",
+    "gentrain_checkpoint_save_seconds",
+    "gentrain_checkpoint_stall_seconds",
+    "gentrain_checkpoint_bytes",
+    "gentrain_checkpoint_last_success_timestamp_seconds",
+    "gentrain_checkpoint_failures_total",
+    "gentrain_restarts",
+    "gentrain_world_size",
+    "gentrain_skipped_samples_total",
+    "gentrain_preemptions_total",
+]
+
+
+def scrape(port: int) -> str:
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as r:
+        return r.read().decode()
+
+
+def value(prom: PrometheusServer, metric: str) -> float:
+    """The last value Prometheus scraped (the target is gone, so its series are marked stale)."""
+    result = prom.query(f"last_over_time({metric}[5m])")
+    assert len(result) == 1, (promql, result)
+    return float(result[0]["value"][1])
+
+
+def test_prometheus_sees_steps_rise_to_the_newest_checkpoint(tmp_path):
+    port = free_port()
+    prom = PrometheusServer([f"127.0.0.1:{port}"], tmp_path).start()
+    args = tiny(
+        tmp_path,
+        f"metrics.port={port}",
+        "metrics.host=127.0.0.1",
+        "metrics.linger_seconds=4",
+        "checkpoint.every_steps=40",
+        "train.log_every_steps=20",
+        "train.batch_size=16",
+        max_steps=200,
+    )
+    log = tmp_path / "train.log"
+    proc = start_cli("train", *args, env=clean_env(), log_path=log)
+    try:
+        wait_for_log(log, "step=20/", proc)
+        text = scrape(port)
+        check = subprocess.run(["promtool", "check", "metrics"], input=text, capture_output=True, text=True)
+        assert check.returncode == 0, check.stdout + check.stderr
+        for name in REQUIRED:
+            assert re.search(rf"^{name}[{{ ]", text, re.M) or f"{name}_bucket" in text, name
+        assert 'gentrain_build_info{task="ddpm"' in text or re.search(r'gentrain_build_info\{.*task="ddpm"', text)
+        assert proc.wait(timeout=180) == 0, log.read_text()[-3000:]
+        time.sleep(1.5)  # the scrape during linger lands in the TSDB
+        newest = final_weights(f"{tmp_path}/run/checkpoints")["step"]
+        assert value(prom, "gentrain_step") == newest == 200
+        assert prom.query("gentrain_step") == []  # the finished job is gone: stale, not frozen
+        series = prom.query_range("gentrain_step", 120)
+        values = [float(v) for _, v in series[0]["values"]]
+        assert len(set(values)) >= 3, values  # it rose while training
+        assert values == sorted(values)
+        assert value(prom, "gentrain_samples_total") == 200 * 16
+        assert value(prom, "gentrain_checkpoint_bytes") > 0
+        assert value(prom, "gentrain_world_size") == 1
+    finally:
+        kill_group(proc)
+        prom.stop()
+
+
+def test_two_rank_torchrun_job_reports_samples_from_both_ranks_once(tmp_path):
+    port = free_port()
+    prom = PrometheusServer([f"127.0.0.1:{port}"], tmp_path).start()
+    steps, batch = 120, 8
+    args = tiny(
+        tmp_path,
+        f"metrics.port={port}",
+        "metrics.host=127.0.0.1",
+        "metrics.linger_seconds=4",
+        "train.log_every_steps=20",
+        max_steps=steps,
+    )
+    rdzv = free_port()
+    log = tmp_path / "torchrun.log"
+    proc = start_torchrun(
+        ["--nproc-per-node=2", "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{rdzv}", "--max-restarts=0"],
+        args,
+        log,
+        GENTRAIN_METRICS_DIR=str(tmp_path / "mp"),
+    )
+    try:
+        wait_for_log(log, "step=20/", proc, timeout=120)
+        text = scrape(port)
+        # Both ranks' step histograms are merged into one series by local rank 0.
+        assert text.count("gentrain_step_duration_seconds_count") == 1
+        assert proc.wait(timeout=180) == 0, log.read_text()[-3000:]
+        time.sleep(1.5)
+        assert value(prom, "gentrain_samples_total") == steps * batch  # each rank adds its half
+        assert value(prom, "gentrain_world_size") == 2
+        assert value(prom, "gentrain_step") == steps
+        # Each rank observed every step once.
+        assert value(prom, "gentrain_step_duration_seconds_count") == 2 * steps
+    finally:
+        kill_group(proc)
+        prom.stop()
+
+
+def test_tensorboard_tracker_writes_scalars_and_grids(tmp_path):
+    pytest.importorskip("tensorboard")
+    from conftest import run_cli
+
+    r = run_cli("train", *tiny(tmp_path, "log.tensorboard=true", "train.val_every_steps=2", max_steps=4))
+    assert r.returncode == 0, r.stderr[-3000:]
+    events = list((tmp_path / "run").rglob("events.out.tfevents.*"))
+    assert events, list((tmp_path / "run").rglob("*"))
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(events[0].parent))
+    acc.Reload()
+    assert "unet/loss" in acc.Tags()["scalars"]
+    assert "val/loss" in acc.Tags()["scalars"]
+    assert "samples" in acc.Tags()["images"]
