@@ -41,7 +41,9 @@ def clean_env(**extra: str) -> dict[str, str]:
     return env
 
 
-def run_cli(*args: str, timeout: float = 240, env: dict[str, str] | None = None, cwd: Path | None = None) -> subprocess.CompletedProcess:
+def run_cli(
+    *args: str, timeout: float = 240, env: dict[str, str] | None = None, cwd: Path | None = None
+) -> subprocess.CompletedProcess:
     """`python -m trainer ARGS` in a fresh process; killed if it outlives `timeout`."""
     return subprocess.run(
         [sys.executable, "-m", "trainer", *args],

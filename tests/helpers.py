@@ -74,7 +74,9 @@ def kill_group(proc: subprocess.Popen) -> None:
         kill_tree(proc)
 
 
-def final_weights(url: str, step: int | None = None, part: str = "unet", storage_options=None) -> dict[str, dict[str, torch.Tensor]]:
+def final_weights(
+    url: str, step: int | None = None, part: str = "unet", storage_options=None
+) -> dict[str, dict[str, torch.Tensor]]:
     store = CheckpointStore(url, storage_options)
     info = store.check(step) if step is not None else store.latest_valid()
     assert info is not None and info.valid, f"no valid checkpoint in {url}"

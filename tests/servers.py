@@ -87,7 +87,17 @@ class GCSServer(Server):
     def __init__(self, port: int | None = None):
         port = port or free_port()
         super().__init__(
-            [sys.executable, "-m", "gcp_storage_emulator", "start", "--host", "127.0.0.1", "--port", str(port), "--in-memory"],
+            [
+                sys.executable,
+                "-m",
+                "gcp_storage_emulator",
+                "start",
+                "--host",
+                "127.0.0.1",
+                "--port",
+                str(port),
+                "--in-memory",
+            ],
             port,
         )
 

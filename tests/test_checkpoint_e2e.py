@@ -101,9 +101,9 @@ def test_storage_outage_during_async_saves_is_counted_and_training_continues(tmp
             server.start()  # back, but empty (in-memory server): recreate the bucket
             import boto3
 
-            boto3.client(
-                "s3", endpoint_url=server.endpoint, region_name="us-east-1", **_boto_creds()
-            ).create_bucket(Bucket=bucket)
+            boto3.client("s3", endpoint_url=server.endpoint, region_name="us-east-1", **_boto_creds()).create_bucket(
+                Bucket=bucket
+            )
             before = log.read_text().count("checkpoint committed")
             deadline = time.monotonic() + 120
             while log.read_text().count("checkpoint committed") == before:

@@ -6,6 +6,8 @@ import json
 import os
 import re
 import signal
+import subprocess
+import sys
 import time
 from collections import defaultdict
 
@@ -16,8 +18,8 @@ from elastic_helpers import rank_of, start_torchrun, worker_pids
 from helpers import assert_identical, final_weights, kill_group, kill_tree, wait_for_log
 from PIL import Image
 
-from trainer.loop import check_batch_split
 from trainer.config import ConfigError
+from trainer.loop import check_batch_split
 
 pytestmark = pytest.mark.slow
 
@@ -183,3 +185,47 @@ def test_a_batch_the_world_size_cannot_split_is_a_clear_error():
         check_batch_split(6, 4, 1)
     msg = str(e.value)
     assert "train.batch_size=6" in msg and "world size 4" in msg and "[1, 2, 3, 6]" in msg
+
+
+# ---------------------------------------------------------------- gentrain launch (the container entrypoint)
+
+
+def launch(tmp_path, *args: str, timeout: float = 180):
+    from conftest import clean_env
+
+    return subprocess.run(
+        [sys.executable, "-m", "trainer", "launch", *args],
+        capture_output=True, text=True, timeout=timeout, env=clean_env(),
+    )  # fmt: skip
+
+
+def test_launch_exits_2_on_a_config_error_before_starting_workers(tmp_path):
+    r = launch(tmp_path, "--nproc-per-node=2", "--", "train.lrr=1")
+    assert r.returncode == 2
+    assert "unknown config key 'train.lrr'" in r.stderr
+    assert "rank" not in r.stderr  # no worker was started
+
+
+def test_launch_exits_2_when_workers_find_the_world_size_cannot_split_the_batch(tmp_path):
+    r = launch(tmp_path, *standalone(3, max_restarts=0), "--", *tiny(tmp_path, max_steps=2))
+    assert r.returncode == 2, r.stderr[-3000:]
+    assert "cannot be split evenly over world size 3" in r.stderr
+
+
+def test_launch_trains_and_exits_0_then_143_on_sigterm(tmp_path):
+    r = launch(tmp_path, *standalone(2), "--", *tiny(tmp_path / "ok", max_steps=3))
+    assert r.returncode == 0, r.stderr[-3000:]
+
+    log = tmp_path / "term.log"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "trainer", "launch", *standalone(2), "--",
+         *tiny(tmp_path / "term", "checkpoint.every_steps=0", max_steps=100000)],
+        stdout=open(log, "w"), stderr=subprocess.STDOUT, env=__import__("conftest").clean_env(), start_new_session=True,
+    )  # fmt: skip
+    try:
+        wait_for_log(log, "step=10/", proc, timeout=120)
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=60) == 143, log.read_text()[-3000:]
+    finally:
+        kill_group(proc)
+    assert "emergency checkpoint written" in log.read_text()

@@ -14,7 +14,9 @@ from elastic_helpers import start_torchrun
 from helpers import final_weights, kill_group, start_cli, wait_for_log
 from servers import PrometheusServer
 
-pytestmark = pytest.mark.skipif(shutil.which("prometheus") is None, reason="needs Debian's prometheus (scripts/test.sh installs it)")
+pytestmark = pytest.mark.skipif(
+    shutil.which("prometheus") is None, reason="needs Debian's prometheus (scripts/test.sh installs it)"
+)
 
 REQUIRED = [
     "gentrain_build_info",
@@ -44,7 +46,7 @@ def scrape(port: int) -> str:
 def value(prom: PrometheusServer, metric: str) -> float:
     """The last value Prometheus scraped (the target is gone, so its series are marked stale)."""
     result = prom.query(f"last_over_time({metric}[5m])")
-    assert len(result) == 1, (promql, result)
+    assert len(result) == 1, (metric, result)
     return float(result[0]["value"][1])
 
 

@@ -32,7 +32,9 @@ def test_sigterm_then_resume_in_a_new_process_is_bit_identical(tmp_path):
     r = run_cli("train", *args)
     assert r.returncode == 0, r.stderr[-3000:]
     assert f"resumed_from={broken}/run/checkpoints/step-{stopped['step']:09d}" in r.stderr
-    assert_identical(final_weights(f"{straight}/run/checkpoints", steps), final_weights(f"{broken}/run/checkpoints", steps))
+    assert_identical(
+        final_weights(f"{straight}/run/checkpoints", steps), final_weights(f"{broken}/run/checkpoints", steps)
+    )
 
 
 def test_a_finished_run_restarted_does_nothing_more(tmp_path):
@@ -42,3 +44,55 @@ def test_a_finished_run_restarted_does_nothing_more(tmp_path):
     assert r.returncode == 0, r.stderr[-2000:]
     assert "step=4 cursor=32" in r.stderr
     assert "step=5/" not in r.stderr
+
+
+def test_second_signal_exits_at_once(tmp_path):
+    import time
+
+    args = tiny(
+        tmp_path,
+        "checkpoint.every_steps=0",
+        "model.block_out_channels=[32,64]",
+        "model.norm_num_groups=8",
+        "data.image_size=16",
+        "train.batch_size=64",
+        max_steps=100000,
+    )
+    log = tmp_path / "train.log"
+    proc = start_cli("train", *args, env=clean_env(), log_path=log)
+    try:
+        wait_for_log(log, "step=3/", proc)
+        proc.send_signal(signal.SIGTERM)
+        time.sleep(0.01)
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=30) == 143
+    finally:
+        kill_group(proc)
+    assert "second signal SIGTERM, exiting now" in log.read_text()
+
+
+def test_emergency_save_that_cannot_finish_in_time_keeps_the_previous_checkpoint(tmp_path):
+    # A digits-size model (~250 ms/step) and a grace period of 50 ms: by the time all ranks
+    # agree to stop at the end of the step, there is no time left to write a checkpoint.
+    args = tiny(
+        tmp_path,
+        "checkpoint.every_steps=5",
+        "elastic.grace_seconds=0.05",
+        "model.block_out_channels=[32,64]",
+        "model.norm_num_groups=8",
+        "data.image_size=16",
+        "train.batch_size=64",
+        max_steps=100000,
+    )
+    log = tmp_path / "train.log"
+    proc = start_cli("train", *args, env=clean_env(), log_path=log)
+    try:
+        wait_for_log(log, "step-000000005", proc)
+        wait_for_log(log, "step=7/", proc)
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=30) == 143
+    finally:
+        kill_group(proc)
+    text = log.read_text()
+    assert "did not finish within elastic.grace_seconds" in text
+    assert final_weights(f"{tmp_path}/run/checkpoints")["step"] == 5

@@ -462,7 +462,9 @@ class CheckpointStore:
         return deleted
 
 
-def resolve_checkpoint(url: str, storage_options: Mapping[str, Any] | None = None) -> tuple[CheckpointStore, CheckpointInfo | None]:
+def resolve_checkpoint(
+    url: str, storage_options: Mapping[str, Any] | None = None
+) -> tuple[CheckpointStore, CheckpointInfo | None]:
     """A URL that is either one checkpoint (step-NNN) or a root; returns its store and checkpoint.
 
     For a root, the newest valid checkpoint; for a step dir, that one (valid or not).

@@ -67,7 +67,6 @@ class Checkpointer:
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="gentrain-ckpt") if async_save else None
         self._buffers = SnapshotBuffers()
         self._inflight: Future | None = None
-        self._inflight_step: int | None = None
         self._failure: BaseException | None = None
         self._lock = threading.Lock()
         self.last_result: SaveResult | None = None
@@ -112,7 +111,9 @@ class Checkpointer:
             err, self._failure = self._failure, None
         return err
 
-    def save(self, step: int, files: Mapping[str, Payload], meta: Mapping[str, Any], sync: bool = False) -> tuple[float, SaveResult | None]:
+    def save(
+        self, step: int, files: Mapping[str, Payload], meta: Mapping[str, Any], sync: bool = False
+    ) -> tuple[float, SaveResult | None]:
         """Save a checkpoint; returns (seconds the training thread was stalled, result if sync)."""
         t0 = time.perf_counter()
         if self._inflight is not None:
@@ -123,7 +124,6 @@ class Checkpointer:
         snapshot = self._buffers.copy(files)
         assert self._pool is not None
         self._inflight = self._pool.submit(self._run, step, snapshot, dict(meta))
-        self._inflight_step = step
         return time.perf_counter() - t0, None
 
     def close(self) -> None:

@@ -31,7 +31,9 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--num", type=int, default=64)
     s.add_argument("--out", default="grid.png")
     s.add_argument("--seed", type=int, default=0)
-    s.add_argument("--steps", type=int, default=None, help="inference steps (default: the run's sample.inference_steps)")
+    s.add_argument(
+        "--steps", type=int, default=None, help="inference steps (default: the run's sample.inference_steps)"
+    )
     s.add_argument("--scheduler", choices=["ddim", "dpm"], default=None)
     s.add_argument("--guidance-scale", type=float, default=None)
     s.add_argument("--no-ema", action="store_true", help="use the raw weights instead of the EMA weights")
@@ -47,6 +49,11 @@ def _parser() -> argparse.ArgumentParser:
     cv.add_argument("--storage-options", type=json.loads, default={})
 
     sub.add_parser("presets", help="list the built-in presets")
+    sub.add_parser(
+        "launch",
+        help="torchrun with gentrain's exit codes (for containers): launch TORCHRUN_ARGS -- [PRESET] [key=value ...]",
+        add_help=False,
+    )
     return p
 
 
@@ -168,7 +175,22 @@ def cmd_presets(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def cmd_launch(argv: list[str]) -> int:
+    _setup_logging(DistEnv())
+    from trainer.launch import launch
+
+    return launch(argv)
+
+
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["launch"]:
+        # torchrun's own flags follow: not for argparse to interpret.
+        try:
+            return cmd_launch(argv[1:])
+        except ConfigError as e:
+            print(f"gentrain: config error: {e}", file=sys.stderr)
+            return EXIT_USAGE
     args = _parser().parse_args(argv)
     handlers: dict[str, Any] = {
         "train": cmd_train,

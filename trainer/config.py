@@ -184,9 +184,7 @@ def load_base(preset_or_yaml: str | None) -> dict[str, Any]:
         if not path.is_file():
             raise ConfigError(f"config file {name!r} does not exist")
         return _load_yaml_text(path.read_text(), str(path))
-    raise ConfigError(
-        f"{name!r} is neither a preset nor a YAML file; presets: {', '.join(preset_names())}"
-    )
+    raise ConfigError(f"{name!r} is neither a preset nor a YAML file; presets: {', '.join(preset_names())}")
 
 
 # ---------------------------------------------------------------- overrides

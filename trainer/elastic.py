@@ -94,6 +94,41 @@ class StopRequest:
         return grace_seconds - (time.monotonic() - self.received_at)
 
 
+def process_start_time() -> float:
+    """Unix time this process started (from /proc on Linux; now elsewhere)."""
+    try:
+        with open("/proc/self/stat") as f:
+            start_ticks = int(f.read().rsplit(")", 1)[1].split()[19])
+        with open("/proc/stat") as f:
+            boot = next(int(line.split()[1]) for line in f if line.startswith("btime"))
+        return boot + start_ticks / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, StopIteration):
+        return time.time()
+
+
+class StartupClock:
+    """Marks on the way from process start to the first completed step, logged once by rank 0.
+
+    Restart time after a preemption is mostly here (imports, rendezvous,
+    checkpoint load), so the log line says where it went.
+    """
+
+    def __init__(self) -> None:
+        self.marks: list[tuple[str, float]] = [("process_start", process_start_time())]
+
+    def mark(self, name: str) -> None:
+        self.marks.append((name, time.time()))
+
+    def summary(self) -> dict[str, float]:
+        out = {}
+        for (_, t0), (name, t1) in zip(self.marks, self.marks[1:], strict=False):
+            out[name] = round(t1 - t0, 3)
+        out["total"] = round(self.marks[-1][1] - self.marks[0][1], 3)
+        out["process_start_unix"] = round(self.marks[0][1], 3)
+        out["first_step_unix"] = round(self.marks[-1][1], 3)
+        return out
+
+
 def agree_to_stop(local_flag: bool, device: torch.device) -> bool:
     """True on every rank if any rank was asked to stop (one all-reduce of an int)."""
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:

@@ -15,7 +15,7 @@ import os
 import sys
 import threading
 import time
-from contextlib import nullcontext
+from contextlib import contextmanager, nullcontext
 from typing import Any
 
 import torch
@@ -26,11 +26,11 @@ from trainer.checkpoint import CheckpointCorrupt, CheckpointStore
 from trainer.checkpointer import Checkpointer
 from trainer.config import Config, ConfigError
 from trainer.data import build_splits, build_train_loader, collate
-from trainer.data.sampler import SampleRef
 from trainer.elastic import (
     EXIT_OK,
     EXIT_PREEMPTED,
     DistEnv,
+    StartupClock,
     StopRequest,
     agree_to_stop,
     barrier,
@@ -77,6 +77,8 @@ def flat_hparams(tree: dict, prefix: str = "") -> dict[str, Any]:
 
 class Trainer:
     def __init__(self, cfg: Config, env: DistEnv | None = None):
+        self.clock = StartupClock()
+        self.clock.mark("imports")
         self.cfg = cfg
         self.env = env or DistEnv.from_environ()
         self.stop_request = StopRequest()
@@ -93,6 +95,7 @@ class Trainer:
         # process under torchrun and every rank would silently train alone.
         self.accelerator = Accelerator(cpu=use_cpu, log_with=trackers or None, project_dir=cfg.run_dir)
         self.device = self.accelerator.device
+        self.clock.mark("process_group")
         if self.accelerator.num_processes != self.env.world_size:
             raise RuntimeError(
                 f"accelerate sees {self.accelerator.num_processes} processes but torchrun started "
@@ -102,6 +105,7 @@ class Trainer:
         self.train_set, self.val_set, num_classes = build_splits(cfg)
         self.task = self._build_task(num_classes)
         self.parts = self._build_parts()
+        self.clock.mark("build")
         self.store = CheckpointStore(
             cfg.checkpoint_url, cfg.checkpoint.storage_options, cfg.checkpoint.keep, cfg.checkpoint.keep_every_steps
         )
@@ -135,9 +139,7 @@ class Trainer:
         cls = task_class(self.cfg.task)
         model_cfg = dict(self.cfg.model)
         if model_cfg.get("num_classes") and num_classes and model_cfg["num_classes"] != num_classes:
-            raise ConfigError(
-                f"model.num_classes={model_cfg['num_classes']} but the dataset has {num_classes} classes"
-            )
+            raise ConfigError(f"model.num_classes={model_cfg['num_classes']} but the dataset has {num_classes} classes")
         return cls(model_cfg, self.cfg.data.image_size, self.cfg.data.channels, self.cfg.seed)
 
     def _build_parts(self) -> dict[str, Part]:
@@ -163,6 +165,7 @@ class Trainer:
         cfg = self.cfg
         self.stop_request.install()
         self.resume()
+        self.clock.mark("resume")
         self.metrics.on_resume(self.step, self._resumed_time)
         self._log_start()
         loader = iter(build_train_loader(self.train_set, cfg, self.cursor, self.env.rank, self.env.world_size))
@@ -178,6 +181,10 @@ class Trainer:
             self.cursor += cfg.train.batch_size
             self.skipped_samples += batch["skipped"]
             self._after_step(batch, losses, t_data, time.perf_counter() - t0, progress)
+            if len(self.clock.marks) == 5:
+                self.clock.mark("first_step")
+                if self.env.is_main:
+                    log.info("startup timings (s): %s", json.dumps(self.clock.summary()))
 
             if agree_to_stop(self.stop_request.requested, self.device):
                 return self.stop_for_preemption()
@@ -249,14 +256,13 @@ class Trainer:
 
     def _to_device(self, batch: dict, s: int, e: int) -> Batch:
         dev = self.device
-        b = Batch(
+        return Batch(
             images=batch["images"][s:e].to(dev, non_blocking=True),
             labels=batch["labels"][s:e].to(dev, non_blocking=True),
             indices=batch["indices"][s:e],
             positions=batch["positions"][s:e],
+            valid=batch["valid"][s:e].to(dev, dtype=torch.float32),
         )
-        b.valid = batch["valid"][s:e].to(dev, dtype=torch.float32)
-        return b
 
     def _autocast(self):
         p = self.cfg.train.precision
@@ -324,13 +330,13 @@ class Trainer:
             "config": self.cfg.to_dict(),
         }
         try:
-            stall, result = self.checkpointer.save(self.step, files, meta, sync=sync)
-        except Exception as e:
+            # The checkpointer logs the commit and reports it to the metrics itself.
+            self.checkpointer.save(self.step, files, meta, sync=sync)
+        except Exception as e:  # storage outage, quota, credentials: training goes on
             self._count_checkpoint_failure(e)
             if sync and self.step >= self.cfg.train.max_steps:
-                raise
+                raise  # the final save must not be lost silently: crash, and be retried
             return False
-        del stall, result  # the checkpointer logs and reports the commit itself
         self.metrics.on_checkpoint(time.perf_counter() - t0, None)
         return True
 
@@ -392,7 +398,9 @@ class Trainer:
         """Mean per-sample loss over fixed validation batches (all ranks share the work)."""
         from trainer.data import validation_refs
 
-        refs = validation_refs(self.val_set, max(1, self.chunk_size), self.cfg.train.val_batches, self.env.rank, self.env.world_size)
+        refs = validation_refs(
+            self.val_set, max(1, self.chunk_size), self.cfg.train.val_batches, self.env.rank, self.env.world_size
+        )
         total = torch.zeros(2, dtype=torch.float64, device=self.device)
         modules = {n: p.module for n, p in self.parts.items()}
         for m in modules.values():
@@ -443,20 +451,18 @@ class Trainer:
         self._track_images(images)
         return path
 
+    @contextmanager
     def ema_weights(self, enabled: bool = True):
+        """Swap EMA weights into the modules for sampling, and back afterwards."""
         parts = [p for p in self.parts.values() if p.ema is not None] if enabled else []
-
-        class _Swap:
-            def __enter__(_):
-                for p in parts:
-                    p.ema.store(p.module.parameters())
-                    p.ema.copy_to(p.module.parameters())
-
-            def __exit__(_, *exc):
-                for p in parts:
-                    p.ema.restore(p.module.parameters())
-
-        return _Swap()
+        for p in parts:
+            p.ema.store(p.module.parameters())
+            p.ema.copy_to(p.module.parameters())
+        try:
+            yield
+        finally:
+            for p in parts:
+                p.ema.restore(p.module.parameters())
 
     # ------------------------------------------------------------------ reporting
 
@@ -523,7 +529,9 @@ class Trainer:
             return None
         from tqdm.auto import tqdm
 
-        return tqdm(total=self.cfg.train.max_steps, initial=self.step, desc=self.cfg.name, unit="step", dynamic_ncols=True)
+        return tqdm(
+            total=self.cfg.train.max_steps, initial=self.step, desc=self.cfg.name, unit="step", dynamic_ncols=True
+        )
 
     def _track(self, values: dict[str, float]) -> None:
         if self.accelerator.trackers:

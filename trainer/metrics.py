@@ -51,7 +51,14 @@ class TrainingMetrics:
     """The gentrain_* metrics; a disabled instance (metrics.port=0) records nothing."""
 
     def __init__(
-        self, env: DistEnv, port: int, host: str, task: str, version: str, checkpoint_every_steps: int = 0, linger_seconds: float = 0.0
+        self,
+        env: DistEnv,
+        port: int,
+        host: str,
+        task: str,
+        version: str,
+        checkpoint_every_steps: int = 0,
+        linger_seconds: float = 0.0,
     ):
         self.enabled = port > 0
         self.env = env
@@ -61,37 +68,66 @@ class TrainingMetrics:
             return
         if "PROMETHEUS_MULTIPROC_DIR" not in os.environ:
             raise RuntimeError("configure_multiprocess_dir() must run before TrainingMetrics()")
-        from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, multiprocess, start_http_server
+        import functools
+
+        import prometheus_client
+        from prometheus_client import CollectorRegistry, multiprocess, start_http_server
+
+        # Values live in the multiprocess files, which MultiProcessCollector
+        # reads; registering in the global registry would only forbid a second
+        # Trainer in one process (benchmarks, tests).
+        Counter = functools.partial(prometheus_client.Counter, registry=None)
+        Gauge = functools.partial(prometheus_client.Gauge, registry=None)
+        Histogram = functools.partial(prometheus_client.Histogram, registry=None)
 
         self.build_info = Gauge(
-            "gentrain_build_info", "gentrain build and task; value is 1", ["version", "torch", "task"], multiprocess_mode="max"
+            "gentrain_build_info",
+            "gentrain build and task; value is 1",
+            ["version", "torch", "task"],
+            multiprocess_mode="max",
         )
         self.step = Gauge("gentrain_step", "Optimizer steps completed", multiprocess_mode="max")
         self.samples = Counter("gentrain_samples", "Training samples consumed (all ranks summed)")
-        self.loss = Gauge("gentrain_loss", "Last training loss of rank 0, by loss name", ["name"], multiprocess_mode="max")
+        self.loss = Gauge(
+            "gentrain_loss", "Last training loss of rank 0, by loss name", ["name"], multiprocess_mode="max"
+        )
         self.lr = Gauge("gentrain_learning_rate", "Learning rate of the first part", multiprocess_mode="max")
-        self.step_seconds = Histogram("gentrain_step_duration_seconds", "Wall time of one optimizer step", buckets=_STEP_BUCKETS)
-        self.data_wait = Histogram("gentrain_data_wait_seconds", "Time waiting for the next batch", buckets=_STEP_BUCKETS)
-        self.save_seconds = Histogram("gentrain_checkpoint_save_seconds", "Time to write a checkpoint", buckets=_SAVE_BUCKETS)
+        self.step_seconds = Histogram(
+            "gentrain_step_duration_seconds", "Wall time of one optimizer step", buckets=_STEP_BUCKETS
+        )
+        self.data_wait = Histogram(
+            "gentrain_data_wait_seconds", "Time waiting for the next batch", buckets=_STEP_BUCKETS
+        )
+        self.save_seconds = Histogram(
+            "gentrain_checkpoint_save_seconds", "Time to write a checkpoint", buckets=_SAVE_BUCKETS
+        )
         self.stall_seconds = Histogram(
             "gentrain_checkpoint_stall_seconds", "Training-thread time spent on a checkpoint", buckets=_SAVE_BUCKETS
         )
         self.ckpt_bytes = Gauge("gentrain_checkpoint_bytes", "Size of the last checkpoint", multiprocess_mode="max")
         self.ckpt_last = Gauge(
-            "gentrain_checkpoint_last_success_timestamp_seconds", "Unix time of the last committed checkpoint", multiprocess_mode="max"
+            "gentrain_checkpoint_last_success_timestamp_seconds",
+            "Unix time of the last committed checkpoint",
+            multiprocess_mode="max",
         )
         self.ckpt_failures = Counter("gentrain_checkpoint_failures", "Checkpoint saves that failed")
         self.ckpt_interval = Gauge(
-            "gentrain_checkpoint_interval_steps", "checkpoint.every_steps of the run (for staleness alerts)", multiprocess_mode="max"
+            "gentrain_checkpoint_interval_steps",
+            "checkpoint.every_steps of the run (for staleness alerts)",
+            multiprocess_mode="max",
         )
-        self.restarts = Gauge("gentrain_restarts", "Worker-group restarts (TORCHELASTIC_RESTART_COUNT)", multiprocess_mode="max")
+        self.restarts = Gauge(
+            "gentrain_restarts", "Worker-group restarts (TORCHELASTIC_RESTART_COUNT)", multiprocess_mode="max"
+        )
         self.world_size = Gauge("gentrain_world_size", "Processes in the job", multiprocess_mode="max")
         self.skipped = Counter("gentrain_skipped_samples", "Samples skipped because they could not be read")
         self.preemptions = Counter("gentrain_preemptions", "Stops by SIGTERM/SIGINT with an emergency checkpoint")
         self.device_memory = None
         if torch.cuda.is_available():
             self.device_memory = Gauge(
-                "gentrain_device_memory_bytes", "GPU memory allocated by the node's workers", multiprocess_mode="livesum"
+                "gentrain_device_memory_bytes",
+                "GPU memory allocated by the node's workers",
+                multiprocess_mode="livesum",
             )
 
         self.build_info.labels(version=version, torch=torch.__version__, task=task).set(1)
@@ -118,7 +154,16 @@ class TrainingMetrics:
         if self.env.is_main:
             self.ckpt_last.set(checkpoint_time or time.time())
 
-    def on_step(self, step: int, samples: int, data_wait: float, duration: float, lr: float, losses: dict[str, float] | None, skipped: int) -> None:
+    def on_step(
+        self,
+        step: int,
+        samples: int,
+        data_wait: float,
+        duration: float,
+        lr: float,
+        losses: dict[str, float] | None,
+        skipped: int,
+    ) -> None:
         if not self.enabled:
             return
         self.step.set(step)

@@ -37,7 +37,9 @@ def capture_rank_state(cursor_extra: Mapping[str, Any] | None = None) -> dict[st
     return {"tensors": tensors, "values": {"rng": values, **dict(cursor_extra or {})}}
 
 
-def capture_files(parts: Mapping[str, Part], progress: Mapping[str, Any], rank_states: list[dict]) -> dict[str, Payload]:
+def capture_files(
+    parts: Mapping[str, Part], progress: Mapping[str, Any], rank_states: list[dict]
+) -> dict[str, Payload]:
     """Every file of a checkpoint. Tensors are the live ones: snapshot them before saving in the background."""
     files: dict[str, Payload] = {}
     part_meta: dict[str, Any] = {}

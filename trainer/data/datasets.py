@@ -62,9 +62,7 @@ class ImageFolderDataset:
         base = Path(root)
         if not base.is_dir():
             raise FileNotFoundError(f"data.path {root!r} is not a folder")
-        files = sorted(
-            p for p in base.rglob("*") if p.is_file() and p.suffix.lower() in IMAGE_EXTENSIONS
-        )
+        files = sorted(p for p in base.rglob("*") if p.is_file() and p.suffix.lower() in IMAGE_EXTENSIONS)
         if not files:
             raise FileNotFoundError(f"data.path {root!r} holds no {'/'.join(IMAGE_EXTENSIONS)} files")
         self.files = files

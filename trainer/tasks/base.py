@@ -54,11 +54,15 @@ class Task:
     def part_names(self) -> list[str]:
         raise NotImplementedError
 
-    def loss(self, part: str, modules: Mapping[str, nn.Module], batch: Batch, step: int) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    def loss(
+        self, part: str, modules: Mapping[str, nn.Module], batch: Batch, step: int
+    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """Per-sample losses (N,) for `part`, plus named per-sample terms to log."""
         raise NotImplementedError
 
     @torch.no_grad()
-    def sample(self, modules: Mapping[str, nn.Module], num: int, seed: int, device: torch.device, **kwargs: Any) -> torch.Tensor:
+    def sample(
+        self, modules: Mapping[str, nn.Module], num: int, seed: int, device: torch.device, **kwargs: Any
+    ) -> torch.Tensor:
         """`num` images in [0, 1], shape (num, C, H, W), on CPU."""
         raise NotImplementedError

@@ -1,0 +1,145 @@
+"""Loop overhead benchmark: gentrain's training loop vs a hand-written minimal PyTorch loop.
+
+Same UNet, batch, data, optimizer and loss on CPU, in the same process, runs
+interleaved (A B C A B C ...) so machine noise hits all variants alike. Each
+variant's per-step time is the *difference* between a long and a short run
+divided by the step difference, which cancels fixed costs (model build,
+final checkpoint, sample grid) and leaves the steady-state step.
+
+Variants: minimal loop; gentrain with metrics off; gentrain with the
+Prometheus exporter on (the metrics cost). Prints one JSON object.
+
+Usage: python bench/loop_overhead.py [--short 10] [--long 60] [--repeats 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import statistics
+import sys
+import tempfile
+import time
+
+import numpy as np
+
+from trainer.elastic import DistEnv
+from trainer.metrics import configure_multiprocess_dir
+
+# The exporter's multiprocess dir must be chosen before prometheus_client is imported.
+configure_multiprocess_dir(DistEnv(), True)
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+from trainer.config import load_config  # noqa: E402
+from trainer.data.datasets import DigitsDataset  # noqa: E402
+from trainer.loop import Trainer  # noqa: E402
+from trainer.optim import build_lr_schedule, build_optimizer  # noqa: E402
+from trainer.tasks import task_class  # noqa: E402
+
+COMMON = [
+    "ema.enabled=false",  # the minimal loop has no EMA either
+    "checkpoint.every_steps=0",
+    "sample.every_steps=0",
+    "sample.num=4",
+    "sample.inference_steps=2",
+    "train.val_every_steps=0",
+    "train.log_every_steps=1000000",
+    "data.val_fraction=0",
+]
+
+
+def gentrain_seconds(steps: int, workdir: str, extra: list[str]) -> float:
+    cfg = load_config(None, [*COMMON, f"train.max_steps={steps}", f"run.dir={workdir}", *extra], environ={})
+    t0 = time.perf_counter()
+    assert Trainer(cfg, DistEnv()).fit() == 0
+    return time.perf_counter() - t0
+
+
+def minimal_seconds(steps: int) -> float:
+    """What a careful user writes by hand: the same model, data, optimizer, schedule, loss and clipping."""
+    t0 = time.perf_counter()
+    cfg = load_config(None, [*COMMON, f"train.max_steps={steps}"], environ={})
+    task = task_class(cfg.task)(cfg.model, cfg.data.image_size, cfg.data.channels, cfg.seed)
+    unet = task.build_parts()["unet"]
+    opt = build_optimizer(unet, cfg)
+    sched = build_lr_schedule(opt, cfg)
+    data = DigitsDataset(cfg.data.image_size).images
+    noise_sched = task.noise_scheduler
+    g = torch.Generator().manual_seed(0)
+    rng = np.random.default_rng(0)
+    perm, pos = rng.permutation(len(data)), 0
+    b = cfg.train.batch_size
+    for _ in range(steps):
+        if pos + b > len(perm):
+            perm, pos = rng.permutation(len(data)), 0
+        x0 = data[torch.from_numpy(perm[pos : pos + b])]
+        pos += b
+        noise = torch.randn(x0.shape, generator=g)
+        t = torch.randint(0, noise_sched.config.num_train_timesteps, (b,), generator=g)
+        pred = unet(noise_sched.add_noise(x0, noise, t), t).sample
+        loss = F.mse_loss(pred, noise)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(unet.parameters(), cfg.train.max_grad_norm)
+        opt.step()
+        sched.step()
+    return time.perf_counter() - t0
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--short", type=int, default=10)
+    ap.add_argument("--long", type=int, default=60)
+    ap.add_argument("--repeats", type=int, default=3)
+    args = ap.parse_args()
+    logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
+    threads = torch.get_num_threads()
+
+    variants = {
+        "minimal": lambda n, d: minimal_seconds(n),
+        "gentrain": lambda n, d: gentrain_seconds(n, d, []),
+        "gentrain_metrics": lambda n, d: gentrain_seconds(
+            n, d, [f"metrics.port={free_port()}", "metrics.host=127.0.0.1"]
+        ),
+    }
+    per_step: dict[str, list[float]] = {k: [] for k in variants}
+    with tempfile.TemporaryDirectory() as tmp:
+        minimal_seconds(3)  # warm-up: first-call allocations and kernels
+        for r in range(args.repeats):
+            for name, fn in variants.items():
+                short = fn(args.short, os.path.join(tmp, f"{name}-{r}-s"))
+                long = fn(args.long, os.path.join(tmp, f"{name}-{r}-l"))
+                per_step[name].append((long - short) / (args.long - args.short))
+    med = {k: statistics.median(v) for k, v in per_step.items()}
+    print(
+        json.dumps(
+            {
+                "benchmark": "loop_overhead",
+                "device": "cpu",
+                "torch_threads": threads,
+                "batch_size": 64,
+                "steps_per_second": {k: round(1 / v, 3) for k, v in med.items()},
+                "per_step_seconds_all_repeats": {k: [round(x, 4) for x in v] for k, v in per_step.items()},
+                "gentrain_over_minimal": round(med["minimal"] / med["gentrain"], 4),
+                "metrics_on_over_off": round(med["gentrain"] / med["gentrain_metrics"], 4),
+                "targets": {"gentrain_over_minimal_min": 0.97, "metrics_overhead_max": 0.01},
+            },
+            indent=1,
+        )
+    )
+
+
+if __name__ == "__main__":
+    main()

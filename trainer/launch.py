@@ -1,0 +1,62 @@
+"""`gentrain launch TORCHRUN_ARGS -- [PRESET] [key=value ...]`: torchrun with gentrain's exit codes.
+
+In a pod the container's exit code is the launcher's. Plain torchrun exits 1
+whatever its workers returned, so a Kubernetes podFailurePolicy could never
+tell a config error (gentrain exits 2: never retry) from a crash. This
+launcher validates the config before starting anything (a bad key exits 2 at
+once, on every pod), then runs torchrun in this process and maps its outcome:
+
+- the first worker to fail exited 2 (e.g. a batch the world size cannot split) -> 2
+- the launcher got SIGTERM/SIGINT (preemption; workers saved and exited) -> 143
+- any other worker failure -> 1, retried by the Job's backoffLimit
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import sys
+
+from trainer.config import ConfigError, load_config
+from trainer.elastic import EXIT_OK, EXIT_PREEMPTED, EXIT_USAGE
+
+log = logging.getLogger("gentrain")
+
+
+def split_argv(argv: list[str]) -> tuple[list[str], list[str]]:
+    if "--" not in argv:
+        raise ConfigError(
+            "usage: gentrain launch TORCHRUN_ARGS -- [PRESET_OR_YAML] [key=value ...] "
+            "(e.g. gentrain launch --nnodes=1:2 --nproc-per-node=8 -- digits-ddpm train.lr=1e-4)"
+        )
+    i = argv.index("--")
+    return argv[:i], argv[i + 1 :]
+
+
+def launch(argv: list[str]) -> int:
+    torchrun_args, train_args = split_argv(argv)
+    preset = train_args[0] if train_args and "=" not in train_args[0] else None
+    overrides = train_args[1:] if preset else train_args
+    load_config(preset, overrides)  # raises ConfigError -> exit 2 before any worker starts
+
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.run import get_args_parser, run
+
+    args = get_args_parser().parse_args([*torchrun_args, "-m", "trainer", "train", *train_args])
+    try:
+        run(args)
+    except ChildFailedError as e:
+        # The first failure is the cause; torchrun then SIGTERMs the other workers.
+        rank, first = e.get_first_failure()
+        codes = sorted({f.exitcode for f in e.failures.values()})
+        log.error("worker rank %s failed first with exit code %s (all: %s)", rank, first.exitcode, codes)
+        return EXIT_USAGE if first.exitcode == EXIT_USAGE else 1
+    except SignalException as e:
+        log.warning("launcher got %s; workers were asked to checkpoint and stop", signal.Signals(e.sigval).name)
+        return EXIT_PREEMPTED if e.sigval in (signal.SIGTERM, signal.SIGINT) else 128 + int(e.sigval)
+    return EXIT_OK
+
+
+if __name__ == "__main__":
+    sys.exit(launch(sys.argv[1:]))
