@@ -49,7 +49,7 @@ def wait_for(path: str, pattern: str, count: int, proc: subprocess.Popen, timeou
         if proc.poll() is not None:
             raise RuntimeError(f"torchrun exited {proc.returncode}:\n{text[-3000:]}")
         time.sleep(0.05)
-    raise TimeoutError(pattern)
+    raise TimeoutError(f"{pattern!r} not seen {count}x within {timeout}s:\n{open(path).read()[-4000:]}")
 
 
 def rank1_worker(agent: int) -> int:

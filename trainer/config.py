@@ -93,6 +93,9 @@ class MetricsConfig(_Section):
 
 class ElasticConfig(_Section):
     grace_seconds: float = Field(25.0, gt=0)
+    collective_timeout_seconds: float = Field(
+        600.0, ge=30, description="a hung collective (lost peer, stuck init) fails after this; torchrun restarts"
+    )
 
 
 class LogConfig(_Section):

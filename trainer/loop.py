@@ -16,10 +16,12 @@ import sys
 import threading
 import time
 from contextlib import contextmanager, nullcontext
+from datetime import timedelta
 from typing import Any
 
 import torch
 from accelerate import Accelerator
+from accelerate.utils import InitProcessGroupKwargs
 
 from trainer import __version__
 from trainer.checkpoint import CheckpointCorrupt, CheckpointStore
@@ -93,7 +95,13 @@ class Trainer:
         trackers = [n for n, on in (("tensorboard", cfg.log.tensorboard), ("wandb", cfg.log.wandb)) if on]
         # cpu=True on CPU machines: without it accelerate reports a single
         # process under torchrun and every rank would silently train alone.
-        self.accelerator = Accelerator(cpu=use_cpu, log_with=trackers or None, project_dir=cfg.run_dir)
+        # A finite collective timeout turns a hang (a peer that vanished, a stuck
+        # re-rendezvous) into an error torchrun restarts from; long enough for
+        # rank 0 to sample a grid while the others wait at the next all-reduce.
+        pg_timeout = InitProcessGroupKwargs(timeout=timedelta(seconds=cfg.elastic.collective_timeout_seconds))
+        self.accelerator = Accelerator(
+            cpu=use_cpu, log_with=trackers or None, project_dir=cfg.run_dir, kwargs_handlers=[pg_timeout]
+        )
         self.device = self.accelerator.device
         self.clock.mark("process_group")
         if self.accelerator.num_processes != self.env.world_size:
