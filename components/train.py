@@ -62,6 +62,9 @@ def train(
     # Writable places for a read-only root filesystem.
     env.setdefault("GENTRAIN_RUN__DIR", "/work/run")
     env.setdefault("PYTHONUNBUFFERED", "1")
+    # A fresh worker store per rendezvous round: torchrun's shared agent store keeps
+    # stale keys across restarts (see trainer.elastic.init_process_group).
+    env.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
 
     app = ddp(
         "train",

@@ -64,9 +64,9 @@ def test_sigkilled_worker_is_restarted_and_the_result_equals_an_uninterrupted_ru
         kill_group(proc)
     text = log.read_text()
     assert rc == 0, text[-4000:]
-    # Usually restart=1; gloo can fail one reconnect on a loaded machine, which
-    # costs one more restart of the budget (--max-restarts=3) and nothing else.
-    resumed = re.search(r"world_size=2 restart=[123] .*resumed_from=\S+step-(\d+)", text)
+    # Exactly one restart: stale rendezvous keys from the killed attempt used to make the
+    # first restart fail too (see trainer.elastic.init_process_group).
+    resumed = re.search(r"world_size=2 restart=1 .*resumed_from=\S+step-(\d+)", text)
     assert resumed and int(resumed.group(1)) >= 30
     assert_identical(
         final_weights(f"{tmp_path}/ref/run/checkpoints", steps),

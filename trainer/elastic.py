@@ -129,6 +129,42 @@ class StartupClock:
         return out
 
 
+def init_process_group(env: DistEnv, backend: str, timeout_seconds: float) -> None:
+    """Initialize torch.distributed for a torchrun worker, safe across torchrun restarts.
+
+    With the c10d rendezvous, torchrun lends its own rendezvous TCPStore to the
+    workers (TORCHELASTIC_USE_AGENT_STORE=True) and torch assumes a fresh store
+    per restart, but that store lives as long as the agent: keys such as gloo's
+    rank addresses survive from the previous attempt, and a restarted rank 1
+    then connects to the dead rank 0's port ("Connection refused", seen here in
+    about one restart in three). On a single node the restart count is the
+    agent's own, so keys are namespaced per attempt. Across nodes each agent
+    counts on its own, so there the fix is TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1
+    in torchrun's environment (`gentrain launch`, the manifests and the TorchX
+    component set it): rank 0 then hosts a new store every round.
+    """
+    from datetime import timedelta
+
+    if env.world_size == 1 or dist.is_initialized():
+        return
+    timeout = timedelta(seconds=timeout_seconds)
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        dist.init_process_group(backend, rank=env.rank, world_size=env.world_size, timeout=timeout)
+        return
+    if env.local_world_size != env.world_size:
+        log.warning(
+            "torchrun shares its rendezvous store with the workers across nodes; a restart can then read "
+            "stale keys. Set TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 for torchrun (gentrain launch does)."
+        )
+        dist.init_process_group(backend, rank=env.rank, world_size=env.world_size, timeout=timeout)
+        return
+    store = dist.TCPStore(
+        os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), env.world_size, is_master=False, timeout=timeout
+    )
+    prefixed = dist.PrefixStore(f"gentrain/{env.run_id}/attempt-{env.restart_count}", store)
+    dist.init_process_group(backend, store=prefixed, rank=env.rank, world_size=env.world_size, timeout=timeout)
+
+
 def agree_to_stop(local_flag: bool, device: torch.device) -> bool:
     """True on every rank if any rank was asked to stop (one all-reduce of an int)."""
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:

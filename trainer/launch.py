@@ -14,6 +14,7 @@ once, on every pod), then runs torchrun in this process and maps its outcome:
 from __future__ import annotations
 
 import logging
+import os
 import signal
 import sys
 
@@ -43,6 +44,8 @@ def launch(argv: list[str]) -> int:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import get_args_parser, run
 
+    # Each rendezvous round gets a fresh worker store (see trainer.elastic.init_process_group).
+    os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
     args = get_args_parser().parse_args([*torchrun_args, "-m", "trainer", "train", *train_args])
     try:
         run(args)

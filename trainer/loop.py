@@ -38,6 +38,7 @@ from trainer.elastic import (
     barrier,
     broadcast_object,
     gather_objects,
+    init_process_group,
 )
 from trainer.images import save_grid
 from trainer.metrics import TrainingMetrics
@@ -98,6 +99,7 @@ class Trainer:
         # A finite collective timeout turns a hang (a peer that vanished, a stuck
         # re-rendezvous) into an error torchrun restarts from; long enough for
         # rank 0 to sample a grid while the others wait at the next all-reduce.
+        init_process_group(self.env, "gloo" if use_cpu else "nccl", cfg.elastic.collective_timeout_seconds)
         pg_timeout = InitProcessGroupKwargs(timeout=timedelta(seconds=cfg.elastic.collective_timeout_seconds))
         self.accelerator = Accelerator(
             cpu=use_cpu, log_with=trackers or None, project_dir=cfg.run_dir, kwargs_handlers=[pg_timeout]
