@@ -46,20 +46,25 @@ def test_a_finished_run_restarted_does_nothing_more(tmp_path):
     assert "step=5/" not in r.stderr
 
 
+# The demo's model size (~250 ms a step here): slow enough to signal mid-run reliably.
+DIGITS_SIZE_MODEL = [
+    "model.block_out_channels=[32,64]",
+    "model.norm_num_groups=8",
+    "data.image_size=16",
+    "train.batch_size=64",
+]
+
+
+def start_long_run(tmp_path, *extra: str):
+    args = tiny(tmp_path, *extra, *DIGITS_SIZE_MODEL, max_steps=100000)
+    log = tmp_path / "train.log"
+    return start_cli("train", *args, env=clean_env(), log_path=log), log
+
+
 def test_second_signal_exits_at_once(tmp_path):
     import time
 
-    args = tiny(
-        tmp_path,
-        "checkpoint.every_steps=0",
-        "model.block_out_channels=[32,64]",
-        "model.norm_num_groups=8",
-        "data.image_size=16",
-        "train.batch_size=64",
-        max_steps=100000,
-    )
-    log = tmp_path / "train.log"
-    proc = start_cli("train", *args, env=clean_env(), log_path=log)
+    proc, log = start_long_run(tmp_path, "checkpoint.every_steps=0")
     try:
         wait_for_log(log, "step=3/", proc)
         proc.send_signal(signal.SIGTERM)
@@ -74,18 +79,7 @@ def test_second_signal_exits_at_once(tmp_path):
 def test_emergency_save_that_cannot_finish_in_time_keeps_the_previous_checkpoint(tmp_path):
     # A digits-size model (~250 ms/step) and a grace period of 50 ms: by the time all ranks
     # agree to stop at the end of the step, there is no time left to write a checkpoint.
-    args = tiny(
-        tmp_path,
-        "checkpoint.every_steps=5",
-        "elastic.grace_seconds=0.05",
-        "model.block_out_channels=[32,64]",
-        "model.norm_num_groups=8",
-        "data.image_size=16",
-        "train.batch_size=64",
-        max_steps=100000,
-    )
-    log = tmp_path / "train.log"
-    proc = start_cli("train", *args, env=clean_env(), log_path=log)
+    proc, log = start_long_run(tmp_path, "checkpoint.every_steps=5", "elastic.grace_seconds=0.05")
     try:
         wait_for_log(log, "step-000000005", proc)
         wait_for_log(log, "step=7/", proc)
