@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 from pathlib import Path
 
 from conftest import clean_env
+from helpers import children
 
 
 def start_torchrun(torchrun_args: list[str], train_args: list[str], log_path: Path, **env: str) -> subprocess.Popen:
@@ -20,22 +20,6 @@ def start_torchrun(torchrun_args: list[str], train_args: list[str], log_path: Pa
         env=clean_env(**env),
         start_new_session=True,
     )
-
-
-def children(pid: int) -> list[int]:
-    """Direct child PIDs of `pid` (from /proc)."""
-    out = []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        if int(fields[1]) == pid:
-            out.append(int(entry))
-    return sorted(out)
 
 
 def worker_pids(agent_pid: int) -> list[int]:

@@ -39,8 +39,8 @@ def wait_for_log(log_path: Path, text: str, proc: subprocess.Popen | None = None
     raise AssertionError(f"{text!r} not logged within {timeout}s:\n{log_path.read_text()[-3000:]}")
 
 
-def descendants(pid: int) -> list[int]:
-    """Every live descendant of `pid` (torchrun workers live in sessions of their own)."""
+def parent_pids() -> dict[int, int]:
+    """{pid: parent pid} of every live process (from /proc)."""
     parent_of = {}
     for entry in os.listdir("/proc"):
         if entry.isdigit():
@@ -49,6 +49,16 @@ def descendants(pid: int) -> list[int]:
                     parent_of[int(entry)] = int(f.read().rsplit(")", 1)[1].split()[1])
             except OSError:
                 continue
+    return parent_of
+
+
+def children(pid: int) -> list[int]:
+    return sorted(c for c, parent in parent_pids().items() if parent == pid)
+
+
+def descendants(pid: int) -> list[int]:
+    """Every live descendant of `pid` (torchrun workers live in sessions of their own)."""
+    parent_of = parent_pids()
     out, frontier = [], [pid]
     while frontier:
         p = frontier.pop()

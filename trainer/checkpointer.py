@@ -69,11 +69,9 @@ class Checkpointer:
         self._inflight: Future | None = None
         self._failure: BaseException | None = None
         self._lock = threading.Lock()
-        self.last_result: SaveResult | None = None
 
     def _run(self, step: int, files: Mapping[str, Payload], meta: Mapping[str, Any]) -> SaveResult:
         result = self.store.write(step, files, meta)
-        self.last_result = result
         log.info(
             "checkpoint committed %s (%.1f MB in %.2fs%s)",
             result.info.url,

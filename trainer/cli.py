@@ -9,7 +9,7 @@ import os
 import sys
 from typing import Any
 
-from trainer.config import ConfigError, load_config, preset_names, preset_summary
+from trainer.config import ConfigError, load_config, preset_names, preset_summary, split_preset
 from trainer.elastic import EXIT_INVALID_CHECKPOINT, EXIT_OK, EXIT_USAGE, DistEnv
 
 log = logging.getLogger("gentrain")
@@ -73,11 +73,8 @@ def _setup_logging(env: DistEnv) -> None:
 def cmd_train(args: argparse.Namespace) -> int:
     env = DistEnv.from_environ()
     _setup_logging(env)
-    if args.config and "=" in args.config:
-        # `gentrain train key=value ...` with no preset: argparse took the first override.
-        args.overrides.insert(0, args.config)
-        args.config = None
-    cfg = load_config(args.config, args.overrides)
+    # argparse puts the first word in `config` even when it is a key=value override.
+    cfg = load_config(*split_preset([a for a in [args.config, *args.overrides] if a]))
     # Before anything imports prometheus_client (see trainer.metrics).
     from trainer.metrics import configure_multiprocess_dir
 

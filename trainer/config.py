@@ -261,43 +261,48 @@ def deep_merge(base: dict[str, Any], top: dict[str, Any]) -> dict[str, Any]:
 # ---------------------------------------------------------------- validation
 
 
-def _describe(error: dict[str, Any], origins: Mapping[str, str]) -> str:
-    loc = ".".join(str(p) for p in error["loc"]).replace("async_", "async")
+def _describe(error: dict[str, Any], schema: type[BaseModel], prefix: str) -> str:
+    """One pydantic error as a user message: the key, the value seen, what is allowed."""
+    path = [str(p) for p in error["loc"]]
+    loc = ".".join(([prefix] if prefix else []) + path).replace("async_", "async")
     kind = error["type"]
-    seen = error.get("input")
-    where = origins.get(loc.split(".")[0], "")
     if kind == "extra_forbidden":
-        return f"unknown config key {loc!r}{where}. {_known_keys_hint(loc)}"
-    ctx = error.get("ctx") or {}
+        return f"unknown config key {loc!r}. {_known_keys_hint(schema, path, prefix)}"
+    if kind == "value_error":
+        return error["msg"].removeprefix("Value error, ")
     allowed = error["msg"]
     if kind == "literal_error":
-        allowed = f"one of {ctx.get('expected')}"
-    if kind == "value_error":
-        return f"{error['msg'].removeprefix('Value error, ')}{where}"
-    return f"{loc} = {seen!r} is not allowed: {allowed}{where}"
+        allowed = f"one of {(error.get('ctx') or {}).get('expected')}"
+    return f"{loc} = {error.get('input')!r} is not allowed: {allowed}"
 
 
-def _known_keys_hint(loc: str) -> str:
-    parts = loc.split(".")
-    model: type[BaseModel] = Config
-    for p in parts[:-1]:
+def _known_keys_hint(schema: type[BaseModel], path: list[str], prefix: str) -> str:
+    model = schema
+    for p in path[:-1]:
         field = model.model_fields.get(p)
         ann = getattr(field, "annotation", None) if field else None
-        if isinstance(ann, type) and issubclass(ann, BaseModel):
-            model = ann
-        else:
+        if not (isinstance(ann, type) and issubclass(ann, BaseModel)):
             return ""
+        model = ann
     names = [f.alias or n for n, f in model.model_fields.items()]
-    section = ".".join(parts[:-1])
+    section = ".".join(([prefix] if prefix else []) + path[:-1])
     return f"Known keys{' in ' + section if section else ''}: {', '.join(names)}"
 
 
-def validate_config(tree: dict[str, Any], origins: Mapping[str, str] | None = None) -> Config:
+def validate_section(schema: type[BaseModel], tree: dict[str, Any], prefix: str = "") -> BaseModel:
+    """Validate `tree` against `schema`; errors name keys as `<prefix>.<key>` (exit 2 in the CLI)."""
     try:
-        return Config.model_validate(tree)
+        return schema.model_validate(tree)
     except ValidationError as e:
-        msgs = [_describe(err, origins or {}) for err in e.errors()]
+        msgs = [_describe(err, schema, prefix) for err in e.errors()]
         raise ConfigError("invalid config:\n  " + "\n  ".join(msgs)) from None
+
+
+def split_preset(args: list[str]) -> tuple[str | None, list[str]]:
+    """[PRESET_OR_YAML] [key=value ...] -> (preset or None, overrides)."""
+    if args and "=" not in args[0]:
+        return args[0], list(args[1:])
+    return None, list(args)
 
 
 def load_config(
@@ -310,7 +315,7 @@ def load_config(
     tree = load_base(preset_or_yaml)
     tree = deep_merge(tree, env_overrides(environ))
     tree = deep_merge(tree, parse_overrides(overrides))
-    cfg = validate_config(tree)
+    cfg = validate_section(Config, tree)
     # Local import: tasks import torch and diffusers, config must stay light.
     from trainer.tasks import validate_model_config
 

@@ -115,9 +115,11 @@ class StartupClock:
 
     def __init__(self) -> None:
         self.marks: list[tuple[str, float]] = [("process_start", process_start_time())]
+        self.finished = False
 
-    def mark(self, name: str) -> None:
+    def mark(self, name: str, last: bool = False) -> None:
         self.marks.append((name, time.time()))
+        self.finished = last
 
     def summary(self) -> dict[str, float]:
         out = {}

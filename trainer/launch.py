@@ -18,7 +18,7 @@ import os
 import signal
 import sys
 
-from trainer.config import ConfigError, load_config
+from trainer.config import ConfigError, load_config, split_preset
 from trainer.elastic import EXIT_OK, EXIT_PREEMPTED, EXIT_USAGE
 
 log = logging.getLogger("gentrain")
@@ -36,9 +36,7 @@ def split_argv(argv: list[str]) -> tuple[list[str], list[str]]:
 
 def launch(argv: list[str]) -> int:
     torchrun_args, train_args = split_argv(argv)
-    preset = train_args[0] if train_args and "=" not in train_args[0] else None
-    overrides = train_args[1:] if preset else train_args
-    load_config(preset, overrides)  # raises ConfigError -> exit 2 before any worker starts
+    load_config(*split_preset(train_args))  # raises ConfigError -> exit 2 before any worker starts
 
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError

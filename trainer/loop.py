@@ -16,18 +16,16 @@ import sys
 import threading
 import time
 from contextlib import contextmanager, nullcontext
-from datetime import timedelta
 from typing import Any
 
 import torch
 from accelerate import Accelerator
-from accelerate.utils import InitProcessGroupKwargs
 
 from trainer import __version__
 from trainer.checkpoint import CheckpointCorrupt, CheckpointStore
 from trainer.checkpointer import Checkpointer
 from trainer.config import Config, ConfigError
-from trainer.data import build_splits, build_train_loader, collate
+from trainer.data import build_splits, build_train_loader, collate, validation_refs
 from trainer.elastic import (
     EXIT_OK,
     EXIT_PREEMPTED,
@@ -94,16 +92,11 @@ class Trainer:
 
         use_cpu = not torch.cuda.is_available()
         trackers = [n for n, on in (("tensorboard", cfg.log.tensorboard), ("wandb", cfg.log.wandb)) if on]
+        # The process group is ours (restart-safe store, finite timeout); accelerate reuses it.
+        init_process_group(self.env, "gloo" if use_cpu else "nccl", cfg.elastic.collective_timeout_seconds)
         # cpu=True on CPU machines: without it accelerate reports a single
         # process under torchrun and every rank would silently train alone.
-        # A finite collective timeout turns a hang (a peer that vanished, a stuck
-        # re-rendezvous) into an error torchrun restarts from; long enough for
-        # rank 0 to sample a grid while the others wait at the next all-reduce.
-        init_process_group(self.env, "gloo" if use_cpu else "nccl", cfg.elastic.collective_timeout_seconds)
-        pg_timeout = InitProcessGroupKwargs(timeout=timedelta(seconds=cfg.elastic.collective_timeout_seconds))
-        self.accelerator = Accelerator(
-            cpu=use_cpu, log_with=trackers or None, project_dir=cfg.run_dir, kwargs_handlers=[pg_timeout]
-        )
+        self.accelerator = Accelerator(cpu=use_cpu, log_with=trackers or None, project_dir=cfg.run_dir)
         self.device = self.accelerator.device
         self.clock.mark("process_group")
         if self.accelerator.num_processes != self.env.world_size:
@@ -191,8 +184,8 @@ class Trainer:
             self.cursor += cfg.train.batch_size
             self.skipped_samples += batch["skipped"]
             self._after_step(batch, losses, t_data, time.perf_counter() - t0, progress)
-            if len(self.clock.marks) == 5:
-                self.clock.mark("first_step")
+            if not self.clock.finished:
+                self.clock.mark("first_step", last=True)
                 if self.env.is_main:
                     log.info("startup timings (s): %s", json.dumps(self.clock.summary()))
 
@@ -218,24 +211,25 @@ class Trainer:
     def train_step(self, batch: dict) -> dict[str, float]:
         """One optimizer step for every part the task steps now; returns losses of this rank."""
         logs: dict[str, float] = {}
+        modules = {n: p.wrapped for n, p in self.parts.items()}
+        chunks = list(self._chunks(batch))
         for name in self.task.parts_to_step(self.step):
             part = self.parts[name]
             part.optimizer.zero_grad(set_to_none=True)
-            chunks = list(self._chunks(batch))
-            total = 0.0
+            total = torch.zeros((), device=self.device)
             for i, chunk in enumerate(chunks):
                 last = i == len(chunks) - 1
                 sync = nullcontext() if last or self.env.world_size == 1 else self.accelerator.no_sync(part.wrapped)
                 with sync, self._autocast():
-                    modules = {n: p.wrapped for n, p in self.parts.items()}
-                    per_sample, terms = self.task.loss(name, modules, chunk, self.step)
+                    per_sample, _ = self.task.loss(name, modules, chunk, self.step)
                     # Sum over this rank's samples / rank batch: DDP's mean over
                     # ranks then gives the mean over the global batch, however
                     # the batch is split into accumulation and micro chunks.
                     loss = (per_sample * chunk.valid).sum() / self.rank_batch
                 part.scaler.scale(loss).backward()
-                total += float(loss.detach())
-            logs[f"{name}/loss"] = total
+                total += loss.detach()
+            # One device sync per part and step, not one per chunk.
+            logs[f"{name}/loss"] = float(total)
             logs[f"{name}/grad_norm"] = self._optimizer_step(part)
         return logs
 
@@ -329,7 +323,7 @@ class Trainer:
         t0 = time.perf_counter()
         rank_states = gather_objects(capture_rank_state())
         if not self.env.is_main:
-            self.metrics.on_checkpoint(time.perf_counter() - t0, None)
+            self.metrics.on_checkpoint_stall(time.perf_counter() - t0)
             return True
         files = capture_files(self.parts, self._progress_state(), rank_states)
         meta = {
@@ -347,7 +341,7 @@ class Trainer:
             if sync and self.step >= self.cfg.train.max_steps:
                 raise  # the final save must not be lost silently: crash, and be retried
             return False
-        self.metrics.on_checkpoint(time.perf_counter() - t0, None)
+        self.metrics.on_checkpoint_stall(time.perf_counter() - t0)
         return True
 
     def _count_checkpoint_failure(self, err: BaseException) -> None:
@@ -406,8 +400,6 @@ class Trainer:
     @torch.no_grad()
     def validate(self) -> float:
         """Mean per-sample loss over fixed validation batches (all ranks share the work)."""
-        from trainer.data import validation_refs
-
         refs = validation_refs(
             self.val_set, max(1, self.chunk_size), self.cfg.train.val_batches, self.env.rank, self.env.world_size
         )
@@ -419,8 +411,8 @@ class Trainer:
             batch = collate([self.val_set[r] for r in group])
             chunk = self._to_device(batch, 0, len(group))
             with self._autocast():
-                for name in self.task.part_names[:1]:
-                    per_sample, _ = self.task.loss(name, modules, chunk, step=-1)
+                # The first part's loss: the model's own (a GAN's generator, a cascade's base stage).
+                per_sample, _ = self.task.loss(self.task.part_names[0], modules, chunk, step=-1)
             total[0] += float((per_sample.float() * chunk.valid).sum())
             total[1] += float(chunk.valid.sum())
         for m in modules.values():

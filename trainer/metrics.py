@@ -16,6 +16,7 @@ import logging
 import os
 import shutil
 import tempfile
+import time
 from typing import Any
 
 import torch
@@ -148,8 +149,6 @@ class TrainingMetrics:
         """
         if not self.enabled:
             return
-        import time
-
         self.step.set(step)
         if self.env.is_main:
             self.ckpt_last.set(checkpoint_time or time.time())
@@ -179,18 +178,15 @@ class TrainingMetrics:
         if self.device_memory is not None:
             self.device_memory.set(torch.cuda.memory_allocated())
 
-    def on_checkpoint(self, stall: float, result: Any | None) -> None:
-        if not self.enabled:
-            return
-        self.stall_seconds.observe(stall)
-        if result is not None:
-            self.on_checkpoint_done(result)
+    def on_checkpoint_stall(self, stall: float) -> None:
+        """Training-thread seconds spent on a save (every rank: the gather, rank 0: the snapshot/write)."""
+        if self.enabled:
+            self.stall_seconds.observe(stall)
 
     def on_checkpoint_done(self, result: Any) -> None:
+        """A committed save (called by the checkpointer, from its worker thread when async)."""
         if not self.enabled:
             return
-        import time
-
         self.save_seconds.observe(result.seconds)
         self.ckpt_bytes.set(result.total_bytes)
         self.ckpt_last.set(time.time())
@@ -210,8 +206,6 @@ class TrainingMetrics:
 
         if self.server is not None:
             if self.linger_seconds:
-                import time
-
                 # Let the last scrape see the final step before the pod goes away.
                 time.sleep(self.linger_seconds)
             self.server.shutdown()

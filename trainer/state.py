@@ -6,8 +6,6 @@ import json
 from collections.abc import Mapping
 from typing import Any
 
-import torch
-
 from trainer.checkpoint import CheckpointInfo, CheckpointStore, Payload, join_tensors, split_tensors
 from trainer.optim import Part
 from trainer.randomness import rng_state, set_rng_state
@@ -31,10 +29,10 @@ def rank_files(rank: int) -> tuple[str, str]:
     return f"rank-{rank:05d}.safetensors", f"rank-{rank:05d}.json"
 
 
-def capture_rank_state(cursor_extra: Mapping[str, Any] | None = None) -> dict[str, Any]:
+def capture_rank_state() -> dict[str, Any]:
     """This rank's own state (global RNG streams); small, gathered to rank 0 at save time."""
     tensors, values = rng_state()
-    return {"tensors": tensors, "values": {"rng": values, **dict(cursor_extra or {})}}
+    return {"tensors": tensors, "values": {"rng": values}}
 
 
 def capture_files(
@@ -104,7 +102,3 @@ def _jsonable(x: Any) -> Any:
         # Schedulers and scalers keep plain numbers; a tensor here means a new torch version.
         return join_tensors(skeleton, {k: v.item() if v.numel() == 1 else v.tolist() for k, v in tensors.items()})
     return skeleton
-
-
-def tensor_files(files: Mapping[str, Payload]) -> dict[str, Mapping[str, torch.Tensor]]:
-    return {k: v for k, v in files.items() if not isinstance(v, bytes | bytearray)}

@@ -49,9 +49,6 @@ class SampleStream:
         assert self._perm is not None
         return self._perm
 
-    def epoch_of(self, cursor: int) -> int:
-        return cursor // self.num_samples
-
     def take(self, cursor: int, count: int) -> list[tuple[int, int]]:
         """(epoch, index) for stream entries [cursor, cursor + count)."""
         out = []
