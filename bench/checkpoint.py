@@ -29,7 +29,7 @@ import time
 import torch
 
 from trainer.checkpoint import CheckpointStore, split_tensors
-from trainer.checkpointer import Checkpointer
+from trainer.checkpoint.writer import Checkpointer
 
 
 def build_state(num_params: int) -> dict:

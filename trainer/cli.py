@@ -89,26 +89,16 @@ def cmd_sample(args: argparse.Namespace) -> int:
     import torch
 
     from trainer.checkpoint import resolve_checkpoint
-    from trainer.config import Config
-    from trainer.images import save_grid
-    from trainer.state import ema_file, model_file
-    from trainer.tasks import task_class
+    from trainer.checkpoint.weights import load_for_inference
+    from trainer.media import save_media
 
     store, info = resolve_checkpoint(args.checkpoint, args.storage_options)
     if info is None or not info.valid:
         why = info.reason if info else "no valid checkpoint under this root"
         print(f"gentrain: cannot sample from {args.checkpoint}: {why}", file=sys.stderr)
         return EXIT_INVALID_CHECKPOINT
-    cfg = Config.model_validate(info.manifest["config"])
-    task = task_class(cfg.task)(cfg.model, cfg.data.image_size, cfg.data.channels, cfg.seed)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    modules = task.build_parts()
-    for name, module in modules.items():
-        fname = ema_file(name)
-        if args.no_ema or fname not in info.manifest["files"]:
-            fname = model_file(name)
-        module.load_state_dict(store.read_tensors(info, fname))
-        module.to(device).eval()
+    cfg, task, modules = load_for_inference(store, info, use_ema=not args.no_ema, device=device)
     s = cfg.sample
     images = task.sample(
         modules,
@@ -119,8 +109,9 @@ def cmd_sample(args: argparse.Namespace) -> int:
         scheduler=args.scheduler or s.scheduler,
         guidance_scale=s.guidance_scale if args.guidance_scale is None else args.guidance_scale,
     )
-    save_grid(images, args.out)
-    print(f"wrote {args.out}: {args.num} samples from {info.url} (step {info.step})")
+    stem, _ = os.path.splitext(args.out)
+    written = save_media(images, stem)
+    print(f"wrote {', '.join(written)}: {args.num} samples from {info.url} (step {info.step})")
     return EXIT_OK
 
 

@@ -122,6 +122,12 @@ class TrainingMetrics:
         )
         self.world_size = Gauge("gentrain_world_size", "Processes in the job", multiprocess_mode="max")
         self.skipped = Counter("gentrain_skipped_samples", "Samples skipped because they could not be read")
+        self.validation = Gauge(
+            "gentrain_validation",
+            "Named validation metrics of the task (val/<name>)",
+            ["name"],
+            multiprocess_mode="max",
+        )
         self.preemptions = Counter("gentrain_preemptions", "Stops by SIGTERM/SIGINT with an emergency checkpoint")
         self.device_memory = None
         if torch.cuda.is_available():
@@ -177,6 +183,11 @@ class TrainingMetrics:
                 self.loss.labels(name=name).set(value)
         if self.device_memory is not None:
             self.device_memory.set(torch.cuda.memory_allocated())
+
+    def on_validation(self, values: dict[str, float]) -> None:
+        if self.enabled:
+            for name, value in values.items():
+                self.validation.labels(name=name.removeprefix("val/")).set(value)
 
     def on_checkpoint_stall(self, stall: float) -> None:
         """Training-thread seconds spent on a save (every rank: the gather, rank 0: the snapshot/write)."""

@@ -1,4 +1,4 @@
-"""Per-part optimization: AdamW param groups, warmup + cosine schedule, loss scaler and EMA."""
+"""Per-part optimization: settings (train.* overridden by optim.<part>.*), AdamW groups, schedule, EMA."""
 
 from __future__ import annotations
 
@@ -26,20 +26,52 @@ def param_groups(module: nn.Module, weight_decay: float) -> list[dict[str, Any]]
     ]
 
 
-def build_optimizer(module: nn.Module, cfg: Config) -> torch.optim.Optimizer:
-    t = cfg.train
-    return torch.optim.AdamW(param_groups(module, t.weight_decay), lr=t.lr, betas=tuple(t.betas))
+@dataclass(frozen=True)
+class OptimSettings:
+    """One part's optimizer settings: `train.*`, overridden by `optim.<part>.*`."""
+
+    lr: float
+    betas: tuple[float, float]
+    weight_decay: float
+    eps: float
+    warmup_steps: int
+    lr_schedule: str
+    max_grad_norm: float | None
+    max_steps: int
+
+    @classmethod
+    def for_part(cls, cfg: Config, part: str | None = None) -> OptimSettings:
+        t = cfg.train
+        o = cfg.optim.get(part) if part else None
+
+        def pick(name: str, default: Any) -> Any:
+            value = getattr(o, name) if o is not None else None
+            return default if value is None else value
+
+        return cls(
+            lr=pick("lr", t.lr),
+            betas=tuple(pick("betas", t.betas)),
+            weight_decay=pick("weight_decay", t.weight_decay),
+            eps=pick("eps", 1e-8),
+            warmup_steps=pick("warmup_steps", t.warmup_steps),
+            lr_schedule=pick("lr_schedule", t.lr_schedule),
+            max_grad_norm=pick("max_grad_norm", t.max_grad_norm),
+            max_steps=t.max_steps,
+        )
 
 
-def build_lr_schedule(optimizer: torch.optim.Optimizer, cfg: Config) -> torch.optim.lr_scheduler.LRScheduler:
-    """Linear warmup over `train.warmup_steps`, then cosine decay to 0 at `train.max_steps` (or constant)."""
-    name = "cosine" if cfg.train.lr_schedule == "cosine" else "constant_with_warmup"
-    return get_scheduler(
-        name,
-        optimizer,
-        num_warmup_steps=cfg.train.warmup_steps,
-        num_training_steps=cfg.train.max_steps,
-    )
+def build_optimizer(module: nn.Module, cfg: Config, part: str | None = None) -> torch.optim.Optimizer:
+    s = OptimSettings.for_part(cfg, part)
+    return torch.optim.AdamW(param_groups(module, s.weight_decay), lr=s.lr, betas=s.betas, eps=s.eps)
+
+
+def build_lr_schedule(
+    optimizer: torch.optim.Optimizer, cfg: Config, part: str | None = None
+) -> torch.optim.lr_scheduler.LRScheduler:
+    """Linear warmup over `warmup_steps`, then cosine decay to 0 at `train.max_steps` (or constant)."""
+    s = OptimSettings.for_part(cfg, part)
+    name = "cosine" if s.lr_schedule == "cosine" else "constant_with_warmup"
+    return get_scheduler(name, optimizer, num_warmup_steps=s.warmup_steps, num_training_steps=s.max_steps)
 
 
 def build_ema(module: nn.Module, cfg: Config) -> EMAModel | None:
@@ -55,46 +87,3 @@ def build_ema(module: nn.Module, cfg: Config) -> EMAModel | None:
         inv_gamma=e.inv_gamma,
         power=e.power,
     )
-
-
-@dataclass
-class Part:
-    """One independently optimized piece of a task (a UNet, a generator, a discriminator).
-
-    `module` is the bare model; `wrapped` is what forward passes use (the DDP
-    wrapper when distributed). Each part keeps its own step counter: in a GAN
-    the discriminator may step on steps where the generator does not.
-    """
-
-    name: str
-    module: nn.Module
-    wrapped: nn.Module
-    optimizer: torch.optim.Optimizer
-    lr_schedule: torch.optim.lr_scheduler.LRScheduler
-    # One GradScaler per part: accelerate keeps a single scaler for all
-    # optimizers, so an overflow in one part would skip every part's step.
-    scaler: torch.amp.GradScaler
-    ema: EMAModel | None
-    step: int = 0
-
-    def ema_state_dict(self) -> dict[str, torch.Tensor]:
-        """The module's state dict with EMA weights in place of parameters (loadable as the model)."""
-        state = dict(self.module.state_dict())
-        if self.ema is not None:
-            for (name, _), shadow in zip(self.module.named_parameters(), self.ema.shadow_params, strict=True):
-                state[name] = shadow
-        return state
-
-    def ema_meta(self) -> dict[str, Any] | None:
-        if self.ema is None:
-            return None
-        meta = self.ema.state_dict()
-        meta.pop("shadow_params")
-        return meta
-
-    def load_ema(self, tensors: dict[str, torch.Tensor], meta: dict[str, Any]) -> None:
-        assert self.ema is not None
-        params = [tensors[name] for name, _ in self.module.named_parameters()]
-        self.ema.load_state_dict({**meta, "shadow_params": params})
-        device = next(self.module.parameters()).device
-        self.ema.to(device)

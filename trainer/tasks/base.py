@@ -1,9 +1,31 @@
-"""The Task interface the training loop drives; tasks never touch devices, precision or checkpoints."""
+"""The Task interface: what a model family tells the engine. Tasks never touch devices, ranks,
+precision, optimizers or checkpoints; the engine never learns a task's name.
+
+A task
+- **builds** named parts (`build`): trainable ones get their own optimizer,
+  schedule, scaler, EMA and step counter from the engine; *frozen* ones
+  (`frozen_sources`) are loaded from another run's checkpoint, digest-checked,
+  never optimized, never wrapped in DDP and never saved again;
+- says which **phases** run at a step (`phases`): each phase optimizes one
+  part (a GAN: generator, then discriminator once its start step is reached);
+- runs one **forward** per chunk (`forward`) whose outputs every phase of the
+  step shares; phases after the first see them detached;
+- returns per-sample **losses** plus named terms for a phase (`loss`);
+- returns named per-sample **validation metrics** (`validate`);
+- makes **previews** (`previews`): image grids (N, C, H, W) or videos
+  (N, T, C, H, W), from noise or from a real held-out batch.
+
+Inside `forward` and `loss`, `modules[name]` is the DDP-wrapped part when
+that part learns in the current phase, else the bare module with gradients
+off: a discriminator called in the generator phase costs no all-reduce and
+leaves no unused parameters.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping
+from contextlib import AbstractContextManager
+from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 import torch
@@ -16,53 +38,148 @@ class Batch:
     """One chunk of a step's batch on the training device.
 
     `positions` are the samples' places in the step's *global* batch; tasks key
-    their per-sample randomness by them (see trainer.randomness).
+    their per-sample randomness by them (see trainer.randomness). `extras`
+    carries per-sample fields a source provides beyond images and labels
+    (caption embeddings, image embeddings, ...).
     """
 
-    images: torch.Tensor  # (N, C, H, W) in [-1, 1]
+    images: torch.Tensor  # (N, C, H, W) or (N, T, C, H, W), in [-1, 1]
     labels: torch.Tensor  # (N,) int64; -1 when unlabelled
     indices: torch.Tensor  # (N,) dataset indices
     positions: list[int]
     valid: torch.Tensor | None = None  # (N,) 1.0 for loaded samples, 0.0 for unreadable ones
+    extras: dict[str, torch.Tensor] = field(default_factory=dict)
+
+    def __len__(self) -> int:
+        return len(self.positions)
+
+
+@dataclass(frozen=True)
+class Phase:
+    """One optimization phase of a step: the named part it optimizes."""
+
+    name: str
+    part: str
+
+
+@dataclass(frozen=True)
+class StepInfo:
+    """Where training is: the global step being computed and the phase part's own step count."""
+
+    step: int
+    part_step: int = 0
+
+
+@dataclass
+class Loss:
+    """Per-sample loss (N,) for the phase's part, plus named terms to log (per-sample or scalar)."""
+
+    per_sample: torch.Tensor
+    terms: dict[str, torch.Tensor] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class FrozenSource:
+    """A part whose weights come from another run: `url` is a run's checkpoint root or one step dir."""
+
+    url: str
+    part: str  # the part's name in that run
+    use_ema: bool = True
+
+
+@dataclass
+class FrozenWeights:
+    """A resolved frozen source: the source run's config, the weights, and where exactly they came from."""
+
+    config: Any  # trainer.config.Config of the source run
+    tensors: dict[str, torch.Tensor]
+    record: dict[str, Any]  # url, step, file, digest: saved in this run's checkpoints
+
+
+@dataclass
+class TaskContext:
+    """What a task knows about its run besides `model.*`."""
+
+    image_size: int
+    channels: int
+    seed: int
+    num_classes: int | None = None
+    storage_options: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class PreviewContext:
+    """What a preview gets: a real held-out batch and a way to choose online or EMA weights."""
+
+    batch: Batch | None
+    num: int
+    seed: int
+    device: torch.device
+    options: dict[str, Any]  # sampler options from `sample.*` (inference_steps, scheduler, guidance_scale)
+    use_ema: bool
+    weights: Callable[[bool], AbstractContextManager]  # weights(True): EMA weights swapped in
+
+    def preferred_weights(self) -> AbstractContextManager:
+        """EMA weights when `sample.use_ema` (the default), else the online weights."""
+        return self.weights(self.use_ema)
 
 
 class Task:
-    """A generative model made of named parts.
-
-    Subclasses set `ModelConfig` (the pydantic schema of `model.*`) and
-    implement `build_parts`, `loss` and `sample`. Each part gets its own
-    optimizer, LR schedule, loss scaler, EMA and step counter from the loop;
-    `parts_to_step` says which parts take an optimizer step at a given step
-    (all of them for DDPM; alternating generator/discriminator for a GAN).
-    """
+    """A generative model made of named parts. Subclasses set `ModelConfig` and implement
+    `build`, `loss` and `sample`; the rest has defaults that fit a one-part model."""
 
     ModelConfig: ClassVar[type[BaseModel]]
+    # False when the loss is not a per-sample sum (e.g. a GAN's adaptive weight computed from a
+    # chunk's gradients): the engine then refuses train.micro_batch_size instead of changing the update.
+    micro_batch_invariant: ClassVar[bool] = True
 
-    def __init__(self, model_cfg: Mapping[str, Any], image_size: int, channels: int, seed: int):
-        self.cfg = self.ModelConfig.model_validate(dict(model_cfg))
-        self.image_size = image_size
-        self.channels = channels
-        self.seed = seed
+    def __init__(self, model_cfg: BaseModel, ctx: TaskContext):
+        self.cfg = model_cfg
+        self.ctx = ctx
+        self.seed = ctx.seed
 
-    def build_parts(self) -> dict[str, nn.Module]:
+    # ---- parts
+    @classmethod
+    def trainable_part_names(cls, model_cfg: BaseModel) -> list[str]:
+        """Names of the parts that get optimizers (validated against `optim.<part>`)."""
         raise NotImplementedError
 
-    def parts_to_step(self, step: int) -> list[str]:
-        return list(self.part_names)
+    def frozen_sources(self) -> dict[str, FrozenSource]:
+        """Parts loaded from other runs, by part name; resolved before `build`."""
+        return {}
 
-    @property
-    def part_names(self) -> list[str]:
+    def build(self, frozen: Mapping[str, FrozenWeights]) -> dict[str, nn.Module]:
+        """Every part, trainable and frozen, freshly initialized (the engine loads frozen weights)."""
         raise NotImplementedError
+
+    # ---- training
+    def phases(self, step: int, part_steps: Mapping[str, int]) -> list[Phase]:
+        """Phases that run at global step `step`, in order; default: one phase per trainable part."""
+        return [Phase(name, name) for name in self.trainable_part_names(self.cfg)]
+
+    def forward(self, modules: Mapping[str, nn.Module], batch: Batch, step: int) -> dict[str, Any]:
+        """Work shared by the step's phases (a generator's reconstruction); default none."""
+        return {}
 
     def loss(
-        self, part: str, modules: Mapping[str, nn.Module], batch: Batch, step: int
-    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        """Per-sample losses (N,) for `part`, plus named per-sample terms to log."""
+        self, phase: Phase, modules: Mapping[str, nn.Module], batch: Batch, outputs: Mapping[str, Any], info: StepInfo
+    ) -> Loss:
         raise NotImplementedError
+
+    # ---- evaluation and output
+    def validate(self, modules: Mapping[str, nn.Module], batch: Batch) -> dict[str, torch.Tensor]:
+        """Named per-sample validation metrics (averaged over the validation set by the engine)."""
+        phase = self.phases(0, {})[0]
+        return {"loss": self.loss(phase, modules, batch, self.forward(modules, batch, -1), StepInfo(-1)).per_sample}
+
+    def previews(self, modules: Mapping[str, nn.Module], ctx: PreviewContext) -> dict[str, torch.Tensor]:
+        """Named previews: images (N, C, H, W) or videos (N, T, C, H, W) in [0, 1], on CPU."""
+        with ctx.preferred_weights():
+            return {"samples": self.sample(modules, ctx.num, ctx.seed, ctx.device, **ctx.options)}
 
     @torch.no_grad()
     def sample(
         self, modules: Mapping[str, nn.Module], num: int, seed: int, device: torch.device, **kwargs: Any
     ) -> torch.Tensor:
-        """`num` images in [0, 1], shape (num, C, H, W), on CPU."""
+        """`num` outputs in [0, 1] on CPU: images (num, C, H, W) or videos (num, T, C, H, W)."""
         raise NotImplementedError

@@ -1,4 +1,4 @@
-"""DDPM task: diffusers UNet2DModel + DDPMScheduler, epsilon or v targets, min-SNR weighting, CFG."""
+"""DDPM task (`task: ddpm`): diffusers UNet2DModel + DDPMScheduler, epsilon or v targets, min-SNR weighting, CFG."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ from trainer.randomness import (
     per_sample_randn,
     sample_generators,
 )
-from trainer.tasks.base import Batch, Task
+from trainer.tasks.base import Batch, Loss, Phase, StepInfo, Task, TaskContext
 
 
 class DiffusionModelConfig(BaseModel):
@@ -59,29 +59,36 @@ def min_snr_weights(snr: torch.Tensor, gamma: float, prediction_type: str) -> to
     return clipped / (snr + 1)
 
 
-class DiffusionTask(Task):
+class DDPMTask(Task):
     """Denoising diffusion (Ho et al. 2020) with one part, `unet`."""
 
     ModelConfig = DiffusionModelConfig
+    cfg: DiffusionModelConfig
 
-    def __init__(self, model_cfg: Mapping[str, Any], image_size: int, channels: int, seed: int):
-        super().__init__(model_cfg, image_size, channels, seed)
+    def __init__(self, model_cfg: DiffusionModelConfig, ctx: TaskContext):
+        super().__init__(model_cfg, ctx)
         c = self.cfg
+        self.image_size = ctx.image_size
+        self.channels = ctx.channels
+        if c.num_classes and ctx.num_classes and c.num_classes != ctx.num_classes:
+            from trainer.config import ConfigError
+
+            raise ConfigError(f"model.num_classes={c.num_classes} but the dataset has {ctx.num_classes} classes")
         self.noise_scheduler = DDPMScheduler(
             num_train_timesteps=c.num_train_timesteps,
             beta_schedule=c.beta_schedule,
             prediction_type=c.prediction_type,
         )
 
-    @property
-    def part_names(self) -> list[str]:
+    @classmethod
+    def trainable_part_names(cls, model_cfg: DiffusionModelConfig) -> list[str]:
         return ["unet"]
 
     @property
     def conditional(self) -> bool:
         return self.cfg.num_classes is not None
 
-    def build_parts(self) -> dict[str, nn.Module]:
+    def build(self, frozen) -> dict[str, nn.Module]:
         c = self.cfg
         n = len(c.block_out_channels)
         down = ["DownBlock2D"] * n
@@ -108,10 +115,10 @@ class DiffusionTask(Task):
         assert self.cfg.num_classes is not None
         return self.cfg.num_classes
 
-    def loss(self, part: str, modules: Mapping[str, nn.Module], batch: Batch, step: int):
+    def loss(self, phase: Phase, modules: Mapping[str, nn.Module], batch: Batch, outputs, info: StepInfo) -> Loss:
         x0 = batch.images
         device = x0.device
-        gens = sample_generators(self.seed, step, batch.positions)
+        gens = sample_generators(self.seed, info.step, batch.positions)
         noise = per_sample_randn(gens, x0.shape[1:]).to(device, x0.dtype)
         t = per_sample_randint(gens, self.noise_scheduler.config.num_train_timesteps).to(device)
         labels = None
@@ -127,10 +134,10 @@ class DiffusionTask(Task):
         pred = modules["unet"](noisy, t, class_labels=labels).sample
         mse = F.mse_loss(pred.float(), target.float(), reduction="none").mean(dim=(1, 2, 3))
         if self.cfg.snr_gamma is None:
-            return mse, {"mse": mse.detach()}
+            return Loss(mse, {"mse": mse.detach()})
         snr = compute_snr(self.noise_scheduler, t)
         weighted = mse * min_snr_weights(snr, self.cfg.snr_gamma, self.cfg.prediction_type)
-        return weighted, {"mse": mse.detach()}
+        return Loss(weighted, {"mse": mse.detach()})
 
     def inference_scheduler(self, kind: str):
         cls = {"ddim": DDIMScheduler, "dpm": DPMSolverMultistepScheduler}[kind]
@@ -147,6 +154,7 @@ class DiffusionTask(Task):
         scheduler: str = "ddim",
         guidance_scale: float = 1.0,
         labels: torch.Tensor | None = None,
+        **unused: Any,
     ) -> torch.Tensor:
         unet = modules["unet"]
         sched = self.inference_scheduler(scheduler)
@@ -170,3 +178,6 @@ class DiffusionTask(Task):
                 out = unet(model_in, t, class_labels=labels).sample
             x = sched.step(out, t, x).prev_sample
         return ((x.float().clamp(-1, 1) + 1) / 2).cpu()
+
+
+TASK = DDPMTask

@@ -44,3 +44,30 @@ def save_grid(images: torch.Tensor, path: str, nrow: int | None = None) -> str:
     with open(path, "wb") as f:
         f.write(grid_png_bytes(images, nrow))
     return path
+
+
+def contact_sheet(videos: torch.Tensor) -> torch.Tensor:
+    """(N, T, C, H, W) videos -> (N*T, C, H, W) frames, one video per row of the grid."""
+    n, t = videos.shape[:2]
+    return videos.reshape(n * t, *videos.shape[2:])
+
+
+def save_gif(videos: torch.Tensor, path: str, fps: int = 8) -> str:
+    """(N, T, C, H, W) in [0, 1] -> an animated GIF: frame t shows frame t of every video in a grid."""
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    upscale = max(1, 64 // videos.shape[-1])
+    frames = []
+    for t in range(videos.shape[1]):
+        grid = make_grid(videos[:, t], upscale=upscale)
+        frames.append(Image.fromarray(grid[..., 0] if grid.shape[-1] == 1 else grid))
+    frames[0].save(path, save_all=True, append_images=frames[1:], duration=int(1000 / fps), loop=0)
+    return path
+
+
+def save_media(media: torch.Tensor, stem: str) -> list[str]:
+    """Images (N, C, H, W) -> `stem.png`; videos (N, T, C, H, W) -> `stem.gif` + contact sheet `stem.png`."""
+    if media.ndim == 4:
+        return [save_grid(media, f"{stem}.png")]
+    if media.ndim == 5:
+        return [save_gif(media, f"{stem}.gif"), save_grid(contact_sheet(media), f"{stem}.png", nrow=media.shape[1])]
+    raise ValueError(f"a preview must be (N, C, H, W) images or (N, T, C, H, W) videos, got shape {tuple(media.shape)}")

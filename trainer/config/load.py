@@ -13,138 +13,14 @@ import os
 from collections.abc import Iterable, Mapping
 from importlib import resources
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ValidationError
+
+from trainer.config.schema import DEFAULT_PRESET, Config, ConfigError
 
 ENV_PREFIX = "GENTRAIN_"
-DEFAULT_PRESET = "digits-ddpm"
-
-
-class ConfigError(ValueError):
-    """A user error in the config; the CLI prints it and exits 2."""
-
-
-class _Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
-
-
-class RunConfig(_Section):
-    dir: str | None = Field(None, description="local folder for logs and grids; default runs/<name>")
-
-
-class TrainConfig(_Section):
-    max_steps: int = Field(1000, ge=1)
-    batch_size: int = Field(64, ge=1, description="global batch over all ranks and accumulation")
-    grad_accum: int = Field(1, ge=1)
-    micro_batch_size: int | None = Field(None, ge=1, description="largest chunk per forward")
-    lr: float = Field(2e-4, gt=0)
-    warmup_steps: int = Field(0, ge=0)
-    lr_schedule: Literal["cosine", "constant"] = "cosine"
-    weight_decay: float = Field(0.0, ge=0)
-    betas: tuple[float, float] = (0.9, 0.999)
-    max_grad_norm: float | None = Field(1.0, gt=0)
-    precision: Literal["no", "fp16", "bf16"] = "no"
-    log_every_steps: int = Field(50, ge=1)
-    val_every_steps: int = Field(0, ge=0, description="0 = no validation")
-    val_batches: int = Field(4, ge=1)
-    num_workers: int = Field(0, ge=0)
-    threads: int | None = Field(None, ge=1, description="torch intra-op threads per process")
-
-
-class EmaConfig(_Section):
-    enabled: bool = True
-    decay: float = Field(0.999, gt=0, lt=1, description="maximum decay")
-    min_decay: float = Field(0.0, ge=0, lt=1)
-    warmup: bool = True
-    inv_gamma: float = Field(1.0, gt=0)
-    power: float = Field(2 / 3, gt=0)
-    update_after_step: int = Field(0, ge=0)
-
-
-class CheckpointConfig(_Section):
-    url: str | None = Field(None, description="any fsspec URL; default <run.dir>/checkpoints")
-    every_steps: int = Field(500, ge=0, description="0 = only at the end")
-    keep: int = Field(3, ge=1)
-    keep_every_steps: int = Field(0, ge=0, description="0 = no milestones")
-    # `async` is a Python keyword: the attribute is async_, the key stays `async`.
-    async_: bool = Field(False, alias="async")
-    storage_options: dict[str, Any] = Field(default_factory=dict)
-    resume: bool = True
-
-    model_config = ConfigDict(extra="forbid", populate_by_name=True, validate_assignment=True)
-
-
-class SampleConfig(_Section):
-    every_steps: int = Field(0, ge=0, description="0 = only at the end")
-    num: int = Field(64, ge=1)
-    inference_steps: int = Field(50, ge=1)
-    scheduler: Literal["ddim", "dpm"] = "ddim"
-    guidance_scale: float = Field(1.0, ge=0)
-    use_ema: bool = True
-
-
-class MetricsConfig(_Section):
-    port: int = Field(0, ge=0, le=65535, description="0 = off")
-    host: str = "0.0.0.0"
-    linger_seconds: float = Field(0.0, ge=0, description="keep serving final values this long at exit")
-
-
-class ElasticConfig(_Section):
-    grace_seconds: float = Field(25.0, gt=0)
-    collective_timeout_seconds: float = Field(
-        600.0, ge=30, description="a hung collective (lost peer, stuck init) fails after this; torchrun restarts"
-    )
-
-
-class LogConfig(_Section):
-    tensorboard: bool = False
-    wandb: bool = False
-
-
-class DataConfig(_Section):
-    source: Literal["digits", "folder"] = "digits"
-    path: str | None = None
-    image_size: int = Field(16, ge=4)
-    channels: Literal[1, 3] = 1
-    flip: bool = False
-    val_fraction: float = Field(0.05, ge=0, lt=1)
-    ledger: bool = Field(False, description="record consumed sample indices in run.dir/ledger")
-
-    @model_validator(mode="after")
-    def _folder_needs_path(self) -> DataConfig:
-        if self.source == "folder" and not self.path:
-            raise ValueError("data.source=folder needs data.path (a folder of images)")
-        return self
-
-
-class Config(_Section):
-    name: str = DEFAULT_PRESET
-    task: str = "ddpm"
-    seed: int = 0
-    run: RunConfig = Field(default_factory=RunConfig)
-    train: TrainConfig = Field(default_factory=TrainConfig)
-    ema: EmaConfig = Field(default_factory=EmaConfig)
-    checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
-    sample: SampleConfig = Field(default_factory=SampleConfig)
-    metrics: MetricsConfig = Field(default_factory=MetricsConfig)
-    elastic: ElasticConfig = Field(default_factory=ElasticConfig)
-    log: LogConfig = Field(default_factory=LogConfig)
-    data: DataConfig = Field(default_factory=DataConfig)
-    # Validated by the task's own model config class (see trainer.tasks).
-    model: dict[str, Any] = Field(default_factory=dict)
-
-    @property
-    def run_dir(self) -> str:
-        return self.run.dir or os.path.join("runs", self.name)
-
-    @property
-    def checkpoint_url(self) -> str:
-        return self.checkpoint.url or os.path.join(self.run_dir, "checkpoints")
-
-    def to_dict(self) -> dict[str, Any]:
-        return self.model_dump(mode="json", by_alias=True)
 
 
 # ---------------------------------------------------------------- presets
@@ -305,6 +181,29 @@ def split_preset(args: list[str]) -> tuple[str | None, list[str]]:
     return None, list(args)
 
 
+def resolve(cfg: Config) -> Config:
+    """Validate `model.*` against the task's schema and `optim.*` against its parts (once, typed)."""
+    from trainer.registry import task_class  # no torch until a task module is imported
+
+    cls = task_class(cfg.task)
+    typed = validate_section(cls.ModelConfig, dict(cfg.model), prefix="model")
+    parts = cls.trainable_part_names(typed)
+    unknown = sorted(set(cfg.optim) - set(parts))
+    if unknown:
+        raise ConfigError(
+            f"optim.{unknown[0]}: task {cfg.task!r} has no trainable part {unknown[0]!r}; "
+            f"its parts are: {', '.join(parts)} (e.g. optim.{parts[-1]}.lr=1e-4)"
+        )
+    cfg.model = typed.model_dump(mode="json")
+    cfg._model_cfg = typed
+    return cfg
+
+
+def config_from_dict(tree: dict[str, Any]) -> Config:
+    """A config saved in a checkpoint's manifest, validated and resolved like a loaded one."""
+    return resolve(validate_section(Config, tree))
+
+
 def load_config(
     preset_or_yaml: str | None = None,
     overrides: Iterable[str] = (),
@@ -315,9 +214,4 @@ def load_config(
     tree = load_base(preset_or_yaml)
     tree = deep_merge(tree, env_overrides(environ))
     tree = deep_merge(tree, parse_overrides(overrides))
-    cfg = validate_section(Config, tree)
-    # Local import: tasks import torch and diffusers, config must stay light.
-    from trainer.tasks import validate_model_config
-
-    cfg.model = validate_model_config(cfg.task, cfg.model)
-    return cfg
+    return config_from_dict(tree)

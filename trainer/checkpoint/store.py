@@ -25,8 +25,8 @@ import posixpath
 import re
 import threading
 import time
-from collections.abc import Callable, Iterable, Mapping
-from concurrent.futures import Future, ThreadPoolExecutor
+from collections.abc import Iterable, Mapping
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from typing import Any
@@ -36,13 +36,14 @@ import torch
 from fsspec.implementations.local import LocalFileSystem
 from safetensors.torch import load as safetensors_load
 
+from trainer.checkpoint.format import Hasher, fsync, write_safetensors
+
 log = logging.getLogger(__name__)
 
 FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
 LATEST = "LATEST"
 _STEP_RE = re.compile(r"^step-(\d{9,})$")
-_CHUNK = 64 << 20
 
 
 class CheckpointError(RuntimeError):
@@ -55,148 +56,6 @@ class CheckpointCorrupt(CheckpointError):
 
 def step_dir_name(step: int) -> str:
     return f"step-{step:09d}"
-
-
-# ------------------------------------------------------------ state <-> files
-
-
-def split_tensors(tree: Any, prefix: str = "") -> tuple[dict[str, torch.Tensor], Any]:
-    """Replace every tensor in a nested state dict by {"__tensor__": key}.
-
-    Returns the tensors (for safetensors) and the JSON-able skeleton. Tuples
-    become lists and int dict keys are tagged so `join_tensors` restores them.
-    """
-    tensors: dict[str, torch.Tensor] = {}
-
-    def walk(x: Any, path: str) -> Any:
-        if isinstance(x, torch.Tensor):
-            tensors[path] = x
-            return {"__tensor__": path}
-        if isinstance(x, Mapping):
-            out = {}
-            for k, v in x.items():
-                key = f"__int__{k}" if isinstance(k, int) else str(k)
-                out[key] = walk(v, f"{path}.{k}" if path else str(k))
-            return out
-        if isinstance(x, list | tuple):
-            return [walk(v, f"{path}.{i}") for i, v in enumerate(x)]
-        if x is None or isinstance(x, bool | int | float | str):
-            return x
-        raise TypeError(f"cannot checkpoint value of type {type(x).__name__} at {path!r}")
-
-    return tensors, walk(tree, prefix)
-
-
-def join_tensors(skeleton: Any, tensors: Mapping[str, torch.Tensor]) -> Any:
-    if isinstance(skeleton, dict):
-        if set(skeleton) == {"__tensor__"}:
-            return tensors[skeleton["__tensor__"]]
-        return {
-            (int(k[len("__int__") :]) if k.startswith("__int__") else k): join_tensors(v, tensors)
-            for k, v in skeleton.items()
-        }
-    if isinstance(skeleton, list):
-        return [join_tensors(v, tensors) for v in skeleton]
-    return skeleton
-
-
-# ------------------------------------------------------------ safetensors writer
-
-_DTYPES = {
-    torch.float64: "F64",
-    torch.float32: "F32",
-    torch.float16: "F16",
-    torch.bfloat16: "BF16",
-    torch.int64: "I64",
-    torch.int32: "I32",
-    torch.int16: "I16",
-    torch.int8: "I8",
-    torch.uint8: "U8",
-    torch.bool: "BOOL",
-}
-
-
-def _tensor_bytes(t: torch.Tensor) -> memoryview:
-    t = t.detach()
-    if t.device.type != "cpu":
-        t = t.cpu()
-    t = t.contiguous()
-    if t.numel() == 0:
-        return memoryview(b"")
-    return memoryview(t.reshape(-1).view(torch.uint8).numpy())
-
-
-def write_safetensors(f, tensors: Mapping[str, torch.Tensor], on_bytes: Callable[[memoryview], None]) -> int:
-    """Stream `tensors` to file object `f` in the safetensors format; returns bytes written.
-
-    Written by hand because the safetensors package can only serialize to a
-    complete in-memory `bytes` copy or to a local path, and checkpoints must go
-    to any fsspec file (S3, GCS) without a second full copy in memory while the
-    sha256 is computed on the way. The result is read back with the safetensors
-    library itself (tests check the round trip).
-    """
-    header: dict[str, Any] = {}
-    offset = 0
-    names = sorted(tensors)
-    for name in names:
-        t = tensors[name]
-        if t.dtype not in _DTYPES:
-            raise TypeError(f"cannot store tensor {name!r} of dtype {t.dtype} in safetensors")
-        n = t.numel() * t.element_size()
-        header[name] = {"dtype": _DTYPES[t.dtype], "shape": list(t.shape), "data_offsets": [offset, offset + n]}
-        offset += n
-    raw = json.dumps(header, separators=(",", ":")).encode()
-    raw += b" " * (-len(raw) % 8)
-    head = memoryview(len(raw).to_bytes(8, "little") + raw)
-    total = 0
-    for chunk in [head] + [_tensor_bytes(tensors[n]) for n in names]:
-        for i in range(0, len(chunk), _CHUNK):
-            piece = chunk[i : i + _CHUNK]
-            on_bytes(piece)
-            f.write(piece)
-            total += len(piece)
-    return total
-
-
-class _Hasher:
-    """sha256 on a helper thread, overlapped with the write of the same bytes.
-
-    hashlib releases the GIL on large buffers, so hashing chunk i while chunk
-    i+1 is written hides the ~1.4 GB/s hash behind the (slower) write.
-    """
-
-    def __init__(self) -> None:
-        self._sha = hashlib.sha256()
-        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="gentrain-sha")
-        self._pending: Future | None = None
-
-    def __enter__(self) -> _Hasher:
-        return self
-
-    def update(self, chunk: memoryview) -> None:
-        if self._pending is not None:
-            self._pending.result()
-        self._pending = self._pool.submit(self._sha.update, chunk)
-
-    def hexdigest(self) -> str:
-        if self._pending is not None:
-            self._pending.result()
-            self._pending = None
-        return self._sha.hexdigest()
-
-    def __exit__(self, *exc) -> None:
-        if self._pending is not None:
-            self._pending.result()
-        self._pool.shutdown(wait=True)
-
-
-def _fsync(f) -> None:
-    f.flush()
-    inner = getattr(f, "f", f)  # fsspec's LocalFileOpener wraps the real file
-    os.fsync(inner.fileno())
-
-
-# ------------------------------------------------------------ the store
 
 
 @dataclass
@@ -244,7 +103,8 @@ class CheckpointStore:
         keep_every_steps: int = 0,
     ):
         self.url = url.rstrip("/")
-        self.fs, self.root = fsspec.core.url_to_fs(self.url, **dict(storage_options or {}))
+        self.storage_options = dict(storage_options or {})
+        self.fs, self.root = fsspec.core.url_to_fs(self.url, **self.storage_options)
         self.root = self.root.rstrip("/")
         self.keep = keep
         self.keep_every_steps = keep_every_steps
@@ -264,7 +124,7 @@ class CheckpointStore:
             tmp = f"{path}.tmp-{threading.get_ident()}"
             with open(tmp, "wb") as f:
                 f.write(data)
-                _fsync(f)
+                fsync(f)
             os.replace(tmp, path)
         else:
             # One PUT: object stores make it visible whole or not at all.
@@ -303,7 +163,7 @@ class CheckpointStore:
         return SaveResult(info, time.perf_counter() - t0, total, deleted)
 
     def _write_payload(self, d: str, name: str, payload: Payload) -> dict[str, Any]:
-        with self.fs.open(posixpath.join(d, name), "wb") as f, _Hasher() as sha:
+        with self.fs.open(posixpath.join(d, name), "wb") as f, Hasher() as sha:
             if isinstance(payload, bytes | bytearray):
                 sha.update(memoryview(payload))
                 f.write(payload)
@@ -311,7 +171,7 @@ class CheckpointStore:
             else:
                 n = write_safetensors(f, payload, sha.update)
             if self._local:
-                _fsync(f)  # payload durable before the manifest commits it
+                fsync(f)  # payload durable before the manifest commits it
             return {"bytes": n, "sha256": sha.hexdigest()}
 
     # -- discovery

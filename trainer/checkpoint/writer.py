@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from trainer.checkpoint import CheckpointStore, Payload, SaveResult
+from trainer.checkpoint.store import CheckpointStore, Payload, SaveResult
 
 log = logging.getLogger(__name__)
 

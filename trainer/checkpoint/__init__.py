@@ -1,0 +1,36 @@
+"""Checkpoints: a store that commits and discovers them, the file format, a sync/async writer,
+what training state goes into which file, and the manager that decides when to save and resume.
+
+    store.py    CheckpointStore: commit (manifest last), discovery, verification, retention
+    format.py   nested state <-> safetensors + JSON skeleton; streaming writer; digests
+    writer.py   Checkpointer: sync or background saves of a snapshot, one in flight
+    state.py    which Stateful object goes to which file; restore from them
+    weights.py  load one part's weights from any run (sampling, frozen parts)
+    manager.py  CheckpointManager: when to save, resume, emergency save, failure counting
+"""
+
+from trainer.checkpoint.format import join_tensors, split_tensors, write_safetensors
+from trainer.checkpoint.store import (
+    CheckpointCorrupt,
+    CheckpointError,
+    CheckpointInfo,
+    CheckpointStore,
+    Payload,
+    SaveResult,
+    resolve_checkpoint,
+    step_dir_name,
+)
+
+__all__ = [
+    "CheckpointCorrupt",
+    "CheckpointError",
+    "CheckpointInfo",
+    "CheckpointStore",
+    "Payload",
+    "SaveResult",
+    "join_tensors",
+    "resolve_checkpoint",
+    "split_tensors",
+    "step_dir_name",
+    "write_safetensors",
+]

@@ -1,0 +1,53 @@
+"""Typed training config: schema (sections, no torch) and loading (presets, YAML, env, key=value)."""
+
+from trainer.config.load import (
+    DEFAULT_PRESET,
+    ConfigError,
+    config_from_dict,
+    deep_merge,
+    env_overrides,
+    load_base,
+    load_config,
+    parse_overrides,
+    preset_names,
+    preset_summary,
+    resolve,
+    split_preset,
+    validate_section,
+)
+from trainer.config.schema import (
+    CheckpointConfig,
+    Config,
+    DataConfig,
+    ElasticConfig,
+    EmaConfig,
+    MetricsConfig,
+    OptimConfig,
+    SampleConfig,
+    TrainConfig,
+)
+
+__all__ = [
+    "DEFAULT_PRESET",
+    "CheckpointConfig",
+    "Config",
+    "ConfigError",
+    "DataConfig",
+    "ElasticConfig",
+    "EmaConfig",
+    "MetricsConfig",
+    "OptimConfig",
+    "SampleConfig",
+    "TrainConfig",
+    "config_from_dict",
+    "deep_merge",
+    "resolve",
+    "env_overrides",
+    "load_base",
+    "load_config",
+    "parse_overrides",
+    "preset_names",
+    "preset_summary",
+    "split_preset",
+    "validate_section",
+]

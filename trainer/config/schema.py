@@ -1,0 +1,161 @@
+"""The config schema: one pydantic section per concern. No torch here (tasks import this module).
+
+`model.*` is validated by the task's own schema, found through `trainer.registry`
+by task name, so the schema of a task lives next to the task. `optim.<part>.*`
+overrides the optimizer settings of one part (e.g. a discriminator's lr and betas).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, model_validator
+
+DEFAULT_PRESET = "digits-ddpm"
+
+
+class ConfigError(ValueError):
+    """A user error in the config; the CLI prints it and exits 2."""
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class RunConfig(_Section):
+    dir: str | None = Field(None, description="local folder for logs and grids; default runs/<name>")
+
+
+class TrainConfig(_Section):
+    max_steps: int = Field(1000, ge=1)
+    batch_size: int = Field(64, ge=1, description="global batch over all ranks and accumulation")
+    grad_accum: int = Field(1, ge=1)
+    micro_batch_size: int | None = Field(None, ge=1, description="largest chunk per forward")
+    lr: float = Field(2e-4, gt=0)
+    warmup_steps: int = Field(0, ge=0)
+    lr_schedule: Literal["cosine", "constant"] = "cosine"
+    weight_decay: float = Field(0.0, ge=0)
+    betas: tuple[float, float] = (0.9, 0.999)
+    max_grad_norm: float | None = Field(1.0, gt=0)
+    precision: Literal["no", "fp16", "bf16"] = "no"
+    log_every_steps: int = Field(50, ge=1)
+    val_every_steps: int = Field(0, ge=0, description="0 = no validation")
+    val_batches: int = Field(4, ge=1)
+    num_workers: int = Field(0, ge=0)
+    threads: int | None = Field(None, ge=1, description="torch intra-op threads per process")
+
+
+class EmaConfig(_Section):
+    enabled: bool = True
+    decay: float = Field(0.999, gt=0, lt=1, description="maximum decay")
+    min_decay: float = Field(0.0, ge=0, lt=1)
+    warmup: bool = True
+    inv_gamma: float = Field(1.0, gt=0)
+    power: float = Field(2 / 3, gt=0)
+    update_after_step: int = Field(0, ge=0)
+
+
+class CheckpointConfig(_Section):
+    url: str | None = Field(None, description="any fsspec URL; default <run.dir>/checkpoints")
+    every_steps: int = Field(500, ge=0, description="0 = only at the end")
+    keep: int = Field(3, ge=1)
+    keep_every_steps: int = Field(0, ge=0, description="0 = no milestones")
+    # `async` is a Python keyword: the attribute is async_, the key stays `async`.
+    async_: bool = Field(False, alias="async")
+    storage_options: dict[str, Any] = Field(default_factory=dict)
+    resume: bool = True
+
+    model_config = ConfigDict(extra="forbid", populate_by_name=True, validate_assignment=True)
+
+
+class SampleConfig(_Section):
+    every_steps: int = Field(0, ge=0, description="0 = only at the end")
+    num: int = Field(64, ge=1)
+    inference_steps: int = Field(50, ge=1)
+    scheduler: Literal["ddim", "dpm"] = "ddim"
+    guidance_scale: float = Field(1.0, ge=0)
+    use_ema: bool = True
+
+
+class MetricsConfig(_Section):
+    port: int = Field(0, ge=0, le=65535, description="0 = off")
+    host: str = "0.0.0.0"
+    linger_seconds: float = Field(0.0, ge=0, description="keep serving final values this long at exit")
+
+
+class ElasticConfig(_Section):
+    grace_seconds: float = Field(25.0, gt=0)
+    collective_timeout_seconds: float = Field(
+        600.0, ge=30, description="a hung collective (lost peer, stuck init) fails after this; torchrun restarts"
+    )
+
+
+class LogConfig(_Section):
+    tensorboard: bool = False
+    wandb: bool = False
+
+
+class DataConfig(_Section):
+    source: Literal["digits", "folder"] = "digits"
+    path: str | None = None
+    image_size: int = Field(16, ge=4)
+    channels: Literal[1, 3] = 1
+    flip: bool = False
+    val_fraction: float = Field(0.05, ge=0, lt=1)
+    ledger: bool = Field(False, description="record consumed sample indices in run.dir/ledger")
+
+    @model_validator(mode="after")
+    def _folder_needs_path(self) -> DataConfig:
+        if self.source == "folder" and not self.path:
+            raise ValueError("data.source=folder needs data.path (a folder of images)")
+        return self
+
+
+class OptimConfig(_Section):
+    """Per-part overrides of the `train.*` optimizer settings; unset keys inherit them."""
+
+    lr: float | None = Field(None, gt=0)
+    betas: tuple[float, float] | None = None
+    weight_decay: float | None = Field(None, ge=0)
+    eps: float | None = Field(None, gt=0)
+    warmup_steps: int | None = Field(None, ge=0)
+    lr_schedule: Literal["cosine", "constant"] | None = None
+    max_grad_norm: float | None = Field(None, gt=0)
+
+
+class Config(_Section):
+    name: str = DEFAULT_PRESET
+    task: str = "ddpm"
+    seed: int = 0
+    run: RunConfig = Field(default_factory=RunConfig)
+    train: TrainConfig = Field(default_factory=TrainConfig)
+    ema: EmaConfig = Field(default_factory=EmaConfig)
+    checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
+    sample: SampleConfig = Field(default_factory=SampleConfig)
+    metrics: MetricsConfig = Field(default_factory=MetricsConfig)
+    elastic: ElasticConfig = Field(default_factory=ElasticConfig)
+    log: LogConfig = Field(default_factory=LogConfig)
+    data: DataConfig = Field(default_factory=DataConfig)
+    optim: dict[str, OptimConfig] = Field(default_factory=dict, description="per-part optimizer overrides")
+    # Validated by the task's own schema (trainer.registry); the typed object is `model_cfg`.
+    model: dict[str, Any] = Field(default_factory=dict)
+    _model_cfg: Any = PrivateAttr(default=None)
+
+    @property
+    def model_cfg(self) -> Any:
+        """The task's typed `model.*` section (set by `trainer.config.load_config` / `resolve`)."""
+        if self._model_cfg is None:
+            raise RuntimeError("config was not resolved against its task; use trainer.config.load_config")
+        return self._model_cfg
+
+    @property
+    def run_dir(self) -> str:
+        return self.run.dir or os.path.join("runs", self.name)
+
+    @property
+    def checkpoint_url(self) -> str:
+        return self.checkpoint.url or os.path.join(self.run_dir, "checkpoints")
+
+    def to_dict(self) -> dict[str, Any]:
+        return self.model_dump(mode="json", by_alias=True)

@@ -1,0 +1,212 @@
+"""Parts: trainable ones (module, DDP wrapper, optimizer, schedule, scaler, EMA, step counter) and
+frozen ones (weights from another run, never optimized or saved). Built from a task's modules."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+from diffusers.training_utils import EMAModel
+from torch import nn
+
+from trainer.config import Config
+from trainer.optim import OptimSettings, build_ema, build_lr_schedule, build_optimizer
+from trainer.tasks.base import FrozenWeights
+
+log = logging.getLogger(__name__)
+
+
+class Part:
+    """One independently optimized piece of a task (a UNet, a generator, a discriminator, a stage).
+
+    `module` is the bare model; `wrapped` is what forward passes use while the
+    part learns (the DDP wrapper when distributed). Each part keeps its own
+    step counter: a discriminator may start later than its generator, and a
+    cascade stage not trained in this run keeps its count. Everything it owns
+    is saved through `state_dict()` and restored through `load_state_dict()`.
+    """
+
+    def __init__(
+        self,
+        name: str,
+        module: nn.Module,
+        wrapped: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        lr_schedule: torch.optim.lr_scheduler.LRScheduler,
+        scaler: torch.amp.GradScaler,
+        ema: EMAModel | None,
+        settings: OptimSettings,
+    ):
+        self.name = name
+        self.module = module
+        self.wrapped = wrapped
+        self.optimizer = optimizer
+        self.lr_schedule = lr_schedule
+        # One GradScaler per part: accelerate keeps a single scaler for all
+        # optimizers, so an overflow in one part would skip every part's step.
+        self.scaler = scaler
+        self.ema = ema
+        self.settings = settings
+        self.step = 0
+
+    def optimizer_step(self) -> float:
+        """Unscale, clip, step optimizer, schedule and EMA; returns the gradient norm before clipping."""
+        self.scaler.unscale_(self.optimizer)
+        max_norm = self.settings.max_grad_norm
+        params = [p for p in self.module.parameters() if p.grad is not None]
+        norm = torch.nn.utils.clip_grad_norm_(params, max_norm if max_norm else float("inf"))
+        self.scaler.step(self.optimizer)
+        self.scaler.update()
+        self.lr_schedule.step()
+        if self.ema is not None:
+            self.ema.step(self.module.parameters())
+        self.step += 1
+        return float(norm)
+
+    @property
+    def lr(self) -> float:
+        return self.lr_schedule.get_last_lr()[0]
+
+    # ---- state
+    def ema_weights(self) -> dict[str, torch.Tensor]:
+        """The module's state dict with EMA weights in place of parameters (loadable as the model)."""
+        state = dict(self.module.state_dict())
+        if self.ema is not None:
+            for (name, _), shadow in zip(self.module.named_parameters(), self.ema.shadow_params, strict=True):
+                state[name] = shadow
+        return state
+
+    def state_dict(self) -> dict[str, Any]:
+        ema_meta = None
+        if self.ema is not None:
+            ema_meta = self.ema.state_dict()
+            ema_meta.pop("shadow_params")
+        return {
+            "model": dict(self.module.state_dict()),
+            "ema": self.ema_weights() if self.ema is not None else None,
+            "optimizer": self.optimizer.state_dict(),
+            "lr_schedule": self.lr_schedule.state_dict(),
+            "scaler": self.scaler.state_dict(),
+            "ema_meta": ema_meta,
+            "step": self.step,
+        }
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        self.module.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.lr_schedule.load_state_dict(state["lr_schedule"])
+        if state.get("scaler"):
+            self.scaler.load_state_dict(state["scaler"])
+        if self.ema is not None and state.get("ema") is not None and state.get("ema_meta"):
+            params = [state["ema"][name] for name, _ in self.module.named_parameters()]
+            self.ema.load_state_dict({**state["ema_meta"], "shadow_params": params})
+            self.ema.to(next(self.module.parameters()).device)
+        self.step = int(state["step"])
+
+
+class FrozenPart:
+    """A part loaded from another run: eval mode, no gradients, never wrapped, optimized or saved."""
+
+    def __init__(self, name: str, module: nn.Module, weights: FrozenWeights):
+        self.name = name
+        self.module = module
+        self.record = weights.record
+        missing, unexpected = module.load_state_dict(weights.tensors, strict=False)
+        if missing or unexpected:
+            from trainer.config import ConfigError
+
+            raise ConfigError(
+                f"frozen part {name!r} from {weights.record['url']}: its weights do not fit the model this task "
+                f"builds (missing {missing[:5]}, unexpected {unexpected[:5]}). Is the URL a run of the right task?"
+            )
+        module.requires_grad_(False)
+        module.eval()
+
+
+def build_parts(
+    modules: Mapping[str, nn.Module],
+    trainable: list[str],
+    frozen: Mapping[str, FrozenWeights],
+    wrapped_names: set[str],
+    cfg: Config,
+    device: torch.device,
+    wrap: Any,
+) -> tuple[dict[str, Part], dict[str, FrozenPart]]:
+    """Parts from a task's modules; `wrap(module)` makes the DDP wrapper for parts in `wrapped_names`."""
+    parts: dict[str, Part] = {}
+    frozen_parts: dict[str, FrozenPart] = {}
+    unknown = set(modules) - set(trainable) - set(frozen)
+    if unknown:
+        raise RuntimeError(f"task built parts {sorted(unknown)} that are neither trainable nor frozen")
+    for name, module in modules.items():
+        module.to(device)
+        if name in frozen:
+            frozen_parts[name] = FrozenPart(name, module, frozen[name])
+            continue
+        optimizer = build_optimizer(module, cfg, name)
+        parts[name] = Part(
+            name=name,
+            module=module,
+            wrapped=wrap(module) if name in wrapped_names else module,
+            optimizer=optimizer,
+            lr_schedule=build_lr_schedule(optimizer, cfg, name),
+            scaler=torch.amp.GradScaler(device.type, enabled=cfg.train.precision == "fp16"),
+            ema=build_ema(module, cfg),
+            settings=OptimSettings.for_part(cfg, name),
+        )
+    return parts, frozen_parts
+
+
+class ModuleView(Mapping):
+    """What a task sees as `modules`: the wrapper for parts that learn now, bare modules otherwise."""
+
+    def __init__(self, parts: Mapping[str, Part], frozen: Mapping[str, FrozenPart], learning: set[str]):
+        self._parts = parts
+        self._frozen = frozen
+        self._learning = learning
+
+    def __getitem__(self, name: str) -> nn.Module:
+        if name in self._parts:
+            part = self._parts[name]
+            return part.wrapped if name in self._learning else part.module
+        return self._frozen[name].module
+
+    def __iter__(self) -> Iterator[str]:
+        yield from self._parts
+        yield from self._frozen
+
+    def __len__(self) -> int:
+        return len(self._parts) + len(self._frozen)
+
+
+def bare_modules(parts: Mapping[str, Part], frozen: Mapping[str, FrozenPart]) -> dict[str, nn.Module]:
+    return {**{n: p.module for n, p in parts.items()}, **{n: f.module for n, f in frozen.items()}}
+
+
+@contextmanager
+def ema_swapped(parts: Mapping[str, Part], enabled: bool = True):
+    """EMA weights in the modules for the duration (sampling, previews), the online ones after."""
+    swapped = [p for p in parts.values() if p.ema is not None] if enabled else []
+    for p in swapped:
+        p.ema.store(p.module.parameters())
+        p.ema.copy_to(p.module.parameters())
+    try:
+        yield
+    finally:
+        for p in swapped:
+            p.ema.restore(p.module.parameters())
+
+
+@contextmanager
+def eval_mode(modules: Mapping[str, nn.Module]):
+    was = {n: m.training for n, m in modules.items()}
+    for m in modules.values():
+        m.eval()
+    try:
+        yield
+    finally:
+        for n, m in modules.items():
+            m.train(was[n])

@@ -1,0 +1,91 @@
+"""Previews: sample grids, reconstructions and videos written to run.dir/samples/ by rank 0."""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections.abc import Callable, Mapping
+
+import torch
+
+from trainer.config import SampleConfig
+from trainer.data import collate, validation_refs
+from trainer.engine.parts import FrozenPart, Part, bare_modules, ema_swapped, eval_mode
+from trainer.engine.step import to_device
+from trainer.media import save_media
+from trainer.tasks.base import Batch, PreviewContext, Task
+
+log = logging.getLogger("gentrain")
+
+
+class Previewer:
+    """Every `sample.every_steps` and at the end, rank 0 asks the task for its previews and saves them.
+
+    `samples/step-N.png` holds the preview named "samples"; others are
+    `samples/step-N-<name>.png` (videos also `.gif`). Reconstruction previews
+    get the same real held-out batch every time, so grids compare across steps.
+    """
+
+    def __init__(
+        self,
+        task: Task,
+        parts: Mapping[str, Part],
+        frozen: Mapping[str, FrozenPart],
+        cfg: SampleConfig,
+        held_out,
+        seed: int,
+        run_dir: str,
+        is_main: bool,
+        device: torch.device,
+        report: Callable[[int, dict[str, torch.Tensor]], None],
+    ):
+        self.task = task
+        self.parts = parts
+        self.modules = bare_modules(parts, frozen)
+        self.cfg = cfg
+        self.held_out = held_out
+        self.seed = seed
+        self.dir = os.path.join(run_dir, "samples")
+        self.is_main = is_main
+        self.device = device
+        self.report = report
+        self._batch: Batch | None = None
+
+    def maybe_run(self, step: int, last: bool = False) -> list[str]:
+        every = self.cfg.every_steps
+        if not self.is_main or not (last or (every and step % every == 0)):
+            return []
+        return self.run(step)
+
+    def fixed_batch(self) -> Batch | None:
+        if self._batch is None and self.held_out is not None and len(self.held_out):
+            refs = validation_refs(self.held_out, self.cfg.num, 1, 0, 1)[0]
+            self._batch = to_device(collate([self.held_out[r] for r in refs]), 0, len(refs), self.device)
+        return self._batch
+
+    @torch.no_grad()
+    def run(self, step: int) -> list[str]:
+        t0 = time.perf_counter()
+        ctx = PreviewContext(
+            batch=self.fixed_batch(),
+            num=self.cfg.num,
+            seed=self.seed,
+            device=self.device,
+            options={
+                "inference_steps": self.cfg.inference_steps,
+                "scheduler": self.cfg.scheduler,
+                "guidance_scale": self.cfg.guidance_scale,
+            },
+            use_ema=self.cfg.use_ema,
+            weights=lambda ema: ema_swapped(self.parts, ema),
+        )
+        with eval_mode(self.modules):
+            previews = self.task.previews(self.modules, ctx)
+        paths = []
+        for name, media in previews.items():
+            stem = os.path.join(self.dir, f"step-{step:09d}" + ("" if name == "samples" else f"-{name}"))
+            paths += save_media(media, stem)
+        log.info("sample grid %s (%.1fs)", ", ".join(paths), time.perf_counter() - t0)
+        self.report(step, previews)
+        return paths

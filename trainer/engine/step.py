@@ -1,0 +1,185 @@
+"""One optimizer step: split the rank's batch into chunks, run the task's forward once per chunk,
+each phase's loss and backward, then step every part that learned.
+
+Why the details are the way they are:
+- Each phase's per-sample losses are summed and divided by the rank batch, so
+  DDP's mean over ranks is the mean over the global batch however the step is
+  split into accumulation and micro chunks.
+- Gradient all-reduce happens on the last chunk only (`no_sync` before it).
+- A part outside the current phase is called bare with `requires_grad=False`:
+  no all-reduce of its gradients and no unused parameters in DDP.
+- The global RNG (dropout, any library draw) is reseeded per chunk from
+  (seed, step, rank, chunk), so a resumed run draws what the uninterrupted
+  one drew, whatever else consumed random numbers before (data loader
+  iterators, sampling, validation). Per-sample draws that must not depend on
+  the world size use trainer.randomness.sample_generators instead.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Iterator, Mapping
+from contextlib import ExitStack, nullcontext
+from typing import Any
+
+import numpy as np
+import torch
+
+from trainer.config import Config, ConfigError
+from trainer.engine.parts import FrozenPart, ModuleView, Part
+from trainer.randomness import derive_seed
+from trainer.tasks.base import Batch, Phase, StepInfo, Task
+
+_STREAM_GLOBAL = 3
+
+
+def autocast(device: torch.device, precision: str):
+    if precision == "no":
+        return nullcontext()
+    return torch.autocast(device.type, dtype=torch.float16 if precision == "fp16" else torch.bfloat16)
+
+
+def check_batch_split(batch_size: int, world_size: int, grad_accum: int) -> int:
+    """Samples per forward chunk before micro-batching; a clear error when the split is uneven."""
+    if batch_size % (world_size * grad_accum):
+        ok = [w for w in range(1, 65) if batch_size % (w * grad_accum) == 0]
+        raise ConfigError(
+            f"train.batch_size={batch_size} cannot be split evenly over world size {world_size} x "
+            f"train.grad_accum={grad_accum}. The global batch stays fixed across restarts so that no "
+            f"sample is seen twice; choose a batch size divisible by {world_size * grad_accum}, or run "
+            f"at a world size in {ok[:12]}."
+        )
+    return batch_size // (world_size * grad_accum)
+
+
+def reseed_global_rng(seed: int, step: int, rank: int, chunk: int) -> None:
+    """Counter-based global RNG: torch (CPU and CUDA), numpy and random as a function of the position."""
+    s = derive_seed(seed, _STREAM_GLOBAL, step, rank, chunk)
+    torch.manual_seed(s)
+    if chunk == 0:
+        np.random.seed(s % (1 << 32))
+        random.seed(s)
+
+
+def detach_tree(x: Any) -> Any:
+    if isinstance(x, torch.Tensor):
+        return x.detach()
+    if isinstance(x, Mapping):
+        return {k: detach_tree(v) for k, v in x.items()}
+    if isinstance(x, list | tuple):
+        return type(x)(detach_tree(v) for v in x)
+    return x
+
+
+def to_device(batch: dict, s: int, e: int, device: torch.device) -> Batch:
+    return Batch(
+        images=batch["images"][s:e].to(device, non_blocking=True),
+        labels=batch["labels"][s:e].to(device, non_blocking=True),
+        indices=batch["indices"][s:e],
+        positions=batch["positions"][s:e],
+        valid=batch["valid"][s:e].to(device, dtype=torch.float32),
+        extras={k: v[s:e].to(device, non_blocking=True) for k, v in batch.get("extras", {}).items()},
+    )
+
+
+class StepRunner:
+    """Runs the phases of one optimizer step over this rank's chunks and steps the parts."""
+
+    def __init__(
+        self,
+        task: Task,
+        parts: Mapping[str, Part],
+        frozen: Mapping[str, FrozenPart],
+        cfg: Config,
+        rank: int,
+        world_size: int,
+        device: torch.device,
+        no_sync: Any,
+    ):
+        self.task = task
+        self.parts = parts
+        self.frozen = frozen
+        self.cfg = cfg
+        self.rank = rank
+        self.world_size = world_size
+        self.device = device
+        self.no_sync = no_sync
+        t = cfg.train
+        self.chunk_size = check_batch_split(t.batch_size, world_size, t.grad_accum)
+        self.rank_batch = t.batch_size // world_size
+        self.micro = t.micro_batch_size or self.chunk_size
+        if not task.micro_batch_invariant and self.micro < self.chunk_size:
+            raise ConfigError(
+                f"train.micro_batch_size={t.micro_batch_size}: task {cfg.task!r} computes a loss term from a "
+                f"whole chunk's gradients (e.g. an adaptive GAN weight), so splitting chunks of {self.chunk_size} "
+                "would change the update. Remove train.micro_batch_size, or lower train.batch_size / raise "
+                "train.grad_accum to save memory."
+            )
+        self._trainable: set[str] | None = None
+
+    def chunks(self, batch: dict) -> Iterator[Batch]:
+        """This rank's share of the step: accumulation chunks, each split into micro-batches."""
+        n = len(batch["positions"])
+        for start in range(0, n, self.chunk_size):
+            stop = min(start + self.chunk_size, n)
+            for s in range(start, stop, self.micro):
+                yield to_device(batch, s, min(s + self.micro, stop), self.device)
+
+    def _set_trainable(self, names: set[str]) -> None:
+        if names == self._trainable:
+            return
+        for name, part in self.parts.items():
+            part.module.requires_grad_(name in names)
+        self._trainable = names
+
+    def accumulate(self, batch: dict, step: int, phases: list[Phase]) -> dict[str, torch.Tensor]:
+        """Forward and backward over every chunk; gradients end up in the parts. Returns loss sums."""
+        learning = {ph.part for ph in phases}
+        if len(learning) != len(phases):
+            raise RuntimeError(f"two phases optimize the same part: {phases}")
+        sums: dict[str, torch.Tensor] = {}
+        chunks = list(self.chunks(batch))
+        precision = self.cfg.train.precision
+        for i, chunk in enumerate(chunks):
+            reseed_global_rng(self.cfg.seed, step, self.rank, i)
+            with ExitStack() as stack:
+                if i < len(chunks) - 1 and self.world_size > 1:
+                    for name in learning:
+                        stack.enter_context(self.no_sync(self.parts[name].wrapped))
+                self._set_trainable(learning)
+                with autocast(self.device, precision):
+                    outputs = self.task.forward(ModuleView(self.parts, self.frozen, learning), chunk, step)
+                for j, phase in enumerate(phases):
+                    part = self.parts[phase.part]
+                    self._set_trainable({phase.part})
+                    view = ModuleView(self.parts, self.frozen, {phase.part})
+                    shared = outputs if j == 0 else detach_tree(outputs)
+                    with autocast(self.device, precision):
+                        out = self.task.loss(phase, view, chunk, shared, StepInfo(step, part.step))
+                        loss = (out.per_sample.float() * chunk.valid).sum() / self.rank_batch
+                    part.scaler.scale(loss).backward()
+                    self._add(sums, f"{phase.name}/loss", loss.detach())
+                    for term, value in out.terms.items():
+                        value = value.detach().float()
+                        share = (value * chunk.valid).sum() if value.ndim else value * chunk.valid.sum()
+                        self._add(sums, f"{phase.name}/{term}", share / self.rank_batch)
+        self._set_trainable(set(self.parts))
+        return sums
+
+    @staticmethod
+    def _add(sums: dict[str, torch.Tensor], key: str, value: torch.Tensor) -> None:
+        sums[key] = sums[key] + value if key in sums else value
+
+    def run(self, batch: dict, step: int) -> dict[str, float]:
+        """One optimizer step of every part the task trains now; returns this rank's logs."""
+        phases = self.task.phases(step, {n: p.step for n, p in self.parts.items()})
+        for phase in phases:
+            self.parts[phase.part].optimizer.zero_grad(set_to_none=True)
+        sums = self.accumulate(batch, step, phases)
+        # One device sync for all logged values, not one per chunk or term.
+        keys = list(sums)
+        values = torch.stack([sums[k] for k in keys]).tolist() if keys else []
+        logs = dict(zip(keys, values, strict=True))
+        for phase in phases:
+            logs[f"{phase.name}/grad_norm"] = self.parts[phase.part].optimizer_step()
+        return logs
