@@ -40,7 +40,8 @@ from trainer.config import load_config  # noqa: E402
 from trainer.data.datasets import DigitsDataset  # noqa: E402
 from trainer.loop import Trainer  # noqa: E402
 from trainer.optim import build_lr_schedule, build_optimizer  # noqa: E402
-from trainer.tasks import task_class  # noqa: E402
+from trainer.registry import task_class  # noqa: E402
+from trainer.tasks.base import TaskContext  # noqa: E402
 
 COMMON = [
     "ema.enabled=false",  # the minimal loop has no EMA either
@@ -59,13 +60,13 @@ def gentrain_iterations(steps: int, workdir: str, extra: list[str]) -> list[floa
     cfg = load_config(None, [*COMMON, f"train.max_steps={steps}", f"run.dir={workdir}", *extra], environ={})
     trainer = Trainer(cfg, DistEnv())
     stamps: list[float] = []
-    step = trainer.train_step
+    run = trainer.step_runner.run
 
-    def timed(batch):  # instrumentation only: records when each iteration reaches its step
+    def timed(batch, step):  # instrumentation only: records when each iteration reaches its step
         stamps.append(time.perf_counter())
-        return step(batch)
+        return run(batch, step)
 
-    trainer.train_step = timed
+    trainer.step_runner.run = timed
     assert trainer.fit() == 0
     return list(np.diff(stamps))
 
@@ -74,8 +75,8 @@ def minimal_iterations(steps: int) -> list[float]:
     """What a careful user writes by hand: the same model, data, optimizer, schedule, loss and clipping."""
     stamps: list[float] = []
     cfg = load_config(None, [*COMMON, f"train.max_steps={steps}"], environ={})
-    task = task_class(cfg.task)(cfg.model, cfg.data.image_size, cfg.data.channels, cfg.seed)
-    unet = task.build_parts()["unet"]
+    task = task_class(cfg.task)(cfg.model_cfg, TaskContext(cfg.data.image_size, cfg.data.channels, cfg.seed))
+    unet = task.build({})["unet"]
     opt = build_optimizer(unet, cfg)
     sched = build_lr_schedule(opt, cfg)
     data = DigitsDataset(cfg.data.image_size).images

@@ -13,11 +13,13 @@ from collections import defaultdict
 
 import numpy as np
 import pytest
+import torch
 from conftest import free_port, tiny
 from elastic_helpers import rank_of, start_torchrun, worker_pids
 from helpers import assert_identical, final_weights, kill_group, kill_tree, wait_for_log
 from PIL import Image
 
+from trainer.checkpoint import CheckpointStore
 from trainer.config import ConfigError
 from trainer.loop import check_batch_split
 
@@ -47,7 +49,8 @@ def finish(proc, log, timeout=240) -> int:
 
 def test_sigkilled_worker_is_restarted_and_the_result_equals_an_uninterrupted_run(tmp_path):
     steps = 120
-    args = ["checkpoint.every_steps=10", "train.log_every_steps=5"]
+    # Dropout draws from the global RNG: resume must reproduce those draws too.
+    args = ["checkpoint.every_steps=10", "train.log_every_steps=5", "model.dropout=0.1"]
     ref_log = tmp_path / "ref.log"
     ref = start_torchrun(standalone(2), tiny(tmp_path / "ref", *args, max_steps=steps), ref_log)
     assert finish(ref, ref_log) == 0, ref_log.read_text()[-4000:]
@@ -72,6 +75,13 @@ def test_sigkilled_worker_is_restarted_and_the_result_equals_an_uninterrupted_ru
         final_weights(f"{tmp_path}/ref/run/checkpoints", steps),
         final_weights(f"{tmp_path}/killed/run/checkpoints", steps),
     )
+    # Every rank's global RNG state at the final step is the uninterrupted run's too.
+    for rank in (0, 1):
+        name = f"rank-{rank:05d}.safetensors"
+        a = CheckpointStore(f"{tmp_path}/ref/run/checkpoints")
+        b = CheckpointStore(f"{tmp_path}/killed/run/checkpoints")
+        ta, tb = a.read_tensors(a.check(steps), name), b.read_tensors(b.check(steps), name)
+        assert torch.equal(ta["torch_cpu"], tb["torch_cpu"]), f"{name} differs"
 
 
 def test_node_loss_survivor_continues_at_world_size_1(tmp_path):

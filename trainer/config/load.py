@@ -10,6 +10,7 @@ as a `ConfigError` that names the key, the value seen and what is allowed.
 from __future__ import annotations
 
 import os
+import typing
 from collections.abc import Iterable, Mapping
 from importlib import resources
 from pathlib import Path
@@ -154,9 +155,15 @@ def _describe(error: dict[str, Any], schema: type[BaseModel], prefix: str) -> st
 
 def _known_keys_hint(schema: type[BaseModel], path: list[str], prefix: str) -> str:
     model = schema
+    keyed = False  # inside a dict[str, Section] field (optim.<part>): the next path item is a key
     for p in path[:-1]:
+        if keyed:
+            keyed = False
+            continue
         field = model.model_fields.get(p)
         ann = getattr(field, "annotation", None) if field else None
+        if typing.get_origin(ann) is dict:
+            ann, keyed = typing.get_args(ann)[1], True
         if not (isinstance(ann, type) and issubclass(ann, BaseModel)):
             return ""
         model = ann

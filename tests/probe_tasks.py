@@ -1,0 +1,137 @@
+"""A test-only task that uses every part of the Task interface the next tasks need.
+
+`probe_tasks:GanProbeTask` (a task named by import path) has
+- a frozen `encoder`: a DDPM run's UNet, loaded from that run's checkpoint URL;
+- a `generator` that reconstructs images from the image plus the encoder's
+  output, with dropout (draws from the global RNG);
+- a `discriminator` with its own optimizer settings (`optim.discriminator.*`),
+  trained in a second phase from `model.disc_start_step` on, on detached
+  reconstructions, and called bare with gradients off in the generator phase.
+
+`GENTRAIN_PROBE_KILL=RANK:STEP` makes that rank SIGKILL itself in the middle
+of global step STEP on the first attempt, so tests kill at an exact point
+instead of racing a running job.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+from collections.abc import Mapping
+
+import torch
+import torch.nn.functional as F
+from pydantic import BaseModel, ConfigDict, Field
+from torch import nn
+
+from trainer.registry import task_class
+from trainer.tasks.base import Batch, FrozenSource, Loss, Phase, PreviewContext, StepInfo, Task, TaskContext
+
+
+class ProbeConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    encoder_url: str
+    width: int = Field(8, ge=1)
+    dropout: float = Field(0.1, ge=0, lt=1)
+    disc_start_step: int = Field(2, ge=0)
+    adv_weight: float = 0.1
+
+
+class Generator(nn.Module):
+    def __init__(self, channels: int, width: int, dropout: float):
+        super().__init__()
+        self.net = nn.Sequential(
+            nn.Conv2d(2 * channels, width, 3, padding=1),
+            nn.SiLU(),
+            nn.Dropout(dropout),
+            nn.Conv2d(width, channels, 3, padding=1),
+        )
+
+    def forward(self, x: torch.Tensor, features: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(self.net(torch.cat([x, features], dim=1)))
+
+
+class Discriminator(nn.Module):
+    def __init__(self, channels: int, width: int):
+        super().__init__()
+        self.net = nn.Sequential(nn.Conv2d(channels, width, 3, stride=2, padding=1), nn.SiLU(), nn.Conv2d(width, 1, 3))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(x).flatten(1).mean(1)
+
+
+class GanProbeTask(Task):
+    ModelConfig = ProbeConfig
+    cfg: ProbeConfig
+
+    def __init__(self, model_cfg: ProbeConfig, ctx: TaskContext):
+        super().__init__(model_cfg, ctx)
+        kill = os.environ.get("GENTRAIN_PROBE_KILL")
+        self._kill = tuple(int(v) for v in kill.split(":")) if kill else None
+
+    @classmethod
+    def trainable_part_names(cls, model_cfg: ProbeConfig) -> list[str]:
+        return ["generator", "discriminator"]
+
+    def frozen_sources(self) -> dict[str, FrozenSource]:
+        return {"encoder": FrozenSource(self.cfg.encoder_url, part="unet")}
+
+    def build(self, frozen) -> dict[str, nn.Module]:
+        source = frozen["encoder"].config  # the DDPM run's own config builds its UNet
+        encoder = task_class(source.task)(source.model_cfg, self.ctx).build({})["unet"]
+        c, w = self.ctx.channels, self.cfg.width
+        return {
+            "encoder": encoder,
+            "generator": Generator(c, w, self.cfg.dropout),
+            "discriminator": Discriminator(c, w),
+        }
+
+    def phases(self, step: int, part_steps: Mapping[str, int]) -> list[Phase]:
+        phases = [Phase("generator", "generator")]
+        if step >= self.cfg.disc_start_step:
+            phases.append(Phase("discriminator", "discriminator"))
+        return phases
+
+    def _maybe_die(self, step: int) -> None:
+        if self._kill and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0":
+            rank, at = self._kill
+            if int(os.environ.get("RANK", "0")) == rank and step == at:
+                os.kill(os.getpid(), signal.SIGKILL)
+
+    def forward(self, modules, batch: Batch, step: int):
+        self._maybe_die(step)
+        with torch.no_grad():
+            t = torch.zeros(len(batch), dtype=torch.long, device=batch.images.device)
+            features = modules["encoder"](batch.images, t).sample
+        return {"reconstruction": modules["generator"](batch.images, features)}
+
+    def loss(self, phase: Phase, modules, batch: Batch, outputs, info: StepInfo) -> Loss:
+        recon, real = outputs["reconstruction"], batch.images
+        if phase.part == "generator":
+            rec = (recon - real).abs().mean(dim=(1, 2, 3))
+            adv = -modules["discriminator"](recon)
+            return Loss(rec + self.cfg.adv_weight * adv, {"rec": rec.detach(), "adv": adv.detach()})
+        assert not recon.requires_grad, "later phases must see detached outputs"
+        d_loss = F.relu(1 - modules["discriminator"](real)) + F.relu(1 + modules["discriminator"](recon))
+        return Loss(d_loss, {"hinge": d_loss.detach()})
+
+    def validate(self, modules, batch: Batch) -> dict[str, torch.Tensor]:
+        recon = self.forward(modules, batch, -1)["reconstruction"]
+        mse = ((recon - batch.images) ** 2).mean(dim=(1, 2, 3))
+        return {"mse": mse, "psnr": 10 * torch.log10(4.0 / mse.clamp(min=1e-10))}
+
+    def previews(self, modules, ctx: PreviewContext) -> dict[str, torch.Tensor]:
+        with ctx.weights(False):
+            online = self.forward(modules, ctx.batch, -1)["reconstruction"]
+        with ctx.weights(True):
+            ema = self.forward(modules, ctx.batch, -1)["reconstruction"]
+        rows = torch.cat([ctx.batch.images, online, ema]).float().cpu()
+        return {"reconstruction": (rows.clamp(-1, 1) + 1) / 2}
+
+    @torch.no_grad()
+    def sample(self, modules, num: int, seed: int, device: torch.device, **unused) -> torch.Tensor:
+        g = torch.Generator().manual_seed(seed)
+        x = torch.rand((num, self.ctx.channels, self.ctx.image_size, self.ctx.image_size), generator=g) * 2 - 1
+        batch = Batch(x.to(device), torch.full((num,), -1), torch.arange(num), list(range(num)))
+        return ((self.forward(modules, batch, -1)["reconstruction"].clamp(-1, 1) + 1) / 2).cpu()
