@@ -14,6 +14,7 @@ kubernetes scheduler requests memMB minus 1024 MB, so its 1024 MB default become
 # typing's Optional/Dict/List, so no PEP 604 unions here.
 import functools
 import shlex
+import warnings
 from typing import Any, Dict, List, Optional  # noqa: UP035
 
 import torchx.specs as specs
@@ -42,7 +43,7 @@ def split_script_args(script_args: List[str], preset: Optional[str]) -> List[str
 
 
 def install_volcano_exit_code_policies() -> None:
-    """Make the TorchX kubernetes scheduler's Volcano Job stop, not restart, on these exit codes.
+    """Make TorchX's Volcano Jobs stop, not restart, on the exit codes an app lists in its metadata.
 
     TorchX 0.7 gives every Volcano task the fixed policies [PodEvicted -> RestartJob,
     PodFailed -> RestartJob] and has no option for exit codes. Volcano matches a task's
@@ -56,14 +57,21 @@ def install_volcano_exit_code_policies() -> None:
         from torchx.schedulers import kubernetes_scheduler as ks
     except ImportError:  # no kubernetes client: nothing will build a Volcano Job here
         return
-    if getattr(ks.app_to_resource, "_gentrain_exit_codes", False):
+    build = getattr(ks, "app_to_resource", None)
+    if build is None:  # another TorchX: jobs still run, config errors are retried (k8s/README.md)
+        warnings.warn(
+            "torchx's kubernetes scheduler has no app_to_resource: Volcano will retry exit code 2", stacklevel=2
+        )
         return
-    build = ks.app_to_resource
+    if getattr(build, "_gentrain_exit_codes", False):
+        return
 
     @functools.wraps(build)
     def app_to_resource(app: specs.AppDef, *args: Any, **kwargs: Any) -> Dict[str, Any]:
         resource = build(app, *args, **kwargs)
         codes = [int(c) for c in app.metadata.get(NO_RETRY_EXIT_CODES, "").split(",") if c]
+        if not codes:  # not built by this component: as TorchX made it
+            return resource
         for task in resource["spec"]["tasks"]:
             first = [{"exitCode": c, "action": "TerminateJob"} for c in codes]
             task["policies"] = [*first, *task.get("policies", [])]
