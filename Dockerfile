@@ -1,6 +1,12 @@
-# gentrain training image: CUDA PyTorch runtime + gentrain with S3/GCS support.
-# Used by the TorchX component (which runs `bash -c "torchrun ..."`) and by k8s/ manifests.
-FROM pytorch/pytorch:2.5.1-cuda12.4-cudnn9-runtime
+# gentrain training image: the CUDA build of the torch release the test suite runs
+# (scripts/test.sh installs the same version as its CPU build; tests/test_deploy.py fails
+# when the two drift apart) + gentrain with S3/GCS support.
+# Used by the TorchX component (`bash -c "python -m trainer launch ..."`) and by k8s/ manifests.
+FROM python:3.11-slim-bookworm
+
+# PyPI's Linux x86_64 wheel of torch 2.13.0 is the CUDA 13.0 build: the CUDA runtime,
+# cuDNN and NCCL come as nvidia-* wheels, so only the node's driver (>= 580) is needed.
+ARG TORCH_VERSION=2.13.0
 
 ENV PYTHONDONTWRITEBYTECODE=1 \
     PYTHONUNBUFFERED=1 \
@@ -13,12 +19,15 @@ ENV PYTHONDONTWRITEBYTECODE=1 \
 
 WORKDIR /opt/gentrain
 
+# torch in a layer of its own: the biggest one, rebuilt only when TORCH_VERSION changes.
+RUN pip install --no-cache-dir "torch==${TORCH_VERSION}"
+
 # Dependencies in their own layer: rebuilt only when pyproject.toml or constraints.txt change.
-# torch comes from the base image (torch>=2.4 is already satisfied).
+# torch is already installed at TORCH_VERSION (it satisfies torch>=2.4 and stays as it is).
 COPY pyproject.toml constraints.txt README.md ./
 RUN mkdir -p trainer/presets trainer/data \
     && touch trainer/__init__.py \
-    && pip install --no-cache-dir -c constraints.txt ".[s3,gcs]" \
+    && pip install --no-cache-dir -c constraints.txt "torch==${TORCH_VERSION}" ".[s3,gcs]" \
     && pip uninstall -y gentrain
 
 # The code: small and changes often.

@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -13,11 +14,11 @@ from pathlib import Path
 import pytest
 import yaml
 from conftest import REPO, clean_env, free_port, run_cli, tiny
-from helpers import kill_group
+from helpers import kill_group, wait_for_log
 
 BIN = Path(sys.executable).parent
 GOLDEN = REPO / "tests" / "golden"
-OVERLAYS = ["base", "jobset", "volcano", "monitoring", "overlays/cpu-smoke", "overlays/gpu"]
+OVERLAYS = ["base", "jobset", "volcano", "kueue", "monitoring", "overlays/cpu-smoke", "overlays/gpu"]
 
 
 def tool(name: str) -> str:
@@ -59,13 +60,18 @@ def job_spec(doc: dict) -> dict:
 # ---------------------------------------------------------------- TorchX
 
 
+def component():
+    sys.path.insert(0, str(REPO))
+    from components.train import train
+
+    return train
+
+
 def test_component_passes_the_torchx_linter_and_builds_the_appdef():
     from torchx.specs.file_linter import validate as lint
 
     assert lint(str(REPO / "components" / "train.py"), "train") == []
-    sys.path.insert(0, str(REPO))
-    from components.train import train
-
+    train = component()
     app = train("train.max_steps=10", j="2x8", gpu=8, checkpoint_url="s3://b/run", max_restarts=5)
     role = app.roles[0]
     assert role.port_map == {"c10d": 29500, "metrics": 9090}
@@ -73,10 +79,35 @@ def test_component_passes_the_torchx_linter_and_builds_the_appdef():
     assert role.env["GENTRAIN_METRICS__PORT"] == "9090"
     assert role.resource.memMB == 16384 and role.resource.gpu == 8
     assert role.max_retries == 3 and role.num_replicas == 2
+    assert role.entrypoint == "bash"
     cmd = role.args[-1]
-    assert cmd.startswith("torchrun --max_restarts 5 ")
-    assert "-m trainer train digits-ddpm train.max_steps=10" in cmd
-    assert "--nproc_per_node 8" in cmd
+    # gentrain launch, not raw torchrun: the contract's exit codes hold in the pod.
+    assert cmd.startswith("python -m trainer launch --max_restarts 5 --rdzv_backend c10d ")
+    assert cmd.endswith(" -- digits-ddpm train.max_steps=10")
+    assert "--nproc_per_node 8" in cmd and "--nnodes 2" in cmd
+    assert app.metadata["gentrain/no-retry-exit-codes"] == "2"
+
+
+def test_component_takes_a_preset_like_gentrain_train():
+    train = component()
+
+    def train_args(*args, **kwargs):
+        return train(*args, **kwargs).roles[0].args[-1].split(" -- ", 1)[1]
+
+    assert train_args() == "digits-ddpm"
+    assert train_args("digits-ddpm", "train.lr=1e-4") == "digits-ddpm train.lr=1e-4"
+    assert train_args("train.lr=1e-4", preset="digits-ddpm") == "digits-ddpm train.lr=1e-4"
+    assert train_args("/cfg/my run.yaml", "a.b=1") == "'/cfg/my run.yaml' a.b=1"
+    # `$` survives TorchX's macro substitution and bash (single quotes).
+    from torchx.specs import macros
+
+    role = train("checkpoint.url=$HOME/ckpt").roles[0]
+    applied = macros.Values(img_root="", app_id="a", replica_id="0", rank0_env="R").apply(role)
+    assert applied.args[-1].endswith(" -- digits-ddpm 'checkpoint.url=$HOME/ckpt'")
+    with pytest.raises(ValueError, match="preset given twice"):
+        train("other-preset", preset="digits-ddpm")
+    with pytest.raises(ValueError, match="not key=value"):
+        train("digits-ddpm", "train.lr", "x=1")
 
 
 def torchx_dryrun(*args: str) -> str:
@@ -125,6 +156,16 @@ def test_kubernetes_dryrun_of_the_component_matches_the_golden_file(tmp_path):
     if os.environ.get("UPDATE_GOLDEN"):
         golden.write_text(request)
     assert request == golden.read_text(), "dryrun changed; rerun with UPDATE_GOLDEN=1 after checking the diff"
+    job = yaml.safe_load(request)
+    for task in job["spec"]["tasks"]:
+        # A config error (exit 2) terminates the job; Volcano matches a task's policies in order,
+        # so it must come before PodFailed -> RestartJob, which retries everything else.
+        assert task["policies"][0] == {"exitCode": 2, "action": "TerminateJob"}
+        assert {"event": "PodFailed", "action": "RestartJob"} in task["policies"][1:]
+        assert {"event": "PodEvicted", "action": "RestartJob"} in task["policies"][1:]
+        cmd = task["template"]["spec"]["containers"][0]["command"]
+        assert cmd[:2] == ["bash", "-c"] and cmd[2].startswith("python -m trainer launch ")
+        assert cmd[2].endswith(" -- digits-ddpm train.max_steps=100000")
     pods = volcano_pods(request)
     assert len(pods) == 2
     for pod in pods:
@@ -142,19 +183,106 @@ def test_builtin_dist_ddp_dryrun_renders_valid_pods(tmp_path):
     pods = volcano_pods(request)
     assert "-m trainer train digits-ddpm" in pods[0]["spec"]["containers"][0]["command"][-1]
     validate(pods, tmp_path, "ddp-pods")
+    # Only apps built by components/train.py get the exit-code policy (see k8s/README.md).
+    assert "exitCode" not in request
 
 
-def test_torchx_local_cwd_trains_with_two_workers(tmp_path):
+def torchx_local(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
     env = clean_env(PATH=f"{BIN}{os.pathsep}{os.environ['PATH']}")
-    r = subprocess.run(
-        [tool("torchx"), "run", "-s", "local_cwd", "components/train.py:train", "-j", "1x2", "--metrics_port", "0",
-         "--", *tiny(tmp_path, max_steps=4)],
-        capture_output=True, text=True, cwd=REPO, env=env, timeout=300,
+    return subprocess.run(
+        [tool("torchx"), "run", "-s", "local_cwd", "components/train.py:train", *args],
+        capture_output=True, text=True, cwd=REPO, env=env, timeout=timeout,
     )  # fmt: skip
+
+
+def test_torchx_local_cwd_trains_with_two_workers_and_a_preset_first(tmp_path):
+    # The same words `gentrain train` takes: a preset first, then key=value overrides.
+    r = torchx_local("-j", "1x2", "--metrics_port", "0", "--", "digits-ddpm", *tiny(tmp_path, max_steps=4))
     out = r.stdout + r.stderr
     assert r.returncode == 0, out[-4000:]
     assert "world_size=2" in out and "SUCCEEDED" in out
     assert run_cli("checkpoints", "verify", str(tmp_path / "run" / "checkpoints")).returncode == 0
+
+
+def test_torchx_local_cwd_config_error_fails_once_and_names_the_key(tmp_path):
+    r = torchx_local("-j", "1x2", "--max_restarts", "3", "--metrics_port", "0",
+                     "--", "digits-ddpm", *tiny(tmp_path, "train.max_stepz=10"))  # fmt: skip
+    out = r.stdout + r.stderr
+    assert r.returncode != 0, out[-4000:]
+    assert "FAILED" in out
+    assert "unknown config key 'train.max_stepz'" in out
+    # One attempt: the launcher rejects the config before torchrun starts any worker.
+    assert out.count("config error") == 1, out[-4000:]
+    assert "attempt_" not in out and "will restart worker group" not in out and "[rank" not in out
+    assert not (tmp_path / "run").exists()
+
+
+def test_the_component_command_keeps_exit_codes_in_bash_2_and_143(tmp_path):
+    """The pod's own command line (macros applied as the scheduler does), run here with bash."""
+    from torchx.specs import macros
+
+    def pod(*script_args: str, log: Path) -> subprocess.Popen:
+        role = component()(*script_args, j="1x2", metrics_port=0, max_restarts=3).roles[0]
+        role = macros.Values(img_root="", app_id="gentrain-test", replica_id="0", rank0_env="TORCHX_RANK0_HOST").apply(
+            role
+        )
+        env = {**clean_env(PATH=f"{BIN}{os.pathsep}{os.environ['PATH']}"), **role.env}
+        env["GENTRAIN_RUN__DIR"] = str(tmp_path / "run")  # the pod's /work/run
+        return subprocess.Popen(
+            [role.entrypoint, *role.args], cwd=REPO, env=env, stdout=open(log, "w"), stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )  # fmt: skip
+
+    log = tmp_path / "typo.log"
+    proc = pod("digits-ddpm", "train.lrr=1", log=log)
+    try:
+        assert proc.wait(timeout=120) == 2, log.read_text()[-3000:]
+    finally:
+        kill_group(proc)
+    assert "unknown config key 'train.lrr'" in log.read_text()
+
+    log = tmp_path / "term.log"
+    proc = pod("digits-ddpm", *tiny(tmp_path, "checkpoint.every_steps=0", max_steps=100000), log=log)
+    try:
+        wait_for_log(log, "step=5/", proc, timeout=180)
+        proc.send_signal(signal.SIGTERM)  # what the kubelet sends to the container's PID 1
+        assert proc.wait(timeout=60) == 143, log.read_text()[-3000:]
+    finally:
+        kill_group(proc)
+    assert "emergency checkpoint written" in log.read_text()
+    assert run_cli("checkpoints", "verify", str(tmp_path / "run" / "checkpoints")).returncode == 0
+
+
+def test_launch_does_not_restart_workers_that_exit_2(tmp_path):
+    """A usage error only workers can see (the world size cannot split the batch): no torchrun retry."""
+    port = free_port()
+    r = subprocess.run(
+        [sys.executable, "-m", "trainer", "launch", "--nproc-per-node=3", "--max-restarts=3",
+         "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}", f"--rdzv-id=t{port}",
+         "--monitor-interval=0.2", "--", *tiny(tmp_path, max_steps=2)],
+        capture_output=True, text=True, timeout=240, env=clean_env(),
+    )  # fmt: skip
+    assert r.returncode == 2, r.stderr[-3000:]
+    assert r.stderr.count("cannot be split evenly over world size 3") == 3  # 3 workers, one attempt
+    assert "will restart worker group" not in r.stderr and "not restarting the workers" in r.stderr
+
+
+# ---------------------------------------------------------------- image
+
+
+def test_the_image_ships_the_torch_the_suite_tests():
+    import torch
+
+    dockerfile = (REPO / "Dockerfile").read_text()
+    (image_torch,) = re.findall(r"^ARG TORCH_VERSION=(\S+)$", dockerfile, re.M)
+    tested = torch.__version__.split("+")[0]
+    assert image_torch == tested, f"Dockerfile installs torch {image_torch}, the suite runs {tested}"
+    (ci_torch,) = re.findall(r"pip\S* install -q torch==(\S+)", (REPO / "scripts" / "test.sh").read_text())
+    assert image_torch == ci_torch, f"Dockerfile installs torch {image_torch}, scripts/test.sh {ci_torch}"
+    assert 'pip install --no-cache-dir "torch==${TORCH_VERSION}"' in dockerfile
+    # PyPI's default Linux wheel is the CUDA build; a CPU index or local version would not be.
+    assert "download.pytorch.org/whl/cpu" not in dockerfile and "+cpu" not in dockerfile
+    assert not re.search(r"^FROM \S*pytorch/pytorch", dockerfile, re.M)  # its torch would be another release
 
 
 # ---------------------------------------------------------------- manifests
@@ -207,6 +335,35 @@ def test_jobset_preemption_recipe():
     assert by_name["config-error-fails"]["action"] == "FailJobSet"
     assert fp["maxRestarts"] >= 1  # everything else counts against it
     check_pod_policies(child["template"]["spec"])
+
+
+def quantity(q) -> float:
+    units = {"Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40, "m": 1e-3, "k": 1e3, "M": 1e6, "G": 1e9}
+    m = re.fullmatch(r"([0-9.]+)([A-Za-z]*)", str(q))
+    return float(m.group(1)) * units.get(m.group(2), 1)
+
+
+def test_kueue_overlay_queues_the_jobset_and_its_quota_admits_it():
+    docs = kustomize("kueue")
+    by_kind = {d["kind"]: d for d in docs}
+    js, lq, cq = by_kind["JobSet"], by_kind["LocalQueue"], by_kind["ClusterQueue"]
+    assert js["metadata"]["labels"]["kueue.x-k8s.io/queue-name"] == lq["metadata"]["name"]
+    assert lq["spec"]["clusterQueue"] == cq["metadata"]["name"]
+    assert "namespace" not in lq["metadata"] and "namespace" not in js["metadata"]  # same namespace
+    assert workload("jobset")["spec"] == js["spec"]  # the same JobSet and preemption recipe, only labeled
+    flavors = {d["metadata"]["name"] for d in docs if d["kind"] == "ResourceFlavor"}
+    # Gang admission: the quota must hold every pod of the JobSet at once, in resources it covers.
+    child = job_spec(js)
+    pods = sum(r["replicas"] for r in js["spec"]["replicatedJobs"]) * child["parallelism"]
+    (c,) = child["template"]["spec"]["containers"]
+    (group,) = cq["spec"]["resourceGroups"]
+    for flavor in group["flavors"]:
+        assert flavor["name"] in flavors
+        quota = {r["name"]: quantity(r["nominalQuota"]) for r in flavor["resources"]}
+        assert set(quota) == set(group["coveredResources"])
+        for name, request in c["resources"]["requests"].items():
+            assert name in group["coveredResources"], f"{name} is requested but not covered"
+            assert pods * quantity(request) <= quota[name]
 
 
 def check_pod_policies(pod: dict) -> None:

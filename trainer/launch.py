@@ -6,7 +6,8 @@ tell a config error (gentrain exits 2: never retry) from a crash. This
 launcher validates the config before starting anything (a bad key exits 2 at
 once, on every pod), then runs torchrun in this process and maps its outcome:
 
-- the first worker to fail exited 2 (e.g. a batch the world size cannot split) -> 2
+- the first worker to fail exited 2 (e.g. a batch the world size cannot split) -> 2;
+  torchrun does not restart a worker group in which a worker exited 2 (retrying cannot help)
 - the launcher got SIGTERM/SIGINT (preemption; workers saved and exited) -> 143
 - any other worker failure -> 1, retried by the Job's backoffLimit
 """
@@ -34,13 +35,37 @@ def split_argv(argv: list[str]) -> tuple[list[str], list[str]]:
     return argv[:i], argv[i + 1 :]
 
 
+def _agent_that_never_retries_usage_errors():
+    """torchrun's LocalElasticAgent, except that a worker exiting 2 uses up every restart at once.
+
+    Usage errors a worker only finds once it knows the world size (a batch that cannot be
+    split) are as deterministic as a bad key: every rank hits them, so no agent restarts.
+    """
+    from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
+
+    class UsageErrorsFailFast(LocalElasticAgent):
+        def _monitor_workers(self, worker_group):
+            result = super()._monitor_workers(worker_group)
+            if result.is_failed() and any(f.exitcode == EXIT_USAGE for f in result.failures.values()):
+                if self._remaining_restarts > 0:
+                    log.error("a worker exited %d (usage or config error): not restarting the workers", EXIT_USAGE)
+                self._remaining_restarts = 0
+            return result
+
+    return UsageErrorsFailFast
+
+
 def launch(argv: list[str]) -> int:
     torchrun_args, train_args = split_argv(argv)
     load_config(*split_preset(train_args))  # raises ConfigError -> exit 2 before any worker starts
 
+    import torch.distributed.launcher.api as launcher_api
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import get_args_parser, run
+
+    # torchrun builds its agent by this module-level name; this process only launches.
+    launcher_api.LocalElasticAgent = _agent_that_never_retries_usage_errors()
 
     # Each rendezvous round gets a fresh worker store (see trainer.elastic.init_process_group).
     os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
