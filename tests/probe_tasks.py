@@ -8,7 +8,7 @@
   trained in a second phase from `model.disc_start_step` on, on detached
   reconstructions, and called bare with gradients off in the generator phase.
 
-`GENTRAIN_PROBE_KILL=RANK:STEP` makes that rank SIGKILL itself in the middle
+`PROBE_TASK_KILL=RANK:STEP` makes that rank SIGKILL itself in the middle
 of global step STEP on the first attempt, so tests kill at an exact point
 instead of racing a running job.
 """
@@ -67,7 +67,7 @@ class GanProbeTask(Task):
 
     def __init__(self, model_cfg: ProbeConfig, ctx: TaskContext):
         super().__init__(model_cfg, ctx)
-        kill = os.environ.get("GENTRAIN_PROBE_KILL")
+        kill = os.environ.get("PROBE_TASK_KILL")
         self._kill = tuple(int(v) for v in kill.split(":")) if kill else None
 
     @classmethod

@@ -14,7 +14,6 @@ from test_elastic import finish, standalone
 
 from trainer.checkpoint import CheckpointStore
 
-PROBE = "probe_tasks:GanProbeTask"
 ENV = clean_env(PYTHONPATH=str(REPO / "tests"))
 
 
@@ -26,17 +25,8 @@ def train_ddpm(root, seed: int = 0, max_steps: int = 3) -> str:
 
 def probe_args(tmp, encoder_url: str, *extra: str, max_steps: int) -> list[str]:
     return [
-        f"task={PROBE}",
+        str(REPO / "tests" / "probe.yaml"),
         f"model.encoder_url={encoder_url}",
-        "data.image_size=8",
-        "train.batch_size=8",
-        "train.warmup_steps=2",
-        "train.log_every_steps=1",
-        "train.threads=1",
-        "sample.every_steps=0",
-        "sample.num=4",
-        "optim.discriminator.lr=1e-3",
-        "optim.discriminator.betas=[0.5,0.9]",
         f"run.dir={tmp}/run",
         f"train.max_steps={max_steps}",
         *extra,
@@ -104,7 +94,7 @@ def test_sigkilled_rank_under_torchrun_resumes_bit_identical_without_unused_para
 
     log = tmp_path / "killed.log"
     proc = start_torchrun(standalone(2), probe_args(tmp_path / "killed", encoder_url, *common, max_steps=steps), log,
-                          PYTHONPATH=str(REPO / "tests"), GENTRAIN_PROBE_KILL="1:13")  # fmt: skip
+                          PYTHONPATH=str(REPO / "tests"), PROBE_TASK_KILL="1:13")  # fmt: skip
     rc = finish(proc, log)
     text = log.read_text()
     assert rc == 0, text[-4000:]
