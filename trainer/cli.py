@@ -90,7 +90,7 @@ def cmd_sample(args: argparse.Namespace) -> int:
 
     from trainer.checkpoint import resolve_checkpoint
     from trainer.checkpoint.weights import load_for_inference
-    from trainer.media import save_media
+    from trainer.media import save_grid, save_media
 
     store, info = resolve_checkpoint(args.checkpoint, args.storage_options)
     if info is None or not info.valid:
@@ -109,8 +109,10 @@ def cmd_sample(args: argparse.Namespace) -> int:
         scheduler=args.scheduler or s.scheduler,
         guidance_scale=s.guidance_scale if args.guidance_scale is None else args.guidance_scale,
     )
-    stem, _ = os.path.splitext(args.out)
-    written = save_media(images, stem)
+    if images.ndim == 4:
+        written = [save_grid(images, args.out)]
+    else:  # videos: a GIF and a contact sheet beside it
+        written = save_media(images, os.path.splitext(args.out)[0])
     print(f"wrote {', '.join(written)}: {args.num} samples from {info.url} (step {info.step})")
     return EXIT_OK
 
