@@ -120,12 +120,15 @@ class Subset:
         return len(self.indices)
 
     def __getitem__(self, ref: SampleRef):
+        """(image, label, dataset index, position, valid, extras). A source's `load` returns
+        (image, label) or (image, label, extras): extras maps a field name to a per-sample value,
+        `"caption"` a str, anything else an array/tensor of a fixed shape (e.g. `"image_embed"`)."""
         index = int(self.indices[ref.index])
         item = self.dataset.load(index, ref.aug_seed, self.flip)
         if item is None:
-            return torch.zeros(self.image_shape), -1, index, ref.position, False
-        image, label = item
-        return image, label, index, ref.position, True
+            return torch.zeros(self.image_shape), -1, index, ref.position, False, {}
+        image, label, *rest = item
+        return image, label, index, ref.position, True, (rest[0] if rest else {})
 
 
 def collate(items: list) -> dict:
@@ -136,7 +139,7 @@ def collate(items: list) -> dict:
     loss gives those slots zero weight and the loop counts them as skipped.
     """
     valid = torch.tensor([it[4] for it in items], dtype=torch.bool)
-    return {
+    out = {
         "images": torch.stack([it[0] for it in items]),
         "labels": torch.tensor([it[1] for it in items], dtype=torch.int64),
         "indices": torch.tensor([it[2] for it in items], dtype=torch.int64),
@@ -144,3 +147,16 @@ def collate(items: list) -> dict:
         "valid": valid,
         "skipped": int((~valid).sum()),
     }
+    extras = [it[5] if len(it) > 5 else {} for it in items]
+    keys = sorted({k for e in extras for k in e})
+    if "caption" in keys:
+        # Unreadable samples and samples without a caption get "" (the unconditional prompt).
+        out["captions"] = [str(e.get("caption", "")) for e in extras]
+    tensors = {}
+    for k in (k for k in keys if k != "caption"):
+        present = [torch.as_tensor(e[k]) for e in extras if k in e]
+        like = torch.zeros_like(present[0])
+        tensors[k] = torch.stack([torch.as_tensor(e[k]) if k in e else like for e in extras])
+    if tensors:
+        out["extras"] = tensors
+    return out

@@ -79,6 +79,7 @@ def to_device(batch: dict, s: int, e: int, device: torch.device) -> Batch:
         positions=batch["positions"][s:e],
         valid=batch["valid"][s:e].to(device, dtype=torch.float32),
         extras={k: v[s:e].to(device, non_blocking=True) for k, v in batch.get("extras", {}).items()},
+        captions=batch["captions"][s:e] if "captions" in batch else None,
     )
 
 

@@ -39,8 +39,9 @@ class Batch:
 
     `positions` are the samples' places in the step's *global* batch; tasks key
     their per-sample randomness by them (see trainer.randomness). `extras`
-    carries per-sample fields a source provides beyond images and labels
-    (caption embeddings, image embeddings, ...).
+    carries per-sample tensors a source provides beyond images and labels
+    (image embeddings, ...); `captions` the per-sample text, which tasks embed
+    with their own (frozen) text encoder.
     """
 
     images: torch.Tensor  # (N, C, H, W) or (N, T, C, H, W), in [-1, 1]
@@ -48,7 +49,8 @@ class Batch:
     indices: torch.Tensor  # (N,) dataset indices
     positions: list[int]
     valid: torch.Tensor | None = None  # (N,) 1.0 for loaded samples, 0.0 for unreadable ones
-    extras: dict[str, torch.Tensor] = field(default_factory=dict)
+    extras: dict[str, torch.Tensor] = field(default_factory=dict)  # e.g. "image_embed": (N, D)
+    captions: list[str] | None = None  # per-sample text ("" when a sample has none); None: no text
 
     def __len__(self) -> int:
         return len(self.positions)
