@@ -10,7 +10,8 @@
 
 `PROBE_TASK_KILL=RANK:STEP` makes that rank SIGKILL itself in the middle
 of global step STEP on the first attempt, so tests kill at an exact point
-instead of racing a running job.
+instead of racing a running job. `KillableVQGAN` and `KillableMaskGIT` are the
+real tasks plus that switch.
 """
 
 from __future__ import annotations
@@ -25,7 +26,18 @@ from pydantic import BaseModel, ConfigDict, Field
 from torch import nn
 
 from trainer.registry import task_class
-from trainer.tasks.base import Batch, FrozenSource, Loss, Phase, PreviewContext, StepInfo, Task, TaskContext
+from trainer.tasks.base import Batch, FrozenSource, Loss, Phase, PreviewContext, StepInfo, Task
+from trainer.tasks.maskgit import MaskGITTask
+from trainer.tasks.vqgan import VQGANTask
+
+
+def maybe_die(step: int) -> None:
+    """SIGKILL this process in global step STEP on rank RANK (`PROBE_TASK_KILL=RANK:STEP`), first attempt only."""
+    kill = os.environ.get("PROBE_TASK_KILL")
+    if kill and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0":
+        rank, at = (int(v) for v in kill.split(":"))
+        if int(os.environ.get("RANK", "0")) == rank and step == at:
+            os.kill(os.getpid(), signal.SIGKILL)
 
 
 class ProbeConfig(BaseModel):
@@ -65,11 +77,6 @@ class GanProbeTask(Task):
     ModelConfig = ProbeConfig
     cfg: ProbeConfig
 
-    def __init__(self, model_cfg: ProbeConfig, ctx: TaskContext):
-        super().__init__(model_cfg, ctx)
-        kill = os.environ.get("PROBE_TASK_KILL")
-        self._kill = tuple(int(v) for v in kill.split(":")) if kill else None
-
     @classmethod
     def trainable_part_names(cls, model_cfg: ProbeConfig) -> list[str]:
         return ["generator", "discriminator"]
@@ -93,14 +100,8 @@ class GanProbeTask(Task):
             phases.append(Phase("discriminator", "discriminator"))
         return phases
 
-    def _maybe_die(self, step: int) -> None:
-        if self._kill and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0":
-            rank, at = self._kill
-            if int(os.environ.get("RANK", "0")) == rank and step == at:
-                os.kill(os.getpid(), signal.SIGKILL)
-
     def forward(self, modules, batch: Batch, step: int):
-        self._maybe_die(step)
+        maybe_die(step)
         with torch.no_grad():
             t = torch.zeros(len(batch), dtype=torch.long, device=batch.images.device)
             features = modules["encoder"](batch.images, t).sample
@@ -135,3 +136,17 @@ class GanProbeTask(Task):
         x = torch.rand((num, self.ctx.channels, self.ctx.image_size, self.ctx.image_size), generator=g) * 2 - 1
         batch = Batch(x.to(device), torch.full((num,), -1), torch.arange(num), list(range(num)))
         return ((self.forward(modules, batch, -1)["reconstruction"].clamp(-1, 1) + 1) / 2).cpu()
+
+
+class KillableVQGAN(VQGANTask):
+    """The real VQ-GAN task with the kill switch (tests name it `probe_tasks:KillableVQGAN`)."""
+
+    def forward(self, modules, batch: Batch, step: int):
+        maybe_die(step)
+        return super().forward(modules, batch, step)
+
+
+class KillableMaskGIT(MaskGITTask):
+    def forward(self, modules, batch: Batch, step: int):
+        maybe_die(step)
+        return super().forward(modules, batch, step)

@@ -156,7 +156,8 @@ class Trainer:
         # Only parts the task ever trains are wrapped (a cascade stage not trained here is not).
         learns = set(self.task.trainable_part_names(self.cfg.model_cfg))
         wrap = self.accelerator.prepare_model if self.env.world_size > 1 else (lambda m: m)
-        return build_parts(modules, trainable, frozen, learns, self.cfg, self.device, wrap)
+        ema = set(self.task.ema_part_names(self.cfg.model_cfg))
+        return build_parts(modules, trainable, frozen, learns, self.cfg, self.device, wrap, ema)
 
     # ------------------------------------------------------------------ small things
 

@@ -134,6 +134,7 @@ def build_parts(
     cfg: Config,
     device: torch.device,
     wrap: Any,
+    ema_names: set[str] | None = None,
 ) -> tuple[dict[str, Part], dict[str, FrozenPart]]:
     """Parts from a task's modules; `wrap(module)` makes the DDP wrapper for parts in `wrapped_names`."""
     parts: dict[str, Part] = {}
@@ -154,7 +155,7 @@ def build_parts(
             optimizer=optimizer,
             lr_schedule=build_lr_schedule(optimizer, cfg, name),
             scaler=torch.amp.GradScaler(device.type, enabled=cfg.train.precision == "fp16"),
-            ema=build_ema(module, cfg),
+            ema=build_ema(module, cfg) if ema_names is None or name in ema_names else None,
             settings=OptimSettings.for_part(cfg, name),
         )
     return parts, frozen_parts

@@ -146,6 +146,11 @@ class Task:
         """Names of the parts that get optimizers (validated against `optim.<part>`)."""
         raise NotImplementedError
 
+    @classmethod
+    def ema_part_names(cls, model_cfg: BaseModel) -> list[str]:
+        """Trainable parts that keep an EMA when `ema.enabled` (default: all; a GAN: its generator)."""
+        return cls.trainable_part_names(model_cfg)
+
     def frozen_sources(self) -> dict[str, FrozenSource]:
         """Parts loaded from other runs, by part name; resolved before `build`."""
         return {}

@@ -1,0 +1,267 @@
+"""VQ-GAN and MaskGIT: two phases with their own optimizers, a late discriminator, the gradient penalty
+on its configured steps, the adaptive weight, a frozen tokenizer pinned by digest and kept out of
+MaskGIT's checkpoints, geometry mismatches refused, sampling, and exact resume under torchrun."""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+
+import numpy as np
+import pytest
+import torch
+from conftest import REPO, clean_env, run_cli
+from elastic_helpers import start_torchrun
+from PIL import Image
+from test_elastic import finish, standalone
+
+from trainer.checkpoint import CheckpointStore
+from trainer.tasks.vqgan import VQAutoencoder, VQGANConfig, adaptive_weight
+
+ENV = clean_env(PYTHONPATH=str(REPO / "tests"))
+
+COMMON = [
+    "data.image_size=8",
+    "train.batch_size=8",
+    "train.warmup_steps=2",
+    "train.log_every_steps=1",
+    "train.val_every_steps=0",
+    "train.threads=1",
+    "sample.every_steps=0",
+    "sample.num=4",
+]
+VQGAN = [
+    "digits-vqgan",
+    *COMMON,
+    "model.block_out_channels=[8,16]",
+    "model.norm_num_groups=4",
+    "model.codebook_size=32",
+    "model.codebook_dim=4",
+    "model.disc_channels=8",
+    "model.disc_layers=1",
+    "model.dead_code_threshold=0",
+    "model.usage_window=4",
+]
+MASKGIT = ["digits-maskgit", *COMMON, "model.dim=16", "model.depth=1", "model.heads=2", "sample.inference_steps=2"]
+
+
+def vqgan_args(root, *extra: str, max_steps: int, seed: int = 0) -> list[str]:
+    return [*VQGAN, f"seed={seed}", f"run.dir={root}/run", f"train.max_steps={max_steps}", *extra]
+
+
+def maskgit_args(root, tokenizer: str, *extra: str, max_steps: int) -> list[str]:
+    return [*MASKGIT, f"model.tokenizer.url={tokenizer}", f"run.dir={root}/run", f"train.max_steps={max_steps}", *extra]
+
+
+def train_vqgan(root, *extra: str, max_steps: int = 3, seed: int = 0) -> str:
+    r = run_cli("train", *vqgan_args(root, *extra, max_steps=max_steps, seed=seed))
+    assert r.returncode == 0, r.stderr[-3000:]
+    return f"{root}/run/checkpoints"
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tmp_path_factory) -> str:
+    return train_vqgan(tmp_path_factory.mktemp("vqgan"), "model.disc_start_step=1")
+
+
+def tensors(root: str, step: int | None = None) -> dict[str, dict[str, torch.Tensor]]:
+    store = CheckpointStore(root)
+    info = store.check(step) if step is not None else store.latest_valid()
+    assert info is not None and info.valid, info.reason if info else root
+    return {n: store.read_tensors(info, n) for n in info.manifest["files"] if n.endswith(".safetensors")}
+
+
+def step_lines(log: str) -> dict[int, str]:
+    return {int(m.group(1)): m.group(0) for m in re.finditer(r"step=(\d+)/\d+ .*", log)}
+
+
+# ---------------------------------------------------------------- VQ-GAN
+
+
+def test_vqgan_discriminator_starts_late_with_its_own_optimizer_and_penalty_on_configured_steps(tmp_path):
+    r = run_cli(
+        "train",
+        *vqgan_args(
+            tmp_path,
+            "model.disc_start_step=3",
+            "model.grad_penalty_every=2",
+            "model.lecam_weight=0.1",
+            "checkpoint.every_steps=1",
+            "checkpoint.keep=10",
+            "train.val_every_steps=7",
+            "sample.every_steps=7",
+            max_steps=7,
+        ),
+    )
+    assert r.returncode == 0, r.stderr[-3000:]
+    root = f"{tmp_path}/run/checkpoints"
+    steps = {s: tensors(root, s) for s in range(1, 8)}
+    disc = "discriminator.model.safetensors"
+    # Untouched before model.disc_start_step: global steps 0, 1, 2 (checkpoints 1..3) leave it as built.
+    for s in (2, 3):
+        for k, v in steps[1][disc].items():
+            assert torch.equal(v, steps[s][disc][k]), f"discriminator {k} changed before disc_start_step (step {s})"
+    assert any(not torch.equal(v, steps[4][disc][k]) for k, v in steps[3][disc].items())
+    assert "discriminator.ema.safetensors" not in steps[7] and "generator.ema.safetensors" in steps[7]
+
+    info = CheckpointStore(root).check(7)
+    doc = CheckpointStore(root).read_json(info, "trainer.json")
+    assert doc["parts"]["generator"]["step"] == 7 and doc["parts"]["discriminator"]["step"] == 4
+    disc_group = doc["parts"]["discriminator"]["optimizer"]["param_groups"][0]
+    assert disc_group["initial_lr"] == 2e-4 and disc_group["betas"] == [0.5, 0.9]
+    assert doc["parts"]["generator"]["optimizer"]["param_groups"][0]["initial_lr"] == 1e-3
+
+    # The penalty runs on the discriminator's own steps 0, 2 (global steps 3, 5 = log lines 4, 6).
+    lines = step_lines(r.stderr)
+    assert [s for s in sorted(lines) if "discriminator/grad_penalty=" in lines[s]] == [4, 6]
+    assert [s for s in sorted(lines) if "discriminator/hinge=" in lines[s]] == [4, 5, 6, 7]
+    assert all("generator/adv=" not in lines[s] for s in (1, 2, 3)) and "generator/adv_weight=" in lines[4]
+    assert "discriminator/lecam=" in lines[5] and "generator/perplexity=" in lines[1]
+    assert "generator/codebook_usage=" in lines[1]
+    assert "val/psnr=" in r.stderr and "val/mse=" in r.stderr
+    grid = tmp_path / "run" / "samples" / "step-000000007-reconstruction.png"
+    assert grid.exists()
+
+
+def test_adaptive_weight_matches_a_hand_computation():
+    """For out = W h, rec = mean((out - y)^2) and adv = -mean(v * out): the gradients at W are
+    2 (out - y) h^T / n and -v h^T / n, so the weight is their norm ratio (Esser et al. eq. 7)."""
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(3, 5, generator=g, dtype=torch.float64, requires_grad=True)
+    h, y, v = (torch.randn(*s, generator=g, dtype=torch.float64) for s in ((5, 4), (3, 4), (3, 4)))
+    out = w @ h
+    rec = ((out - y) ** 2).mean()
+    adv = -(v * out).mean()
+    got = adaptive_weight(rec, adv, w, max_weight=1e4)
+    n = out.numel()
+    g_rec = 2 * (out - y).detach() @ h.T / n
+    g_adv = -v @ h.T / n
+    want = g_rec.norm() / (g_adv.norm() + 1e-4)
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=0)
+    assert adaptive_weight(rec, adv, w, max_weight=0.01) == 0.01  # clamped
+
+
+@pytest.mark.parametrize("quantizer", ["vq", "fsq", "lfq"])
+def test_quantizers_encode_and_decode_what_the_forward_reconstructs(quantizer):
+    cfg = VQGANConfig(
+        block_out_channels=[8, 16], norm_num_groups=4, quantizer=quantizer, codebook_size=16, codebook_dim=4,
+        fsq_levels=[5, 3],
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = VQAutoencoder(cfg, channels=1).eval()
+    x = torch.rand(4, 1, 8, 8) * 2 - 1
+    out = model(x)
+    idx = model.encode_indices(x)
+    assert idx.shape == (4, 4, 4) and int(idx.min()) >= 0 and int(idx.max()) < cfg.num_codes
+    assert torch.equal(idx, out["indices"])
+    # The forward's straight-through output equals the looked-up codes up to one rounding of z + (q - z).
+    torch.testing.assert_close(model.decode_indices(idx), out["reconstruction"].clamp(-1, 1), rtol=0, atol=1e-5)
+    assert out["commitment"].shape == (4,) and torch.isfinite(out["aux"])
+
+
+# ---------------------------------------------------------------- MaskGIT
+
+
+def test_maskgit_trains_on_a_pinned_frozen_tokenizer_and_samples_through_it(tmp_path, tokenizer):
+    r = run_cli("train", *maskgit_args(tmp_path, tokenizer, "train.val_every_steps=4", max_steps=4), env=ENV)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "tokenizer(frozen)" in r.stderr and "val/token_ce=" in r.stderr
+    root = f"{tmp_path}/run/checkpoints"
+    store = CheckpointStore(root)
+    info = store.latest_valid()
+    assert not any(f.startswith("tokenizer") for f in info.manifest["files"]), info.manifest["files"]
+    record = store.read_json(info, "trainer.json")["frozen"]["tokenizer"]
+    src = CheckpointStore(tokenizer).latest_valid()
+    assert record["file"] == "generator.ema.safetensors" and record["url"] == src.url
+    assert record["digest"] == "sha256:" + src.manifest["files"]["generator.ema.safetensors"]["sha256"]
+
+    grids = {}
+    for steps in (1, 8):
+        out = tmp_path / f"s{steps}.png"
+        r = run_cli("sample", root, "--num", "4", "--steps", str(steps), "--out", str(out), env=ENV)
+        assert r.returncode == 0, r.stderr[-3000:]
+        with Image.open(out) as im:
+            grids[steps] = np.asarray(im.convert("L"), dtype=np.float32)
+    assert grids[1].shape == grids[8].shape and grids[1].std() > 0
+    assert not np.array_equal(grids[1], grids[8])  # one-shot vs iterative decoding
+
+
+def test_maskgit_refuses_a_tokenizer_of_another_geometry(tmp_path, tokenizer):
+    r = run_cli("train", *maskgit_args(tmp_path, tokenizer, "model.codebook_size=8192", max_steps=1), env=ENV)
+    assert r.returncode == 2
+    assert "model.codebook_size=8192" in r.stderr and "has 32 codes" in r.stderr
+    r = run_cli("train", *maskgit_args(tmp_path, tokenizer, "model.latent_size=8", max_steps=1), env=ENV)
+    assert r.returncode == 2 and "model.latent_size=8" in r.stderr and "4x4" in r.stderr
+    r = run_cli("train", *maskgit_args(tmp_path, tokenizer, "data.image_size=16", max_steps=1), env=ENV)
+    assert r.returncode == 2 and "data.image_size=16" in r.stderr and "8px" in r.stderr
+    assert not (tmp_path / "run" / "checkpoints").exists() or not list((tmp_path / "run" / "checkpoints").iterdir())
+
+
+def test_maskgit_resume_with_a_changed_tokenizer_is_refused(tmp_path):
+    tok_root = tmp_path / "tok"
+    url = train_vqgan(tok_root, max_steps=2)
+    args = maskgit_args(tmp_path / "mg", url, max_steps=2)
+    assert run_cli("train", *args, env=ENV).returncode == 0
+    shutil.rmtree(tok_root)
+    train_vqgan(tok_root, max_steps=2, seed=1)  # same URL and steps, other weights
+    r = run_cli("train", *args[:-1], "train.max_steps=3", env=ENV)
+    assert r.returncode == 2, r.stderr[-3000:]
+    assert "frozen part 'tokenizer'" in r.stderr and "different frozen weights" in r.stderr
+    doc = json.loads((tmp_path / "mg/run/checkpoints/step-000000002/trainer.json").read_text())
+    assert doc["progress"]["step"] == 2
+
+
+# ---------------------------------------------------------------- distributed, exact resume
+
+
+def _kill_and_compare(tmp_path, make_args, kill_at: int, steps: int) -> dict[str, dict[str, torch.Tensor]]:
+    ref_log = tmp_path / "ref.log"
+    ref = start_torchrun(standalone(2), make_args(tmp_path / "ref"), ref_log, PYTHONPATH=str(REPO / "tests"))
+    assert finish(ref, ref_log) == 0, ref_log.read_text()[-4000:]
+    log = tmp_path / "killed.log"
+    proc = start_torchrun(standalone(2), make_args(tmp_path / "killed"), log, PYTHONPATH=str(REPO / "tests"),
+                          PROBE_TASK_KILL=f"1:{kill_at}")  # fmt: skip
+    rc = finish(proc, log)
+    text = log.read_text()
+    assert rc == 0, text[-4000:]
+    assert "world_size=2 restart=1" in text and "find_unused_parameters" not in text
+    a = tensors(f"{tmp_path}/ref/run/checkpoints", steps)
+    b = tensors(f"{tmp_path}/killed/run/checkpoints", steps)
+    assert a.keys() == b.keys()
+    for name in a:
+        for key in a[name]:
+            assert torch.equal(a[name][key], b[name][key]), f"{name}:{key} differs"
+    return a
+
+
+@pytest.mark.slow
+def test_vqgan_under_torchrun_resumes_bit_identical_after_sigkill(tmp_path):
+    steps = 10
+
+    def args(root):
+        return vqgan_args(
+            root, "task=probe_tasks:KillableVQGAN", "model.disc_start_step=3", "model.grad_penalty_every=2",
+            "model.dead_code_threshold=0.5", "checkpoint.every_steps=4", max_steps=steps,
+        )  # fmt: skip
+
+    a = _kill_and_compare(tmp_path, args, kill_at=6, steps=steps)
+    # Generator, discriminator, both optimizers, the generator's EMA, every rank's RNG state.
+    assert {"generator.model.safetensors", "generator.ema.safetensors", "generator.optimizer.safetensors",
+            "discriminator.model.safetensors", "discriminator.optimizer.safetensors",
+            "rank-00001.safetensors"} <= set(a)  # fmt: skip
+
+
+@pytest.mark.slow
+def test_maskgit_under_torchrun_resumes_bit_identical_after_sigkill(tmp_path, tokenizer):
+    steps = 8
+
+    def args(root):
+        return maskgit_args(
+            root, tokenizer, "task=probe_tasks:KillableMaskGIT", "model.dropout=0.1", "checkpoint.every_steps=3",
+            max_steps=steps,
+        )  # fmt: skip
+
+    a = _kill_and_compare(tmp_path, args, kill_at=5, steps=steps)
+    assert {"transformer.model.safetensors", "transformer.ema.safetensors"} <= set(a)
+    assert not any(n.startswith("tokenizer") for n in a)

@@ -1,0 +1,274 @@
+"""MaskGIT task (`task: maskgit`): a bidirectional transformer over a frozen VQ-GAN's codes (Chang et al. 2022).
+
+The tokenizer is the `generator` part of a `vqgan` run, loaded from
+`model.tokenizer.url` (a run root or one step dir, on any fsspec store; EMA
+weights by default), digest-pinned by the engine and never saved here.
+Training masks a cosine-scheduled fraction of each image's tokens and
+predicts them; sampling decodes iteratively in parallel (`sample.inference_steps`
+decoding steps) with temperature, choice-temperature annealing and
+classifier-free guidance, then decodes the codes through the tokenizer.
+
+Conditioning goes through `conditioning_tokens`: context tokens prepended
+to the sequence, with a null condition for guidance. Class labels are built
+in; other conditioners (text) provide the same call.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from pydantic import BaseModel, ConfigDict, Field
+from torch import nn
+
+from trainer.randomness import per_sample_rand, sample_generators
+from trainer.tasks.base import Batch, FrozenSource, Loss, Phase, StepInfo, Task, TaskContext
+
+
+class TokenizerConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    url: str = Field(description="checkpoint root or step dir of a vqgan run (any fsspec URL)")
+    use_ema: bool = True
+
+
+class MaskGITConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    tokenizer: TokenizerConfig
+    # Expected tokenizer geometry; null = whatever the tokenizer has. Set them to have a mismatch refused.
+    codebook_size: int | None = Field(None, ge=2)
+    latent_size: int | None = Field(None, ge=1, description="side of the token grid")
+    dim: int = Field(256, ge=8)
+    depth: int = Field(4, ge=1)
+    heads: int = Field(4, ge=1)
+    mlp_ratio: float = Field(4.0, gt=0)
+    dropout: float = Field(0.0, ge=0, lt=1)
+    label_smoothing: float = Field(0.1, ge=0, lt=1)
+    num_classes: int | None = Field(None, ge=2, description="class-conditional when set")
+    cond_drop_prob: float = Field(0.1, ge=0, lt=1, description="condition dropout for classifier-free guidance")
+    temperature: float = Field(1.0, gt=0, description="sampling temperature of the token draws")
+    choice_temperature: float = Field(4.5, ge=0, description="randomness of which tokens stay masked, annealed to 0")
+
+
+def cosine_mask_ratio(r: torch.Tensor) -> torch.Tensor:
+    """MaskGIT's schedule: the fraction of tokens masked at progress r in [0, 1)."""
+    return torch.cos(r * math.pi / 2)
+
+
+class MaskTransformer(nn.Module):
+    """Token + position embeddings, condition tokens in front, pre-norm encoder, logits over the codebook."""
+
+    def __init__(self, cfg: MaskGITConfig, num_codes: int, seq_len: int, cond_tokens: int):
+        super().__init__()
+        self.num_codes = num_codes
+        self.mask_id = num_codes
+        self.tokens = nn.Embedding(num_codes + 1, cfg.dim)
+        self.pos = nn.Parameter(torch.zeros(1, cond_tokens + seq_len, cfg.dim))
+        nn.init.trunc_normal_(self.pos, std=0.02)
+        self.classes = nn.Embedding(cfg.num_classes + 1, cfg.dim) if cfg.num_classes else None
+        layer = nn.TransformerEncoderLayer(
+            cfg.dim,
+            cfg.heads,
+            int(cfg.dim * cfg.mlp_ratio),
+            dropout=cfg.dropout,
+            activation="gelu",
+            batch_first=True,
+            norm_first=True,
+        )
+        self.encoder = nn.TransformerEncoder(layer, cfg.depth, enable_nested_tensor=False)
+        self.norm = nn.LayerNorm(cfg.dim)
+        self.head = nn.Linear(cfg.dim, num_codes)
+
+    def forward(self, tokens: torch.Tensor, context: torch.Tensor | None) -> torch.Tensor:
+        """tokens (N, L) with `mask_id` where masked; context (N, Lc, dim) or None -> logits (N, L, K)."""
+        x = self.tokens(tokens)
+        if context is not None:
+            x = torch.cat([context.to(x.dtype), x], dim=1)
+        x = self.encoder(x + self.pos[:, : x.shape[1]])
+        return self.head(self.norm(x[:, x.shape[1] - tokens.shape[1] :]))
+
+
+class MaskGITTask(Task):
+    ModelConfig = MaskGITConfig
+    cfg: MaskGITConfig
+
+    def __init__(self, model_cfg: MaskGITConfig, ctx: TaskContext):
+        super().__init__(model_cfg, ctx)
+        if model_cfg.num_classes and ctx.num_classes and model_cfg.num_classes != ctx.num_classes:
+            from trainer.config import ConfigError
+
+            raise ConfigError(f"model.num_classes={model_cfg.num_classes} but the dataset has {ctx.num_classes}")
+        self.num_codes = 0
+        self.grid = 0
+
+    @classmethod
+    def trainable_part_names(cls, model_cfg: MaskGITConfig) -> list[str]:
+        return ["transformer"]
+
+    def frozen_sources(self) -> dict[str, FrozenSource]:
+        t = self.cfg.tokenizer
+        return {"tokenizer": FrozenSource(t.url, part="generator", use_ema=t.use_ema)}
+
+    def build(self, frozen) -> dict[str, nn.Module]:
+        from trainer.config import ConfigError
+        from trainer.registry import task_class
+        from trainer.tasks.vqgan import VQGANTask, tokenizer_geometry
+
+        source = frozen["tokenizer"].config
+        url = frozen["tokenizer"].record["url"]
+        tok_task = task_class(source.task)
+        if not issubclass(tok_task, VQGANTask):
+            raise ConfigError(f"model.tokenizer.url={url}: a {source.task!r} run, not a vqgan tokenizer")
+        num_codes, tok_grid = tokenizer_geometry(source)
+        c = self.cfg
+        if c.codebook_size is not None and c.codebook_size != num_codes:
+            raise ConfigError(
+                f"model.codebook_size={c.codebook_size} but the tokenizer at {url} has {num_codes} codes: "
+                "the transformer's vocabulary must equal the tokenizer's codebook. Set model.codebook_size="
+                f"{num_codes} (or leave it unset), or point model.tokenizer.url at a matching tokenizer."
+            )
+        ds = source.model_cfg.downsample
+        grid = self.ctx.image_size // ds
+        if self.ctx.image_size % ds or grid != tok_grid:
+            raise ConfigError(
+                f"data.image_size={self.ctx.image_size} gives a {grid}x{grid} token grid but the tokenizer at {url} "
+                f"was trained on {source.data.image_size}px images ({tok_grid}x{tok_grid} tokens). Use "
+                f"data.image_size={source.data.image_size}."
+            )
+        if c.latent_size is not None and c.latent_size != grid:
+            raise ConfigError(
+                f"model.latent_size={c.latent_size} but the tokenizer at {url} makes a {grid}x{grid} token grid. "
+                f"Set model.latent_size={grid} (or leave it unset)."
+            )
+        if source.data.channels != self.ctx.channels:
+            raise ConfigError(
+                f"data.channels={self.ctx.channels} but the tokenizer at {url} encodes {source.data.channels}-channel "
+                "images"
+            )
+        self.num_codes, self.grid = num_codes, grid
+        tokenizer = tok_task(source.model_cfg, self.ctx).build({})["generator"]
+        transformer = MaskTransformer(c, num_codes, grid * grid, 1 if c.num_classes else 0)
+        return {"tokenizer": tokenizer, "transformer": transformer}
+
+    # ---- conditioning
+    @property
+    def conditional(self) -> bool:
+        return self.cfg.num_classes is not None
+
+    def conditioning_tokens(
+        self, transformer: nn.Module, batch: Batch | None, labels: torch.Tensor | None, drop: torch.Tensor | None
+    ) -> torch.Tensor | None:
+        """Context tokens (N, Lc, dim) for the transformer; `drop` marks samples given the null condition."""
+        if not self.conditional:
+            return None
+        bare = getattr(transformer, "module", transformer)
+        null = self.cfg.num_classes
+        if labels is None:
+            labels = batch.labels
+        labels = torch.where(labels < 0, null, labels)
+        if drop is not None:
+            labels = torch.where(drop, null, labels)
+        return bare.classes(labels)[:, None]
+
+    # ---- training
+    def forward(self, modules, batch: Batch, step: int) -> dict[str, Any]:
+        tokens = modules["tokenizer"].encode_indices(batch.images).flatten(1)
+        return {"tokens": tokens}
+
+    def _masked(self, tokens: torch.Tensor, step: int, positions: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per-sample cosine-scheduled masks, drawn from (seed, step, position): exact on resume."""
+        n, length = tokens.shape
+        gens = sample_generators(self.seed, step, positions, stream=1)
+        r = per_sample_rand(gens)
+        drop = per_sample_rand(gens) < self.cfg.cond_drop_prob
+        scores = torch.stack([torch.rand(length, generator=g) for g in gens])
+        num_masked = (cosine_mask_ratio(r) * length).ceil().clamp(1, length).long()
+        ranks = scores.argsort(dim=1).argsort(dim=1)
+        mask = ranks < num_masked[:, None]
+        return mask.to(tokens.device), drop.to(tokens.device)
+
+    def _token_loss(self, modules, batch: Batch, tokens: torch.Tensor, step: int, smoothing: float):
+        mask, drop = self._masked(tokens, step, batch.positions)
+        inputs = torch.where(mask, self.num_codes, tokens)
+        transformer = modules["transformer"]
+        context = self.conditioning_tokens(transformer, batch, None, drop)
+        logits = transformer(inputs, context).float()
+        ce = F.cross_entropy(logits.transpose(1, 2), tokens, reduction="none", label_smoothing=smoothing)
+        m = mask.float()
+        per_sample = (ce * m).sum(1) / m.sum(1)
+        acc = ((logits.argmax(-1) == tokens).float() * m).sum(1) / m.sum(1)
+        return per_sample, acc
+
+    def loss(self, phase: Phase, modules, batch: Batch, outputs, info: StepInfo) -> Loss:
+        ce, acc = self._token_loss(modules, batch, outputs["tokens"], info.step, self.cfg.label_smoothing)
+        return Loss(ce, {"masked_accuracy": acc.detach()})
+
+    def validate(self, modules, batch: Batch) -> dict[str, torch.Tensor]:
+        tokens = self.forward(modules, batch, -1)["tokens"]
+        ce, acc = self._token_loss(modules, batch, tokens, -1, 0.0)
+        return {"token_ce": ce, "masked_accuracy": acc}
+
+    # ---- sampling
+    @torch.no_grad()
+    def sample(
+        self,
+        modules: Mapping[str, nn.Module],
+        num: int,
+        seed: int,
+        device: torch.device,
+        inference_steps: int = 12,
+        guidance_scale: float = 1.0,
+        labels: torch.Tensor | None = None,
+        temperature: float | None = None,
+        choice_temperature: float | None = None,
+        **unused: Any,
+    ) -> torch.Tensor:
+        """Iterative parallel decoding: at step t keep the most confident predictions and re-mask the rest,
+        `L * cos(pi/2 * t/T)` of them, with Gumbel noise on the confidences annealed to zero."""
+        transformer = modules["transformer"]
+        temperature = self.cfg.temperature if temperature is None else temperature
+        choice_temperature = self.cfg.choice_temperature if choice_temperature is None else choice_temperature
+        g = torch.Generator().manual_seed(seed)
+        length = self.grid * self.grid
+        tokens = torch.full((num, length), self.num_codes, dtype=torch.long)
+        context = uncond = None
+        if self.conditional:
+            if labels is None:
+                labels = torch.arange(num) % self.cfg.num_classes
+            labels = labels.to(device)
+            context = self.conditioning_tokens(transformer, None, labels, None)
+            uncond = self.conditioning_tokens(transformer, None, labels, torch.ones_like(labels, dtype=torch.bool))
+        guided = context is not None and guidance_scale != 1.0
+        steps = max(1, inference_steps)
+        for t in range(steps):
+            x = tokens.to(device)
+            logits = transformer(x, context).float()
+            if guided:
+                logits = logits + (guidance_scale - 1.0) * (logits - transformer(x, uncond).float())
+            logits = logits.cpu()
+            probs = F.softmax(logits / temperature, dim=-1)
+            drawn = torch.multinomial(probs.view(-1, self.num_codes), 1, generator=g).view(num, length)
+            unknown = tokens == self.num_codes
+            drawn = torch.where(unknown, drawn, tokens)
+            confidence = torch.gather(probs, -1, drawn[..., None])[..., 0].clamp(min=1e-20).log()
+            confidence = torch.where(unknown, confidence, torch.inf)
+            progress = (t + 1) / steps
+            remask = int(math.floor(length * float(cosine_mask_ratio(torch.tensor(progress)))))
+            remask = min(remask, int(unknown.sum(1).min()) - 1) if t < steps - 1 else 0
+            if remask > 0:
+                u = torch.rand(confidence.shape, generator=g).clamp(1e-20, 1 - 1e-7)
+                gumbel = -torch.log(-torch.log(u))
+                noisy = confidence + choice_temperature * (1 - progress) * gumbel
+                cut = noisy.sort(dim=1).values[:, remask - 1 : remask]
+                drawn = torch.where(noisy <= cut, self.num_codes, drawn)
+            tokens = drawn
+        grid = tokens.view(num, self.grid, self.grid).to(device)
+        images = modules["tokenizer"].decode_indices(grid)
+        return ((images.float() + 1) / 2).cpu()
+
+
+TASK = MaskGITTask
