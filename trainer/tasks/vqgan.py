@@ -62,12 +62,16 @@ class VQGANConfig(BaseModel):
     l2_weight: float = Field(0.0, ge=0)
     perceptual: PerceptualConfig | None = None
     adv_weight: float = Field(0.1, ge=0, description="generator's hinge adversarial weight (times the adaptive one)")
-    adaptive_weight: bool = Field(True, description="Esser et al.: scale adv by |grad rec| / |grad adv| at the last layer")
+    adaptive_weight: bool = Field(
+        True, description="Esser et al.: scale adv by |grad rec| / |grad adv| at the last layer"
+    )
     adaptive_weight_max: float = Field(1e4, gt=0)
     disc_start_step: int = Field(2000, ge=0, description="global step from which the discriminator trains and is used")
     disc_channels: int = Field(32, ge=1)
     disc_layers: int = Field(2, ge=1)
-    grad_penalty_every: int = Field(0, ge=0, description="gradient penalty on the discriminator's own steps 0, k, 2k, ...")
+    grad_penalty_every: int = Field(
+        0, ge=0, description="gradient penalty on the discriminator's own steps 0, k, 2k, ..."
+    )
     grad_penalty_weight: float = Field(10.0, ge=0)
     lecam_weight: float = Field(0.0, ge=0, description="LeCAM regularizer (Tseng et al. 2021); 0 = off")
     lecam_decay: float = Field(0.999, gt=0, lt=1)
