@@ -31,7 +31,7 @@ def make_grid(images: torch.Tensor, nrow: int | None = None, padding: int = 1, u
 def grid_png_bytes(images: torch.Tensor, nrow: int | None = None, upscale: int | None = None) -> bytes:
     # Tiny images (8-32 px) are unreadable at 1:1; scale them up with nearest neighbour.
     if upscale is None:
-        upscale = max(1, 64 // images.shape[-1])
+        upscale = max(1, 64 // min(images.shape[-2:]))
     grid = make_grid(images, nrow=nrow, upscale=upscale)
     im = Image.fromarray(grid[..., 0] if grid.shape[-1] == 1 else grid)
     buf = io.BytesIO()

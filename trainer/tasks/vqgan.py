@@ -391,7 +391,7 @@ class VQGANTask(Task):
         return {"mse": mse, "psnr": 10 * torch.log10(4.0 / mse.clamp(min=1e-10))}
 
     def previews(self, modules, ctx: PreviewContext) -> dict[str, torch.Tensor]:
-        """Rows: input | online reconstruction | EMA reconstruction, on a fixed held-out batch."""
+        """input | online reconstruction | EMA reconstruction of each image of a fixed held-out batch."""
         if ctx.batch is None:
             return {}
         images = ctx.batch.images[: ctx.num]
@@ -399,8 +399,10 @@ class VQGANTask(Task):
             online = modules["generator"](images)["reconstruction"]
         with ctx.weights(True):
             ema = modules["generator"](images)["reconstruction"]
-        rows = torch.cat([images, online, ema]).float().clamp(-1, 1).cpu()
-        return {"reconstruction": (rows + 1) / 2}
+        # One cell per sample: input | online | EMA side by side (a 1-pixel dark gap between them).
+        gap = torch.full_like(images[..., :1], -1)
+        cells = torch.cat([images, gap, online, gap, ema], dim=-1).float().clamp(-1, 1).cpu()
+        return {"reconstruction": (cells + 1) / 2}
 
     @torch.no_grad()
     def sample(self, modules, num: int, seed: int, device: torch.device, **unused: Any) -> torch.Tensor:
