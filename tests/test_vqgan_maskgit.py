@@ -265,3 +265,42 @@ def test_maskgit_under_torchrun_resumes_bit_identical_after_sigkill(tmp_path, to
     a = _kill_and_compare(tmp_path, args, kill_at=5, steps=steps)
     assert {"transformer.model.safetensors", "transformer.ema.safetensors"} <= set(a)
     assert not any(n.startswith("tokenizer") for n in a)
+
+
+def test_token_cache_is_keyed_by_tokenizer_digest_and_changes_nothing(tmp_path, tokenizer):
+    cache = tmp_path / "cache"
+    plain = run_cli("train", *maskgit_args(tmp_path / "a", tokenizer, max_steps=3), env=ENV)
+    assert plain.returncode == 0, plain.stderr[-3000:]
+    cached = run_cli("train", *maskgit_args(tmp_path / "b", tokenizer, f"model.token_cache={cache}", max_steps=3),
+                     env=ENV)  # fmt: skip
+    assert cached.returncode == 0, cached.stderr[-3000:]
+    digest = CheckpointStore(tokenizer).latest_valid().manifest["files"]["generator.ema.safetensors"]["sha256"]
+    entries = list((cache / f"sha256-{digest}").glob("*.npy"))
+    assert len(entries) >= 8  # 3 steps of 8 images (flips make their own entries)
+    assert all(np.load(e).shape == (16,) for e in entries)
+    # A second run reads every token from the cache (no new entries) and trains the same weights.
+    again = run_cli("train", *maskgit_args(tmp_path / "c", tokenizer, f"model.token_cache={cache}", max_steps=3),
+                    env=ENV)  # fmt: skip
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert sorted((cache / f"sha256-{digest}").glob("*.npy")) == sorted(entries)
+    a = tensors(f"{tmp_path}/a/run/checkpoints")["transformer.model.safetensors"]
+    for run in ("b", "c"):
+        b = tensors(f"{tmp_path}/{run}/run/checkpoints")["transformer.model.safetensors"]
+        assert all(torch.equal(a[k], b[k]) for k in a), run
+
+
+def test_perceptual_loss_needs_user_given_vgg_weights(tmp_path):
+    from safetensors.torch import save_file
+
+    from trainer.tasks.perceptual import vgg16_features
+
+    missing = tmp_path / "nope.safetensors"
+    r = run_cli("train", *vqgan_args(tmp_path / "a", f"model.perceptual.url={missing}", max_steps=1))
+    assert r.returncode == 2 and "model.perceptual.url" in r.stderr and "never downloads" in r.stderr
+
+    torch.manual_seed(0)
+    weights = tmp_path / "vgg16.safetensors"  # torchvision's key names; random values stand in for trained ones
+    save_file({f"features.{k}": v.contiguous() for k, v in vgg16_features().state_dict().items()}, str(weights))
+    r = run_cli("train", *vqgan_args(tmp_path / "b", f"model.perceptual.url={weights}", max_steps=2))
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "generator/perceptual=" in r.stderr

@@ -16,9 +16,12 @@ in; other conditioners (text) provide the same call.
 from __future__ import annotations
 
 import math
+import os
 from collections.abc import Mapping
 from typing import Any
 
+import blake3
+import numpy as np
 import torch
 import torch.nn.functional as F
 from pydantic import BaseModel, ConfigDict, Field
@@ -50,6 +53,9 @@ class MaskGITConfig(BaseModel):
     label_smoothing: float = Field(0.1, ge=0, lt=1)
     num_classes: int | None = Field(None, ge=2, description="class-conditional when set")
     cond_drop_prob: float = Field(0.1, ge=0, lt=1, description="condition dropout for classifier-free guidance")
+    token_cache: str | None = Field(
+        None, description="local folder caching each image's tokens (keyed by tokenizer digest and image content)"
+    )
     temperature: float = Field(1.0, gt=0, description="sampling temperature of the token draws")
     choice_temperature: float = Field(4.5, ge=0, description="randomness of which tokens stay masked, annealed to 0")
 
@@ -57,6 +63,41 @@ class MaskGITConfig(BaseModel):
 def cosine_mask_ratio(r: torch.Tensor) -> torch.Tensor:
     """MaskGIT's schedule: the fraction of tokens masked at progress r in [0, 1)."""
     return torch.cos(r * math.pi / 2)
+
+
+class TokenCache:
+    """Each image's tokens on local disk, so later epochs skip the tokenizer.
+
+    Keyed by the tokenizer's weights digest (a folder per tokenizer) and a
+    BLAKE3 hash of the image tensor (so augmentations such as flips get their
+    own entry). The frozen tokenizer is deterministic in eval mode, so cached
+    and fresh tokens are identical and exact resume does not depend on the cache.
+    """
+
+    def __init__(self, root: str, digest: str):
+        self.dir = os.path.join(root, digest.replace(":", "-"))
+        os.makedirs(self.dir, exist_ok=True)
+        self.hits = self.misses = 0
+
+    def _path(self, image: torch.Tensor) -> str:
+        data = image.detach().to("cpu", torch.float32).contiguous().numpy().tobytes()
+        return os.path.join(self.dir, blake3.blake3(data).hexdigest()[:32] + ".npy")
+
+    def tokens(self, images: torch.Tensor, encode) -> torch.Tensor:
+        paths = [self._path(x) for x in images]
+        found = [np.load(p) if os.path.exists(p) else None for p in paths]
+        todo = [i for i, t in enumerate(found) if t is None]
+        if todo:
+            fresh = encode(images[todo]).cpu().numpy().astype(np.int32)
+            for i, t in zip(todo, fresh, strict=True):
+                tmp = f"{paths[i]}.{os.getpid()}.tmp"
+                with open(tmp, "wb") as f:
+                    np.save(f, t)
+                os.replace(tmp, paths[i])  # atomic: concurrent ranks may write the same entry
+                found[i] = t
+        self.hits += len(paths) - len(todo)
+        self.misses += len(todo)
+        return torch.from_numpy(np.stack(found)).to(images.device, torch.long)
 
 
 class MaskTransformer(nn.Module):
@@ -104,6 +145,7 @@ class MaskGITTask(Task):
             raise ConfigError(f"model.num_classes={model_cfg.num_classes} but the dataset has {ctx.num_classes}")
         self.num_codes = 0
         self.grid = 0
+        self.cache: TokenCache | None = None
 
     @classmethod
     def trainable_part_names(cls, model_cfg: MaskGITConfig) -> list[str]:
@@ -150,6 +192,8 @@ class MaskGITTask(Task):
                 "images"
             )
         self.num_codes, self.grid = num_codes, grid
+        if c.token_cache:
+            self.cache = TokenCache(c.token_cache, frozen["tokenizer"].record["digest"])
         tokenizer = tok_task(source.model_cfg, self.ctx).build({})["generator"]
         transformer = MaskTransformer(c, num_codes, grid * grid, 1 if c.num_classes else 0)
         return {"tokenizer": tokenizer, "transformer": transformer}
@@ -176,8 +220,10 @@ class MaskGITTask(Task):
 
     # ---- training
     def forward(self, modules, batch: Batch, step: int) -> dict[str, Any]:
-        tokens = modules["tokenizer"].encode_indices(batch.images).flatten(1)
-        return {"tokens": tokens}
+        encode = modules["tokenizer"].encode_indices
+        if self.cache is None:
+            return {"tokens": encode(batch.images).flatten(1)}
+        return {"tokens": self.cache.tokens(batch.images, lambda x: encode(x).flatten(1))}
 
     def _masked(self, tokens: torch.Tensor, step: int, positions: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
         """Per-sample cosine-scheduled masks, drawn from (seed, step, position): exact on resume."""

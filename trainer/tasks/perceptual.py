@@ -83,6 +83,8 @@ class VGGPerceptual(nn.Module):
         x = ((x + 1) / 2 - self.mean) / self.std
         out = []
         for i, layer in enumerate(self.features):
+            if isinstance(layer, nn.MaxPool2d) and min(x.shape[-2:]) < 2:
+                break  # small images (digits at 8-16 px) run out of resolution before conv5_3
             x = layer(x)
             if i in _TAPS:
                 out.append(x / (x.norm(dim=1, keepdim=True) + 1e-10))
