@@ -41,7 +41,7 @@ def test_train_resume_list_verify_and_sample_on_object_storage(tmp_path, remote)
     assert all("valid" in row for row in rows) and "(LATEST)" in listing.stdout.splitlines()[-1]
 
     ok = run_cli("checkpoints", "verify", f"{url}/step-000000006", "--storage-options", json.dumps(so))
-    assert ok.returncode == 0 and "sha256 checked" in ok.stdout, ok.stdout + ok.stderr
+    assert ok.returncode == 0 and "blake3 checked" in ok.stdout, ok.stdout + ok.stderr
 
     out = tmp_path / "grid.png"
     r = run_cli("sample", url, "--num", "4", "--steps", "2", "--out", str(out), "--storage-options", json.dumps(so))
@@ -55,9 +55,9 @@ def test_train_resume_list_verify_and_sample_on_object_storage(tmp_path, remote)
     store.fs.pipe_file(path, bytes(data))
     bad = run_cli("checkpoints", "verify", f"{url}/step-000000006", "--storage-options", json.dumps(so))
     assert bad.returncode == 1
-    assert "unet.model.safetensors" in bad.stdout and "sha256" in bad.stdout
+    assert "unet.model.safetensors" in bad.stdout and "blake3" in bad.stdout
 
-    # Training falls back to the previous checkpoint when the newest fails its sha256.
+    # Training falls back to the previous checkpoint when the newest fails its digest.
     r = run_cli("train", *args[:-1], "train.max_steps=8")
     assert r.returncode == 0, r.stderr[-3000:]
     assert "cannot be loaded" in r.stderr and f"resumed_from={url}/step-000000004" in r.stderr

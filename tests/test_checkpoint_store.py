@@ -88,9 +88,9 @@ def test_commit_then_discover_newest(store_url):
     assert latest.step == 200
     assert store.read_tensors(latest, "weights.safetensors")["w"][0, 0] == 200.0
     m = latest.manifest
-    assert m["format_version"] == 1 and m["step"] == 200 and m["world_size"] == 1 and m["time_utc"]
+    assert m["format_version"] == 2 and m["step"] == 200 and m["world_size"] == 1 and m["time_utc"]
     assert set(m["files"]) == {"weights.safetensors", "state.json"}
-    assert all(len(e["sha256"]) == 64 for e in m["files"].values())
+    assert m["digest"] == "blake3" and all(len(e["blake3"]) == 64 for e in m["files"].values())
 
 
 def test_truncated_payload_is_skipped_for_the_previous_checkpoint(store_url):
@@ -115,7 +115,7 @@ def test_missing_manifest_means_no_checkpoint(store_url):
     assert store.latest_valid().step == 1
 
 
-def test_wrong_sha256_is_caught_on_read_and_by_verify(store_url):
+def test_wrong_digest_is_caught_on_read_and_by_verify(store_url):
     url, so = store_url
     store = CheckpointStore(url, so, keep=5)
     write(store, 1)
@@ -124,7 +124,7 @@ def test_wrong_sha256_is_caught_on_read_and_by_verify(store_url):
     data[-1] ^= 0xFF  # same size, different content
     store.fs.pipe_file(path, bytes(data))
     info = store.latest_valid()  # sizes match: looks committed
-    with pytest.raises(CheckpointCorrupt, match="sha256"):
+    with pytest.raises(CheckpointCorrupt, match="blake3"):
         store.read_tensors(info, "weights.safetensors")
     problems = store.verify(info)
     assert len(problems) == 1 and "weights.safetensors" in problems[0]

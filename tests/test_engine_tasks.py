@@ -58,7 +58,7 @@ def test_two_phases_per_part_optimizers_and_a_frozen_encoder_kept_out_of_checkpo
     doc = store.read_json(info, "trainer.json")
     # The frozen source is pinned by digest: the DDPM run's EMA weights file.
     src = CheckpointStore(encoder_url).latest_valid()
-    assert doc["frozen"]["encoder"]["digest"] == "sha256:" + src.manifest["files"]["unet.ema.safetensors"]["sha256"]
+    assert doc["frozen"]["encoder"]["digest"] == "blake3:" + src.manifest["files"]["unet.ema.safetensors"]["blake3"]
     assert doc["frozen"]["encoder"]["url"] == src.url
     # The discriminator learns from model.disc_start_step=2 on, with its own optimizer settings.
     assert doc["parts"]["generator"]["step"] == 6 and doc["parts"]["discriminator"]["step"] == 4

@@ -174,7 +174,7 @@ def test_maskgit_trains_on_a_pinned_frozen_tokenizer_and_samples_through_it(tmp_
     record = store.read_json(info, "trainer.json")["frozen"]["tokenizer"]
     src = CheckpointStore(tokenizer).latest_valid()
     assert record["file"] == "generator.ema.safetensors" and record["url"] == src.url
-    assert record["digest"] == "sha256:" + src.manifest["files"]["generator.ema.safetensors"]["sha256"]
+    assert record["digest"] == "blake3:" + src.manifest["files"]["generator.ema.safetensors"]["blake3"]
 
     grids = {}
     for steps in (1, 8):
@@ -274,15 +274,15 @@ def test_token_cache_is_keyed_by_tokenizer_digest_and_changes_nothing(tmp_path, 
     cached = run_cli("train", *maskgit_args(tmp_path / "b", tokenizer, f"model.token_cache={cache}", max_steps=3),
                      env=ENV)  # fmt: skip
     assert cached.returncode == 0, cached.stderr[-3000:]
-    digest = CheckpointStore(tokenizer).latest_valid().manifest["files"]["generator.ema.safetensors"]["sha256"]
-    entries = list((cache / f"sha256-{digest}").glob("*.npy"))
+    digest = CheckpointStore(tokenizer).latest_valid().manifest["files"]["generator.ema.safetensors"]["blake3"]
+    entries = list((cache / f"blake3-{digest}").glob("*.npy"))
     assert len(entries) >= 8  # 3 steps of 8 images (flips make their own entries)
     assert all(np.load(e).shape == (16,) for e in entries)
     # A second run reads every token from the cache (no new entries) and trains the same weights.
     again = run_cli("train", *maskgit_args(tmp_path / "c", tokenizer, f"model.token_cache={cache}", max_steps=3),
                     env=ENV)  # fmt: skip
     assert again.returncode == 0, again.stderr[-3000:]
-    assert sorted((cache / f"sha256-{digest}").glob("*.npy")) == sorted(entries)
+    assert sorted((cache / f"blake3-{digest}").glob("*.npy")) == sorted(entries)
     a = tensors(f"{tmp_path}/a/run/checkpoints")["transformer.model.safetensors"]
     for run in ("b", "c"):
         b = tensors(f"{tmp_path}/{run}/run/checkpoints")["transformer.model.safetensors"]

@@ -39,14 +39,20 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--no-ema", action="store_true", help="use the raw weights instead of the EMA weights")
     s.add_argument("--storage-options", type=json.loads, default={}, help="JSON passed to fsspec")
 
-    c = sub.add_parser("checkpoints", help="list or verify checkpoints")
+    c = sub.add_parser("checkpoints", help="list, verify or consolidate checkpoints")
     csub = c.add_subparsers(dest="action", required=True)
     cl = csub.add_parser("list", help="table of the checkpoints under a root")
     cl.add_argument("root")
     cl.add_argument("--storage-options", type=json.loads, default={})
-    cv = csub.add_parser("verify", help="check sizes and sha256 of every file; exit 1 when invalid")
+    cv = csub.add_parser(
+        "verify", help="check sizes and digests of every file (every rank's shards); exit 1 when invalid"
+    )
     cv.add_argument("url", help="one checkpoint, or a root (verifies the newest valid one)")
     cv.add_argument("--storage-options", type=json.loads, default={})
+    cc = csub.add_parser("consolidate", help="copy a (sharded) checkpoint as one file per part, for inference")
+    cc.add_argument("url", help="one checkpoint, or a root (the newest valid one)")
+    cc.add_argument("out", help="checkpoint root to write the copy under (any fsspec URL)")
+    cc.add_argument("--storage-options", type=json.loads, default={}, help="JSON passed to fsspec for both")
 
     sub.add_parser("presets", help="list the built-in presets")
     sub.add_parser(
@@ -148,6 +154,18 @@ def cmd_checkpoints(args: argparse.Namespace) -> int:
     if info is None:
         print(f"INVALID: no valid checkpoint under {args.url}")
         return EXIT_INVALID_CHECKPOINT
+    if args.action == "consolidate":
+        from trainer.checkpoint.weights import consolidate
+
+        if not info.valid:
+            print(f"INVALID: {info.url}: {info.reason}", file=sys.stderr)
+            return EXIT_INVALID_CHECKPOINT
+        result = consolidate(store, info, args.out, args.storage_options)
+        print(
+            f"wrote {result.info.url}: {len(result.info.manifest['files'])} files, "
+            f"{_human_bytes(result.total_bytes)}, from {info.url} (world size {info.manifest.get('world_size')})"
+        )
+        return EXIT_OK
     problems = store.verify(info)
     if problems:
         print(f"INVALID: {info.url}")
@@ -155,7 +173,11 @@ def cmd_checkpoints(args: argparse.Namespace) -> int:
             print(f"  {p}")
         return EXIT_INVALID_CHECKPOINT
     files = info.manifest["files"]
-    print(f"valid: {info.url} (step {info.step}, {len(files)} files, {_human_bytes(info.total_bytes)}, sha256 checked)")
+    algorithms = sorted({"blake3" if "blake3" in e else "sha256" for e in files.values()})
+    print(
+        f"valid: {info.url} (step {info.step}, {len(files)} files, {_human_bytes(info.total_bytes)}, "
+        f"{'+'.join(algorithms)} checked)"
+    )
     return EXIT_OK
 
 

@@ -176,21 +176,30 @@ def agree_to_stop(local_flag: bool, device: torch.device) -> bool:
     return bool(t.item())
 
 
-def broadcast_object(obj, src: int = 0):
+def broadcast_object(obj, src: int = 0, group=None):
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
         return obj
     box = [obj]
-    dist.broadcast_object_list(box, src=src)
+    dist.broadcast_object_list(box, src=src, group=group)
     return box[0]
 
 
-def gather_objects(obj) -> list:
+def gather_objects(obj, group=None) -> list:
     """Every rank's `obj`, in rank order, on every rank (small values only)."""
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
         return [obj]
-    out = [None] * dist.get_world_size()
-    dist.all_gather_object(out, obj)
+    out = [None] * dist.get_world_size(group)
+    dist.all_gather_object(out, obj, group=group)
     return out
+
+
+def new_gloo_group(timeout_seconds: float):
+    """A CPU process group of all ranks, for small objects exchanged off the training thread (collective)."""
+    from datetime import timedelta
+
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return None
+    return dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_seconds))
 
 
 def barrier() -> None:

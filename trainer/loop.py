@@ -26,6 +26,7 @@ from trainer.engine.parts import build_parts
 from trainer.engine.preview import Previewer
 from trainer.engine.progress import TrainProgress
 from trainer.engine.report import Reporter, flat_hparams
+from trainer.engine.shard import is_fsdp, no_sync, shard_module
 from trainer.engine.step import StepRunner, check_batch_split
 from trainer.engine.validate import Validator
 from trainer.metrics import TrainingMetrics
@@ -59,6 +60,8 @@ class Trainer:
             checkpoint_every_steps=cfg.checkpoint.every_steps, linger_seconds=cfg.metrics.linger_seconds,
         )  # fmt: skip
         self.checkpoints = CheckpointManager(cfg, env, self.metrics)
+        # FSDP parts are sharded across ranks: forwards (validation, previews) run on every rank together.
+        self.sharded = t.parallel == "fsdp" and env.world_size > 1
         self.train_set, self.val_set, num_classes = build_splits(cfg)
         ctx = TaskContext(cfg.data.image_size, cfg.data.channels, cfg.seed, num_classes, cfg.checkpoint.storage_options)
         self.task = task_class(cfg.task)(cfg.model_cfg, ctx)
@@ -66,7 +69,7 @@ class Trainer:
         self.progress = TrainProgress(t.batch_size, len(self.train_set), env.world_size, cfg.seed)
         self.checkpoints.attach(self.progress, self.parts, {n: f.record for n, f in self.frozen.items()})
         self.step_runner = StepRunner(
-            self.task, self.parts, self.frozen, cfg, env.rank, env.world_size, self.device, self.accelerator.no_sync
+            self.task, self.parts, self.frozen, cfg, env.rank, env.world_size, self.device, self._no_sync
         )
         self.reporter = Reporter(
             self.accelerator, self.metrics, self.progress, t.max_steps, t.log_every_steps, cfg.name, cfg.run_dir,
@@ -75,11 +78,11 @@ class Trainer:
         self.validator = Validator(
             self.task, self.parts, self.frozen, self.val_set, t.val_every_steps, t.val_batches,
             self.step_runner.chunk_size, t.precision, cfg.seed, env.rank, env.world_size, self.device,
-            self.reporter.on_validation,
+            self.reporter.on_validation, collective=self.sharded,
         )  # fmt: skip
         self.previewer = Previewer(
             self.task, self.parts, self.frozen, cfg.sample, self.val_set or self.train_set, cfg.seed, cfg.run_dir,
-            env.is_main, self.device, self.reporter.on_previews,
+            env.is_main, self.device, self.reporter.on_previews, collective=self.sharded,
         )  # fmt: skip
         self.clock.mark("build")
 
@@ -155,9 +158,23 @@ class Trainer:
         trainable = [n for n in modules if n not in frozen]
         # Only parts the task ever trains are wrapped (a cascade stage not trained here is not).
         learns = set(self.task.trainable_part_names(self.cfg.model_cfg))
-        wrap = self.accelerator.prepare_model if self.env.world_size > 1 else (lambda m: m)
+        t = self.cfg.train
+        if self.sharded:
+            if t.cpu_offload and self.device.type != "cuda":
+                log.warning("train.cpu_offload=true has no effect on a CPU device; parameters already live there")
+
+            def wrap(m):
+                return shard_module(m, t.precision, t.cpu_offload and self.device.type == "cuda")
+        elif self.env.world_size > 1:
+            wrap = self.accelerator.prepare_model
+        else:
+            wrap = lambda m: m  # noqa: E731
         ema = set(self.task.ema_part_names(self.cfg.model_cfg))
         return build_parts(modules, trainable, frozen, learns, self.cfg, self.device, wrap, ema)
+
+    def _no_sync(self, wrapped):
+        """Skip the gradient reduction of a chunk that is not the step's last (DDP or FSDP2)."""
+        return no_sync(wrapped) if is_fsdp(wrapped) else self.accelerator.no_sync(wrapped)
 
     # ------------------------------------------------------------------ small things
 
@@ -178,11 +195,12 @@ class Trainer:
         t = self.cfg.train
         log.info(
             "gentrain %s: task=%s name=%s params=%.2fM frozen_params=%.2fM parts=%s device=%s world_size=%d "
-            "restart=%d batch=%d (per rank %d, chunk %d) train_samples=%d resumed_from=%s step=%d cursor=%d "
+            "restart=%d parallel=%s batch=%d (per rank %d, chunk %d) train_samples=%d resumed_from=%s step=%d cursor=%d "
             "checkpoints=%s",
             __version__, self.cfg.task, self.cfg.name, n_params / 1e6, n_frozen / 1e6,
             ",".join([*self.parts, *(f"{n}(frozen)" for n in self.frozen)]), self.device, self.env.world_size,
-            self.env.restart_count, t.batch_size, self.step_runner.rank_batch, self.step_runner.chunk_size,
+            self.env.restart_count, t.parallel if self.env.world_size > 1 else "none", t.batch_size,
+            self.step_runner.rank_batch, self.step_runner.chunk_size,
             len(self.train_set), self.checkpoints.resumed_from or "none (fresh start)", self.progress.step,
             self.progress.cursor, self.checkpoints.store.url,
         )  # fmt: skip

@@ -12,6 +12,7 @@ from collections.abc import Callable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
+import blake3
 import torch
 
 _CHUNK = 64 << 20
@@ -89,7 +90,7 @@ def write_safetensors(f, tensors: Mapping[str, torch.Tensor], on_bytes: Callable
     Written by hand because the safetensors package can only serialize to a
     complete in-memory `bytes` copy or to a local path, and checkpoints must go
     to any fsspec file (S3, GCS) without a second full copy in memory while the
-    sha256 is computed on the way. The result is read back with the safetensors
+    digest is computed on the way. The result is read back with the safetensors
     library itself (tests check the round trip).
     """
     header: dict[str, Any] = {}
@@ -115,16 +116,38 @@ def write_safetensors(f, tensors: Mapping[str, torch.Tensor], on_bytes: Callable
     return total
 
 
-class Hasher:
-    """sha256 on a helper thread, overlapped with the write of the same bytes.
+DIGEST = "blake3"  # new checkpoints; "sha256" entries of older ones keep verifying
 
-    hashlib releases the GIL on large buffers, so hashing chunk i while chunk
-    i+1 is written hides the ~1.4 GB/s hash behind the (slower) write.
+
+def new_digest(algorithm: str = DIGEST):
+    """A hashlib-like object for a manifest digest algorithm (`blake3` or `sha256`)."""
+    if algorithm == "blake3":
+        # SIMD and multi-threaded: 6 GB/s on one core where sha256 ran 0.3-1.8 GB/s.
+        return blake3.blake3(max_threads=blake3.blake3.AUTO)
+    if algorithm == "sha256":
+        return hashlib.sha256()
+    raise ValueError(f"unknown digest algorithm {algorithm!r} (known: blake3, sha256)")
+
+
+def entry_digest(entry: Mapping[str, Any]) -> tuple[str, str]:
+    """(algorithm, hex) of a manifest file entry, whichever algorithm wrote it."""
+    for algorithm in ("blake3", "sha256"):
+        if algorithm in entry:
+            return algorithm, entry[algorithm]
+    raise KeyError("manifest entry has no digest (blake3 or sha256)")
+
+
+class Hasher:
+    """The digest on a helper thread, overlapped with the write of the same bytes.
+
+    blake3 and hashlib release the GIL on large buffers, so hashing chunk i
+    while chunk i+1 is written hides the hash behind the write.
     """
 
-    def __init__(self) -> None:
-        self._sha = hashlib.sha256()
-        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="gentrain-sha")
+    def __init__(self, algorithm: str = DIGEST) -> None:
+        self.algorithm = algorithm
+        self._hash = new_digest(algorithm)
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="gentrain-hash")
         self._pending: Future | None = None
 
     def __enter__(self) -> Hasher:
@@ -133,13 +156,13 @@ class Hasher:
     def update(self, chunk: memoryview) -> None:
         if self._pending is not None:
             self._pending.result()
-        self._pending = self._pool.submit(self._sha.update, chunk)
+        self._pending = self._pool.submit(self._hash.update, chunk)
 
     def hexdigest(self) -> str:
         if self._pending is not None:
             self._pending.result()
             self._pending = None
-        return self._sha.hexdigest()
+        return self._hash.hexdigest()
 
     def __exit__(self, *exc) -> None:
         if self._pending is not None:

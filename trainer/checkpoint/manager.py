@@ -12,21 +12,35 @@ from typing import Any
 import torch
 
 from trainer import __version__
-from trainer.checkpoint.state import Stateful, capture_rank_state, read_frozen_records, restore, snapshot_files
-from trainer.checkpoint.store import CheckpointCorrupt, CheckpointStore
+from trainer.checkpoint.sharded import write_sharded
+from trainer.checkpoint.state import (
+    Stateful,
+    capture_rank_state,
+    read_frozen_records,
+    restore,
+    sharded_snapshot_files,
+    snapshot_files,
+)
+from trainer.checkpoint.store import CheckpointCorrupt, CheckpointStore, SaveResult
 from trainer.checkpoint.writer import Checkpointer
 from trainer.config import Config
-from trainer.elastic import EXIT_PREEMPTED, DistEnv, StopRequest, broadcast_object, gather_objects
+from trainer.elastic import EXIT_PREEMPTED, DistEnv, StopRequest, broadcast_object, gather_objects, new_gloo_group
 from trainer.metrics import TrainingMetrics
 
 log = logging.getLogger("gentrain")
+
+_LOCAL_INDEX = "__local_shard_index__"  # carried from save() to the writer thread, never written
 
 
 class CheckpointManager:
     """Owns the store and the writer; decides for itself when a step is saved.
 
-    Saves are collective (every rank's RNG state is gathered) and written by
-    rank 0, in the background with `checkpoint.async`. A failed save never
+    Saves are collective. DDP: every rank's RNG state is gathered and rank 0
+    writes. FSDP (sharded): every rank writes its own slices and RNG state,
+    reports the files' sizes and digests to rank 0 over a gloo group of its
+    own (usable from the writer thread while training runs collectives on
+    the default group), and rank 0 commits the manifest only once every rank
+    reported success. Both run in the background with `checkpoint.async`. A failed save never
     stops training: it is counted, logged, and the next save retries; only
     the final save raises (so the job is retried rather than losing it).
     """
@@ -37,7 +51,16 @@ class CheckpointManager:
         self.env = env
         self.metrics = metrics
         self.store = CheckpointStore(cfg.checkpoint_url, c.storage_options, c.keep, c.keep_every_steps)
-        self.writer = Checkpointer(self.store, c.async_, on_done=metrics.on_checkpoint_done) if env.is_main else None
+        self.sharded = cfg.train.parallel == "fsdp" and env.world_size > 1
+        self.group = new_gloo_group(cfg.elastic.collective_timeout_seconds) if self.sharded else None
+        if self.sharded:
+            self.writer = Checkpointer(
+                self.store, c.async_, on_done=metrics.on_checkpoint_done, write=self._write_sharded
+            )
+        else:
+            self.writer = (
+                Checkpointer(self.store, c.async_, on_done=metrics.on_checkpoint_done) if env.is_main else None
+            )
         self.every_steps = c.every_steps
         self.failures = 0
         self.resumed_from: str | None = None
@@ -66,25 +89,29 @@ class CheckpointManager:
         return broadcast_object(records)
 
     def resume(self) -> str | None:
-        """Load the newest valid checkpoint: rank 0 picks (digest-verified), every rank loads that step."""
+        """Load the newest valid checkpoint every rank can load (digest-verified).
+
+        Rank 0 lists the committed candidates, newest first; every rank loads
+        its share of each (all of it under DDP, its slices under FSDP) until
+        one loads on every rank. A failed load applies nothing.
+        """
         if not self.cfg.checkpoint.resume:
             return None
-        chosen: int | None = None
-        if self.env.is_main:
-            for info in self.store.valid_candidates():
-                try:
-                    self._restore(info)
-                    chosen = info.step
-                    break
-                except (CheckpointCorrupt, KeyError, ValueError, RuntimeError) as e:
-                    log.warning("checkpoint %s cannot be loaded (%s); trying the previous one", info.url, e)
-        chosen = broadcast_object(chosen)
-        if chosen is None:
-            return None
-        if not self.env.is_main:
-            self._restore(self.store.check(chosen))
-        self.resumed_from = self.store.url_for(chosen)
-        return self.resumed_from
+        steps = [info.step for info in self.store.valid_candidates()] if self.env.is_main else None
+        for step in broadcast_object(steps):
+            info = self.store.check(step)
+            error = None
+            try:
+                self._restore(info)
+            except (CheckpointCorrupt, KeyError, ValueError, RuntimeError) as e:
+                error = f"rank {self.env.rank}: {e}"
+            errors = [e for e in gather_objects(error) if e]
+            if not errors:
+                self.resumed_from = self.store.url_for(step)
+                return self.resumed_from
+            if self.env.is_main:
+                log.warning("checkpoint %s cannot be loaded (%s); trying the previous one", info.url, "; ".join(errors))
+        return None
 
     def _restore(self, info) -> None:
         doc = restore(self.store, info, self.progress, self.parts, self.env.rank)
@@ -98,22 +125,30 @@ class CheckpointManager:
         if self.every_steps and step % self.every_steps == 0:
             self.save(step)
 
-    def save(self, step: int, sync: bool = False, final: bool = False) -> bool:
-        """Collective: every rank contributes its own state; rank 0 writes. False if it failed."""
-        t0 = time.perf_counter()
-        rank_states = gather_objects(capture_rank_state())
-        if not self.env.is_main:
-            self.metrics.on_checkpoint_stall(time.perf_counter() - t0)
-            return True
-        files = snapshot_files(self.progress, self.parts, rank_states, self.frozen)
-        meta = {
+    def _meta(self) -> dict[str, Any]:
+        return {
             "world_size": self.env.world_size,
+            "parallel": self.cfg.train.parallel,
             "gentrain_version": __version__,
             "torch_version": torch.__version__,
             "task": self.cfg.task,
             "config": self.cfg.to_dict(),
             "frozen": dict(self.frozen),
         }
+
+    def save(self, step: int, sync: bool = False, final: bool = False) -> bool:
+        """Collective: every rank contributes its own state. False if it failed."""
+        t0 = time.perf_counter()
+        if self.sharded:
+            files, index = sharded_snapshot_files(self.progress, self.parts, self.frozen, self.env.rank)
+            meta = {**self._meta(), _LOCAL_INDEX: index}
+        else:
+            rank_states = gather_objects(capture_rank_state())
+            if not self.env.is_main:
+                self.metrics.on_checkpoint_stall(time.perf_counter() - t0)
+                return True
+            files = snapshot_files(self.progress, self.parts, rank_states, self.frozen)
+            meta = self._meta()
         try:
             # The writer logs the commit and reports it to the metrics itself.
             self.writer.save(step, files, meta, sync=sync)
@@ -124,6 +159,24 @@ class CheckpointManager:
             return False
         self.metrics.on_checkpoint_stall(time.perf_counter() - t0)
         return True
+
+    def _write_sharded(self, step: int, files: Mapping[str, Any], meta: Mapping[str, Any]) -> SaveResult | None:
+        """Every rank: write own files, report them; rank 0: index, then manifest (commit), LATEST, retention.
+
+        Runs in the writer thread on every rank; its collectives use the
+        checkpoint group only. A rank that fails (or dies: the others then
+        wait in the gather until torchrun restarts the group) leaves no
+        manifest, so the previous checkpoint stays the newest valid one.
+        """
+        t0 = time.perf_counter()
+        meta = dict(meta)
+        local_index = meta.pop(_LOCAL_INDEX)
+        # Rank 0's view decides: its previous save (and commit) has finished before this one starts.
+        if broadcast_object(self.store.check(step).valid if self.env.is_main else None, group=self.group):
+            log.info("checkpoint %s is already committed; not writing it again", self.store.url_for(step))
+            return None
+        return write_sharded(self.store, step, files, local_index, meta, self.env.rank, self.env.world_size,
+                             self.group, t0)  # fmt: skip
 
     def _count_failure(self, err: BaseException) -> None:
         self.failures += 1

@@ -7,17 +7,19 @@ Layout (see design.md):
     <root>/LATEST                          hint: name of the newest committed step dir
 
 A checkpoint exists if and only if its manifest exists, parses, and every file
-it lists has the listed size; sha256 is checked when a file is read. Nothing
-here unpickles: safetensors and JSON only.
+it lists has the listed size; its digest (blake3 for new checkpoints, sha256
+in older ones: the manifest names the algorithm) is checked when a file is
+read. Nothing here unpickles: safetensors and JSON only.
 
-Limits: one writer per root (rank 0 of one job). Object stores give no atomic
+Limits: one committer per root (rank 0 of one job). In a sharded save every
+rank writes its own payload files (`write_files`) and rank 0 commits the
+manifest listing all of them (`commit`). Object stores give no atomic
 rename, so on them a half-written step dir is simply a dir without manifest,
 which discovery skips and retention removes.
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import os
@@ -36,11 +38,11 @@ import torch
 from fsspec.implementations.local import LocalFileSystem
 from safetensors.torch import load as safetensors_load
 
-from trainer.checkpoint.format import Hasher, fsync, write_safetensors
+from trainer.checkpoint.format import DIGEST, Hasher, entry_digest, fsync, new_digest, write_safetensors
 
 log = logging.getLogger(__name__)
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: blake3 digests, sharded layout; 1 (sha256, one writer) still loads
 MANIFEST = "manifest.json"
 LATEST = "LATEST"
 _STEP_RE = re.compile(r"^step-(\d{9,})$")
@@ -51,7 +53,7 @@ class CheckpointError(RuntimeError):
 
 
 class CheckpointCorrupt(CheckpointError):
-    """A checkpoint's file does not match its manifest (size or sha256)."""
+    """A checkpoint's file does not match its manifest (size or digest)."""
 
 
 def step_dir_name(step: int) -> str:
@@ -133,25 +135,43 @@ class CheckpointStore:
     def write(self, step: int, files: Mapping[str, Payload], meta: Mapping[str, Any]) -> SaveResult:
         """Write payload files, then the manifest (commit), then LATEST, then apply retention."""
         t0 = time.perf_counter()
-        d = self._path(step_dir_name(step))
         existing = self.check(step)
         if existing.valid:
             log.info("checkpoint %s is already committed; not writing it again", existing.url)
             return SaveResult(existing, 0.0, existing.total_bytes)
+        entries = self.write_files(step, files)
+        return self.commit(step, entries, meta, t0)
+
+    def write_files(self, step: int, files: Mapping[str, Payload]) -> dict[str, dict[str, Any]]:
+        """Write (and on local disks fsync) payload files into the step dir; their manifest entries.
+
+        Nothing is committed: a step dir without manifest is invisible. In a
+        sharded save every rank calls this for its own files.
+        """
+        d = self._path(step_dir_name(step))
         if self._local:
             self.fs.makedirs(d, exist_ok=True)
-        # Files are written concurrently: each hashes on its own thread, so
-        # sha256 (0.3-1.4 GB/s per core, CPU-dependent) is not one core's job,
-        # and object stores upload several files at once.
-        with ThreadPoolExecutor(max_workers=min(4, len(files)) or 1, thread_name_prefix="gentrain-put") as pool:
+        if not files:
+            return {}
+        # Files are written concurrently: each hashes on its own thread, and
+        # object stores upload several files at once.
+        with ThreadPoolExecutor(max_workers=min(4, len(files)), thread_name_prefix="gentrain-put") as pool:
             futures = {name: pool.submit(self._write_payload, d, name, payload) for name, payload in files.items()}
-            entries = {name: fut.result() for name, fut in futures.items()}
+            return {name: fut.result() for name, fut in futures.items()}
+
+    def commit(
+        self, step: int, entries: Mapping[str, Mapping[str, Any]], meta: Mapping[str, Any], t0: float | None = None
+    ) -> SaveResult:
+        """Write the manifest listing `entries` (the commit point), then LATEST, then apply retention."""
+        t0 = time.perf_counter() if t0 is None else t0
+        d = self._path(step_dir_name(step))
         manifest = {
             "format_version": FORMAT_VERSION,
             "step": step,
             "time_utc": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+            "digest": DIGEST,
             **dict(meta),
-            "files": entries,
+            "files": dict(entries),
         }
         self._put_small(posixpath.join(d, MANIFEST), json.dumps(manifest, indent=1).encode())
         info = self.check(step)
@@ -159,20 +179,20 @@ class CheckpointStore:
             raise CheckpointError(f"checkpoint {info.url} did not verify after writing: {info.reason}")
         self._put_small(self._path(LATEST), step_dir_name(step).encode())
         deleted = self.apply_retention()
-        total = sum(e["bytes"] for e in entries.values())
+        total = sum(int(e["bytes"]) for e in entries.values())
         return SaveResult(info, time.perf_counter() - t0, total, deleted)
 
     def _write_payload(self, d: str, name: str, payload: Payload) -> dict[str, Any]:
-        with self.fs.open(posixpath.join(d, name), "wb") as f, Hasher() as sha:
+        with self.fs.open(posixpath.join(d, name), "wb") as f, Hasher() as digest:
             if isinstance(payload, bytes | bytearray):
-                sha.update(memoryview(payload))
+                digest.update(memoryview(payload))
                 f.write(payload)
                 n = len(payload)
             else:
-                n = write_safetensors(f, payload, sha.update)
+                n = write_safetensors(f, payload, digest.update)
             if self._local:
                 fsync(f)  # payload durable before the manifest commits it
-            return {"bytes": n, "sha256": sha.hexdigest()}
+            return {"bytes": n, digest.algorithm: digest.hexdigest()}
 
     # -- discovery
     def steps(self) -> list[int]:
@@ -255,22 +275,48 @@ class CheckpointStore:
         return next(iter(self.valid_candidates()), None)
 
     # -- reading
-    def read_file(self, info: CheckpointInfo, name: str) -> bytes:
-        """One payload file, checked against the manifest's size and sha256."""
+    def file_path(self, info: CheckpointInfo, name: str) -> str:
+        return self._path(info.name, name)
+
+    def manifest_entry(self, info: CheckpointInfo, name: str) -> Mapping[str, Any]:
         assert info.manifest is not None
         entry = info.manifest["files"].get(name)
         if entry is None:
             raise CheckpointCorrupt(f"{info.url}: manifest lists no file {name!r}")
+        return entry
+
+    def check_digest(self, info: CheckpointInfo, name: str, size: int, hexdigest: str, algorithm: str) -> None:
+        entry = self.manifest_entry(info, name)
+        if size != int(entry["bytes"]):
+            raise CheckpointCorrupt(f"{info.url}/{name}: {size} bytes, manifest says {entry['bytes']}")
+        want_algorithm, want = entry_digest(entry)
+        if algorithm != want_algorithm or hexdigest != want:
+            raise CheckpointCorrupt(f"{info.url}/{name}: {algorithm} {hexdigest[:12]}… does not match the manifest")
+
+    def read_file(self, info: CheckpointInfo, name: str) -> bytes:
+        """One payload file, checked against the manifest's size and digest."""
+        algorithm, _ = entry_digest(self.manifest_entry(info, name))
         try:
             data = self.fs.cat_file(self._path(info.name, name))
         except FileNotFoundError:
             raise CheckpointCorrupt(f"{info.url}/{name} is missing") from None
-        if len(data) != int(entry["bytes"]):
-            raise CheckpointCorrupt(f"{info.url}/{name}: {len(data)} bytes, manifest says {entry['bytes']}")
-        digest = hashlib.sha256(data).hexdigest()
-        if digest != entry["sha256"]:
-            raise CheckpointCorrupt(f"{info.url}/{name}: sha256 {digest[:12]}… does not match the manifest")
+        h = new_digest(algorithm)
+        h.update(data)
+        self.check_digest(info, name, len(data), h.hexdigest(), algorithm)
         return data
+
+    def verify_file(self, info: CheckpointInfo, name: str, chunk_bytes: int = 16 << 20) -> None:
+        """Stream one file through its digest (memory: one chunk); raises CheckpointCorrupt."""
+        algorithm, _ = entry_digest(self.manifest_entry(info, name))
+        h, n = new_digest(algorithm), 0
+        try:
+            with self.fs.open(self._path(info.name, name), "rb") as f:
+                while chunk := f.read(chunk_bytes):
+                    h.update(chunk)
+                    n += len(chunk)
+        except FileNotFoundError:
+            raise CheckpointCorrupt(f"{info.url}/{name} is missing") from None
+        self.check_digest(info, name, n, h.hexdigest(), algorithm)
 
     def read_tensors(self, info: CheckpointInfo, name: str) -> dict[str, torch.Tensor]:
         return safetensors_load(self.read_file(info, name))
@@ -279,13 +325,13 @@ class CheckpointStore:
         return json.loads(self.read_file(info, name))
 
     def verify(self, info: CheckpointInfo) -> list[str]:
-        """Full check of every file (size and sha256); returns the problems found."""
+        """Full check of every file (size and digest, streamed); returns the problems found."""
         if not info.valid:
             return [info.reason]
         problems = []
         for name in info.manifest["files"]:
             try:
-                self.read_file(info, name)
+                self.verify_file(info, name)
             except CheckpointCorrupt as e:
                 problems.append(str(e))
         return problems

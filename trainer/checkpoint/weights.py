@@ -14,7 +14,11 @@ import logging
 from collections.abc import Mapping
 from typing import Any
 
-from trainer.checkpoint.state import ema_file, model_file
+import torch
+
+from trainer.checkpoint.format import entry_digest, new_digest
+from trainer.checkpoint.sharded import ShardIndex, files_of_group, group_name, load_group
+from trainer.checkpoint.state import TRAINER_JSON
 from trainer.checkpoint.store import CheckpointInfo, CheckpointStore, resolve_checkpoint
 from trainer.config import ConfigError
 from trainer.tasks.base import FrozenSource, FrozenWeights
@@ -23,22 +27,51 @@ log = logging.getLogger(__name__)
 
 
 def file_digest(info: CheckpointInfo, name: str) -> str:
-    """The digest the manifest records for `name`, as `algorithm:hex`."""
-    entry = info.manifest["files"][name]
-    for algorithm in ("blake3", "sha256"):
-        if algorithm in entry:
-            return f"{algorithm}:{entry[algorithm]}"
-    raise KeyError(f"{info.url}: manifest entry for {name} has no digest")
+    """The digest of a part's weights as `algorithm:hex`: the manifest's for a single file (`unet.ema.safetensors`);
+    for the shards of a sharded checkpoint (`unet.ema`), a blake3 over their names and digests."""
+    files = info.manifest["files"]
+    if name in files:
+        algorithm, hexdigest = entry_digest(files[name])
+        return f"{algorithm}:{hexdigest}"
+    shards = files_of_group(info, name.removesuffix(".safetensors"))
+    if not shards:
+        raise KeyError(f"{info.url}: manifest has no file or shards {name!r}")
+    h = new_digest("blake3")
+    for shard in shards:
+        algorithm, hexdigest = entry_digest(files[shard])
+        h.update(f"{shard} {algorithm}:{hexdigest}\n".encode())
+    return f"blake3-shards:{h.hexdigest()}"
 
 
 def weights_file(info: CheckpointInfo, part: str, use_ema: bool) -> str:
-    files = info.manifest["files"]
-    if model_file(part) not in files:
-        parts = sorted(n.split(".")[0] for n in files if n.endswith(".model.safetensors"))
+    """The weights of `part`: a file name (`unet.ema.safetensors`) or, sharded, its group (`unet.ema`)."""
+    present = {}
+    for kind in ("model", "ema"):
+        group = group_name(part, kind)
+        shards = files_of_group(info, group)
+        if shards:
+            present[kind] = shards[0] if shards == [f"{group}.safetensors"] else group
+    if "model" not in present:
+        files = info.manifest["files"]
+        parts = sorted({n.split(".")[0] for n in files if ".model." in n})
         raise ConfigError(f"{info.url} has no part {part!r} (its parts: {', '.join(parts) or 'none'})")
-    if use_ema and ema_file(part) in files:
-        return ema_file(part)
-    return model_file(part)
+    return present["ema"] if use_ema and "ema" in present else present["model"]
+
+
+def read_weights(store: CheckpointStore, info: CheckpointInfo, name: str) -> dict[str, torch.Tensor]:
+    """Whole tensors of one weights file, or assembled from the shards of a sharded checkpoint."""
+    if name in info.manifest["files"]:
+        return store.read_tensors(info, name)
+    index = ShardIndex(store, info)
+    entries = index.group(name)
+    targets = {k: torch.empty(e["shape"], dtype=_dtype(e["dtype"])) for k, e in entries.items()}
+    return load_group(index, name, targets)
+
+
+def _dtype(name: str) -> torch.dtype:
+    from trainer.checkpoint.format import _DTYPES
+
+    return {v: k for k, v in _DTYPES.items()}[name]
 
 
 def _load(store: CheckpointStore, info: CheckpointInfo, source: FrozenSource) -> FrozenWeights:
@@ -46,7 +79,7 @@ def _load(store: CheckpointStore, info: CheckpointInfo, source: FrozenSource) ->
 
     name = weights_file(info, source.part, source.use_ema)
     record = {"url": info.url, "step": info.step, "file": name, "digest": file_digest(info, name)}
-    return FrozenWeights(config_from_dict(info.manifest["config"]), store.read_tensors(info, name), record)
+    return FrozenWeights(config_from_dict(info.manifest["config"]), read_weights(store, info, name), record)
 
 
 def _resolve(url: str, storage_options: Mapping[str, Any]) -> tuple[CheckpointStore, CheckpointInfo | None]:
@@ -78,9 +111,7 @@ def load_frozen(
     pin_store, pin_info = _resolve(pinned["url"], storage_options)
     if pin_info is not None and file_digest(pin_info, pinned["file"]) == want:
         log.info("frozen part %s: %s now resolves elsewhere; using the pinned %s", part, source.url, pinned["url"])
-        return _load(
-            pin_store, pin_info, FrozenSource(pinned["url"], source.part, pinned["file"].endswith(".ema.safetensors"))
-        )
+        return _load(pin_store, pin_info, FrozenSource(pinned["url"], source.part, ".ema" in pinned["file"]))
     found = file_digest(info, weights_file(info, source.part, source.use_ema)) if info is not None else "nothing valid"
     raise ConfigError(
         f"frozen part {part!r}: this run was trained with {pinned['url']}/{pinned['file']} ({want}), but "
@@ -109,8 +140,30 @@ def load_for_inference(
     modules = task.build(frozen)
     for name, module in modules.items():
         tensors = (
-            frozen[name].tensors if name in frozen else store.read_tensors(info, weights_file(info, name, use_ema))
+            frozen[name].tensors if name in frozen else read_weights(store, info, weights_file(info, name, use_ema))
         )
         module.load_state_dict(tensors)
         module.to(device).eval().requires_grad_(False)
     return cfg, task, modules
+
+
+def consolidate(
+    store: CheckpointStore, info: CheckpointInfo, out_url: str, storage_options: Mapping[str, Any] | None = None
+):
+    """A copy of a (sharded) checkpoint with one file per part and kind (online and EMA weights), for
+    inference: `gentrain sample` reads it like any checkpoint. Optimizer state is not copied, so training
+    does not resume from it. Memory: one part's weights at a time."""
+    from trainer.checkpoint.store import CheckpointStore as Store
+
+    doc = store.read_json(info, TRAINER_JSON)
+    files = {}
+    for part in doc["parts"]:
+        for kind in ("model", "ema"):
+            name = weights_file(info, part, use_ema=kind == "ema")
+            if (kind == "ema") == (".ema" in name):
+                files[f"{group_name(part, kind)}.safetensors"] = read_weights(store, info, name)
+    skip = {"format_version", "step", "time_utc", "digest", "files"}
+    meta = {k: v for k, v in info.manifest.items() if k not in skip}
+    meta["consolidated_from"] = info.url
+    meta["world_size"] = 1
+    return Store(out_url, storage_options).write(info.step, files, meta)

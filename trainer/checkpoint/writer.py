@@ -57,11 +57,23 @@ class Checkpointer:
     snapshots tensors to CPU (stall too) and returns; the write happens in the
     background. A background failure is kept and handed to the loop by
     `take_failure()` on a later step; the next save simply tries again. Limits:
-    one writer process (rank 0); the snapshot doubles host memory of the state.
+    the snapshot doubles host memory of this process's state.
+
+    `write(step, files, meta)` does the writing: the store's whole-checkpoint
+    write on rank 0 by default; for sharded checkpoints every rank has a
+    Checkpointer whose `write` saves its own files and lets rank 0 commit
+    (returning None on the other ranks).
     """
 
-    def __init__(self, store: CheckpointStore, async_save: bool, on_done: Callable[[SaveResult], None] | None = None):
+    def __init__(
+        self,
+        store: CheckpointStore,
+        async_save: bool,
+        on_done: Callable[[SaveResult], None] | None = None,
+        write: Callable[[int, Mapping[str, Payload], Mapping[str, Any]], SaveResult | None] | None = None,
+    ):
         self.store = store
+        self.write = write or store.write
         self.on_done = on_done
         self.async_save = async_save
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="gentrain-ckpt") if async_save else None
@@ -70,8 +82,10 @@ class Checkpointer:
         self._failure: BaseException | None = None
         self._lock = threading.Lock()
 
-    def _run(self, step: int, files: Mapping[str, Payload], meta: Mapping[str, Any]) -> SaveResult:
-        result = self.store.write(step, files, meta)
+    def _run(self, step: int, files: Mapping[str, Payload], meta: Mapping[str, Any]) -> SaveResult | None:
+        result = self.write(step, files, meta)
+        if result is None:
+            return None
         log.info(
             "checkpoint committed %s (%.1f MB in %.2fs%s)",
             result.info.url,

@@ -44,6 +44,17 @@ class TrainConfig(_Section):
     val_batches: int = Field(4, ge=1)
     num_workers: int = Field(0, ge=0)
     threads: int | None = Field(None, ge=1, description="torch intra-op threads per process")
+    parallel: Literal["ddp", "fsdp"] = Field("ddp", description="replicate parts (ddp) or shard them (fsdp)")
+    cpu_offload: bool = Field(False, description="fsdp: keep sharded parameters and optimizer state in CPU memory")
+
+    @model_validator(mode="after")
+    def _offload_needs_fsdp(self) -> TrainConfig:
+        if self.cpu_offload and self.parallel != "fsdp":
+            raise ValueError(
+                f"train.cpu_offload=true needs train.parallel=fsdp (got train.parallel={self.parallel}); "
+                "DDP keeps a full replica on every device"
+            )
+        return self
 
 
 class EmaConfig(_Section):

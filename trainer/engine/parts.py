@@ -13,6 +13,7 @@ from diffusers.training_utils import EMAModel
 from torch import nn
 
 from trainer.config import Config
+from trainer.engine.shard import full_value, is_fsdp, reshard
 from trainer.optim import OptimSettings, build_ema, build_lr_schedule, build_optimizer
 from trainer.tasks.base import FrozenWeights
 
@@ -23,7 +24,9 @@ class Part:
     """One independently optimized piece of a task (a UNet, a generator, a discriminator, a stage).
 
     `module` is the bare model; `wrapped` is what forward passes use while the
-    part learns (the DDP wrapper when distributed). Each part keeps its own
+    part learns (the DDP wrapper when distributed). Under FSDP2 both are the
+    same object, sharded in place: its parameters, gradients, optimizer state
+    and EMA weights are DTensors holding this rank's slice. Each part keeps its own
     step counter: a discriminator may start later than its generator, and a
     cascade stage not trained in this run keeps its count. Everything it owns
     is saved through `state_dict()` and restored through `load_state_dict()`.
@@ -57,7 +60,8 @@ class Part:
         self.scaler.unscale_(self.optimizer)
         max_norm = self.settings.max_grad_norm
         params = [p for p in self.module.parameters() if p.grad is not None]
-        norm = torch.nn.utils.clip_grad_norm_(params, max_norm if max_norm else float("inf"))
+        # Over DTensor gradients the norm is computed over every rank's shard (one all-reduce).
+        norm = full_value(torch.nn.utils.clip_grad_norm_(params, max_norm if max_norm else float("inf")))
         self.scaler.step(self.optimizer)
         self.scaler.update()
         self.lr_schedule.step()
@@ -65,6 +69,14 @@ class Part:
             self.ema.step(self.module.parameters())
         self.step += 1
         return float(norm)
+
+    @property
+    def sharded(self) -> bool:
+        return is_fsdp(self.module)
+
+    def optimizer_params(self) -> list[torch.Tensor]:
+        """Parameters in the optimizer's order: the index its saved state is keyed by."""
+        return [p for group in self.optimizer.param_groups for p in group["params"]]
 
     @property
     def lr(self) -> float:
@@ -136,7 +148,8 @@ def build_parts(
     wrap: Any,
     ema_names: set[str] | None = None,
 ) -> tuple[dict[str, Part], dict[str, FrozenPart]]:
-    """Parts from a task's modules; `wrap(module)` makes the DDP wrapper for parts in `wrapped_names`."""
+    """Parts from a task's modules; `wrap(module)` makes the DDP wrapper for parts in `wrapped_names`
+    (or shards the module in place under FSDP2: then optimizer and EMA are built on its DTensors)."""
     parts: dict[str, Part] = {}
     frozen_parts: dict[str, FrozenPart] = {}
     unknown = set(modules) - set(trainable) - set(frozen)
@@ -147,14 +160,23 @@ def build_parts(
         if name in frozen:
             frozen_parts[name] = FrozenPart(name, module, frozen[name])
             continue
+        wrapped = wrap(module) if name in wrapped_names else module
         optimizer = build_optimizer(module, cfg, name)
+        fp16 = cfg.train.precision == "fp16"
+        if is_fsdp(module):
+            from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+
+            # Its inf/nan check is all-reduced: every rank skips an overflowing step together.
+            scaler = ShardedGradScaler(device.type, enabled=fp16)
+        else:
+            scaler = torch.amp.GradScaler(device.type, enabled=fp16)
         parts[name] = Part(
             name=name,
             module=module,
-            wrapped=wrap(module) if name in wrapped_names else module,
+            wrapped=wrapped,
             optimizer=optimizer,
             lr_schedule=build_lr_schedule(optimizer, cfg, name),
-            scaler=torch.amp.GradScaler(device.type, enabled=cfg.train.precision == "fp16"),
+            scaler=scaler,
             ema=build_ema(module, cfg) if ema_names is None or name in ema_names else None,
             settings=OptimSettings.for_part(cfg, name),
         )
@@ -189,16 +211,28 @@ def bare_modules(parts: Mapping[str, Part], frozen: Mapping[str, FrozenPart]) ->
 
 @contextmanager
 def ema_swapped(parts: Mapping[str, Part], enabled: bool = True):
-    """EMA weights in the modules for the duration (sampling, previews), the online ones after."""
+    """EMA weights in the modules for the duration (sampling, previews), the online ones after.
+
+    Copies parameter by parameter rather than through EMAModel.store/copy_to,
+    which go through `.data` and fail on FSDP2's DTensor parameters.
+    """
     swapped = [p for p in parts.values() if p.ema is not None] if enabled else []
-    for p in swapped:
-        p.ema.store(p.module.parameters())
-        p.ema.copy_to(p.module.parameters())
+    saved = []
+    reshard(p.module for p in swapped)
+    with torch.no_grad():
+        for p in swapped:
+            params = list(p.module.parameters())
+            saved.append((params, [t.detach().clone() for t in params]))
+            for param, shadow in zip(params, p.ema.shadow_params, strict=True):
+                param.copy_(shadow)
     try:
         yield
     finally:
-        for p in swapped:
-            p.ema.restore(p.module.parameters())
+        reshard(p.module for p in swapped)
+        with torch.no_grad():
+            for params, online in saved:
+                for param, value in zip(params, online, strict=True):
+                    param.copy_(value)
 
 
 @contextmanager
@@ -209,5 +243,6 @@ def eval_mode(modules: Mapping[str, nn.Module]):
     try:
         yield
     finally:
+        reshard(modules.values())
         for n, m in modules.items():
             m.train(was[n])

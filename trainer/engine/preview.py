@@ -20,7 +20,8 @@ log = logging.getLogger("gentrain")
 
 
 class Previewer:
-    """Every `sample.every_steps` and at the end, rank 0 asks the task for its previews and saves them.
+    """Every `sample.every_steps` and at the end, rank 0 asks the task for its previews and saves them
+    (under FSDP every rank computes them with it, since each forward needs every rank's shards).
 
     `samples/step-N.png` holds the preview named "samples"; others are
     `samples/step-N-<name>.png` (videos also `.gif`). Reconstruction previews
@@ -39,6 +40,7 @@ class Previewer:
         is_main: bool,
         device: torch.device,
         report: Callable[[int, dict[str, torch.Tensor]], None],
+        collective: bool = False,
     ):
         self.task = task
         self.parts = parts
@@ -50,11 +52,14 @@ class Previewer:
         self.is_main = is_main
         self.device = device
         self.report = report
+        # Sharded parts need every rank in each forward: all ranks compute the (identical) previews,
+        # rank 0 writes them.
+        self.collective = collective
         self._batch: Batch | None = None
 
     def maybe_run(self, step: int, last: bool = False) -> list[str]:
         every = self.cfg.every_steps
-        if not self.is_main or not (last or (every and step % every == 0)):
+        if not (self.is_main or self.collective) or not (last or (every and step % every == 0)):
             return []
         return self.run(step)
 
@@ -82,6 +87,8 @@ class Previewer:
         )
         with eval_mode(self.modules):
             previews = self.task.previews(self.modules, ctx)
+        if not self.is_main:
+            return []
         paths = []
         for name, media in previews.items():
             stem = os.path.join(self.dir, f"step-{step:09d}" + ("" if name == "samples" else f"-{name}"))

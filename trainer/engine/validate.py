@@ -41,6 +41,7 @@ class Validator:
         world_size: int,
         device: torch.device,
         report: Callable[[int, dict[str, float]], None],
+        collective: bool = False,
     ):
         self.task = task
         self.modules = bare_modules(parts, frozen)
@@ -54,6 +55,8 @@ class Validator:
         self.world_size = world_size
         self.device = device
         self.report = report
+        # Sharded parts: every rank must run the same number of forwards (each one gathers parameters).
+        self.collective = collective
 
     @property
     def enabled(self) -> bool:
@@ -67,12 +70,22 @@ class Validator:
     @torch.no_grad()
     def run(self, step: int) -> dict[str, float]:
         refs = validation_refs(self.val_set, self.chunk_size, self.batches, self.rank, self.world_size)
+        if self.collective:
+            most = len(validation_refs(self.val_set, self.chunk_size, self.batches, 0, self.world_size))
+            # Padding chunks repeat a sample with weight 0: forwards in step with the other ranks, no effect.
+            refs = [(g, True) for g in refs] + [(refs[0] if refs else [_first_ref(self.val_set)], False)] * (
+                most - len(refs)
+            )
+        else:
+            refs = [(g, True) for g in refs]
         sums: dict[str, torch.Tensor] = {}
         count = torch.zeros((), dtype=torch.float64, device=self.device)
         reseed_global_rng(self.seed, step, self.rank, _VAL_CHUNK)
         with eval_mode(self.modules):
-            for group in refs:
+            for group, counts in refs:
                 chunk = to_device(collate([self.val_set[r] for r in group]), 0, len(group), self.device)
+                if not counts:
+                    chunk.valid = torch.zeros_like(chunk.valid)
                 with autocast(self.device, self.precision):
                     metrics = self.task.validate(self.modules, chunk)
                 for name, per_sample in metrics.items():
@@ -91,6 +104,10 @@ class Validator:
         values = {f"val/{name}": float(total[i]) / n for i, name in enumerate(names)}
         self.report(step, values)
         return values
+
+
+def _first_ref(val_set):
+    return validation_refs(val_set, 1, 1, 0, 1)[0][0]
 
 
 def _agree_on_names(names: list[str], world_size: int) -> list[str]:

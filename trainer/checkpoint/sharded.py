@@ -1,0 +1,344 @@
+"""Sharded checkpoints: every rank writes its own slices; any world size reads back only the slices it needs.
+
+Files in a sharded step dir (besides trainer.json and each rank's rank-NNNNN.* RNG files):
+
+    <part>.<kind>.rank-NNNNN.safetensors   rank N's slices of the sharded (DTensor) tensors, written by rank N
+    <part>.<kind>.replicated.safetensors   tensors every rank holds whole (optimizer step counts, buffers): rank 0
+    shards.json                            for every tensor: dtype, global shape and its chunks (file, offsets,
+                                           sizes); written by rank 0 after every rank reported, before the manifest
+
+kind is `model`, `ema` or `optimizer`; keys are the same as in a single-writer checkpoint (optimizer
+state keyed by parameter index), so DDP and FSDP checkpoints load into each other.
+
+Which storage layer, and why our own: torch.distributed.checkpoint's `FileSystemWriter` pickles its
+`.metadata`, and its `HuggingFaceStorageWriter` writes its own index as a second commit point and
+computes no digests, while gentrain's manifest must list every file's size and digest and be written
+last, streaming the digest while the bytes are written, to any fsspec store. So the write side is our
+safetensors writer and our manifest; the read side is a `StorageReader` of our own under DCP's load
+planner: DCP intersects the chunks each rank needs (the local shard of every DTensor, whole tensors for
+DDP) with the chunks saved at whatever world size, and `ChunkReader` reads those byte ranges. Each file
+a rank reads from is streamed once through its digest, keeping only the ranges that rank needs: memory
+holds this rank's slices, never the whole model, and nothing is applied before the digest matched.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections import defaultdict
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.metadata import (
+    ChunkStorageMetadata,
+    Metadata,
+    MetadataIndex,
+    TensorProperties,
+    TensorStorageMetadata,
+)
+from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner
+from torch.distributed.checkpoint.storage import StorageReader
+from torch.distributed.tensor import DTensor
+from torch.futures import Future
+
+from trainer.checkpoint.format import _DTYPES, entry_digest, new_digest
+from trainer.checkpoint.store import CheckpointCorrupt, CheckpointError, CheckpointInfo, CheckpointStore, SaveResult
+
+SHARD_INDEX = "shards.json"
+KINDS = ("model", "ema", "optimizer")
+_TORCH_DTYPES = {v: k for k, v in _DTYPES.items()}
+_READ_CHUNK = 16 << 20
+
+
+def shard_file(group: str, rank: int) -> str:
+    return f"{group}.rank-{rank:05d}.safetensors"
+
+
+def replicated_file(group: str) -> str:
+    return f"{group}.replicated.safetensors"
+
+
+def is_sharded(info: CheckpointInfo) -> bool:
+    return SHARD_INDEX in (info.manifest or {}).get("files", {})
+
+
+# ------------------------------------------------------------------ save side
+
+
+def local_slices(
+    group: str, tensors: Mapping[str, torch.Tensor], rank: int
+) -> tuple[dict[str, dict[str, torch.Tensor]], dict[str, dict[str, Any]]]:
+    """This rank's files of one `<part>.<kind>` group and its index entries.
+
+    A DTensor contributes its local shard (with its offsets in the global
+    tensor, as DCP's planner computes them); a plain tensor is the same on every
+    rank and is written once, by rank 0.
+    """
+    own: dict[str, torch.Tensor] = {}
+    replicated: dict[str, torch.Tensor] = {}
+    index: dict[str, dict[str, Any]] = {}
+    for key, t in tensors.items():
+        if t.dtype not in _DTYPES:
+            raise TypeError(f"cannot store tensor {group}:{key} of dtype {t.dtype} in safetensors")
+        entry: dict[str, Any] = {"dtype": _DTYPES[t.dtype], "shape": list(t.shape), "chunks": []}
+        if isinstance(t, DTensor):
+            local = t.to_local()
+            for chunk in t.__create_chunk_list__():
+                if local.numel():
+                    own[key] = local
+                    f = shard_file(group, rank)
+                    entry["chunks"].append({"file": f, "offsets": list(chunk.offsets), "sizes": list(chunk.sizes)})
+        else:
+            if rank == 0:
+                replicated[key] = t
+            entry["chunks"].append({"file": replicated_file(group), "offsets": [0] * t.ndim, "sizes": list(t.shape)})
+        index[key] = entry
+    files = {}
+    if own:
+        files[shard_file(group, rank)] = own
+    if replicated:
+        files[replicated_file(group)] = replicated
+    return files, {group: index}
+
+
+def merge_indexes(reports: list[Mapping[str, Mapping[str, Any]]]) -> dict[str, dict[str, Any]]:
+    """One index from every rank's: the union of their chunks per tensor."""
+    out: dict[str, dict[str, Any]] = {}
+    for report in reports:
+        for group, tensors in report.items():
+            g = out.setdefault(group, {})
+            for key, entry in tensors.items():
+                merged = g.setdefault(key, {"dtype": entry["dtype"], "shape": entry["shape"], "chunks": []})
+                for c in entry["chunks"]:
+                    if c not in merged["chunks"]:
+                        merged["chunks"].append(c)
+    for tensors in out.values():
+        for entry in tensors.values():
+            entry["chunks"].sort(key=lambda c: c["offsets"])
+    return out
+
+
+def write_sharded(
+    store: CheckpointStore,
+    step: int,
+    files: Mapping[str, Any],
+    local_index: Mapping[str, Any],
+    meta: Mapping[str, Any],
+    rank: int,
+    world_size: int,
+    group: Any,
+    t0: float | None = None,
+) -> SaveResult | None:
+    """Collective over `group`: each rank writes its files and reports their sizes and digests; rank 0
+    writes the merged index, then commits the manifest listing every rank's files. Returns the result on
+    rank 0, None elsewhere; raises on every rank if any rank failed (then nothing is committed)."""
+    from trainer.elastic import gather_objects
+
+    entries, error = {}, None
+    try:
+        entries = store.write_files(step, files)
+    except Exception as e:
+        error = f"rank {rank}: {type(e).__name__}: {e}"
+    reports = gather_objects((entries, local_index, error), group=group)
+    errors = [r[2] for r in reports if r[2]]
+    if errors:
+        raise CheckpointError(f"sharded save of step {step} failed, nothing committed: {'; '.join(errors)}")
+    if rank != 0:
+        return None
+    all_entries: dict[str, Any] = {}
+    for rank_entries, _, _ in reports:
+        all_entries.update(rank_entries)
+    index = merge_indexes([r[1] for r in reports])
+    all_entries.update(store.write_files(step, {SHARD_INDEX: index_file_bytes(index, world_size)}))
+    return store.commit(step, all_entries, meta, t0)
+
+
+# ------------------------------------------------------------------ read side
+
+
+def read_header(store: CheckpointStore, info: CheckpointInfo, name: str) -> tuple[dict[str, Any], int]:
+    """A safetensors file's header and the byte offset its data starts at (two small ranged reads)."""
+    path = store.file_path(info, name)
+    try:
+        with store.fs.open(path, "rb") as f:
+            n = int.from_bytes(f.read(8), "little")
+            header = json.loads(f.read(n))
+    except FileNotFoundError:
+        raise CheckpointCorrupt(f"{info.url}/{name} is missing") from None
+    except (ValueError, UnicodeDecodeError) as e:
+        raise CheckpointCorrupt(f"{info.url}/{name}: unreadable safetensors header ({e})") from None
+    header.pop("__metadata__", None)
+    return header, 8 + n
+
+
+class ShardIndex:
+    """Where every tensor of a checkpoint lives, for both layouts (sharded, or one file per part/kind)."""
+
+    def __init__(self, store: CheckpointStore, info: CheckpointInfo):
+        self.store = store
+        self.info = info
+        self._groups: dict[str, dict[str, Any]] = (
+            store.read_json(info, SHARD_INDEX)["tensors"] if is_sharded(info) else {}
+        )
+
+    def has(self, group: str) -> bool:
+        return group in self._groups or f"{group}.safetensors" in self.info.manifest["files"]
+
+    def group(self, group: str) -> dict[str, Any]:
+        """{key: {dtype, shape, chunks: [{file, offsets, sizes}]}} of `<part>.<kind>`."""
+        if group not in self._groups:
+            name = f"{group}.safetensors"
+            header, _ = read_header(self.store, self.info, name)
+            self._groups[group] = {
+                key: {
+                    "dtype": h["dtype"],
+                    "shape": h["shape"],
+                    "chunks": [{"file": name, "offsets": [0] * len(h["shape"]), "sizes": h["shape"]}],
+                }
+                for key, h in header.items()
+            }
+        return self._groups[group]
+
+
+def load_group(index: ShardIndex, group: str, targets: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Fresh tensors like `targets` (a DTensor target gives a DTensor sharded the same way), filled from
+    the checkpoint; this rank reads only its slices. Live state is untouched until the caller applies them."""
+    entries = index.group(group)
+    missing = sorted(set(targets) - set(entries))
+    if missing:
+        raise KeyError(f"{index.info.url}: {group} has no tensors {missing[:5]} (a checkpoint of another model?)")
+    for key, t in targets.items():
+        if list(t.shape) != list(entries[key]["shape"]):
+            raise ValueError(
+                f"{index.info.url}: {group}:{key} has shape {entries[key]['shape']}, this model's is {list(t.shape)}"
+            )
+    out = {key: torch.empty_like(t) for key, t in targets.items()}
+    if out:
+        # no_dist: every rank plans its own reads against the saved index; loading needs no collective.
+        reader = ChunkReader(index.store, index.info, {k: entries[k] for k in out})
+        try:
+            dcp.load(out, storage_reader=reader, no_dist=True)
+        except CheckpointException as e:  # DCP wraps the reader's error; hand on the one callers understand
+            for failure in e.failures.values():
+                inner = getattr(failure, "exc", failure)
+                if isinstance(inner, CheckpointCorrupt | KeyError | ValueError):
+                    raise inner from None
+            raise CheckpointCorrupt(f"{index.info.url}: {group} could not be read: {e}") from None
+    return out
+
+
+class ChunkReader(StorageReader):
+    """DCP StorageReader over gentrain's files: the JSON index as metadata, safetensors byte ranges as data.
+
+    DCP hands it read items (a saved chunk, offsets into it, lengths); rows of
+    a row-major chunk are contiguous, so each item is one byte range of rows,
+    narrowed in the other dimensions in memory. Every file is streamed once
+    through its manifest digest; only the needed ranges are kept.
+    """
+
+    def __init__(self, store: CheckpointStore, info: CheckpointInfo, entries: Mapping[str, Mapping[str, Any]]):
+        super().__init__()
+        self.store = store
+        self.info = info
+        self.entries = entries
+
+    def reset(self, checkpoint_id=None) -> None:
+        pass
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id) -> bool:
+        return True
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        md, storage = {}, {}
+        for key, e in self.entries.items():
+            chunks = [ChunkStorageMetadata(torch.Size(c["offsets"]), torch.Size(c["sizes"])) for c in e["chunks"]]
+            props = TensorProperties(dtype=_TORCH_DTYPES[e["dtype"]])
+            md[key] = TensorStorageMetadata(props, torch.Size(e["shape"]), chunks)
+            for c in e["chunks"]:
+                storage[MetadataIndex(key, torch.Size(c["offsets"]))] = c["file"]
+        return Metadata(state_dict_metadata=md, storage_data=storage)
+
+    def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        self.storage_data = metadata.storage_data
+
+    def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
+        return plan
+
+    def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
+        return plans
+
+    def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
+        by_file = defaultdict(list)
+        for item in plan.items:
+            by_file[self.storage_data[MetadataIndex(item.storage_index.fqn, item.storage_index.offset)]].append(item)
+        loaded = []  # every file is verified before any tensor is handed to the planner
+        for name, items in by_file.items():
+            loaded += self._read_verified(name, items)
+        for item, tensor in loaded:
+            target = planner.resolve_tensor(item).detach()
+            target.copy_(tensor)
+            planner.commit_tensor(item, target)
+        fut: Future[None] = Future()
+        fut.set_result(None)
+        return fut
+
+    def _read_verified(self, name: str, items: list) -> list[tuple[Any, torch.Tensor]]:
+        header, data_start = read_header(self.store, self.info, name)
+        ranges = []  # (start, stop, buffer, item, dtype, rows shape)
+        for item in items:
+            h = header.get(item.storage_index.fqn)
+            if h is None:
+                raise CheckpointCorrupt(f"{self.info.url}/{name} has no tensor {item.storage_index.fqn!r}")
+            dtype = _TORCH_DTYPES[h["dtype"]]
+            shape = h["shape"]
+            start = data_start + h["data_offsets"][0]
+            if shape:
+                row = math.prod(shape[1:]) * dtype.itemsize
+                first, rows = item.storage_offsets[0], item.lengths[0]
+                start += first * row
+                stop, rows_shape = start + rows * row, [rows, *shape[1:]]
+            else:
+                stop, rows_shape = start + dtype.itemsize, []
+            ranges.append((start, stop, bytearray(stop - start), item, dtype, rows_shape))
+        entry = self.store.manifest_entry(self.info, name)
+        algorithm, _ = entry_digest(entry)
+        digest, pos = new_digest(algorithm), 0
+        with self.store.fs.open(self.store.file_path(self.info, name), "rb") as f:
+            while chunk := f.read(_READ_CHUNK):
+                digest.update(chunk)
+                end = pos + len(chunk)
+                for start, stop, buf, *_ in ranges:
+                    lo, hi = max(start, pos), min(stop, end)
+                    if lo < hi:
+                        buf[lo - start : hi - start] = chunk[lo - pos : hi - pos]
+                pos = end
+        self.store.check_digest(self.info, name, pos, digest.hexdigest(), algorithm)
+        out = []
+        for _, _, buf, item, dtype, rows_shape in ranges:
+            t = torch.frombuffer(buf, dtype=torch.uint8) if buf else torch.empty(0, dtype=torch.uint8)
+            t = t.view(dtype).reshape(rows_shape)
+            for d in range(1, len(rows_shape)):
+                t = t.narrow(d, item.storage_offsets[d], item.lengths[d])
+            out.append((item, t))
+        return out
+
+
+def group_name(part: str, kind: str) -> str:
+    return f"{part}.{kind}"
+
+
+def index_file_bytes(index: Mapping[str, Any], world_size: int) -> bytes:
+    return json.dumps({"version": 1, "world_size": world_size, "tensors": index}, indent=1).encode()
+
+
+def files_of_group(info: CheckpointInfo, group: str) -> list[str]:
+    """Every file holding (a slice of) `<part>.<kind>`, in either layout."""
+    names = info.manifest["files"]
+    whole = f"{group}.safetensors"
+    if whole in names:
+        return [whole]
+    return sorted(n for n in names if n == replicated_file(group) or n.startswith(f"{group}.rank-"))
