@@ -29,6 +29,7 @@ from trainer.engine.report import Reporter, flat_hparams
 from trainer.engine.shard import is_fsdp, no_sync, shard_module
 from trainer.engine.step import StepRunner, check_batch_split
 from trainer.engine.validate import Validator
+from trainer.hostmem import keep_freed_memory
 from trainer.metrics import TrainingMetrics
 from trainer.randomness import seed_everything
 from trainer.registry import task_class
@@ -50,6 +51,7 @@ class Trainer:
         check_batch_split(t.batch_size, env.world_size, t.grad_accum)  # fail before any set-up
         if t.threads:
             torch.set_num_threads(t.threads)
+        keep_freed_memory()  # no page faults for the buffers every step frees and allocates again
         seed_everything(cfg.seed)
         self.accelerator = self._start_processes()
         self.device = self.accelerator.device

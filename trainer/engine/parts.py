@@ -108,7 +108,12 @@ class Part:
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         self.module.load_state_dict(state["model"])
+        # fused/foreach say how this process steps, not what was learned: keep the ones built here
+        # (a checkpoint written by an older version would otherwise switch the fused kernel off).
+        impl = [{k: g[k] for k in ("fused", "foreach") if k in g} for g in self.optimizer.param_groups]
         self.optimizer.load_state_dict(state["optimizer"])
+        for group, kept in zip(self.optimizer.param_groups, impl, strict=True):
+            group.update(kept)
         self.lr_schedule.load_state_dict(state["lr_schedule"])
         if state.get("scaler"):
             self.scaler.load_state_dict(state["scaler"])
