@@ -28,10 +28,14 @@ import time
 import numpy as np
 
 from trainer.elastic import DistEnv
+from trainer.hostmem import keep_freed_memory
 from trainer.metrics import configure_multiprocess_dir
 
 # The exporter's multiprocess dir must be chosen before prometheus_client is imported.
 configure_multiprocess_dir(DistEnv(), True)
+# Every variant runs in this one process, so all of them get the allocator settings the
+# Trainer applies (bench/vs_diffusers.py compares whole processes, where that differs).
+keep_freed_memory()
 
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402

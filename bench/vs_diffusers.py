@@ -23,14 +23,15 @@ per step: below 1 means gentrain uses less).
 The diffusers side is, by default, `bench/diffusers_baseline.py`: the
 script's training step rebuilt on the same diffusers/accelerate API (its
 docstring lists exactly where it differs from the script). To run the real
-script instead, pass `--script PATH/TO/train_unconditional.py` with a
-`--python` that can import `datasets` and `torchvision`: the 5.5 GB CUDA venv
-of `../shared/environment.md` (torch 2.14.1 + torchvision 0.29.1, `pip install
-datasets tensorboard diffusers accelerate`), or any venv with `datasets` plus
-`--torchvision-shim`, which puts `bench/shims` (a PIL-based stand-in for the
-few torchvision transforms the script imports) first on its PYTHONPATH. The
-script's `check_min_version` wants diffusers >= 0.40. gentrain always runs
-with the interpreter running this file.
+script instead, pass `--script PATH/TO/train_unconditional.py --python
+VENV/bin/python` where that venv can import `torchvision` and `datasets`: here
+that is the 5.5 GB CUDA venv of `../shared/environment.md` (torch 2.14.1 +
+torchvision 0.29.1, then `pip install datasets tensorboard diffusers accelerate`;
+it runs on CPU); its gentrain side still runs with the interpreter running
+this file. The script's `check_min_version` wants diffusers >= 0.40. (A
+PIL-based stand-in for `torchvision.transforms` does not work: transformers,
+which diffusers imports through peft, then takes torchvision as installed and
+imports the rest of it.)
 
 Usage (2 cores, hold the shared lock):
     flock /tmp/gentrain-cpu.lock python bench/vs_diffusers.py [--repeats 5] [--steps 28 196]
@@ -151,7 +152,6 @@ def main() -> None:
     ap.add_argument("--workers", type=int, default=0, help="data loader workers on both sides")
     ap.add_argument("--script", type=Path, default=REPO / "bench" / "diffusers_baseline.py")
     ap.add_argument("--python", default=sys.executable, help="interpreter for the diffusers side")
-    ap.add_argument("--torchvision-shim", action="store_true", help="put bench/shims first on its PYTHONPATH")
     ap.add_argument("--keep", type=Path, default=None, help="keep run folders and logs here")
     args = ap.parse_args()
     small, large = args.steps
@@ -165,16 +165,13 @@ def main() -> None:
         write_unet_config(unet_cfg)
         env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
         env.update(HF_HUB_OFFLINE="1", TQDM_MININTERVAL="1")
-        denv = dict(env)
-        if args.torchvision_shim:
-            denv["PYTHONPATH"] = os.pathsep.join([str(REPO / "bench" / "shims"), env["PYTHONPATH"]])
         sides = {
             "gentrain": lambda n, out: run_child(
                 gentrain_cmd(sys.executable, n, data, out, args.workers), env, out.with_suffix(".log")
             ),
             "diffusers": lambda n, out: run_child(
                 diffusers_cmd(args.python, args.script, n, data, unet_cfg, out, args.workers),
-                denv,
+                env,
                 out.with_suffix(".log"),
             ),
         }
