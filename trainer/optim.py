@@ -69,8 +69,8 @@ def build_optimizer(module: nn.Module, cfg: Config, part: str | None = None) -> 
     is updated independently, so the result does not depend on the thread count.
     """
     s = OptimSettings.for_part(cfg, part)
-    device = next(module.parameters()).device
-    fused = True if device.type in ("cpu", "cuda") else None
+    first = next(module.parameters(), None)
+    fused = True if first is not None and first.device.type in ("cpu", "cuda") else None
     return torch.optim.AdamW(param_groups(module, s.weight_decay), lr=s.lr, betas=s.betas, eps=s.eps, fused=fused)
 
 
