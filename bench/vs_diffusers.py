@@ -150,6 +150,12 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--steps", type=int, nargs=2, default=[28, 196], metavar=("SMALL", "LARGE"))
     ap.add_argument("--workers", type=int, default=0, help="data loader workers on both sides")
+    ap.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        help="OMP_NUM_THREADS for both sides (1: CPU per step stays meaningful when other jobs share the cores)",
+    )
     ap.add_argument("--script", type=Path, default=REPO / "bench" / "diffusers_baseline.py")
     ap.add_argument("--python", default=sys.executable, help="interpreter for the diffusers side")
     ap.add_argument("--keep", type=Path, default=None, help="keep run folders and logs here")
@@ -165,6 +171,8 @@ def main() -> None:
         write_unet_config(unet_cfg)
         env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
         env.update(HF_HUB_OFFLINE="1", TQDM_MININTERVAL="1")
+        if args.threads:
+            env.update(OMP_NUM_THREADS=str(args.threads), MKL_NUM_THREADS=str(args.threads))
         sides = {
             "gentrain": lambda n, out: run_child(
                 gentrain_cmd(sys.executable, n, data, out, args.workers), env, out.with_suffix(".log")
@@ -205,6 +213,7 @@ def main() -> None:
                 "steps": [small, large],
                 "batch_size": BATCH,
                 "workers": args.workers,
+                "threads": args.threads or "default",
                 "per_step_seconds": {
                     s: {k: summary(v) for k, v in per_step[s].items() if k != "minflt"} for s in sides
                 },
