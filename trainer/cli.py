@@ -54,6 +54,17 @@ def _parser() -> argparse.ArgumentParser:
     cc.add_argument("out", help="checkpoint root to write the copy under (any fsspec URL)")
     cc.add_argument("--storage-options", type=json.loads, default={}, help="JSON passed to fsspec for both")
 
+    d = sub.add_parser("data", help="pack image folders into WebDataset shards, index shards made elsewhere")
+    dsub = d.add_subparsers(dest="action", required=True)
+    dp = dsub.add_parser("pack", help="an image folder (class subfolders, .txt captions, .npy beside) into shards")
+    dp.add_argument("src", help="local image folder")
+    dp.add_argument("out_url", help="output folder on any fsspec store (s3://bucket/data, gs://..., a path)")
+    dp.add_argument("--samples-per-shard", type=int, required=True)
+    dp.add_argument("--storage-options", type=json.loads, default={}, help="JSON passed to fsspec")
+    di = dsub.add_parser("index", help="write the byte-offset index (and shards.json) for existing tar shards")
+    di.add_argument("pattern", help="shard URL or brace pattern, e.g. s3://b/x/{00000..00099}.tar")
+    di.add_argument("--storage-options", type=json.loads, default={})
+
     sub.add_parser("presets", help="list the built-in presets")
     sub.add_parser(
         "launch",
@@ -181,6 +192,20 @@ def cmd_checkpoints(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def cmd_data(args: argparse.Namespace) -> int:
+    _setup_logging(DistEnv())
+    from trainer.data.pack import index_shards, pack_folder
+
+    progress = sys.stderr.isatty()
+    if args.action == "pack":
+        summary = pack_folder(args.src, args.out_url, args.samples_per_shard, args.storage_options, progress)
+        print(f"packed {args.src} into {args.out_url}: {summary.line()}")
+    else:
+        summary = index_shards(args.pattern, args.storage_options, progress)
+        print(f"indexed {args.pattern}: {summary.line()}")
+    return EXIT_OK
+
+
 def cmd_presets(args: argparse.Namespace) -> int:
     for name in preset_names():
         print(f"{name:<20} {preset_summary(name)}")
@@ -209,6 +234,7 @@ def main(argv: list[str] | None = None) -> int:
         "sample": cmd_sample,
         "checkpoints": cmd_checkpoints,
         "presets": cmd_presets,
+        "data": cmd_data,
     }
     try:
         return handlers[args.command](args)
