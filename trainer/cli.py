@@ -39,6 +39,17 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--no-ema", action="store_true", help="use the raw weights instead of the EMA weights")
     s.add_argument("--storage-options", type=json.loads, default={}, help="JSON passed to fsspec")
 
+    e = sub.add_parser("eval", help="FID/KID of a checkpoint's samples vs held-out images; writes eval-<step>.json")
+    e.add_argument("checkpoint", help="a checkpoint (…/step-000001200) or a checkpoint root (newest valid)")
+    e.add_argument("--num", type=int, default=None, help="images generated and compared (default: eval.num)")
+    e.add_argument(
+        "--features", default=None, help="digits | inception | URL of a feature net (default: eval.features)"
+    )
+    e.add_argument("--features-url", default=None, help="features=inception: path/URL of the Inception weights")
+    e.add_argument("--steps", type=int, default=None, help="inference steps (default: eval/sample settings)")
+    e.add_argument("--no-ema", action="store_true", help="use the raw weights instead of the EMA weights")
+    e.add_argument("--storage-options", type=json.loads, default={}, help="JSON passed to fsspec")
+
     c = sub.add_parser("checkpoints", help="list, verify or consolidate checkpoints")
     csub = c.add_subparsers(dest="action", required=True)
     cl = csub.add_parser("list", help="table of the checkpoints under a root")
@@ -131,6 +142,45 @@ def cmd_sample(args: argparse.Namespace) -> int:
     else:  # videos: a GIF and a contact sheet beside it
         written = save_media(images, os.path.splitext(args.out)[0])
     print(f"wrote {', '.join(written)}: {args.num} samples from {info.url} (step {info.step})")
+    return EXIT_OK
+
+
+def cmd_eval(args: argparse.Namespace) -> int:
+    """Single process, or every rank of a torchrun job (generation and features split, statistics gathered)."""
+    env = DistEnv.from_environ()
+    _setup_logging(env)
+    import torch
+
+    from trainer.checkpoint import resolve_checkpoint
+    from trainer.checkpoint.weights import load_for_inference
+    from trainer.data import build_splits
+    from trainer.elastic import init_process_group
+    from trainer.eval.features import load_features
+    from trainer.eval.fid import FidKid, evaluate, sample_options, write_result
+
+    store, info = resolve_checkpoint(args.checkpoint, args.storage_options)
+    if info is None or not info.valid:
+        why = info.reason if info else "no valid checkpoint under this root"
+        print(f"gentrain: cannot evaluate {args.checkpoint}: {why}", file=sys.stderr)
+        return EXIT_INVALID_CHECKPOINT
+    device = torch.device(f"cuda:{env.local_rank}" if torch.cuda.is_available() else "cpu")
+    cfg, task, modules = load_for_inference(store, info, use_ema=not args.no_ema, device=device)
+    for key, value in (("num", args.num), ("features", args.features), ("features_url", args.features_url),
+                       ("inference_steps", args.steps)):  # fmt: skip
+        if value is not None:
+            setattr(cfg.eval, key, value)
+    net, about = load_features(cfg.eval.features, cfg.eval.features_url, args.storage_options or None)
+    if env.world_size > 1:
+        init_process_group(env, "nccl" if torch.cuda.is_available() else "gloo", cfg.elastic.collective_timeout_seconds)
+    train, val, _ = build_splits(cfg)
+    metric = FidKid(net, cfg.eval.kid_subset_size, device)
+    values = evaluate(task, modules, metric, val or train, cfg.eval.num, cfg.seed, sample_options(cfg), env.rank,
+                      env.world_size, device)  # fmt: skip
+    if env.rank == 0:
+        result = {"step": info.step, "checkpoint": info.url, "world_size": env.world_size, **values, **about}
+        url = write_result(store.url, store.storage_options, info.step, result)
+        print(json.dumps(result))
+        print(f"fid={values['fid']:.4f} kid={values['kid']:.5f} (±{values['kid_std']:.5f}) -> {url}")
     return EXIT_OK
 
 
@@ -235,6 +285,7 @@ def main(argv: list[str] | None = None) -> int:
         "checkpoints": cmd_checkpoints,
         "presets": cmd_presets,
         "data": cmd_data,
+        "eval": cmd_eval,
     }
     try:
         return handlers[args.command](args)

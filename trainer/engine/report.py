@@ -116,6 +116,13 @@ class Reporter:
         self.metrics.on_validation(values)
         self.track(step, values)
 
+    def on_eval(self, step: int, values: dict[str, float]) -> None:
+        if not self.is_main:
+            return
+        log.info("eval step=%d fid=%.4f kid=%.5f (±%.5f)", step, values["fid"], values["kid"], values["kid_std"])
+        self.metrics.on_eval(values)
+        self.track(step, {"eval/fid": values["fid"], "eval/kid": values["kid"]})
+
     def on_previews(self, step: int, previews: dict[str, torch.Tensor]) -> None:
         for tracker in self.accelerator.trackers:
             if tracker.name != "tensorboard":
