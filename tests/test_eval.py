@@ -89,7 +89,7 @@ def test_training_evaluates_periodically_and_eval_cli_over_2_ranks_equals_1_rank
     assert during["num_generated"] == 32 and during["num_real"] == 32 and during["features"] == "digits"
     (root / "eval-000000002.json").unlink()
 
-    one = run_cli("eval", str(root), "--num", "32")
+    one = run_cli("eval", str(root))  # eval.num=32 comes from the run's config
     assert one.returncode == 0, one.stderr[-3000:]
     single = json.loads((root / "eval-000000002.json").read_text())
     assert single["fid"] > 0 and single["world_size"] == 1
@@ -105,7 +105,7 @@ def test_training_evaluates_periodically_and_eval_cli_over_2_ranks_equals_1_rank
     proc = subprocess.Popen(
         [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", "--rdzv-backend=c10d",
          f"--rdzv-endpoint=127.0.0.1:{port}", f"--rdzv-id=eval-{port}", "--max-restarts=0",
-         "-m", "trainer", "eval", str(root), "--num", "32"],
+         "-m", "trainer", "eval", str(root)],  # no --num: torchrun's parser takes it for --numa-binding
         stdout=open(log, "w"), stderr=subprocess.STDOUT, env=clean_env(), start_new_session=True,
     )  # fmt: skip
     try:
