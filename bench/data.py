@@ -6,6 +6,9 @@ a moto S3 server on 127.0.0.1. For world sizes 1 and 2, each rank's loader
 (`build_train_loader`, `train.num_workers` workers) is timed over the same
 steps for both sources, one rank after the other (this machine has 2 cores:
 running ranks side by side would measure contention, not the loader).
+The same shards on local disk (byte ranges through fsspec's local filesystem)
+separate the pipeline's own cost from the S3 server's (moto is a Python
+server sharing the 2 cores with the loader workers).
 Reported: images/s per rank for each source, their ratio (target >= 0.8),
 and bytes fetched per rank (data + indexes) vs the tar bytes of the samples
 it used and vs their payload bytes (image + caption, no tar headers).
@@ -88,16 +91,25 @@ def main() -> None:
             url = f"s3://{server.make_bucket()}/bench"
             opts = {"client_kwargs": {"endpoint_url": server.endpoint}}
             summary = pack_folder(str(src), url, 128, opts, progress=False)
+            local = Path(tmp) / "shards"
+            pack_folder(str(src), str(local), 128, None, progress=False)
             payload = sum(p.stat().st_size for p in src.rglob("*") if p.is_file()) / args.images
             common = [f"train.batch_size={args.batch}", f"train.num_workers={args.workers}", "data.channels=3",
                       f"data.image_size={args.size}", "data.val_fraction=0"]  # fmt: skip
             cfgs = {
-                "folder": load_config(*common, "data.source=folder", f"data.path={src}"),
+                "folder": load_config(None, [*common, "data.source=folder", f"data.path={src}"], {}),
+                "shards_local": load_config(
+                    None, [*common, "data.source=shards", f"data.urls={local}/shards.json"], {}
+                ),
                 "shards_s3": load_config(
-                    *common,
-                    "data.source=shards",
-                    f"data.urls={url}/shards.json",
-                    f"data.storage_options={json.dumps(opts)}",
+                    None,
+                    [
+                        *common,
+                        "data.source=shards",
+                        f"data.urls={url}/shards.json",
+                        f"data.storage_options={json.dumps(opts)}",
+                    ],
+                    {},
                 ),
             }
             result: dict = {"images": args.images, "image_size": args.size, "batch": args.batch,
@@ -117,6 +129,7 @@ def main() -> None:
                     "images_per_s_per_rank": {k: round(v, 1) for k, v in med.items()},
                     "spread": {k: [round(min(v), 1), round(max(v), 1)] for k, v in rates.items()},
                     "ratio_shards_s3_vs_folder": round(med["shards_s3"] / med["folder"], 3),
+                    "ratio_shards_local_vs_folder": round(med["shards_local"] / med["folder"], 3),
                     "bytes_per_rank": [
                         {
                             **io,
