@@ -39,6 +39,17 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--no-ema", action="store_true", help="use the raw weights instead of the EMA weights")
     s.add_argument("--storage-options", type=json.loads, default={}, help="JSON passed to fsspec")
 
+    e = sub.add_parser("eval", help="FID/KID of a checkpoint's samples vs held-out images; writes eval-<step>.json")
+    e.add_argument("checkpoint", help="a checkpoint (…/step-000001200) or a checkpoint root (newest valid)")
+    e.add_argument("--num", type=int, default=None, help="images generated and compared (default: eval.num)")
+    e.add_argument(
+        "--features", default=None, help="digits | inception | URL of a feature net (default: eval.features)"
+    )
+    e.add_argument("--features-url", default=None, help="features=inception: path/URL of the Inception weights")
+    e.add_argument("--steps", type=int, default=None, help="inference steps (default: eval/sample settings)")
+    e.add_argument("--no-ema", action="store_true", help="use the raw weights instead of the EMA weights")
+    e.add_argument("--storage-options", type=json.loads, default={}, help="JSON passed to fsspec")
+
     c = sub.add_parser("checkpoints", help="list, verify or consolidate checkpoints")
     csub = c.add_subparsers(dest="action", required=True)
     cl = csub.add_parser("list", help="table of the checkpoints under a root")
@@ -53,6 +64,17 @@ def _parser() -> argparse.ArgumentParser:
     cc.add_argument("url", help="one checkpoint, or a root (the newest valid one)")
     cc.add_argument("out", help="checkpoint root to write the copy under (any fsspec URL)")
     cc.add_argument("--storage-options", type=json.loads, default={}, help="JSON passed to fsspec for both")
+
+    d = sub.add_parser("data", help="pack image folders into WebDataset shards, index shards made elsewhere")
+    dsub = d.add_subparsers(dest="action", required=True)
+    dp = dsub.add_parser("pack", help="an image folder (class subfolders, .txt captions, .npy beside) into shards")
+    dp.add_argument("src", help="local image folder")
+    dp.add_argument("out_url", help="output folder on any fsspec store (s3://bucket/data, gs://..., a path)")
+    dp.add_argument("--samples-per-shard", type=int, required=True)
+    dp.add_argument("--storage-options", type=json.loads, default={}, help="JSON passed to fsspec")
+    di = dsub.add_parser("index", help="write the byte-offset index (and shards.json) for existing tar shards")
+    di.add_argument("pattern", help="shard URL or brace pattern, e.g. s3://b/x/{00000..00099}.tar")
+    di.add_argument("--storage-options", type=json.loads, default={})
 
     sub.add_parser("presets", help="list the built-in presets")
     sub.add_parser(
@@ -123,6 +145,45 @@ def cmd_sample(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def cmd_eval(args: argparse.Namespace) -> int:
+    """Single process, or every rank of a torchrun job (generation and features split, statistics gathered)."""
+    env = DistEnv.from_environ()
+    _setup_logging(env)
+    import torch
+
+    from trainer.checkpoint import resolve_checkpoint
+    from trainer.checkpoint.weights import load_for_inference
+    from trainer.data import build_splits
+    from trainer.elastic import init_process_group
+    from trainer.eval.features import load_features
+    from trainer.eval.fid import FidKid, evaluate, sample_options, write_result
+
+    store, info = resolve_checkpoint(args.checkpoint, args.storage_options)
+    if info is None or not info.valid:
+        why = info.reason if info else "no valid checkpoint under this root"
+        print(f"gentrain: cannot evaluate {args.checkpoint}: {why}", file=sys.stderr)
+        return EXIT_INVALID_CHECKPOINT
+    device = torch.device(f"cuda:{env.local_rank}" if torch.cuda.is_available() else "cpu")
+    cfg, task, modules = load_for_inference(store, info, use_ema=not args.no_ema, device=device)
+    for key, value in (("num", args.num), ("features", args.features), ("features_url", args.features_url),
+                       ("inference_steps", args.steps)):  # fmt: skip
+        if value is not None:
+            setattr(cfg.eval, key, value)
+    net, about = load_features(cfg.eval.features, cfg.eval.features_url, args.storage_options or None)
+    if env.world_size > 1:
+        init_process_group(env, "nccl" if torch.cuda.is_available() else "gloo", cfg.elastic.collective_timeout_seconds)
+    train, val, _ = build_splits(cfg)
+    metric = FidKid(net, cfg.eval.kid_subset_size, device)
+    values = evaluate(task, modules, metric, val or train, cfg.eval.num, cfg.seed, sample_options(cfg), env.rank,
+                      env.world_size, device)  # fmt: skip
+    if env.rank == 0:
+        result = {"step": info.step, "checkpoint": info.url, "world_size": env.world_size, **values, **about}
+        url = write_result(store.url, store.storage_options, info.step, result)
+        print(json.dumps(result))
+        print(f"fid={values['fid']:.4f} kid={values['kid']:.5f} (±{values['kid_std']:.5f}) -> {url}")
+    return EXIT_OK
+
+
 def _human_bytes(n: int) -> str:
     for unit in ("B", "KB", "MB", "GB"):
         if n < 1024 or unit == "GB":
@@ -181,6 +242,20 @@ def cmd_checkpoints(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def cmd_data(args: argparse.Namespace) -> int:
+    _setup_logging(DistEnv())
+    from trainer.data.pack import index_shards, pack_folder
+
+    progress = sys.stderr.isatty()
+    if args.action == "pack":
+        summary = pack_folder(args.src, args.out_url, args.samples_per_shard, args.storage_options, progress)
+        print(f"packed {args.src} into {args.out_url}: {summary.line()}")
+    else:
+        summary = index_shards(args.pattern, args.storage_options, progress)
+        print(f"indexed {args.pattern}: {summary.line()}")
+    return EXIT_OK
+
+
 def cmd_presets(args: argparse.Namespace) -> int:
     for name in preset_names():
         print(f"{name:<20} {preset_summary(name)}")
@@ -209,6 +284,8 @@ def main(argv: list[str] | None = None) -> int:
         "sample": cmd_sample,
         "checkpoints": cmd_checkpoints,
         "presets": cmd_presets,
+        "data": cmd_data,
+        "eval": cmd_eval,
     }
     try:
         return handlers[args.command](args)

@@ -22,6 +22,7 @@ from trainer.checkpoint.weights import load_frozen
 from trainer.config import Config
 from trainer.data import build_splits, build_train_loader
 from trainer.elastic import EXIT_OK, DistEnv, StartupClock, StopRequest, agree_to_stop, barrier, init_process_group
+from trainer.engine.evaluate import Evaluator
 from trainer.engine.parts import build_parts
 from trainer.engine.preview import Previewer
 from trainer.engine.progress import TrainProgress
@@ -86,6 +87,11 @@ class Trainer:
             self.task, self.parts, self.frozen, cfg.sample, self.val_set or self.train_set, cfg.seed, cfg.run_dir,
             env.is_main, self.device, self.reporter.on_previews, collective=self.sharded,
         )  # fmt: skip
+        self.evaluator = Evaluator(
+            self.task, self.parts, self.frozen, cfg, self.val_set or self.train_set, env.rank, env.world_size,
+            self.device, self.reporter.on_eval,
+        )  # fmt: skip
+        self.evaluator.prepare()
         self.clock.mark("build")
 
     # ------------------------------------------------------------------ the loop
@@ -114,11 +120,13 @@ class Trainer:
             if progress.step < cfg.train.max_steps:
                 self.checkpoints.maybe_save(progress.step)
                 self.validator.maybe_run(progress.step)
+                self.evaluator.maybe_run(progress.step)
                 self.previewer.maybe_run(progress.step)
             self.checkpoints.report_background_failure()
 
         self.checkpoints.save(progress.step, sync=True, final=True)
         self.validator.maybe_run(progress.step, last=True)
+        self.evaluator.maybe_run(progress.step, last=True)
         self.previewer.maybe_run(progress.step, last=True)
         self.close()
         return EXIT_OK

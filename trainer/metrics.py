@@ -65,6 +65,7 @@ class TrainingMetrics:
         self.env = env
         self.server = None
         self.linger_seconds = linger_seconds
+        self._failed_shards: set[str] = set()
         if not self.enabled:
             return
         if "PROMETHEUS_MULTIPROC_DIR" not in os.environ:
@@ -122,6 +123,14 @@ class TrainingMetrics:
         )
         self.world_size = Gauge("gentrain_world_size", "Processes in the job", multiprocess_mode="max")
         self.skipped = Counter("gentrain_skipped_samples", "Samples skipped because they could not be read")
+        self.skipped_shards = Counter(
+            "gentrain_skipped_shards", "Shards skipped after retries (each rank that gave up on one counts it once)"
+        )
+        self.data_bytes = Counter(
+            "gentrain_data_bytes_fetched", "Bytes read from shard storage, by kind (data | index)", ["kind"]
+        )
+        self.eval_fid = Gauge("gentrain_eval_fid", "FID of the last evaluation", multiprocess_mode="max")
+        self.eval_kid = Gauge("gentrain_eval_kid", "KID (mean) of the last evaluation", multiprocess_mode="max")
         self.validation = Gauge(
             "gentrain_validation",
             "Named validation metrics of the task (val/<name>)",
@@ -188,6 +197,22 @@ class TrainingMetrics:
         if self.enabled:
             for name, value in values.items():
                 self.validation.labels(name=name.removeprefix("val/")).set(value)
+
+    def on_data_io(self, io: dict) -> None:
+        """A shard source's reads for one step (bytes, and shards it gave up on; each URL counted once)."""
+        if not self.enabled:
+            return
+        self.data_bytes.labels(kind="data").inc(io.get("data_bytes", 0))
+        self.data_bytes.labels(kind="index").inc(io.get("index_bytes", 0))
+        for url in io.get("failed_shards", ()):
+            if url not in self._failed_shards:
+                self._failed_shards.add(url)
+                self.skipped_shards.inc()
+
+    def on_eval(self, values: dict[str, float]) -> None:
+        if self.enabled:
+            self.eval_fid.set(values["fid"])
+            self.eval_kid.set(values["kid"])
 
     def on_checkpoint_stall(self, stall: float) -> None:
         """Training-thread seconds spent on a save (every rank: the gather, rank 0: the snapshot/write)."""

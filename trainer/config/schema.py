@@ -108,8 +108,15 @@ class LogConfig(_Section):
 
 
 class DataConfig(_Section):
-    source: Literal["digits", "folder"] = "digits"
+    source: Literal["digits", "folder", "shards"] = "digits"
     path: str | None = None
+    urls: str | list[str] | None = Field(
+        None, description="shards: tar URLs/brace patterns on any fsspec store, or a shards.json list"
+    )
+    val_urls: str | list[str] | None = Field(None, description="shards: validation shards (else val_fraction)")
+    storage_options: dict[str, Any] = Field(default_factory=dict, description="shards: passed to fsspec")
+    shard_window: int = Field(8, ge=0, description="shards: shards shuffled together per epoch; 0 = all")
+    read_retries: int = Field(3, ge=0, description="shards: retries (exponential backoff) before a shard is skipped")
     image_size: int = Field(16, ge=4)
     channels: Literal[1, 3] = 1
     flip: bool = False
@@ -120,7 +127,24 @@ class DataConfig(_Section):
     def _folder_needs_path(self) -> DataConfig:
         if self.source == "folder" and not self.path:
             raise ValueError("data.source=folder needs data.path (a folder of images)")
+        if self.source == "shards" and not self.urls:
+            raise ValueError(
+                "data.source=shards needs data.urls (e.g. s3://bucket/data/{000000..000099}.tar or .../shards.json)"
+            )
         return self
+
+
+class EvalConfig(_Section):
+    """FID/KID of generated vs held-out real images (see trainer.eval)."""
+
+    every_steps: int = Field(0, ge=0, description="0 = only `gentrain eval`")
+    num: int = Field(256, ge=2, description="generated and real images compared")
+    features: str = Field(
+        "digits", description="digits (shipped), random (smoke tests only), inception, or a URL of a feature net"
+    )
+    features_url: str | None = Field(None, description="features=inception: the FID Inception weights (safetensors)")
+    inference_steps: int | None = Field(None, ge=1, description="default: sample.inference_steps")
+    kid_subset_size: int = Field(50, ge=2)
 
 
 class OptimConfig(_Section):
@@ -148,6 +172,7 @@ class Config(_Section):
     elastic: ElasticConfig = Field(default_factory=ElasticConfig)
     log: LogConfig = Field(default_factory=LogConfig)
     data: DataConfig = Field(default_factory=DataConfig)
+    eval: EvalConfig = Field(default_factory=EvalConfig)
     optim: dict[str, OptimConfig] = Field(default_factory=dict, description="per-part optimizer overrides")
     # Validated by the task's own schema (trainer.registry); the typed object is `model_cfg`.
     model: dict[str, Any] = Field(default_factory=dict)

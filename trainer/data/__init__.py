@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 from torch.utils.data import DataLoader
 
-from trainer.config import Config
+from trainer.config import Config, ConfigError
 from trainer.data.datasets import DigitsDataset, ImageFolderDataset, Subset, collate
 from trainer.data.sampler import SampleRef, SampleStream, StepBatchSampler
 
@@ -24,6 +24,8 @@ def build_dataset(cfg: Config):
 
 def build_splits(cfg: Config) -> tuple[Subset, Subset | None, int | None]:
     """(train, validation or None, number of classes or None)."""
+    if cfg.data.source == "shards":
+        return build_shard_splits(cfg)
     ds = build_dataset(cfg)
     n = len(ds)
     perm = np.random.default_rng(_SPLIT_SEED).permutation(n)
@@ -36,8 +38,31 @@ def build_splits(cfg: Config) -> tuple[Subset, Subset | None, int | None]:
     return train, val, getattr(ds, "num_classes", None)
 
 
+def build_shard_splits(cfg: Config):
+    """Shard source: train and validation `ShardSplit`s (by `data.val_urls`, else `data.val_fraction` per shard)."""
+    from trainer.data.shards import ShardSet, ShardSplit, load_shard_list
+
+    d = cfg.data
+    shape = (d.channels, d.image_size, d.image_size)
+
+    def shard_set(urls, key: str) -> ShardSet:
+        return ShardSet(load_shard_list(urls, d.storage_options, key), d.storage_options, d.image_size,
+                        d.channels, retries=d.read_retries)  # fmt: skip
+
+    train_set = shard_set(d.urls, "data.urls")
+    if d.val_urls:
+        train = ShardSplit(train_set, "all", 0.0, d.flip, shape, d.shard_window)
+        val = ShardSplit(shard_set(d.val_urls, "data.val_urls"), "all", 0.0, False, shape)
+    else:
+        train = ShardSplit(train_set, "train", d.val_fraction, d.flip, shape, d.shard_window)
+        val = ShardSplit(train_set, "val", d.val_fraction, False, shape)
+    if len(train) == 0:
+        raise ConfigError(f"data.urls={d.urls!r}: no training samples")
+    return train, (val if len(val) else None), train_set.num_classes
+
+
 def build_train_loader(train: Subset, cfg: Config, cursor: int, rank: int, world_size: int) -> DataLoader:
-    stream = SampleStream(len(train), cfg.seed)
+    stream = train.make_stream(cfg.seed)
     sampler = StepBatchSampler(stream, cursor, cfg.train.batch_size, rank, world_size)
     workers = cfg.train.num_workers
     return DataLoader(

@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from PIL import Image, UnidentifiedImageError
 
-from trainer.data.sampler import SampleRef
+from trainer.data.sampler import SampleRef, SampleStream
 
 log = logging.getLogger(__name__)
 
@@ -84,18 +84,22 @@ class ImageFolderDataset:
         path = self.files[index]
         try:
             with Image.open(path) as im:
-                im = im.convert("L" if self.channels == 1 else "RGB")
-                im = resize_center_crop(im, self.image_size)
+                x = image_to_tensor(im, self.image_size, self.channels)
         except (OSError, UnidentifiedImageError, ValueError, Image.DecompressionBombError) as e:
             if str(path) not in self._reported:
                 self._reported.add(str(path))
                 log.warning("skipping unreadable image %s (pid %d): %s", path, os.getpid(), e)
             return None
-        arr = np.asarray(im, dtype=np.float32) / 127.5 - 1.0
-        x = torch.from_numpy(arr).reshape(self.image_size, self.image_size, self.channels).permute(2, 0, 1)
         if flip and aug_seed & 1:
             x = x.flip(-1)
-        return x.contiguous(), self.labels[index]
+        return x, self.labels[index]
+
+
+def image_to_tensor(im: Image.Image, size: int, channels: int) -> torch.Tensor:
+    """(C, size, size) float in [-1, 1]: short side resized to `size`, center-cropped."""
+    im = resize_center_crop(im.convert("L" if channels == 1 else "RGB"), size)
+    arr = np.asarray(im, dtype=np.float32) / 127.5 - 1.0
+    return torch.from_numpy(arr).reshape(size, size, channels).permute(2, 0, 1).contiguous()
 
 
 def resize_center_crop(im: Image.Image, size: int) -> Image.Image:
@@ -118,6 +122,9 @@ class Subset:
 
     def __len__(self) -> int:
         return len(self.indices)
+
+    def make_stream(self, seed: int) -> SampleStream:
+        return SampleStream(len(self), seed)
 
     def __getitem__(self, ref: SampleRef):
         """(image, label, dataset index, position, valid, extras). A source's `load` returns
@@ -159,4 +166,12 @@ def collate(items: list) -> dict:
         tensors[k] = torch.stack([torch.as_tensor(e[k]) if k in e else like for e in extras])
     if tensors:
         out["extras"] = tensors
+    stats = getattr(items, "stats", None)
+    if stats is not None:  # a shard source: what this step's reads cost, and shards that failed
+        out["io"] = {
+            "data_bytes": stats.data_bytes,
+            "index_bytes": stats.index_bytes,
+            "used_bytes": stats.used_bytes,
+            "failed_shards": list(stats.failed_shards),
+        }
     return out

@@ -83,6 +83,8 @@ class Reporter:
         self.metrics.on_step(
             step, len(batch["positions"]), t_data, t_step, lr, losses if self.is_main else None, batch["skipped"]
         )
+        if "io" in batch:
+            self.metrics.on_data_io(batch["io"])
         if self._ledger_enabled:
             self._write_ledger(batch)
         if not self.is_main:
@@ -114,6 +116,13 @@ class Reporter:
         self.metrics.on_validation(values)
         self.track(step, values)
 
+    def on_eval(self, step: int, values: dict[str, float]) -> None:
+        if not self.is_main:
+            return
+        log.info("eval step=%d fid=%.4f kid=%.5f (±%.5f)", step, values["fid"], values["kid"], values["kid_std"])
+        self.metrics.on_eval(values)
+        self.track(step, {"eval/fid": values["fid"], "eval/kid": values["kid"]})
+
     def on_previews(self, step: int, previews: dict[str, torch.Tensor]) -> None:
         for tracker in self.accelerator.trackers:
             if tracker.name != "tensorboard":
@@ -142,6 +151,8 @@ class Reporter:
             "epoch_start": (self.progress.cursor - self.progress.batch_size) // self.progress.epoch_size,
             "indices": [int(i) for i in batch["indices"].tolist()],
         }
+        if "io" in batch:  # shard sources: bytes fetched by this rank for this step, and bytes it used
+            line["io"] = batch["io"]
         self._ledger.write(json.dumps(line) + "\n")
         self._ledger.flush()
 

@@ -1,0 +1,118 @@
+"""FID/KID: the shipped digits features, sanity against the formula, the eval CLI, 2 ranks equal 1 rank."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import scipy.linalg
+import torch
+from conftest import clean_env, free_port, run_cli, tiny
+from helpers import kill_group
+
+from trainer.data.datasets import DigitsDataset
+from trainer.eval.features import INCEPTION_FILE, load_features
+from trainer.eval.fid import FidKid
+
+
+def digits01(n: int, start: int = 0) -> torch.Tensor:
+    ds = DigitsDataset(16, 1)
+    return (ds.images[start : start + n] + 1) / 2
+
+
+def fid_kid(net, real: torch.Tensor, fake: torch.Tensor, subset: int = 50) -> dict:
+    m = FidKid(net, subset, torch.device("cpu"))
+    m.update(real, real=True)
+    m.update(fake, real=False)
+    return m.compute(len(real), len(fake))
+
+
+def frechet(a: np.ndarray, b: np.ndarray) -> float:
+    """The FID formula (Heusel et al. 2017) computed directly with scipy."""
+    mu1, mu2 = a.mean(0), b.mean(0)
+    s1, s2 = np.cov(a, rowvar=False), np.cov(b, rowvar=False)
+    covmean = scipy.linalg.sqrtm(s1 @ s2).real
+    return float(((mu1 - mu2) ** 2).sum() + np.trace(s1 + s2 - 2 * covmean))
+
+
+def test_shipped_digits_features_fid_kid_are_zero_on_the_same_set_small_across_digits_large_against_noise():
+    net, about = load_features("digits", None)
+    assert about["features"] == "digits" and about["accuracy"] >= 0.95 and len(about["digest"]) == 64
+    a, b = digits01(400), digits01(400, start=800)
+    noise = torch.rand(400, 1, 16, 16, generator=torch.Generator().manual_seed(0))
+    same, across, vs_noise = fid_kid(net, a, a), fid_kid(net, a, b), fid_kid(net, a, noise)
+    assert abs(same["fid"]) < 1e-3 * across["fid"] + 1e-6
+    assert across["fid"] > 0 and across["kid"] < vs_noise["kid"]
+    assert vs_noise["fid"] > 20 * across["fid"] and vs_noise["kid"] > 20 * abs(same["kid"])
+    # torchmetrics' value is the formula on the network's features (float64 statistics, sqrtm tolerance).
+    with torch.no_grad():
+        fa, fb = net.features(a).double().numpy(), net.features(b).double().numpy()
+    assert across["fid"] == pytest.approx(frechet(fa, fb), rel=1e-4)
+
+
+def test_feature_networks_that_are_not_there_are_exit_2_errors_naming_the_file(tmp_path):
+    from trainer.config import ConfigError
+
+    with pytest.raises(ConfigError, match=INCEPTION_FILE):
+        load_features("inception", None)
+    with pytest.raises(ConfigError, match="features.json"):
+        load_features(str(tmp_path / "nothing"), None)
+    r = run_cli("train", *tiny(tmp_path, "eval.every_steps=1", "eval.features=inception", max_steps=2))
+    assert r.returncode == 2 and INCEPTION_FILE in r.stderr and "eval.features_url" in r.stderr
+    assert not (tmp_path / "run" / "checkpoints").exists()
+
+
+def test_user_feature_network_from_a_folder_gives_the_same_values_as_the_shipped_one(tmp_path):
+    from safetensors.torch import save_file
+
+    from trainer.eval.features import shipped_digits
+
+    desc, tensors, _ = shipped_digits()
+    (tmp_path / "features.json").write_text(json.dumps(desc))
+    save_file(tensors, tmp_path / "features.safetensors")
+    mine, about = load_features(str(tmp_path), None)
+    shipped, _ = load_features("digits", None)
+    assert about["features"] == str(tmp_path)
+    a, b = digits01(64), digits01(64, start=500)
+    assert fid_kid(mine, a, b)["fid"] == fid_kid(shipped, a, b)["fid"]
+
+
+@pytest.mark.slow
+def test_training_evaluates_periodically_and_eval_cli_over_2_ranks_equals_1_rank(tmp_path):
+    args = tiny(tmp_path, "eval.every_steps=2", "eval.num=32", "checkpoint.every_steps=2", max_steps=2)
+    r = run_cli("train", *args)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "eval step=2 fid=" in r.stderr
+    root = tmp_path / "run" / "checkpoints"
+    during = json.loads((root / "eval-000000002.json").read_text())
+    assert during["num_generated"] == 32 and during["num_real"] == 32 and during["features"] == "digits"
+    (root / "eval-000000002.json").unlink()
+
+    one = run_cli("eval", str(root))  # eval.num=32 comes from the run's config
+    assert one.returncode == 0, one.stderr[-3000:]
+    single = json.loads((root / "eval-000000002.json").read_text())
+    assert single["fid"] > 0 and single["world_size"] == 1
+    # Same images, same statistics: the training-time evaluation saw the same EMA weights.
+    assert single["fid"] == pytest.approx(during["fid"], rel=1e-6)
+
+    (root / "eval-000000002.json").unlink()
+    log = tmp_path / "eval2.log"
+    port = free_port()
+    import subprocess
+    import sys
+
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", "--rdzv-backend=c10d",
+         f"--rdzv-endpoint=127.0.0.1:{port}", f"--rdzv-id=eval-{port}", "--max-restarts=0",
+         "-m", "trainer", "eval", str(root)],  # no --num: torchrun's parser takes it for --numa-binding
+        stdout=open(log, "w"), stderr=subprocess.STDOUT, env=clean_env(), start_new_session=True,
+    )  # fmt: skip
+    try:
+        assert proc.wait(timeout=240) == 0, log.read_text()[-3000:]
+    finally:
+        kill_group(proc)
+    double = json.loads((root / "eval-000000002.json").read_text())
+    assert double["world_size"] == 2 and double["num_real"] == 32
+    assert double["fid"] == pytest.approx(single["fid"], rel=1e-6)
+    assert double["kid"] == pytest.approx(single["kid"], rel=1e-5, abs=1e-9)

@@ -1,0 +1,297 @@
+"""WebDataset shards: pack/index round trip, the exact order, S3 byte-range reads, faults, world-size changes, resume."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import tarfile
+from collections import defaultdict
+
+import numpy as np
+import pytest
+import torch
+from conftest import free_port, run_cli, tiny
+from elastic_helpers import rank_of, start_torchrun, worker_pids
+from helpers import assert_identical, final_weights, kill_group, start_cli, wait_for_log
+from PIL import Image
+
+from trainer.data.datasets import ImageFolderDataset
+from trainer.data.sampler import SampleRef
+from trainer.data.shards import ShardSet, ShardSplit, ShardStream, filesystem, load_shard_list
+
+
+def make_folder(root, per_class: int = 5, size: int = 24, classes=("cats", "dogs")) -> None:
+    """Noise images (incompressible: realistic byte sizes) with a caption and an embedding beside each."""
+    rng = np.random.default_rng(0)
+    for c in classes:
+        (root / c).mkdir(parents=True)
+        for i in range(per_class):
+            stem = root / c / f"{c}.{i}"  # a dot in the stem: the packer must not split it
+            Image.fromarray(rng.integers(0, 255, (size, size + 4, 3), dtype=np.uint8)).save(f"{stem}.png")
+            stem.with_name(f"{c}.{i}.txt").write_text(f"a {c[:-1]} number {i}")
+            np.save(stem.with_name(f"{c}.{i}.npy"), np.full(4, i, dtype=np.float32))
+            np.save(stem.with_name(f"{c}.{i}.text_emb.npy"), np.full(2, -i, dtype=np.float32))
+
+
+def pack(src, out, per_shard: int, *options: str) -> str:
+    r = run_cli("data", "pack", str(src), str(out), "--samples-per-shard", str(per_shard), *options, timeout=120)
+    assert r.returncode == 0, r.stderr[-3000:]
+    return r.stdout
+
+
+def s3_options(server) -> str:
+    return json.dumps({"client_kwargs": {"endpoint_url": server.endpoint}})
+
+
+# ---------------------------------------------------------------- the order
+
+
+@pytest.mark.parametrize("window", [0, 1, 3])
+def test_shard_order_uses_every_sample_once_per_epoch_and_depends_on_seed_epoch_and_shards_only(window):
+    counts = np.array([4, 4, 3, 4, 1, 4])
+    n = int(counts.sum())
+    stream = ShardStream(counts, seed=7, window=window)
+    for epoch in range(3):
+        assert sorted(i for _, i in stream.take(epoch * n, n)) == list(range(n))
+    # A fresh stream at any cursor (a resume) reads what the running one read; ranks' slices tile the batch.
+    full = stream.take(0, 3 * n)
+    for cursor in (0, 5, n - 1, n + 3):
+        assert ShardStream(counts, 7, window).take(cursor, 12) == full[cursor : cursor + 12]
+    for world in (1, 2, 3):
+        tiles = [r.index for rank in range(world) for r in stream.rank_slice(6, 6, rank, world)]
+        assert tiles == [i for _, i in full[6:12]]
+    assert ShardStream(counts, 8, window).take(0, n) != full[:n]
+    if window == 1:  # a window of one shard reads shard by shard
+        first = [i for _, i in full[:4]]
+        starts = np.concatenate([[0], np.cumsum(counts)])
+        shard = int(np.searchsorted(starts, first[0], side="right") - 1)
+        assert all(starts[shard] <= i < starts[shard + 1] for i in first[: counts[shard]])
+
+
+# ---------------------------------------------------------------- pack and index
+
+
+def test_pack_round_trip_keeps_pixels_captions_classes_and_embeddings_and_index_rebuilds_the_same(tmp_path):
+    src = tmp_path / "src"
+    make_folder(src)
+    (src / "dogs" / "broken.png").write_bytes(b"\x89PNG\r\n\x1a\n" + b"garbage" * 10)
+    out = tmp_path / "shards"
+    stdout = pack(src, out, 4)
+    assert re.search(r"3 shards, 10 samples, \d+ bytes, 1 skipped", stdout), stdout
+
+    shards = load_shard_list(f"{out}/{{000000..000002}}.tar", None)
+    assert shards.counts.tolist() == [4, 4, 2] and shards.classes == ["cats", "dogs"] and shards.num_classes == 2
+    ds = ShardSet(shards, None, image_size=16, channels=3)
+    split = ShardSplit(ds, "all", 0.0, False, (3, 16, 16))
+    items = split.__getitems__([SampleRef(index=i, position=i, aug_seed=0) for i in range(len(split))])
+    folder = ImageFolderDataset(str(src), image_size=16, channels=3)
+    good = [i for i, p in enumerate(folder.files) if p.name != "broken.png"]
+    for k, ((image, label, gid, _, valid, extras), fi) in enumerate(zip(items, good, strict=True)):
+        assert gid == k  # global sample ids follow the packing order
+        ref_image, ref_label = folder.load(fi, 0, False)
+        i = int(folder.files[fi].stem.split(".")[1])
+        assert valid and torch.equal(image, ref_image) and label == ref_label
+        assert extras["caption"] == f"a {folder.files[fi].parent.name[:-1]} number {i}"
+        assert extras["image_embed"].tolist() == [float(i)] * 4
+        assert extras["text_embed"].tolist() == [-float(i)] * 2
+    records = sum(o[-1] - o[0] for o in (json.loads(p.read_text())["offsets"] for p in out.glob("*.idx.json")))
+    assert items.stats.used_bytes == items.stats.data_bytes == records
+
+    # `data index` on the same shards (as if made elsewhere) writes the same offsets.
+    packed = {p.name: json.loads(p.read_text()) for p in out.glob("*.idx.json")}
+    for p in out.glob("*.json"):
+        p.unlink()
+    r = run_cli("data", "index", f"{out}/{{000000..000002}}.tar")
+    assert r.returncode == 0 and "3 shards, 10 samples" in r.stdout, r.stderr[-2000:]
+    assert {p.name: json.loads(p.read_text()) for p in out.glob("*.idx.json")} == packed
+    listed = json.loads((out / "shards.json").read_text())
+    assert listed["__kind__"] == "wids-shard-index-v1" and listed["num_classes"] == 2
+    assert [e["nsamples"] for e in listed["shardlist"]] == [4, 4, 2]
+
+
+def test_shards_without_index_are_a_config_error_naming_the_fix(tmp_path):
+    src = tmp_path / "src"
+    make_folder(src, per_class=1)
+    pack(src, tmp_path / "s", 1)
+    for p in (tmp_path / "s").glob("*.json"):
+        p.unlink()
+    r = run_cli("train", *tiny(tmp_path, "data.source=shards", f"data.urls={tmp_path}/s/{{000000..000001}}.tar"))
+    assert r.returncode == 2
+    assert "000000.tar has no readable index" in r.stderr and "gentrain data index" in r.stderr
+
+
+# ---------------------------------------------------------------- S3: bytes, faults
+
+
+def test_s3_reads_fetch_only_the_used_samples_and_faults_are_skipped_counted_and_the_job_finishes(tmp_path, s3_server):
+    src = tmp_path / "src"
+    make_folder(src, per_class=6)
+    bucket = s3_server.make_bucket()
+    url = f"s3://{bucket}/digits"
+    pack(src, url, 3, "--storage-options", s3_options(s3_server))  # 4 shards of 3
+    opts = s3_server.storage_options()
+    fs = filesystem(url, opts)
+    # Corrupt the image bytes of sample 1 of shard 0 (tar structure intact); delete shard 2.
+    offsets = json.loads(fs.cat_file(f"{bucket}/digits/000000.tar.idx.json"))["offsets"]
+    blob = bytearray(fs.cat_file(f"{bucket}/digits/000000.tar"))
+    with tarfile.open(fileobj=__import__("io").BytesIO(bytes(blob))) as tf:
+        png = next(m for m in tf.getmembers() if m.offset >= offsets[1] and m.name.endswith(".png"))
+    blob[png.offset_data : png.offset_data + png.size] = b"\xff" * png.size
+    fs.pipe_file(f"{bucket}/digits/000000.tar", bytes(blob))
+    fs.rm_file(f"{bucket}/digits/000002.tar")
+
+    # One epoch (12 samples, batch 4, 3 steps) on one process: 1 corrupt + 3 missing samples.
+    port = free_port()
+    args = tiny(
+        tmp_path, "data.source=shards", f"data.urls={url}/{{000000..000003}}.tar", "data.channels=3",
+        f"data.storage_options={json.dumps(opts)}", "data.val_fraction=0", "data.ledger=true", "data.read_retries=2",
+        "model.num_classes=2", "train.batch_size=4", f"metrics.port={port}", "metrics.host=127.0.0.1",
+        "metrics.linger_seconds=60", max_steps=3,
+    )  # fmt: skip
+    log = tmp_path / "train.log"
+    proc = start_cli("train", *args, env=__import__("conftest").clean_env(), log_path=log)
+    try:
+        wait_for_log(log, "step-000000003", proc, timeout=120)
+        from test_metrics import scrape
+
+        text = scrape(port)
+        assert re.search(r"^gentrain_skipped_samples_total 4\.0$", text, re.M), text
+        assert re.search(r"^gentrain_skipped_shards_total 1\.0$", text, re.M), text
+    finally:
+        kill_group(proc)
+    out = log.read_text()
+    assert "skipping shard s3://" in out and "000002.tar after 2 retries" in out
+    assert "skipping corrupt sample s3://" in out and "000000.tar#1" in out
+    state = json.loads((tmp_path / "run/checkpoints/step-000000003/trainer.json").read_text())
+    assert state["progress"]["skipped_samples"] == 4
+
+    # Bytes: the data fetched are exactly the tar records of the samples read, nothing else.
+    ledger = [json.loads(x) for x in (tmp_path / "run/ledger/rank-0.jsonl").read_text().splitlines()]
+    sizes = {}
+    for s in range(4):
+        if s != 2:
+            o = json.loads(fs.cat_file(f"{bucket}/digits/{s:06d}.tar.idx.json"))["offsets"]
+            sizes.update({s * 3 + j: o[j + 1] - o[j] for j in range(3)})
+    used = [i for rec in ledger for i in rec["indices"]]
+    assert sorted(used) == list(range(12))
+    assert sum(rec["io"]["data_bytes"] for rec in ledger) == sum(sizes.values())
+    assert sum(rec["io"]["used_bytes"] for rec in ledger) == sum(sizes.values())
+
+
+# ---------------------------------------------------------------- torchrun: world-size changes, SIGKILL
+
+
+def standalone(nproc: int, max_restarts: int = 0) -> list[str]:
+    port = free_port()
+    return [
+        f"--nproc-per-node={nproc}", f"--max-restarts={max_restarts}", "--rdzv-backend=c10d",
+        f"--rdzv-endpoint=127.0.0.1:{port}", f"--rdzv-id=test-{port}", "--monitor-interval=0.2",
+    ]  # fmt: skip
+
+
+def finish(proc, log, timeout=240) -> int:
+    try:
+        return proc.wait(timeout=timeout)
+    except Exception:
+        raise AssertionError(f"torchrun did not finish in {timeout}s:\n{log.read_text()[-4000:]}") from None
+    finally:
+        kill_group(proc)
+
+
+@pytest.mark.slow
+def test_s3_shards_every_sample_once_per_epoch_across_2_1_3_ranks_with_workers_and_bytes_within_1_2x(
+    tmp_path, s3_server
+):
+    n, batch = 30, 6
+    src = tmp_path / "src"
+    make_folder(src, per_class=n // 2)
+    url = f"s3://{s3_server.make_bucket()}/set"
+    pack(src, url, 4, "--storage-options", s3_options(s3_server))  # 8 shards, the last holds 2
+    base = tiny(
+        tmp_path, "data.source=shards", f"data.urls={url}/shards.json", "data.channels=3", "data.image_size=16",
+        f"data.storage_options={json.dumps(s3_server.storage_options())}", "data.val_fraction=0", "data.ledger=true",
+        "data.shard_window=3", "model.num_classes=2", "train.num_workers=2", f"train.batch_size={batch}",
+        "checkpoint.every_steps=0",
+    )  # fmt: skip
+    # Leg boundaries at cursors 42 and 96: mid-epoch, mid-window, mid-shard.
+    plan = [(2, 7), (1, 16), (3, 27)]
+    previous = 0
+    for i, (world, until) in enumerate(plan):
+        log = tmp_path / f"leg{i}.log"
+        proc = start_torchrun(standalone(world), [*base, f"train.max_steps={until}"], log)
+        assert finish(proc, log) == 0, log.read_text()[-4000:]
+        text = log.read_text()
+        assert f"world_size={world} restart=0" in text
+        if previous:
+            assert f"step={previous} cursor={previous * batch}" in text
+        previous = until
+
+    per_step: dict[int, dict[int, dict]] = defaultdict(dict)
+    for f in (tmp_path / "run" / "ledger").glob("rank-*.jsonl"):
+        for line in f.read_text().splitlines():
+            rec = json.loads(line)
+            per_step[rec["step"]][rec["rank"]] = rec
+    assert sorted(per_step) == list(range(1, 28))
+    stream = [i for s in sorted(per_step) for r in sorted(per_step[s]) for i in per_step[s][r]["indices"]]
+    assert len(stream) == 27 * batch
+    for epoch in range(len(stream) // n):
+        assert sorted(stream[epoch * n : (epoch + 1) * n]) == list(range(n)), f"epoch {epoch}"
+    tail = stream[(len(stream) // n) * n :]
+    assert len(set(tail)) == len(tail)
+    # The order is the one ShardStream defines (seed 0), whatever the world size and workers.
+    assert stream == [i for _, i in ShardStream(np.array([4] * 7 + [2]), 0, 3).take(0, 27 * batch)]
+
+    # Per rank and leg: fetched data bytes are exactly the tar records of its own samples; with the
+    # indexes each worker reads, within 1.2x of those bytes.
+    fs = filesystem(url, s3_server.storage_options())
+    offsets = [json.loads(fs.cat_file(f"{url}/{s:06d}.tar.idx.json"))["offsets"] for s in range(8)]
+    size = {s * 4 + j: o[j + 1] - o[j] for s, o in enumerate(offsets) for j in range(len(o) - 1)}
+    totals: dict[tuple[int, int], list[int]] = defaultdict(lambda: [0, 0, 0])
+    for ranks in per_step.values():
+        for r, rec in ranks.items():
+            t = totals[(rec["world_size"], r)]
+            t[0] += rec["io"]["data_bytes"]
+            t[1] += rec["io"]["index_bytes"]
+            t[2] += sum(size[i] for i in rec["indices"])
+            assert rec["io"]["used_bytes"] == sum(size[i] for i in rec["indices"])
+    assert len(totals) == 6
+    for (world, r), (data, index, used) in totals.items():
+        assert data == used, (world, r)
+        assert (data + index) / used <= 1.2, (world, r, data, index, used)
+
+
+@pytest.mark.slow
+def test_sigkilled_rank_reading_shards_resumes_bit_identical(tmp_path):
+    src = tmp_path / "src"
+    make_folder(src, per_class=10, size=12)
+    pack(src, tmp_path / "shards", 3)
+    steps = 60
+    args = [
+        "data.source=shards", f"data.urls={tmp_path}/shards/{{000000..000006}}.tar", "data.channels=3",
+        "data.val_fraction=0.1", "data.shard_window=2", "data.flip=true", "model.num_classes=2",
+        "train.num_workers=1", "checkpoint.every_steps=5",
+    ]  # fmt: skip
+    ref_log = tmp_path / "ref.log"
+    ref = start_torchrun(standalone(2), tiny(tmp_path / "ref", *args, max_steps=steps), ref_log)
+    assert finish(ref, ref_log) == 0, ref_log.read_text()[-4000:]
+
+    log = tmp_path / "killed.log"
+    proc = start_torchrun(standalone(2, max_restarts=2), tiny(tmp_path / "killed", *args, max_steps=steps), log)
+    try:
+        wait_for_log(log, "step-000000010", proc, timeout=120)
+        victims = [p for p in worker_pids(proc.pid) if rank_of(p) == 1]
+        assert victims, "no rank-1 worker found"
+        os.kill(victims[0], signal.SIGKILL)
+        rc = finish(proc, log)
+    finally:
+        kill_group(proc)
+    text = log.read_text()
+    assert rc == 0, text[-4000:]
+    resumed = re.search(r"world_size=2 restart=1 .*resumed_from=\S+step-(\d+)", text)
+    assert resumed and 10 <= int(resumed.group(1)) < steps
+    assert_identical(
+        final_weights(f"{tmp_path}/ref/run/checkpoints", steps),
+        final_weights(f"{tmp_path}/killed/run/checkpoints", steps),
+    )

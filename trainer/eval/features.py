@@ -1,0 +1,176 @@
+"""Feature networks for FID/KID: the shipped digits net, a net the user gives (safetensors + JSON), or Inception.
+
+Published FID/KID numbers use the TF-ported Inception-v3 weights; those are
+not on PyPI and cannot be downloaded here, so `eval.features=inception` needs
+them at `eval.features_url` (and torch-fidelity for the network code).
+Values from any other network (the digits net included) are only comparable
+with values from the same network: the JSON written next to every result
+names the network and its digest.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import posixpath
+import tempfile
+from importlib import resources
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from trainer.config import ConfigError
+
+INCEPTION_FILE = "pt_inception-2015-12-05-6726825d.pth"
+ARCHITECTURE = "gentrain-cnn"
+
+
+class CNNFeatures(nn.Module):
+    """A small CNN whose penultimate layer gives the features; images in [0, 1], any size and channel count.
+
+    Inputs are converted to the net's channels (mean or repeat), resized to
+    `input_size` (bilinear, antialiased) and scaled to [-1, 1]; a classifier
+    head is used only while training the net.
+    """
+
+    def __init__(self, channels: int, input_size: int, widths: list[int], feature_dim: int, num_classes: int = 0):
+        super().__init__()
+        self.channels, self.input_size = channels, input_size
+        layers: list[nn.Module] = []
+        c = channels
+        for w in widths:
+            layers += [nn.Conv2d(c, w, 3, padding=1), nn.SiLU(), nn.Conv2d(w, w, 3, stride=2, padding=1), nn.SiLU()]
+            c = w
+        self.body = nn.Sequential(*layers)
+        self.proj = nn.Linear(c, feature_dim)
+        self.head = nn.Linear(feature_dim, num_classes) if num_classes else None
+        self.num_features = feature_dim  # read by torchmetrics instead of probing with a dummy image
+
+    def prepare(self, x: torch.Tensor) -> torch.Tensor:
+        x = x.float()
+        if x.shape[1] != self.channels:
+            x = x.mean(1, keepdim=True) if self.channels == 1 else x.expand(-1, self.channels, -1, -1)
+        if x.shape[-1] != self.input_size or x.shape[-2] != self.input_size:
+            x = F.interpolate(x, size=(self.input_size, self.input_size), mode="bilinear", antialias=True)
+        return x * 2 - 1
+
+    def features(self, x: torch.Tensor) -> torch.Tensor:
+        return self.proj(self.body(self.prepare(x)).mean(dim=(2, 3)))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.features(x).double()
+
+
+class _InceptionFeatures(nn.Module):
+    """torchmetrics' FID Inception (torch-fidelity's port) on [0, 1] images of any channel count."""
+
+    def __init__(self, weights_path: str):
+        super().__init__()
+        from torchmetrics.image.fid import NoTrainInceptionV3
+
+        self.net = NoTrainInceptionV3("inception-v3-compat", ["2048"], feature_extractor_weights_path=weights_path)
+        self.num_features = 2048
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[1] == 1:
+            x = x.expand(-1, 3, -1, -1)
+        return self.net((x.clamp(0, 1) * 255).to(torch.uint8)).double()
+
+
+def build_cnn(desc: dict[str, Any], tensors: dict[str, torch.Tensor]) -> CNNFeatures:
+    if desc.get("architecture") != ARCHITECTURE:
+        raise ConfigError(
+            f"eval.features: architecture {desc.get('architecture')!r} is unknown; the JSON must say "
+            f"architecture: {ARCHITECTURE!r} with channels, input_size, widths, feature_dim"
+        )
+    net = CNNFeatures(desc["channels"], desc["input_size"], list(desc["widths"]), desc["feature_dim"],
+                      desc.get("num_classes", 0))  # fmt: skip
+    net.load_state_dict(tensors, strict=False)
+    missing = [k for k in net.state_dict() if not k.startswith("head.") and k not in tensors]
+    if missing:
+        raise ConfigError(f"eval.features: the weights lack {missing[:3]}")
+    return net.eval().requires_grad_(False)
+
+
+def shipped_digits() -> tuple[dict, dict[str, torch.Tensor], bytes]:
+    from safetensors.torch import load
+
+    pkg = resources.files("trainer.eval")
+    raw = pkg.joinpath("digits_features.safetensors").read_bytes()
+    return json.loads(pkg.joinpath("digits_features.json").read_text()), load(raw), raw
+
+
+def load_features(name: str, url: str | None, storage_options: dict | None = None) -> tuple[nn.Module, dict]:
+    """(feature network, description for the result JSON); ConfigError (exit 2) names what is missing."""
+    import blake3
+
+    if name == "digits":
+        desc, tensors, raw = shipped_digits()
+        return build_cnn(desc, tensors), {
+            "features": "digits",
+            "digest": blake3.blake3(raw).hexdigest(),
+            **_about(desc),
+        }
+    if name == "inception":
+        return _inception(url, storage_options)
+    if "/" in name or "://" in name:
+        return _user_net(name, storage_options)
+    raise ConfigError(
+        f"eval.features={name!r} is unknown: use digits (shipped), inception (with eval.features_url), "
+        "or the URL of a folder holding features.json + features.safetensors"
+    )
+
+
+def _about(desc: dict) -> dict:
+    return {k: desc[k] for k in ("architecture", "feature_dim", "input_size", "trained_on", "accuracy") if k in desc}
+
+
+def _user_net(url: str, storage_options: dict | None) -> tuple[nn.Module, dict]:
+    import blake3
+    import fsspec
+    from safetensors.torch import load
+
+    fs, root = fsspec.core.url_to_fs(url.rstrip("/"), **(storage_options or {}))
+    try:
+        desc = json.loads(fs.cat_file(posixpath.join(root, "features.json")))
+        raw = fs.cat_file(posixpath.join(root, "features.safetensors"))
+    except FileNotFoundError as e:
+        raise ConfigError(
+            f"eval.features={url!r}: {e.filename or e} is missing; a feature network is a folder with "
+            "features.json (architecture, channels, input_size, widths, feature_dim) and features.safetensors"
+        ) from None
+    net = build_cnn(desc, load(raw))
+    return net, {"features": url, "digest": blake3.blake3(raw).hexdigest(), **_about(desc)}
+
+
+def _inception(url: str | None, storage_options: dict | None) -> tuple[nn.Module, dict]:
+    import blake3
+    import fsspec
+
+    if not url:
+        raise ConfigError(
+            f"eval.features=inception needs eval.features_url: the path or URL of {INCEPTION_FILE} (the FID "
+            "Inception weights torch-fidelity uses); they are not downloaded at run time. Or use eval.features=digits, "
+            "or eval.every_steps=0 to train without evaluation"
+        )
+    try:
+        import torch_fidelity  # noqa: F401
+    except ImportError:
+        raise ConfigError(
+            "eval.features=inception needs the torch-fidelity package for the network code "
+            "(pip install torch-fidelity); its weights still come from eval.features_url"
+        ) from None
+    fs, path = fsspec.core.url_to_fs(url, **(storage_options or {}))
+    if not fs.exists(path):
+        raise ConfigError(f"eval.features_url={url!r} does not exist (expected {INCEPTION_FILE})")
+    from fsspec.implementations.local import LocalFileSystem
+
+    local = path if isinstance(fs, LocalFileSystem) else None
+    if local is None:
+        local = os.path.join(tempfile.mkdtemp(prefix="gentrain-inception-"), INCEPTION_FILE)
+        fs.get_file(path, local)
+    with open(local, "rb") as f:
+        digest = blake3.blake3(f.read()).hexdigest()
+    return _InceptionFeatures(local), {"features": "inception", "digest": digest, "feature_dim": 2048}

@@ -1,0 +1,145 @@
+"""FID and KID (torchmetrics) of generated vs real held-out images, split over ranks and gathered.
+
+Work split: the generated images come in fixed chunks, chunk k drawn with
+seed (seed, k), and each rank takes a contiguous run of chunks and of real
+images. torchmetrics gathers its states over the process group at `compute`
+(FID: feature sums and covariance sums added; KID: the features themselves,
+concatenated in rank order), so the statistics are those of the whole set:
+the same images and the same result at any world size, up to float summation
+order. KID's random subsets come from a fixed seed in a forked RNG, so the
+training RNG is untouched.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+from torch import nn
+
+from trainer.randomness import derive_seed
+
+log = logging.getLogger("gentrain")
+
+_EVAL_STREAM = 0xE7A1
+GEN_CHUNK = 16
+
+
+def rank_block(n: int, rank: int, world_size: int) -> range:
+    """This rank's contiguous share of n items (the first n % W ranks take one more)."""
+    per, extra = divmod(n, world_size)
+    start = rank * per + min(rank, extra)
+    return range(start, start + per + (1 if rank < extra else 0))
+
+
+class FidKid:
+    """torchmetrics FrechetInceptionDistance + KernelInceptionDistance over one feature network."""
+
+    def __init__(self, features: nn.Module, kid_subset_size: int, device: torch.device):
+        from torchmetrics.image.fid import FrechetInceptionDistance
+        from torchmetrics.image.kid import KernelInceptionDistance
+
+        self.features = features.to(device)
+        self.fid = FrechetInceptionDistance(feature=self.features, reset_real_features=False).to(device)
+        self.kid = KernelInceptionDistance(
+            feature=self.features, subset_size=kid_subset_size, reset_real_features=False
+        ).to(device)
+        self.kid_subset_size = kid_subset_size
+        self.n_real = 0
+        self.has_real = False
+
+    @torch.no_grad()
+    def update(self, images: torch.Tensor, real: bool) -> None:
+        """images: (N, C, H, W) in [0, 1]."""
+        if len(images):
+            self.fid.update(images, real=real)
+            self.kid.update(images, real=real)
+
+    @torch.no_grad()
+    def compute(self, n_real: int, n_fake: int) -> dict[str, float]:
+        fid = float(self.fid.compute())
+        self.kid.subset_size = max(2, min(self.kid_subset_size, n_real, n_fake))
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(_EVAL_STREAM)
+            kid_mean, kid_std = self.kid.compute()
+        # Keep the real statistics (fixed set) for the next evaluation; drop the generated ones.
+        self.fid.reset()
+        self.kid.reset()
+        return {"fid": fid, "kid": float(kid_mean), "kid_std": float(kid_std)}
+
+
+def real_images(real_set, n: int, rank: int, world_size: int, batch: int = 64):
+    """Yield this rank's share of the first n images of a split, in [0, 1] (invalid ones dropped, counted)."""
+    from trainer.data import collate
+    from trainer.data.sampler import SampleRef
+
+    block = rank_block(n, rank, world_size)
+    for s in range(block.start, block.stop, batch):
+        refs = [SampleRef(index=i, position=i, aug_seed=0) for i in range(s, min(s + batch, block.stop))]
+        getter = getattr(real_set, "__getitems__", None)
+        items = getter(refs) if getter else [real_set[r] for r in refs]
+        b = collate(items)
+        yield ((b["images"][b["valid"]] + 1) / 2).clamp(0, 1)
+
+
+def generated_images(
+    sample: Callable[[int, int], torch.Tensor], n: int, seed: int, rank: int, world_size: int, chunk: int = GEN_CHUNK
+):
+    """Yield this rank's chunks of n generated images; chunk k is `sample(count, seed(seed, k))` on every world size."""
+    chunks = math.ceil(n / chunk)
+    for k in rank_block(chunks, rank, world_size):
+        count = min(chunk, n - k * chunk)
+        yield sample(count, derive_seed(seed, _EVAL_STREAM, k) % (2**63))
+
+
+def evaluate(
+    task,
+    modules: Mapping[str, nn.Module],
+    metric: FidKid,
+    real_set,
+    num: int,
+    seed: int,
+    sample_options: dict[str, Any],
+    rank: int,
+    world_size: int,
+    device: torch.device,
+) -> dict[str, float]:
+    """FID/KID of `num` generated images vs up to `num` real ones; every rank must call it (collectives)."""
+    n_real = min(num, len(real_set))
+    if n_real < 2:
+        raise ValueError(f"evaluation needs at least 2 real images, the held-out set has {len(real_set)}")
+    if not metric.has_real:
+        for images in real_images(real_set, n_real, rank, world_size):
+            metric.update(images.to(device), real=True)
+        metric.has_real = True
+    for images in generated_images(
+        lambda count, s: task.sample(modules, count, seed=s, device=device, **sample_options),
+        num, seed, rank, world_size,
+    ):  # fmt: skip
+        metric.update(images.to(device), real=False)
+    values = metric.compute(n_real, num)
+    return {**values, "num_generated": num, "num_real": n_real}
+
+
+def sample_options(cfg) -> dict[str, Any]:
+    s = cfg.sample
+    return {
+        "inference_steps": cfg.eval.inference_steps or s.inference_steps,
+        "scheduler": s.scheduler,
+        "guidance_scale": s.guidance_scale,
+    }
+
+
+def write_result(root_url: str, storage_options: dict | None, step: int, result: dict[str, Any]) -> str:
+    """`<checkpoint root>/eval-<step>.json` (beside the step directories; retention leaves it alone)."""
+    import json
+
+    import fsspec
+
+    url = f"{root_url.rstrip('/')}/eval-{step:09d}.json"
+    fs, path = fsspec.core.url_to_fs(url, **(storage_options or {}))
+    fs.pipe_file(path, json.dumps(result, indent=1).encode())
+    return url
