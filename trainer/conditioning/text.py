@@ -147,6 +147,9 @@ class TextEncoder:
         self.from_disk = 0
         log.info("text encoder %s (%s), width %d, cache %s", self.folder, self.digest, width, self.cache)
 
+    def usage(self) -> str:
+        return f"text embeddings: {self.encoded} encoded, {self.from_disk} read from the cache {self.cache}"
+
     @property
     def width(self) -> int:
         return self.cfg.width

@@ -514,6 +514,8 @@ class CascadeTask(Task):
                 net = modules[f"stage{k}"]
                 outs.append(self._run_stage(k, net, low, cond, range(sl.start, sl.stop), seed, device, **options))
             images = torch.cat(outs)
+        if self.text is not None:
+            log.info(self.text.usage())
         return ((images.float().clamp(-1, 1) + 1) / 2).cpu()
 
 
