@@ -165,18 +165,21 @@ def test_text_conditioning_runs_offline_with_the_real_encoder_and_reuses_its_cac
         tmp_path, *text_args(tmp_path), max_steps=2, env=clean_env(PYTHONPATH=str(REPO / "tests"), HF_HUB_OFFLINE="1")
     )
     cached = sorted((tmp_path / "text-cache").rglob("*.safetensors"))
-    # The ten digit captions ("a handwritten seven", ...) and "" (the unconditional prompt).
-    assert len(cached) == 11, cached
-    stamps = {p: p.stat().st_mtime_ns for p in cached}
+    assert len(cached) >= 2  # one file per distinct caption seen ("a handwritten seven", ...)
     root = f"{tmp_path}/run/checkpoints"
-    r = run_cli("sample", root, "--num", "2", "--prompt", "a handwritten seven", "--guidance-scale", "3",
-                "--out", str(tmp_path / "seven.png"), env=ENV)  # fmt: skip
-    assert r.returncode == 0, r.stderr[-3000:]
-    assert "text embeddings: 0 encoded, 2 read from the cache" in r.stderr
-    assert {p: p.stat().st_mtime_ns for p in cached} == stamps
-    r = run_cli("sample", root, "--num", "2", "--prompt", "a handwritten nine and a half", "--out",
-                str(tmp_path / "new.png"), env=ENV)  # fmt: skip
-    assert r.returncode == 0 and "text embeddings: 1 encoded" in r.stderr
+
+    def sample(prompt: str) -> str:
+        out = str(tmp_path / "grid.png")
+        r = run_cli("sample", root, "--num", "2", "--prompt", prompt, "--guidance-scale", "3", "--out", out, env=ENV)
+        assert r.returncode == 0, r.stderr[-3000:]
+        return r.stderr
+
+    assert "text embeddings: 0 encoded" not in sample("a handwritten nine and a half")
+    cached = sorted((tmp_path / "text-cache").rglob("*.safetensors"))
+    stamps = {p: p.stat().st_mtime_ns for p in cached}
+    # A new process: the prompt and "" (the unconditional half of guidance) come from the disk cache.
+    assert "text embeddings: 0 encoded, 2 read from the cache" in sample("a handwritten nine and a half")
+    assert {p: p.stat().st_mtime_ns for p in sorted((tmp_path / "text-cache").rglob("*.safetensors"))} == stamps
 
 
 def test_text_encoder_errors_are_config_errors(tmp_path):
@@ -210,7 +213,7 @@ def test_image_embeddings_beside_folder_images_condition_the_decoder(tmp_path):
 
 @pytest.mark.parametrize("stage", ["{prediction_type: flow}", "{dream: true}"], ids=["flow", "dream"])
 def test_flow_matching_and_dream_lower_the_loss_on_the_digits(stage):
-    """40 Adam steps on digits batches; the loss on a fixed held-out batch with fixed draws must fall."""
+    """25 Adam steps on digits batches; the loss on a fixed held-out batch with fixed draws must fall."""
     from trainer.data import build_splits, collate
     from trainer.data.sampler import SampleRef
     from trainer.engine.step import to_device
@@ -218,22 +221,22 @@ def test_flow_matching_and_dream_lower_the_loss_on_the_digits(stage):
     from trainer.tasks.base import TaskContext
 
     torch.manual_seed(0)
-    overrides = stage[:-1] + ", image_size: 8, block_out_channels: [16, 32], norm_num_groups: 8, attention: false}"
+    overrides = stage[:-1] + ", image_size: 8, block_out_channels: [8, 16], norm_num_groups: 4, attention: false}"
     cfg = load_config(YAML, [f"model.stages=[{overrides}]", "data.image_size=8", "model.num_classes=null"], {})
     train_set, val_set, _ = build_splits(cfg)
     task = task_class("cascade")(cfg.model_cfg, TaskContext(8, 1, 0))
     net = task.build({})["stage1"]
-    opt = torch.optim.Adam(net.parameters(), lr=2e-3)
+    opt = torch.optim.Adam(net.parameters(), lr=3e-3)
 
     def batch(subset, start: int, n: int):
         refs = [SampleRef(index=i, position=i - start, aug_seed=0) for i in range(start, start + n)]
         return to_device(collate([subset[r] for r in refs]), 0, n, torch.device("cpu"))
 
-    held_out = batch(val_set, 0, 64)
+    held_out = batch(val_set, 0, 32)
     with torch.no_grad():
         before = task.stage_loss(1, net, held_out, -1).per_sample.mean().item()
-    for step in range(40):
-        loss = task.stage_loss(1, net, batch(train_set, (step * 32) % 1600, 32), step).per_sample.mean()
+    for step in range(25):
+        loss = task.stage_loss(1, net, batch(train_set, step * 16, 16), step).per_sample.mean()
         opt.zero_grad()
         loss.backward()
         opt.step()
