@@ -110,7 +110,7 @@ class ImageFolderDataset:
         extras = self._extras(path)
         if extras is None:
             return None
-        return x.contiguous(), self.labels[index], extras
+        return (x.contiguous(), self.labels[index], extras) if extras else (x.contiguous(), self.labels[index])
 
     def _extras(self, path: Path) -> dict | None:
         """Caption from `<stem>.txt`, image embedding from `<stem>.npy`, when they exist."""
