@@ -16,7 +16,10 @@ def test_builtin_digits_are_the_uci_set():
     assert images.shape == (1797, 8, 8) and images.max() == 16
     assert sorted(set(labels.tolist())) == list(range(10))
     ds = DigitsDataset(16)
-    img, label = ds.load(0, aug_seed=0, flip=False)
+    img, label, extras = ds.load(0, aug_seed=0, flip=False)
+    assert extras == {
+        "caption": f"a handwritten {['zero', 'one', 'two', 'three', 'four', 'five', 'six', 'seven', 'eight', 'nine'][label]}"
+    }
     assert img.shape == (1, 16, 16) and -1 <= img.min() and img.max() <= 1
     assert label == 0
 

@@ -37,6 +37,11 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--scheduler", choices=["ddim", "dpm"], default=None)
     s.add_argument("--guidance-scale", type=float, default=None)
     s.add_argument("--no-ema", action="store_true", help="use the raw weights instead of the EMA weights")
+    s.add_argument("--class", dest="class_label", type=int, default=None, help="class-conditional: this class")
+    s.add_argument("--prompt", default=None, help="text-conditioned: the caption to draw")
+    s.add_argument("--embeddings", default=None, help="image-embedding-conditioned: a .npy of (D,) or (N, D)")
+    s.add_argument("--stop-at-stage", type=int, default=None, help="cascade: run stages 1..K only")
+    s.add_argument("--batch-size", type=int, default=None, help="sample in chunks of this many (memory)")
     s.add_argument("--storage-options", type=json.loads, default={}, help="JSON passed to fsspec")
 
     e = sub.add_parser("eval", help="FID/KID of a checkpoint's samples vs held-out images; writes eval-<step>.json")
@@ -136,6 +141,7 @@ def cmd_sample(args: argparse.Namespace) -> int:
         inference_steps=args.steps or s.inference_steps,
         scheduler=args.scheduler or s.scheduler,
         guidance_scale=s.guidance_scale if args.guidance_scale is None else args.guidance_scale,
+        **_conditions(args, store, info),
     )
     if images.ndim == 4:
         written = [save_grid(images, args.out)]
@@ -182,6 +188,32 @@ def cmd_eval(args: argparse.Namespace) -> int:
         print(json.dumps(result))
         print(f"fid={values['fid']:.4f} kid={values['kid']:.5f} (±{values['kid_std']:.5f}) -> {url}")
     return EXIT_OK
+
+
+def _conditions(args: argparse.Namespace, store, info) -> dict[str, Any]:
+    """What the user asked for (class, prompt, image embeddings, stages) plus each part's step count."""
+    import numpy as np
+    import torch
+
+    from trainer.checkpoint.state import TRAINER_JSON
+
+    out: dict[str, Any] = {
+        "part_steps": {n: int(p["step"]) for n, p in store.read_json(info, TRAINER_JSON)["parts"].items()}
+    }
+    if args.class_label is not None:
+        out["labels"] = torch.full((args.num,), args.class_label, dtype=torch.long)
+    if args.prompt is not None:
+        out["prompts"] = [args.prompt] * args.num
+    if args.embeddings is not None:
+        try:
+            out["image_embeds"] = np.load(args.embeddings, allow_pickle=False)
+        except (OSError, ValueError) as e:
+            raise ConfigError(f"--embeddings {args.embeddings}: not a readable .npy file ({e})") from None
+    if args.stop_at_stage is not None:
+        out["stop_at_stage"] = args.stop_at_stage
+    if args.batch_size is not None:
+        out["batch_size"] = args.batch_size
+    return out
 
 
 def _human_bytes(n: int) -> str:

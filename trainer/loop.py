@@ -66,7 +66,9 @@ class Trainer:
         # FSDP parts are sharded across ranks: forwards (validation, previews) run on every rank together.
         self.sharded = t.parallel == "fsdp" and env.world_size > 1
         self.train_set, self.val_set, num_classes = build_splits(cfg)
-        ctx = TaskContext(cfg.data.image_size, cfg.data.channels, cfg.seed, num_classes, cfg.checkpoint.storage_options)
+        ctx = TaskContext(
+            cfg.data.image_size, cfg.data.channels, cfg.seed, num_classes, cfg.checkpoint.storage_options, t.stages
+        )
         self.task = task_class(cfg.task)(cfg.model_cfg, ctx)
         self.parts, self.frozen = self._build_parts()
         self.progress = TrainProgress(t.batch_size, len(self.train_set), env.world_size, cfg.seed)
@@ -166,8 +168,8 @@ class Trainer:
         frozen = {n: load_frozen(n, s, options, (pinned or {}).get(n)) for n, s in sources.items()}
         modules = self.task.build(frozen)
         trainable = [n for n in modules if n not in frozen]
-        # Only parts the task ever trains are wrapped (a cascade stage not trained here is not).
-        learns = set(self.task.trainable_part_names(self.cfg.model_cfg))
+        # Only parts this run trains are wrapped (a cascade stage outside train.stages is not).
+        learns = set(self.task.parts_trained())
         t = self.cfg.train
         if self.sharded:
             if t.cpu_offload and self.device.type != "cuda":
@@ -189,7 +191,8 @@ class Trainer:
     # ------------------------------------------------------------------ small things
 
     def _lr(self) -> float:
-        return next(iter(self.parts.values())).lr
+        learning = [p for p in self.parts.values() if p.trained] or list(self.parts.values())
+        return learning[0].lr
 
     def _mark_first_step(self) -> None:
         if not self.clock.finished:
@@ -208,7 +211,8 @@ class Trainer:
             "restart=%d parallel=%s batch=%d (per rank %d, chunk %d) train_samples=%d resumed_from=%s step=%d cursor=%d "
             "checkpoints=%s",
             __version__, self.cfg.task, self.cfg.name, n_params / 1e6, n_frozen / 1e6,
-            ",".join([*self.parts, *(f"{n}(frozen)" for n in self.frozen)]), self.device, self.env.world_size,
+            ",".join([*(n if p.trained else f"{n}(kept)" for n, p in self.parts.items()),
+                      *(f"{n}(frozen)" for n in self.frozen)]), self.device, self.env.world_size,
             self.env.restart_count, t.parallel if self.env.world_size > 1 else "none", t.batch_size,
             self.step_runner.rank_batch, self.step_runner.chunk_size,
             len(self.train_set), self.checkpoints.resumed_from or "none (fresh start)", self.progress.step,

@@ -56,7 +56,7 @@ class OptimSettings:
             warmup_steps=pick("warmup_steps", t.warmup_steps),
             lr_schedule=pick("lr_schedule", t.lr_schedule),
             max_grad_norm=pick("max_grad_norm", t.max_grad_norm),
-            max_steps=t.max_steps,
+            max_steps=pick("max_steps", t.max_steps),
         )
 
 
@@ -77,7 +77,7 @@ def build_optimizer(module: nn.Module, cfg: Config, part: str | None = None) -> 
 def build_lr_schedule(
     optimizer: torch.optim.Optimizer, cfg: Config, part: str | None = None
 ) -> torch.optim.lr_scheduler.LRScheduler:
-    """Linear warmup over `warmup_steps`, then cosine decay to 0 at `train.max_steps` (or constant)."""
+    """Linear warmup over `warmup_steps`, then cosine decay to 0 at the part's max steps (or constant)."""
     s = OptimSettings.for_part(cfg, part)
     name = "cosine" if s.lr_schedule == "cosine" else "constant_with_warmup"
     return get_scheduler(name, optimizer, num_warmup_steps=s.warmup_steps, num_training_steps=s.max_steps)

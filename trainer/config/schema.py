@@ -46,6 +46,9 @@ class TrainConfig(_Section):
     threads: int | None = Field(None, ge=1, description="torch intra-op threads per process")
     parallel: Literal["ddp", "fsdp"] = Field("ddp", description="replicate parts (ddp) or shard them (fsdp)")
     cpu_offload: bool = Field(False, description="fsdp: keep sharded parameters and optimizer state in CPU memory")
+    stages: list[int] | None = Field(
+        None, min_length=1, description="cascade: which stages (1-based) this run trains; null = all"
+    )
 
     @model_validator(mode="after")
     def _offload_needs_fsdp(self) -> TrainConfig:
@@ -157,6 +160,9 @@ class OptimConfig(_Section):
     warmup_steps: int | None = Field(None, ge=0)
     lr_schedule: Literal["cosine", "constant"] | None = None
     max_grad_norm: float | None = Field(None, gt=0)
+    max_steps: int | None = Field(
+        None, ge=1, description="the part stops learning at this many of its own steps (and its schedule ends there)"
+    )
 
 
 class Config(_Section):

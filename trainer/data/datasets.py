@@ -26,8 +26,17 @@ def load_digits_arrays() -> tuple[np.ndarray, np.ndarray]:
         return data["images"], data["labels"]
 
 
+DIGIT_WORDS = ("zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine")
+
+
+def digit_caption(label: int) -> str:
+    return f"a handwritten {DIGIT_WORDS[label]}"
+
+
 class DigitsDataset:
-    """UCI handwritten digits, upsampled once to `image_size` (bilinear) and scaled to [-1, 1]."""
+    """UCI handwritten digits, upsampled once to `image_size` (bilinear) and scaled to [-1, 1].
+
+    Each sample carries a caption ("a handwritten seven") for text-conditioned models."""
 
     def __init__(self, image_size: int, channels: int = 1):
         images, labels = load_digits_arrays()
@@ -42,18 +51,21 @@ class DigitsDataset:
     def __len__(self) -> int:
         return len(self.images)
 
-    def load(self, index: int, aug_seed: int, flip: bool) -> tuple[torch.Tensor, int] | None:
+    def load(self, index: int, aug_seed: int, flip: bool) -> tuple[torch.Tensor, int, dict] | None:
         img = self.images[index]
         if flip and aug_seed & 1:
             img = img.flip(-1)
-        return img, int(self.labels[index])
+        label = int(self.labels[index])
+        return img, label, {"caption": digit_caption(label)}
 
 
 class ImageFolderDataset:
     """Every png/jpg/jpeg/webp below `root` (recursive), resized on the short side and center-cropped.
 
     Labels come from the first-level subfolder names when there are any
-    (sorted, like torchvision's ImageFolder), else -1. Files that cannot be
+    (sorted, like torchvision's ImageFolder), else -1. A `.txt` beside an
+    image (same stem) is its caption; a `.npy` beside it is its image
+    embedding (`image_embed`, a 1-D float vector). Files that cannot be
     decoded are skipped at load time: the batch is one sample short, the skip
     is counted by the loop and each bad file is logged once per process.
     """
@@ -92,7 +104,27 @@ class ImageFolderDataset:
             return None
         if flip and aug_seed & 1:
             x = x.flip(-1)
-        return x, self.labels[index]
+        extras = self._extras(path)
+        if extras is None:
+            return None
+        return (x.contiguous(), self.labels[index], extras) if extras else (x.contiguous(), self.labels[index])
+
+    def _extras(self, path: Path) -> dict | None:
+        """Caption from `<stem>.txt`, image embedding from `<stem>.npy`, when they exist."""
+        extras: dict = {}
+        txt, npy = path.with_suffix(".txt"), path.with_suffix(".npy")
+        try:
+            if txt.is_file():
+                extras["caption"] = txt.read_text(encoding="utf-8").strip()
+            if npy.is_file():
+                embed = np.load(npy, allow_pickle=False)
+                extras["image_embed"] = torch.from_numpy(np.asarray(embed, dtype=np.float32).reshape(-1))
+        except (OSError, ValueError, UnicodeDecodeError) as e:
+            if str(path) not in self._reported:
+                self._reported.add(str(path))
+                log.warning("skipping %s: unreadable caption or embedding beside it (pid %d): %s", path, os.getpid(), e)
+            return None
+        return extras
 
 
 def image_to_tensor(im: Image.Image, size: int, channels: int) -> torch.Tensor:

@@ -42,6 +42,7 @@ class Part:
         scaler: torch.amp.GradScaler,
         ema: EMAModel | None,
         settings: OptimSettings,
+        trained: bool = True,
     ):
         self.name = name
         self.module = module
@@ -53,13 +54,27 @@ class Part:
         self.scaler = scaler
         self.ema = ema
         self.settings = settings
+        # False for a part this run keeps as it is (a cascade stage outside train.stages): never
+        # wrapped, stepped or zeroed, so its weights, EMA and optimizer state stay bit-identical.
+        self.trained = trained
+        # The parameters the task left trainable (all of them, or only the LoRA adapters); the
+        # engine toggles exactly these, never the frozen base weights of an adapted model.
+        self.params = [p for p in module.parameters() if p.requires_grad]
         self.step = 0
+
+    def learns_now(self) -> bool:
+        """True while this run trains the part and it has not reached its own max steps."""
+        return self.trained and self.step < self.settings.max_steps
+
+    def set_learning(self, on: bool) -> None:
+        for p in self.params:
+            p.requires_grad_(on)
 
     def optimizer_step(self) -> float:
         """Unscale, clip, step optimizer, schedule and EMA; returns the gradient norm before clipping."""
         self.scaler.unscale_(self.optimizer)
         max_norm = self.settings.max_grad_norm
-        params = [p for p in self.module.parameters() if p.grad is not None]
+        params = [p for p in self.params if p.grad is not None]
         # Over DTensor gradients the norm is computed over every rank's shard (one all-reduce).
         norm = full_value(torch.nn.utils.clip_grad_norm_(params, max_norm if max_norm else float("inf")))
         self.scaler.step(self.optimizer)
@@ -153,8 +168,9 @@ def build_parts(
     wrap: Any,
     ema_names: set[str] | None = None,
 ) -> tuple[dict[str, Part], dict[str, FrozenPart]]:
-    """Parts from a task's modules; `wrap(module)` makes the DDP wrapper for parts in `wrapped_names`
-    (or shards the module in place under FSDP2: then optimizer and EMA are built on its DTensors)."""
+    """Parts from a task's modules; `wrap(module)` makes the DDP wrapper for the parts this run trains
+    (`wrapped_names`), or shards the module in place under FSDP2 (then optimizer and EMA are built on its
+    DTensors); the other parts are kept bare and untouched."""
     parts: dict[str, Part] = {}
     frozen_parts: dict[str, FrozenPart] = {}
     unknown = set(modules) - set(trainable) - set(frozen)
@@ -184,6 +200,7 @@ def build_parts(
             scaler=scaler,
             ema=build_ema(module, cfg) if ema_names is None or name in ema_names else None,
             settings=OptimSettings.for_part(cfg, name),
+            trained=name in wrapped_names,
         )
     return parts, frozen_parts
 

@@ -84,6 +84,7 @@ class Previewer:
             },
             use_ema=self.cfg.use_ema,
             weights=lambda ema: ema_swapped(self.parts, ema),
+            part_steps={n: p.step for n, p in self.parts.items()},
         )
         with eval_mode(self.modules):
             previews = self.task.previews(self.modules, ctx)

@@ -130,7 +130,7 @@ class StepRunner:
         if names == self._trainable:
             return
         for name, part in self.parts.items():
-            part.module.requires_grad_(name in names)
+            part.set_learning(name in names)
         self._trainable = names
 
     def accumulate(self, batch: dict, step: int, phases: list[Phase]) -> dict[str, torch.Tensor]:
@@ -172,8 +172,14 @@ class StepRunner:
         sums[key] = sums[key] + value if key in sums else value
 
     def run(self, batch: dict, step: int) -> dict[str, float]:
-        """One optimizer step of every part the task trains now; returns this rank's logs."""
+        """One optimizer step of every part the task trains now; returns this rank's logs.
+
+        Phases of parts this run does not train (outside `train.stages`) or that reached their own
+        `optim.<part>.max_steps` are dropped: those parts are not touched at all."""
         phases = self.task.phases(step, {n: p.step for n, p in self.parts.items()})
+        phases = [ph for ph in phases if self.parts[ph.part].learns_now()]
+        if not phases:
+            return {}
         for phase in phases:
             self.parts[phase.part].optimizer.zero_grad(set_to_none=True)
         sums = self.accumulate(batch, step, phases)

@@ -107,6 +107,7 @@ class TaskContext:
     seed: int
     num_classes: int | None = None
     storage_options: dict[str, Any] = field(default_factory=dict)
+    stages: list[int] | None = None  # `train.stages`: the cascade stages this run trains (None = all)
 
 
 @dataclass
@@ -120,6 +121,7 @@ class PreviewContext:
     options: dict[str, Any]  # sampler options from `sample.*` (inference_steps, scheduler, guidance_scale)
     use_ema: bool
     weights: Callable[[bool], AbstractContextManager]  # weights(True): EMA weights swapped in
+    part_steps: Mapping[str, int] = field(default_factory=dict)  # each trainable part's own step count
 
     def preferred_weights(self) -> AbstractContextManager:
         """EMA weights when `sample.use_ema` (the default), else the online weights."""
@@ -150,6 +152,20 @@ class Task:
     def ema_part_names(cls, model_cfg: BaseModel) -> list[str]:
         """Trainable parts that keep an EMA when `ema.enabled` (default: all; a GAN: its generator)."""
         return cls.trainable_part_names(model_cfg)
+
+    def parts_trained(self) -> list[str]:
+        """The trainable parts this run optimizes (and wraps in DDP); the others keep their state untouched.
+
+        Default: all of them. A cascade narrows it with `train.stages`; other tasks refuse that key.
+        """
+        if self.ctx.stages is not None:
+            from trainer.config import ConfigError
+
+            raise ConfigError(
+                f"train.stages={self.ctx.stages}: only cascade tasks have stages; remove train.stages "
+                f"(this task trains {', '.join(self.trainable_part_names(self.cfg))} together)"
+            )
+        return self.trainable_part_names(self.cfg)
 
     def frozen_sources(self) -> dict[str, FrozenSource]:
         """Parts loaded from other runs, by part name; resolved before `build`."""

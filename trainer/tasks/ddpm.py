@@ -21,7 +21,9 @@ from trainer.randomness import (
 from trainer.tasks.base import Batch, Loss, Phase, StepInfo, Task, TaskContext
 
 
-class DiffusionModelConfig(BaseModel):
+class UNetShapeConfig(BaseModel):
+    """The UNet's shape; shared by DDPM and every cascade stage."""
+
     model_config = ConfigDict(extra="forbid")
 
     block_out_channels: list[int] = Field(default=[32, 64, 64], min_length=1)
@@ -29,15 +31,9 @@ class DiffusionModelConfig(BaseModel):
     attention: bool = Field(True, description="self-attention in the lowest-resolution blocks")
     norm_num_groups: int = Field(8, ge=1)
     dropout: float = Field(0.0, ge=0, lt=1)
-    prediction_type: Literal["epsilon", "v_prediction"] = "epsilon"
-    num_train_timesteps: int = Field(1000, ge=2)
-    beta_schedule: Literal["linear", "scaled_linear", "squaredcos_cap_v2"] = "squaredcos_cap_v2"
-    snr_gamma: float | None = Field(5.0, gt=0, description="min-SNR-gamma weighting; null = off")
-    num_classes: int | None = Field(None, ge=2, description="class-conditional when set")
-    cond_drop_prob: float = Field(0.1, ge=0, lt=1, description="label dropout for CFG")
 
     @model_validator(mode="after")
-    def _groups_divide_channels(self) -> DiffusionModelConfig:
+    def _groups_divide_channels(self) -> UNetShapeConfig:
         bad = [c for c in self.block_out_channels if c % self.norm_num_groups]
         if bad:
             raise ValueError(
@@ -45,6 +41,57 @@ class DiffusionModelConfig(BaseModel):
                 f"by model.norm_num_groups={self.norm_num_groups} (GroupNorm)"
             )
         return self
+
+
+class NoiseConfig(UNetShapeConfig):
+    """The UNet plus its noise schedule and objective; shared by DDPM and every cascade stage."""
+
+    prediction_type: Literal["epsilon", "v_prediction"] = "epsilon"
+    num_train_timesteps: int = Field(1000, ge=2)
+    beta_schedule: Literal["linear", "scaled_linear", "squaredcos_cap_v2"] = "squaredcos_cap_v2"
+    snr_gamma: float | None = Field(5.0, gt=0, description="min-SNR-gamma weighting; null = off")
+
+
+class DiffusionModelConfig(NoiseConfig):
+    num_classes: int | None = Field(None, ge=2, description="class-conditional when set")
+    cond_drop_prob: float = Field(0.1, ge=0, lt=1, description="label dropout for CFG")
+
+
+def noise_scheduler_for(c: NoiseConfig, prediction_type: str | None = None) -> DDPMScheduler:
+    """The training noise schedule of a DDPM-style model (diffusers' DDPMScheduler)."""
+    return DDPMScheduler(
+        num_train_timesteps=c.num_train_timesteps,
+        beta_schedule=c.beta_schedule,
+        prediction_type=prediction_type or c.prediction_type,
+    )
+
+
+def inference_scheduler(noise_scheduler: DDPMScheduler, kind: str):
+    """A sampler (`sample.scheduler`: ddim | dpm) with the training schedule's settings."""
+    cls = {"ddim": DDIMScheduler, "dpm": DPMSolverMultistepScheduler}[kind]
+    return cls.from_config(noise_scheduler.config)
+
+
+def unet_block_types(c: UNetShapeConfig, attn_down: str = "AttnDownBlock2D", attn_up: str = "AttnUpBlock2D"):
+    """(down, up) block types: plain blocks, attention in the lowest resolution when `attention`."""
+    n = len(c.block_out_channels)
+    down = ["DownBlock2D"] * n
+    up = ["UpBlock2D"] * n
+    if c.attention and n > 1:
+        down[-1] = attn_down
+        up[0] = attn_up
+    return tuple(down), tuple(up)
+
+
+def diffusion_loss(
+    noise_scheduler: DDPMScheduler, c: NoiseConfig, pred: torch.Tensor, target: torch.Tensor, t: torch.Tensor
+) -> Loss:
+    """Per-sample MSE, min-SNR weighted when `snr_gamma` is set; the unweighted MSE is logged."""
+    mse = F.mse_loss(pred.float(), target.float(), reduction="none").mean(dim=tuple(range(1, pred.ndim)))
+    if c.snr_gamma is None:
+        return Loss(mse, {"mse": mse.detach()})
+    snr = compute_snr(noise_scheduler, t)
+    return Loss(mse * min_snr_weights(snr, c.snr_gamma, c.prediction_type), {"mse": mse.detach()})
 
 
 def min_snr_weights(snr: torch.Tensor, gamma: float, prediction_type: str) -> torch.Tensor:
@@ -74,11 +121,7 @@ class DDPMTask(Task):
             from trainer.config import ConfigError
 
             raise ConfigError(f"model.num_classes={c.num_classes} but the dataset has {ctx.num_classes} classes")
-        self.noise_scheduler = DDPMScheduler(
-            num_train_timesteps=c.num_train_timesteps,
-            beta_schedule=c.beta_schedule,
-            prediction_type=c.prediction_type,
-        )
+        self.noise_scheduler = noise_scheduler_for(c)
 
     @classmethod
     def trainable_part_names(cls, model_cfg: DiffusionModelConfig) -> list[str]:
@@ -90,20 +133,15 @@ class DDPMTask(Task):
 
     def build(self, frozen) -> dict[str, nn.Module]:
         c = self.cfg
-        n = len(c.block_out_channels)
-        down = ["DownBlock2D"] * n
-        up = ["UpBlock2D"] * n
-        if c.attention and n > 1:
-            down[-1] = "AttnDownBlock2D"
-            up[0] = "AttnUpBlock2D"
+        down, up = unet_block_types(c)
         unet = UNet2DModel(
             sample_size=self.image_size,
             in_channels=self.channels,
             out_channels=self.channels,
             block_out_channels=tuple(c.block_out_channels),
             layers_per_block=c.layers_per_block,
-            down_block_types=tuple(down),
-            up_block_types=tuple(up),
+            down_block_types=down,
+            up_block_types=up,
             norm_num_groups=c.norm_num_groups,
             dropout=c.dropout,
             # One extra embedding row is the "no label" class used for CFG.
@@ -132,16 +170,10 @@ class DDPMTask(Task):
         else:
             target = self.noise_scheduler.get_velocity(x0, noise, t)
         pred = modules["unet"](noisy, t, class_labels=labels).sample
-        mse = F.mse_loss(pred.float(), target.float(), reduction="none").mean(dim=(1, 2, 3))
-        if self.cfg.snr_gamma is None:
-            return Loss(mse, {"mse": mse.detach()})
-        snr = compute_snr(self.noise_scheduler, t)
-        weighted = mse * min_snr_weights(snr, self.cfg.snr_gamma, self.cfg.prediction_type)
-        return Loss(weighted, {"mse": mse.detach()})
+        return diffusion_loss(self.noise_scheduler, self.cfg, pred, target, t)
 
     def inference_scheduler(self, kind: str):
-        cls = {"ddim": DDIMScheduler, "dpm": DPMSolverMultistepScheduler}[kind]
-        return cls.from_config(self.noise_scheduler.config)
+        return inference_scheduler(self.noise_scheduler, kind)
 
     @torch.no_grad()
     def sample(
@@ -156,6 +188,14 @@ class DDPMTask(Task):
         labels: torch.Tensor | None = None,
         **unused: Any,
     ) -> torch.Tensor:
+        asked = [k for k in ("prompts", "image_embeds", "stop_at_stage") if unused.get(k) is not None]
+        if asked or (labels is not None and not self.conditional):
+            from trainer.config import ConfigError
+
+            what = ", ".join(asked) or "labels (--class)"
+            raise ConfigError(
+                f"this DDPM model takes no {what}: it is {'class-conditional' if self.conditional else 'unconditional'}"
+            )
         unet = modules["unet"]
         sched = self.inference_scheduler(scheduler)
         sched.set_timesteps(inference_steps)

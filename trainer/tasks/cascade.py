@@ -1,0 +1,522 @@
+"""Imagen-style cascade (`task: cascade`): diffusion stages at increasing resolutions, one part each.
+
+Stage 1 generates at the lowest resolution; stage k > 1 is a super-resolution
+model conditioned on the image of stage k-1, upsampled and noised with
+Imagen's noise-conditioning augmentation (Saharia et al. 2022, arXiv:2205.11487,
+section 2.5): the augmentation level is drawn per sample in training and fixed
+at sampling, and the stage is told the level. Every stage is its own part
+(`stage1`, `stage2`, ...) with its own optimizer, schedule, scaler, EMA, step
+counter and `optim.stageK.max_steps`; `train.stages` picks the stages a run
+trains, the engine leaves the others untouched.
+
+Conditioning, all with classifier-free guidance (one dropout draw per sample
+drops every condition together; the guidance scale mixes at sampling):
+class labels (`model.num_classes`), captions embedded by a frozen sentence
+encoder (`model.text`: pooled vector added to the time embedding, token
+vectors as cross-attention context) and image embeddings
+(`model.image_embed_dim`, the DALL-E 2 decoder: added to the time embedding
+and as `image_embed_tokens` extra context tokens).
+
+Objectives per stage: epsilon / v (DDPM noise schedule, min-SNR weighting,
+optional DREAM for epsilon) or rectified flow (`prediction_type: flow`, SD3's
+timestep densities and loss weights, a flow-matching Euler sampler), all
+from diffusers' own functions.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+from typing import Any, Literal
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from diffusers import DDPMScheduler, FlowMatchEulerDiscreteScheduler, UNet2DConditionModel
+from diffusers.models.embeddings import TimestepEmbedding, Timesteps
+from diffusers.training_utils import (
+    compute_density_for_timestep_sampling,
+    compute_dream_and_update_latents,
+    compute_loss_weighting_for_sd3,
+)
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+from torch import nn
+
+from trainer.conditioning.text import TextEncoder, TextEncoderConfig
+from trainer.config import ConfigError
+from trainer.randomness import per_sample_rand, per_sample_randint, per_sample_randn, sample_generators
+from trainer.tasks.base import Batch, Loss, Phase, PreviewContext, StepInfo, Task, TaskContext
+from trainer.tasks.ddpm import NoiseConfig, diffusion_loss, inference_scheduler, noise_scheduler_for, unet_block_types
+
+log = logging.getLogger(__name__)
+
+_STREAM = 100  # stage k draws from stream 100 + k: independent of other stages and of DDPM's stream 0
+_AUG_TIMESTEPS = 1000  # the noise-augmentation schedule (cosine), shared by all stages
+
+
+class StageConfig(NoiseConfig):
+    """One stage: its resolution, UNet, objective and low-resolution augmentation."""
+
+    image_size: int = Field(..., ge=4)
+    prediction_type: Literal["epsilon", "v_prediction", "flow"] = "epsilon"
+    dream: bool = Field(False, description="DREAM (arXiv:2312.00210), epsilon prediction only")
+    dream_detail_preservation: float = Field(1.0, gt=0)
+    weighting_scheme: Literal["logit_normal", "mode", "sigma_sqrt", "cosmap", "none"] = Field(
+        "logit_normal", description="flow: SD3's timestep density and loss weighting"
+    )
+    logit_mean: float = 0.0
+    logit_std: float = Field(1.0, gt=0)
+    mode_scale: float = 1.29
+    noise_aug_max: float = Field(0.5, ge=0, le=1, description="training: level drawn in [0, max) (fraction of T)")
+    noise_aug_sample: float = Field(0.1, ge=0, le=1, description="sampling: the fixed level")
+    gradient_checkpointing: bool = False
+
+    @model_validator(mode="after")
+    def _dream_needs_epsilon(self) -> StageConfig:
+        if self.dream and self.prediction_type != "epsilon":
+            raise ValueError(
+                f"dream=true needs prediction_type=epsilon (diffusers implements DREAM for epsilon only), "
+                f"got {self.prediction_type}"
+            )
+        return self
+
+
+class CascadeConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    stages: list[StageConfig] = Field(..., min_length=1)
+    num_classes: int | None = Field(None, ge=2, description="class-conditional when set")
+    cond_drop_prob: float = Field(0.1, ge=0, lt=1, description="condition dropout for classifier-free guidance")
+    text: TextEncoderConfig | None = Field(None, description="caption conditioning; null = none")
+    image_embed_dim: int | None = Field(None, ge=1, description="DALL-E 2 decoder: width of data's image_embed")
+    image_embed_tokens: int = Field(4, ge=1, description="context tokens made from the image embedding")
+    context_dim: int = Field(64, ge=8, description="cross-attention width")
+
+    @model_validator(mode="after")
+    def _sizes_increase(self) -> CascadeConfig:
+        sizes = [s.image_size for s in self.stages]
+        if any(b <= a for a, b in zip(sizes, sizes[1:], strict=False)):
+            raise ValueError(f"model.stages image_size must increase from stage to stage, got {sizes}")
+        return self
+
+    @property
+    def has_context(self) -> bool:
+        return self.text is not None or self.image_embed_dim is not None
+
+
+class StageNet(nn.Module):
+    """A diffusers UNet2DConditionModel plus the small embeddings that turn conditions into its inputs.
+
+    The UNet sees [noisy image, augmented low-res image] as channels, a
+    vector (class + augmentation level + pooled text + image embedding) added
+    to its time embedding (`class_embed_type="projection"`), and, when there
+    is text or an image embedding, context tokens for cross-attention.
+    """
+
+    def __init__(self, s: StageConfig, cfg: CascadeConfig, channels: int, lowres: bool):
+        super().__init__()
+        cond_dim = s.block_out_channels[0] * 4
+        context = cfg.has_context
+        attn_down, attn_up = (
+            ("CrossAttnDownBlock2D", "CrossAttnUpBlock2D") if context else ("AttnDownBlock2D", "AttnUpBlock2D")
+        )
+        down, up = unet_block_types(s, attn_down, attn_up)
+        self.unet = UNet2DConditionModel(
+            sample_size=s.image_size,
+            in_channels=channels * (2 if lowres else 1),
+            out_channels=channels,
+            block_out_channels=tuple(s.block_out_channels),
+            layers_per_block=s.layers_per_block,
+            down_block_types=down,
+            up_block_types=up,
+            mid_block_type="UNetMidBlock2DCrossAttn" if context else "UNetMidBlock2D",
+            norm_num_groups=s.norm_num_groups,
+            dropout=s.dropout,
+            cross_attention_dim=cfg.context_dim,
+            attention_head_dim=8,
+            class_embed_type="projection",
+            projection_class_embeddings_input_dim=cond_dim,
+        )
+        if s.gradient_checkpointing:
+            self.unet.enable_gradient_checkpointing()
+        self.lowres = lowres
+        self.cond_dim = cond_dim
+        # One extra row is the "no label" class used for guidance.
+        self.class_embed = nn.Embedding(cfg.num_classes + 1, cond_dim) if cfg.num_classes else None
+        if lowres:
+            self.aug_proj = Timesteps(s.block_out_channels[0], flip_sin_to_cos=True, downscale_freq_shift=0)
+            self.aug_embed = TimestepEmbedding(s.block_out_channels[0], cond_dim)
+        if cfg.text is not None:
+            self.text_pooled = nn.Linear(cfg.text.width, cond_dim)
+            self.text_tokens = nn.Linear(cfg.text.width, cfg.context_dim)
+        self.embed_tokens_n = cfg.image_embed_tokens
+        if cfg.image_embed_dim is not None:
+            self.embed_vector = nn.Linear(cfg.image_embed_dim, cond_dim)
+            self.embed_tokens = nn.Linear(cfg.image_embed_dim, cfg.image_embed_tokens * cfg.context_dim)
+        self.context_dim = cfg.context_dim
+
+    def forward(self, x: torch.Tensor, t: torch.Tensor, cond: Mapping[str, torch.Tensor]):
+        """Returns diffusers' UNet output (`.sample`), so diffusers' DREAM helper can call it as a UNet."""
+        n = x.shape[0]
+        vec = torch.zeros(n, self.cond_dim, device=x.device, dtype=x.dtype)
+        context, mask = [], []
+        if self.lowres:
+            x = torch.cat([x, cond["lowres"]], dim=1)
+            vec = vec + self.aug_embed(self.aug_proj(cond["aug_t"]).to(x.dtype))
+        if self.class_embed is not None:
+            vec = vec + self.class_embed(cond["labels"])
+        if "text_pooled" in cond:
+            vec = vec + self.text_pooled(cond["text_pooled"])
+            context.append(self.text_tokens(cond["text_tokens"]))
+            mask.append(cond["text_mask"])
+        if "image_embed" in cond:
+            e = cond["image_embed"]
+            vec = vec + self.embed_vector(e)
+            context.append(self.embed_tokens(e).view(n, self.embed_tokens_n, self.context_dim))
+            mask.append(torch.ones(n, self.embed_tokens_n, device=x.device))
+        hidden = torch.cat(context, dim=1) if context else None
+        attn_mask = torch.cat(mask, dim=1) if mask else None
+        return self.unet(x, t, hidden, class_labels=vec, encoder_attention_mask=attn_mask)
+
+
+def resize(images: torch.Tensor, size: int) -> torch.Tensor:
+    """Down by area averaging (anti-aliased for integer factors), up bilinearly."""
+    if images.shape[-1] == size:
+        return images
+    if images.shape[-1] > size:
+        return F.interpolate(images, size=(size, size), mode="area")
+    return F.interpolate(images, size=(size, size), mode="bilinear", align_corners=False)
+
+
+def _cat(a: Mapping[str, torch.Tensor], b: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    return {k: torch.cat([a[k], b[k]]) for k in a}
+
+
+class CascadeTask(Task):
+    """A cascade of diffusion stages; parts `stage1` ... `stageN` (see module doc)."""
+
+    ModelConfig = CascadeConfig
+    cfg: CascadeConfig
+
+    def __init__(self, model_cfg: CascadeConfig, ctx: TaskContext):
+        super().__init__(model_cfg, ctx)
+        c = self.cfg
+        n = len(c.stages)
+        if c.stages[-1].image_size > ctx.image_size:
+            raise ConfigError(
+                f"model.stages[{n - 1}].image_size={c.stages[-1].image_size} is larger than data.image_size="
+                f"{ctx.image_size}; the last stage trains on the data's images: set data.image_size="
+                f"{c.stages[-1].image_size}"
+            )
+        if c.num_classes and ctx.num_classes and c.num_classes != ctx.num_classes:
+            raise ConfigError(f"model.num_classes={c.num_classes} but the dataset has {ctx.num_classes} classes")
+        if ctx.stages is not None:
+            bad = [k for k in ctx.stages if not 1 <= k <= n]
+            if bad or len(set(ctx.stages)) != len(ctx.stages):
+                raise ConfigError(
+                    f"train.stages={ctx.stages}: stages are numbered 1..{n} (model.stages has {n}), each at most "
+                    "once; e.g. train.stages=[2] trains only the second stage"
+                )
+        self.channels = ctx.channels
+        self.schedulers = [self._train_scheduler(s) for s in c.stages]
+        self.aug_scheduler = DDPMScheduler(num_train_timesteps=_AUG_TIMESTEPS, beta_schedule="squaredcos_cap_v2")
+        self.text = TextEncoder(c.text, ctx.storage_options) if c.text is not None else None
+
+    @staticmethod
+    def _train_scheduler(s: StageConfig):
+        if s.prediction_type == "flow":
+            return FlowMatchEulerDiscreteScheduler(num_train_timesteps=s.num_train_timesteps)
+        return noise_scheduler_for(s)
+
+    # ---- parts
+    @classmethod
+    def trainable_part_names(cls, model_cfg: CascadeConfig) -> list[str]:
+        return [f"stage{k}" for k in range(1, len(model_cfg.stages) + 1)]
+
+    def parts_trained(self) -> list[str]:
+        stages = self.ctx.stages or range(1, len(self.cfg.stages) + 1)
+        return [f"stage{k}" for k in sorted(stages)]
+
+    def build(self, frozen) -> dict[str, nn.Module]:
+        return {
+            f"stage{k}": StageNet(s, self.cfg, self.channels, lowres=k > 1) for k, s in enumerate(self.cfg.stages, 1)
+        }
+
+    def phases(self, step: int, part_steps: Mapping[str, int]) -> list[Phase]:
+        return [Phase(name, name) for name in self.parts_trained()]
+
+    # ---- conditions
+    def conditions(
+        self,
+        n: int,
+        device: torch.device,
+        drop: torch.Tensor,
+        labels: torch.Tensor | None = None,
+        captions: list[str] | None = None,
+        image_embed: torch.Tensor | None = None,
+    ) -> dict[str, torch.Tensor]:
+        """The model's condition tensors; samples with `drop` set get the null condition of each kind."""
+        c = self.cfg
+        drop = drop.to(device)
+        cond: dict[str, torch.Tensor] = {}
+        if c.num_classes:
+            if labels is None:
+                labels = torch.full((n,), -1, dtype=torch.long)
+            labels = labels.to(device)
+            cond["labels"] = torch.where(drop | (labels < 0), c.num_classes, labels)
+        if self.text is not None:
+            if captions is None:
+                raise ConfigError(
+                    "model.text is set but the data has no captions: put a .txt beside each image (or use "
+                    "shards with a txt field), or remove model.text"
+                )
+            emb = self.text.encode(["" if d else cap for cap, d in zip(captions, drop.tolist(), strict=True)], device)
+            cond.update(text_tokens=emb.tokens, text_mask=emb.mask, text_pooled=emb.pooled)
+        if c.image_embed_dim is not None:
+            if image_embed is None:
+                raise ConfigError(
+                    "model.image_embed_dim is set but the data has no image embeddings: put a .npy beside each "
+                    "image (or use shards with an image_embed field), or remove model.image_embed_dim"
+                )
+            if image_embed.shape[-1] != c.image_embed_dim:
+                raise ConfigError(
+                    f"image embeddings are {image_embed.shape[-1]}-wide but model.image_embed_dim={c.image_embed_dim}"
+                )
+            e = image_embed.to(device, torch.float32).reshape(n, -1)
+            cond["image_embed"] = e * (~drop).float()[:, None]
+        return cond
+
+    @property
+    def conditional(self) -> bool:
+        c = self.cfg
+        return bool(c.num_classes) or c.text is not None or c.image_embed_dim is not None
+
+    def _lowres(self, k: int, images: torch.Tensor, aug_t: torch.Tensor, aug_noise: torch.Tensor) -> torch.Tensor:
+        """Stage k's condition: the stage k-1 image upsampled, then noised to level `aug_t`."""
+        up = resize(images, self.cfg.stages[k - 1].image_size)
+        return self.aug_scheduler.add_noise(up, aug_noise.to(up.device, up.dtype), aug_t.to(up.device))
+
+    # ---- training
+    def stage_loss(self, k: int, net: nn.Module, batch: Batch, step: int) -> Loss:
+        s = self.cfg.stages[k - 1]
+        x0 = resize(batch.images, s.image_size)
+        n, device = x0.shape[0], x0.device
+        gens = sample_generators(self.seed, step, batch.positions, stream=_STREAM + k)
+        noise = per_sample_randn(gens, x0.shape[1:]).to(device, x0.dtype)
+        sched = self.schedulers[k - 1]
+        if s.prediction_type == "flow":
+            u = torch.cat([
+                compute_density_for_timestep_sampling(
+                    s.weighting_scheme, 1, s.logit_mean, s.logit_std, s.mode_scale, generator=g
+                )
+                for g in gens
+            ])  # fmt: skip
+            index = (u * sched.config.num_train_timesteps).long().clamp(max=sched.config.num_train_timesteps - 1)
+            t = sched.timesteps[index].to(device)
+        else:
+            t = per_sample_randint(gens, s.num_train_timesteps).to(device)
+        drop = per_sample_rand(gens) < self.cfg.cond_drop_prob
+        cond = self.conditions(n, device, drop, batch.labels, batch.captions, batch.extras.get("image_embed"))
+        if k > 1:
+            level = per_sample_rand(gens) * s.noise_aug_max
+            aug_t = (level * _AUG_TIMESTEPS).long().clamp(max=_AUG_TIMESTEPS - 1)
+            low = resize(batch.images, self.cfg.stages[k - 2].image_size)
+            cond["lowres"] = self._lowres(
+                k, low, aug_t, per_sample_randn(gens, (low.shape[1], s.image_size, s.image_size))
+            )
+            cond["aug_t"] = aug_t.to(device)
+
+        if s.prediction_type == "flow":
+            sigma = sched.sigmas[index].to(device, x0.dtype).view(n, 1, 1, 1)
+            noisy = (1.0 - sigma) * x0 + sigma * noise
+            pred = net(noisy, t, cond).sample
+            weight = compute_loss_weighting_for_sd3(s.weighting_scheme, sigma).view(n)
+            mse = F.mse_loss(pred.float(), (noise - x0).float(), reduction="none").mean(dim=(1, 2, 3))
+            return Loss(mse * weight, {"mse": mse.detach()})
+        noisy = sched.add_noise(x0, noise, t)
+        target = noise if s.prediction_type == "epsilon" else sched.get_velocity(x0, noise, t)
+        if s.dream:
+            noisy, target = compute_dream_and_update_latents(
+                net, sched, t, noise, noisy, target, cond, s.dream_detail_preservation
+            )
+        pred = net(noisy, t, cond).sample
+        return diffusion_loss(sched, s, pred, target, t)
+
+    def loss(self, phase: Phase, modules, batch: Batch, outputs, info: StepInfo) -> Loss:
+        k = int(phase.part.removeprefix("stage"))
+        return self.stage_loss(k, modules[phase.part], batch, info.step)
+
+    def validate(self, modules, batch: Batch) -> dict[str, torch.Tensor]:
+        return {
+            f"stage{k}_loss": self.stage_loss(k, modules[f"stage{k}"], batch, -1).per_sample
+            for k in range(1, len(self.cfg.stages) + 1)
+        }
+
+    # ---- sampling
+    def previews(self, modules, ctx: PreviewContext) -> dict[str, torch.Tensor]:
+        """`samples`: the cascade up to the last stage trained so far; `superres-stageK`: stage K on the
+        held-out batch's own low-resolution images (shows a stage trained before the ones below it)."""
+        steps = ctx.part_steps
+        trained = [k for k in range(1, len(self.cfg.stages) + 1) if steps.get(f"stage{k}", 1) > 0]
+        out: dict[str, torch.Tensor] = {}
+        opts = dict(ctx.options)
+        b = ctx.batch
+        with ctx.preferred_weights():
+            upto = 0
+            while upto + 1 in trained:
+                upto += 1
+            if upto:
+                captions = b.captions[: ctx.num] if self.text is not None and b is not None and b.captions else None
+                if captions is not None and len(captions) < ctx.num:
+                    captions = (captions * ctx.num)[: ctx.num]
+                has_embeds = self.cfg.image_embed_dim is not None and b is not None
+                embeds = b.extras.get("image_embed") if has_embeds else None
+                if embeds is not None:
+                    embeds = embeds.repeat((ctx.num + len(embeds) - 1) // len(embeds), 1)[: ctx.num]
+                out["samples"] = self.sample(
+                    modules, ctx.num, ctx.seed, ctx.device, stop_at_stage=upto, prompts=captions,
+                    image_embeds=embeds, **opts,
+                )  # fmt: skip
+            for k in (k for k in trained if k > 1 and b is not None):
+                low = resize(b.images, self.cfg.stages[k - 2].image_size)
+                cond = self.conditions(len(b), ctx.device, torch.zeros(len(b), dtype=torch.bool), b.labels,
+                                       b.captions, b.extras.get("image_embed"))  # fmt: skip
+                x = self._run_stage(k, modules[f"stage{k}"], low, cond, range(len(b)), ctx.seed, ctx.device, **opts)
+                out[f"superres-stage{k}"] = ((x.float().clamp(-1, 1) + 1) / 2).cpu()
+        return out
+
+    def _uncond(self, cond: Mapping[str, torch.Tensor], n: int, device) -> dict[str, torch.Tensor]:
+        null = self.conditions(
+            n, device, torch.ones(n, dtype=torch.bool), None,
+            [""] * n if self.text is not None else None,
+            cond["image_embed"] if "image_embed" in cond else None,
+        )  # fmt: skip
+        return null
+
+    def _run_stage(
+        self,
+        k: int,
+        net: nn.Module,
+        low: torch.Tensor | None,
+        cond: dict[str, torch.Tensor],
+        positions: range,
+        seed: int,
+        device: torch.device,
+        inference_steps: int = 50,
+        scheduler: str = "ddim",
+        guidance_scale: float = 1.0,
+        **unused: Any,
+    ) -> torch.Tensor:
+        """Denoise stage k for the samples at `positions` of the grid; noise is drawn per sample (seed,
+        position), so chunking a large grid into batches does not change which noise a sample gets."""
+        s = self.cfg.stages[k - 1]
+        n = len(positions)
+        gens = sample_generators(seed, 0, positions, stream=_STREAM + k)
+        x = per_sample_randn(gens, (self.channels, s.image_size, s.image_size)).to(device)
+        cond = dict(cond)
+        if low is not None:
+            aug_t = torch.full((n,), round(s.noise_aug_sample * (_AUG_TIMESTEPS - 1)), dtype=torch.long)
+            aug_noise = per_sample_randn(gens, (self.channels, s.image_size, s.image_size))
+            cond["lowres"] = self._lowres(k, low.to(device), aug_t, aug_noise)
+            cond["aug_t"] = aug_t.to(device)
+        uncond = None
+        if self.conditional and guidance_scale != 1.0:
+            uncond = self._uncond(cond, n, device)
+            uncond.update({key: cond[key] for key in ("lowres", "aug_t") if key in cond})
+        train_sched = self.schedulers[k - 1]
+        if s.prediction_type == "flow":
+            sched = FlowMatchEulerDiscreteScheduler.from_config(train_sched.config)
+        else:
+            sched = inference_scheduler(train_sched, scheduler)
+        sched.set_timesteps(inference_steps)
+        x = x * getattr(sched, "init_noise_sigma", 1.0)
+        both = _cat(cond, uncond) if uncond is not None else None
+        for t in sched.timesteps:
+            model_in = sched.scale_model_input(x, t) if hasattr(sched, "scale_model_input") else x
+            if both is not None:
+                cond_out, uncond_out = net(torch.cat([model_in, model_in]), t, both).sample.chunk(2)
+                out = uncond_out + guidance_scale * (cond_out - uncond_out)
+            else:
+                out = net(model_in, t, cond).sample
+            x = sched.step(out, t, x).prev_sample
+        return x
+
+    @torch.no_grad()
+    def sample(
+        self,
+        modules: Mapping[str, nn.Module],
+        num: int,
+        seed: int,
+        device: torch.device,
+        labels: torch.Tensor | None = None,
+        prompts: list[str] | None = None,
+        image_embeds: torch.Tensor | np.ndarray | None = None,
+        stop_at_stage: int | None = None,
+        part_steps: Mapping[str, int] | None = None,
+        batch_size: int | None = None,
+        **options: Any,
+    ) -> torch.Tensor:
+        """Run stages 1..`stop_at_stage` (default all); refuses stages that were never trained."""
+        n_stages = len(self.cfg.stages)
+        last = stop_at_stage or n_stages
+        if not 1 <= last <= n_stages:
+            raise ConfigError(f"--stop-at-stage {stop_at_stage}: this cascade has stages 1..{n_stages}")
+        untrained = [k for k in range(1, last + 1) if part_steps is not None and part_steps.get(f"stage{k}", 0) == 0]
+        if untrained:
+            names = ", ".join(f"stage {k}" for k in untrained)
+            raise ConfigError(
+                f"{names} of this checkpoint {'was' if len(untrained) == 1 else 'were'} never trained (step 0) and "
+                f"would only produce noise. Train {'it' if len(untrained) == 1 else 'them'} (train.stages="
+                f"{untrained}), or sample fewer stages with --stop-at-stage {untrained[0] - 1 or 1}."
+            )
+        c = self.cfg
+        wrong = [
+            flag
+            for flag, given, takes in (
+                ("--class", labels is not None, bool(c.num_classes)),
+                ("--prompt", prompts is not None, self.text is not None),
+                ("--embeddings", image_embeds is not None, c.image_embed_dim is not None),
+            )
+            if given and not takes
+        ]
+        if wrong:
+            raise ConfigError(f"this cascade is not conditioned on what {', '.join(wrong)} gives; drop it")
+        if labels is not None and ((labels < 0) | (labels >= c.num_classes)).any():
+            raise ConfigError(f"--class must be in 0..{c.num_classes - 1}")
+        if labels is None and c.num_classes:
+            labels = torch.arange(num) % c.num_classes
+        if labels is not None:
+            labels = torch.as_tensor(labels).long().expand(num) if torch.as_tensor(labels).ndim == 0 else labels
+        if self.text is not None and prompts is None:
+            log.warning("text-conditioned cascade sampled without a prompt: unconditional samples")
+            prompts = [""] * num
+        if prompts is not None and len(prompts) != num:
+            prompts = (list(prompts) * num)[:num]
+        embeds = None
+        if image_embeds is not None:
+            embeds = torch.as_tensor(np.asarray(image_embeds), dtype=torch.float32)
+            embeds = embeds.reshape(-1, embeds.shape[-1])
+            embeds = embeds.repeat((num + len(embeds) - 1) // len(embeds), 1)[:num]
+        chunk = batch_size or num
+        images = None
+        for k in range(1, last + 1):
+            outs = []
+            for start in range(0, num, chunk):
+                sl = slice(start, min(start + chunk, num))
+                m = sl.stop - sl.start
+                cond = self.conditions(
+                    m, device, torch.zeros(m, dtype=torch.bool),
+                    labels[sl] if labels is not None else None,
+                    prompts[sl] if prompts is not None else None,
+                    embeds[sl] if embeds is not None else None,
+                )  # fmt: skip
+                low = images[sl] if images is not None else None
+                net = modules[f"stage{k}"]
+                outs.append(self._run_stage(k, net, low, cond, range(sl.start, sl.stop), seed, device, **options))
+            images = torch.cat(outs)
+        if self.text is not None:
+            log.info(self.text.usage())
+        return ((images.float().clamp(-1, 1) + 1) / 2).cpu()
+
+
+TASK = CascadeTask
