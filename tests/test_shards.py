@@ -90,7 +90,7 @@ def test_pack_round_trip_keeps_pixels_captions_classes_and_embeddings_and_index_
     good = [i for i, p in enumerate(folder.files) if p.name != "broken.png"]
     for k, ((image, label, gid, _, valid, extras), fi) in enumerate(zip(items, good, strict=True)):
         assert gid == k  # global sample ids follow the packing order
-        ref_image, ref_label = folder.load(fi, 0, False)
+        ref_image, ref_label, *_ = folder.load(fi, 0, False)
         i = int(folder.files[fi].stem.split(".")[1])
         assert valid and torch.equal(image, ref_image) and label == ref_label
         assert extras["caption"] == f"a {folder.files[fi].parent.name[:-1]} number {i}"
