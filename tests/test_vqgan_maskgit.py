@@ -304,3 +304,19 @@ def test_perceptual_loss_needs_user_given_vgg_weights(tmp_path):
     r = run_cli("train", *vqgan_args(tmp_path / "b", f"model.perceptual.url={weights}", max_steps=2))
     assert r.returncode == 0, r.stderr[-3000:]
     assert "generator/perceptual=" in r.stderr
+
+
+def test_maskgit_text_conditioning_plugs_in_the_shared_text_encoder(tmp_path, tokenizer):
+    """Captions (the digits carry "a handwritten seven"-style ones) through the offline sentence encoder."""
+    text = ["model.num_classes=null", "model.text.max_tokens=4", f"model.text.cache_dir={tmp_path}/text"]
+    r = run_cli("train", *maskgit_args(tmp_path, tokenizer, *text, max_steps=2), env=ENV)
+    assert r.returncode == 0, r.stderr[-3000:]
+    root = f"{tmp_path}/run/checkpoints"
+    files = tensors(root)["transformer.model.safetensors"]
+    assert "text_proj.weight" in files and files["text_proj.weight"].shape == (16, 384)
+    out = tmp_path / "seven.png"
+    r = run_cli("sample", root, "--num", "2", "--prompt", "a handwritten seven", "--guidance-scale", "3",
+                "--out", str(out), env=ENV)  # fmt: skip
+    assert r.returncode == 0 and out.exists(), r.stderr[-3000:]
+    r = run_cli("sample", root, "--num", "2", "--class", "7", "--out", str(out), env=ENV)
+    assert r.returncode == 2 and "not class-conditional" in r.stderr

@@ -27,8 +27,9 @@ import torch.nn.functional as F
 from pydantic import BaseModel, ConfigDict, Field
 from torch import nn
 
+from trainer.conditioning.text import TextEncoderConfig
 from trainer.randomness import per_sample_rand, sample_generators
-from trainer.tasks.base import Batch, FrozenSource, Loss, Phase, StepInfo, Task, TaskContext
+from trainer.tasks.base import Batch, FrozenSource, Loss, Phase, PreviewContext, StepInfo, Task, TaskContext
 
 
 class TokenizerConfig(BaseModel):
@@ -52,6 +53,7 @@ class MaskGITConfig(BaseModel):
     dropout: float = Field(0.0, ge=0, lt=1)
     label_smoothing: float = Field(0.1, ge=0, lt=1)
     num_classes: int | None = Field(None, ge=2, description="class-conditional when set")
+    text: TextEncoderConfig | None = Field(None, description="text-conditional when set (captions of the data)")
     cond_drop_prob: float = Field(0.1, ge=0, lt=1, description="condition dropout for classifier-free guidance")
     token_cache: str | None = Field(
         None, description="local folder caching each image's tokens (keyed by tokenizer digest and image content)"
@@ -111,6 +113,9 @@ class MaskTransformer(nn.Module):
         self.pos = nn.Parameter(torch.zeros(1, cond_tokens + seq_len, cfg.dim))
         nn.init.trunc_normal_(self.pos, std=0.02)
         self.classes = nn.Embedding(cfg.num_classes + 1, cfg.dim) if cfg.num_classes else None
+        if cfg.text is not None:  # caption token embeddings projected to context tokens; a learned null caption
+            self.text_proj = nn.Linear(cfg.text.width, cfg.dim)
+            self.null_text = nn.Parameter(torch.zeros(1, 1, cfg.dim))
         layer = nn.TransformerEncoderLayer(
             cfg.dim,
             cfg.heads,
@@ -124,12 +129,19 @@ class MaskTransformer(nn.Module):
         self.norm = nn.LayerNorm(cfg.dim)
         self.head = nn.Linear(cfg.dim, num_codes)
 
-    def forward(self, tokens: torch.Tensor, context: torch.Tensor | None) -> torch.Tensor:
-        """tokens (N, L) with `mask_id` where masked; context (N, Lc, dim) or None -> logits (N, L, K)."""
+    def forward(
+        self, tokens: torch.Tensor, context: torch.Tensor | None, context_mask: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """tokens (N, L) with `mask_id` where masked; context (N, Lc, dim) or None, `context_mask` (N, Lc)
+        True where a context token is real (padding is not attended) -> logits (N, L, K)."""
         x = self.tokens(tokens)
+        pad = None
         if context is not None:
             x = torch.cat([context.to(x.dtype), x], dim=1)
-        x = self.encoder(x + self.pos[:, : x.shape[1]])
+            if context_mask is not None:
+                keep = torch.ones(tokens.shape, dtype=torch.bool, device=tokens.device)
+                pad = ~torch.cat([context_mask.bool(), keep], dim=1)
+        x = self.encoder(x + self.pos[:, : x.shape[1]], src_key_padding_mask=pad)
         return self.head(self.norm(x[:, x.shape[1] - tokens.shape[1] :]))
 
 
@@ -146,6 +158,11 @@ class MaskGITTask(Task):
         self.num_codes = 0
         self.grid = 0
         self.cache: TokenCache | None = None
+        self.text = None
+        if model_cfg.text is not None:
+            from trainer.conditioning.text import TextEncoder
+
+            self.text = TextEncoder(model_cfg.text, ctx.storage_options)
 
     @classmethod
     def trainable_part_names(cls, model_cfg: MaskGITConfig) -> list[str]:
@@ -195,28 +212,52 @@ class MaskGITTask(Task):
         if c.token_cache:
             self.cache = TokenCache(c.token_cache, frozen["tokenizer"].record["digest"])
         tokenizer = tok_task(source.model_cfg, self.ctx).build({})["generator"]
-        transformer = MaskTransformer(c, num_codes, grid * grid, 1 if c.num_classes else 0)
+        cond_tokens = (1 if c.num_classes else 0) + (c.text.max_tokens if c.text else 0)
+        transformer = MaskTransformer(c, num_codes, grid * grid, cond_tokens)
         return {"tokenizer": tokenizer, "transformer": transformer}
 
     # ---- conditioning
     @property
     def conditional(self) -> bool:
-        return self.cfg.num_classes is not None
+        return self.cfg.num_classes is not None or self.text is not None
 
     def conditioning_tokens(
-        self, transformer: nn.Module, batch: Batch | None, labels: torch.Tensor | None, drop: torch.Tensor | None
-    ) -> torch.Tensor | None:
-        """Context tokens (N, Lc, dim) for the transformer; `drop` marks samples given the null condition."""
+        self,
+        transformer: nn.Module,
+        labels: torch.Tensor | None,
+        captions: list[str] | None,
+        drop: torch.Tensor | None,
+    ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """Context tokens (N, Lc, dim) and their mask for the transformer: a class token and/or the caption's
+        projected token embeddings. `drop` marks samples given the null condition (classifier-free guidance)."""
         if not self.conditional:
-            return None
+            return None, None
         bare = getattr(transformer, "module", transformer)
-        null = self.cfg.num_classes
-        if labels is None:
-            labels = batch.labels
-        labels = torch.where(labels < 0, null, labels)
-        if drop is not None:
-            labels = torch.where(drop, null, labels)
-        return bare.classes(labels)[:, None]
+        parts, masks = [], []
+        if self.cfg.num_classes is not None:
+            null = self.cfg.num_classes
+            labels = torch.where(labels < 0, null, labels)
+            if drop is not None:
+                labels = torch.where(drop, null, labels)
+            parts.append(bare.classes(labels)[:, None])
+            masks.append(torch.ones(len(labels), 1, dtype=torch.bool, device=labels.device))
+        if self.text is not None:
+            device = bare.null_text.device
+            if captions is None:
+                from trainer.config import ConfigError
+
+                raise ConfigError("model.text is set but the data has no captions (.txt beside images, or shards' txt)")
+            emb = self.text.encode(captions, device)
+            tokens, mask = bare.text_proj(emb.tokens), emb.mask.bool()
+            if drop is not None:
+                null = bare.null_text.expand(len(captions), tokens.shape[1], -1)
+                tokens = torch.where(drop[:, None, None], null, tokens)
+                first = torch.zeros_like(mask)
+                first[:, 0] = True
+                mask = torch.where(drop[:, None], first, mask)
+            parts.append(tokens)
+            masks.append(mask)
+        return torch.cat(parts, dim=1), torch.cat(masks, dim=1)
 
     # ---- training
     def forward(self, modules, batch: Batch, step: int) -> dict[str, Any]:
@@ -241,8 +282,8 @@ class MaskGITTask(Task):
         mask, drop = self._masked(tokens, step, batch.positions)
         inputs = torch.where(mask, self.num_codes, tokens)
         transformer = modules["transformer"]
-        context = self.conditioning_tokens(transformer, batch, None, drop)
-        logits = transformer(inputs, context).float()
+        context, context_mask = self.conditioning_tokens(transformer, batch.labels, batch.captions, drop)
+        logits = transformer(inputs, context, context_mask).float()
         ce = F.cross_entropy(logits.transpose(1, 2), tokens, reduction="none", label_smoothing=smoothing)
         m = mask.float()
         per_sample = (ce * m).sum(1) / m.sum(1)
@@ -258,6 +299,15 @@ class MaskGITTask(Task):
         ce, acc = self._token_loss(modules, batch, tokens, -1, 0.0)
         return {"token_ce": ce, "masked_accuracy": acc}
 
+    def previews(self, modules, ctx: PreviewContext) -> dict[str, torch.Tensor]:
+        """Samples; a text-conditional model draws the captions of the held-out batch."""
+        prompts = None
+        if self.text is not None and ctx.batch is not None and ctx.batch.captions:
+            caps = ctx.batch.captions
+            prompts = [caps[i % len(caps)] for i in range(ctx.num)]
+        with ctx.preferred_weights():
+            return {"samples": self.sample(modules, ctx.num, ctx.seed, ctx.device, prompts=prompts, **ctx.options)}
+
     # ---- sampling
     @torch.no_grad()
     def sample(
@@ -269,6 +319,7 @@ class MaskGITTask(Task):
         inference_steps: int = 12,
         guidance_scale: float = 1.0,
         labels: torch.Tensor | None = None,
+        prompts: list[str] | None = None,
         temperature: float | None = None,
         choice_temperature: float | None = None,
         **unused: Any,
@@ -281,20 +332,30 @@ class MaskGITTask(Task):
         g = torch.Generator().manual_seed(seed)
         length = self.grid * self.grid
         tokens = torch.full((num, length), self.num_codes, dtype=torch.long)
-        context = uncond = None
+        from trainer.config import ConfigError
+
+        if labels is not None and self.cfg.num_classes is None:
+            raise ConfigError("--class: this MaskGIT is not class-conditional (model.num_classes is not set)")
+        if prompts is not None and self.text is None:
+            raise ConfigError("--prompt: this MaskGIT is not text-conditional (model.text is not set)")
+        context = uncond = context_mask = uncond_mask = None
         if self.conditional:
             if labels is None:
-                labels = torch.arange(num) % self.cfg.num_classes
+                labels = torch.arange(num) % (self.cfg.num_classes or 1)
             labels = labels.to(device)
-            context = self.conditioning_tokens(transformer, None, labels, None)
-            uncond = self.conditioning_tokens(transformer, None, labels, torch.ones_like(labels, dtype=torch.bool))
+            if self.text is not None and prompts is None:
+                prompts = [""] * num
+            everyone = torch.ones(num, dtype=torch.bool, device=device)
+            context, context_mask = self.conditioning_tokens(transformer, labels, prompts, None)
+            uncond, uncond_mask = self.conditioning_tokens(transformer, labels, prompts, everyone)
         guided = context is not None and guidance_scale != 1.0
         steps = max(1, inference_steps)
         for t in range(steps):
             x = tokens.to(device)
-            logits = transformer(x, context).float()
+            logits = transformer(x, context, context_mask).float()
             if guided:
-                logits = logits + (guidance_scale - 1.0) * (logits - transformer(x, uncond).float())
+                uncond_logits = transformer(x, uncond, uncond_mask).float()
+                logits = logits + (guidance_scale - 1.0) * (logits - uncond_logits)
             logits = logits.cpu()
             probs = F.softmax(logits / temperature, dim=-1)
             drawn = torch.multinomial(probs.view(-1, self.num_codes), 1, generator=g).view(num, length)
