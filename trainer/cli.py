@@ -197,9 +197,10 @@ def _conditions(args: argparse.Namespace, store, info) -> dict[str, Any]:
 
     from trainer.checkpoint.state import TRAINER_JSON
 
-    out: dict[str, Any] = {
-        "part_steps": {n: int(p["step"]) for n, p in store.read_json(info, TRAINER_JSON)["parts"].items()}
-    }
+    out: dict[str, Any] = {}
+    if TRAINER_JSON in info.manifest["files"]:  # a consolidated checkpoint has weights only
+        parts = store.read_json(info, TRAINER_JSON)["parts"]
+        out["part_steps"] = {n: int(p["step"]) for n, p in parts.items()}
     if args.class_label is not None:
         out["labels"] = torch.full((args.num,), args.class_label, dtype=torch.long)
     if args.prompt is not None:
