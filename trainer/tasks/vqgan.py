@@ -199,12 +199,10 @@ class VQAutoencoder(nn.Module):
         self.recent_codes[self.recent_pos % self.cfg.usage_window] = used
         self.recent_pos += 1
 
-    def codebook_usage(self) -> float:
-        """Fraction of the codebook used over the last `usage_window` training forwards."""
-        filled = int(min(self.recent_pos.item(), self.cfg.usage_window))
-        if not filled:
-            return 0.0
-        return self.recent_codes[:filled].any(0).float().mean().item()
+    def codebook_usage(self) -> torch.Tensor:
+        """Fraction of the codebook used over the last `usage_window` training forwards (rows not yet
+        written are all False, so no slicing and no device sync on the training step)."""
+        return self.recent_codes.any(0).float().mean()
 
     @torch.no_grad()
     def encode_indices(self, images: torch.Tensor) -> torch.Tensor:
@@ -381,7 +379,7 @@ class VQGANTask(Task):
         perplexity = torch.exp(-(p * torch.log(p.clamp(min=1e-12))).sum())
         return {
             "perplexity": perplexity,
-            "codebook_usage": torch.tensor(generator.codebook_usage(), device=idx.device),
+            "codebook_usage": generator.codebook_usage(),
         }
 
     def validate(self, modules, batch: Batch) -> dict[str, torch.Tensor]:
