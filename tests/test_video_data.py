@@ -4,14 +4,17 @@ from __future__ import annotations
 
 import json
 
+import av
+import numpy as np
 import pytest
 import torch
 from conftest import REPO, clean_env, run_cli
+from PIL import Image
 
 from trainer.config import ConfigError, load_config
 from trainer.data import build_splits, build_train_loader
-from trainer.data.datasets import DIGIT_WORDS
-from trainer.data.video import DIRECTIONS, MovingDigitsDataset
+from trainer.data.datasets import DIGIT_WORDS, image_to_tensor
+from trainer.data.video import DIRECTIONS, MovingDigitsDataset, VideoFolderDataset
 
 PROBE_ENV = {"PYTHONPATH": str(REPO / "tests")}
 CLIP_PROBE = str(REPO / "tests" / "video_probe.yaml")
@@ -84,7 +87,125 @@ def test_moving_digits_train_validate_and_preview_clips(tmp_path):
     samples = tmp_path / "run" / "samples"
     gif = samples / "step-000000002-reconstruction.gif"
     assert gif.is_file() and (samples / "step-000000002-reconstruction.png").is_file()
-    import av
-
     with av.open(str(gif)) as c:
         assert sum(1 for _ in c.decode(video=0)) == 3
+
+
+# ---------------------------------------------------------------- clip folders (PyAV)
+
+# Few colours, all in the GIF's palette: a GIF round trip is exact.
+COLOURS = np.array([[0, 0, 0], [255, 255, 255], [255, 0, 0], [0, 255, 0], [0, 0, 255], [255, 255, 0]], np.uint8)
+
+
+def random_frames(n: int, h: int, w: int, seed: int) -> list[np.ndarray]:
+    """`n` distinct (h, w, 3) uint8 frames drawn from COLOURS."""
+    rng = np.random.default_rng(seed)
+    return [COLOURS[rng.integers(0, len(COLOURS), (h, w))] for _ in range(n)]
+
+
+def write_gif(path, frames: list[np.ndarray]) -> None:
+    palette = np.zeros((256, 4), np.uint8)  # PyAV takes pal8 palettes as ARGB rows
+    palette[:, 0] = 255
+    palette[: len(COLOURS), 1:] = COLOURS
+    lookup = {tuple(c): i for i, c in enumerate(COLOURS.tolist())}
+    with av.open(str(path), "w") as c:
+        s = c.add_stream("gif", rate=8)
+        s.width, s.height, s.pix_fmt = frames[0].shape[1], frames[0].shape[0], "pal8"
+        for f in frames:
+            index = np.vectorize(lambda *rgb: lookup[rgb], otypes=[np.uint8])(f[..., 0], f[..., 1], f[..., 2])
+            for p in s.encode(av.VideoFrame.from_ndarray((index, palette), format="pal8")):
+                c.mux(p)
+        for p in s.encode():
+            c.mux(p)
+
+
+def write_mp4(path, frames: list[np.ndarray]) -> None:
+    """H.264 with qp=0 on 4:4:4 YUV: lossless coding; only the RGB <-> YUV conversion rounds."""
+    with av.open(str(path), "w") as c:
+        s = c.add_stream("libx264", rate=8, options={"qp": "0"})
+        s.width, s.height, s.pix_fmt = frames[0].shape[1], frames[0].shape[0], "yuv444p"
+        for f in frames:
+            for p in s.encode(av.VideoFrame.from_ndarray(f, format="rgb24")):
+                c.mux(p)
+        for p in s.encode():
+            c.mux(p)
+
+
+def as_tensor(frames: list[np.ndarray], size: int, channels: int) -> torch.Tensor:
+    return torch.stack([image_to_tensor(Image.fromarray(f), size, channels) for f in frames])
+
+
+# 8-bit BT.601 YUV: Y, Cb, Cr are each rounded (+-0.5 level); back to RGB a channel gains at most
+# 1.164 * 0.5 (Y) + 2.018 * 0.5 (the largest chroma coefficient) + 0.5 (rounding to uint8) < 2.1 levels,
+# so < 3 levels of 255, i.e. 6/255 in [-1, 1].
+YUV_TOLERANCE = 6 / 255
+
+
+def test_gif_and_mp4_decode_to_the_encoded_frames_with_stride(tmp_path):
+    gif_frames = random_frames(7, 16, 20, seed=1)  # not square: short side resized, then center-cropped
+    write_gif(tmp_path / "a.gif", gif_frames)
+    mp4_frames = random_frames(7, 16, 16, seed=2)
+    write_mp4(tmp_path / "b.mp4", mp4_frames)
+    (tmp_path / "a.txt").write_text("a colourful gif\n")
+
+    ds = VideoFolderDataset(str(tmp_path), image_size=8, channels=3, num_frames=3, frame_stride=3)
+    assert [p.name for p in ds.files] == ["a.gif", "b.mp4"] and ds.num_classes is None
+    clip, label, extras = ds.load(0, aug_seed=0, flip=False)
+    assert clip.shape == (3, 3, 8, 8) and label == -1
+    assert extras["caption"] == "a colourful gif" and int(extras["frames"]) == 3
+    assert torch.equal(clip, as_tensor(gif_frames[::3], 8, 3))  # frames 0, 3, 6, exact
+
+    full = VideoFolderDataset(str(tmp_path), image_size=16, channels=3, num_frames=7, frame_stride=1)
+    clip, _, extras = full.load(1, aug_seed=0, flip=False)
+    assert "caption" not in extras
+    assert (clip - as_tensor(mp4_frames, 16, 3)).abs().max() <= YUV_TOLERANCE
+    strided = VideoFolderDataset(str(tmp_path), image_size=16, channels=3, num_frames=4, frame_stride=2)
+    assert torch.equal(strided.load(1, 0, False)[0], clip[::2])  # the same decode, every other frame
+    gray = VideoFolderDataset(str(tmp_path), image_size=8, channels=1, num_frames=2, frame_stride=1)
+    assert torch.equal(gray.load(0, 0, False)[0], as_tensor(gif_frames[:2], 8, 1))
+    assert torch.equal(gray.load(0, aug_seed=1, flip=True)[0], as_tensor(gif_frames[:2], 8, 1).flip(-1))
+
+    # Too short for 3 frames at stride 4 (needs 9 of 7): skipped, not padded.
+    short = VideoFolderDataset(str(tmp_path), image_size=8, channels=3, num_frames=3, frame_stride=4)
+    assert short.load(0, 0, False) is None and short.load(1, 0, False) is None
+
+
+def test_broken_and_short_clips_are_skipped_and_counted(tmp_path):
+    data = tmp_path / "clips"
+    for cls in ("moving", "still"):
+        (data / cls).mkdir(parents=True)
+    write_gif(data / "moving" / "good.gif", random_frames(4, 8, 8, seed=3))
+    (data / "moving" / "good.txt").write_text("a good gif")
+    write_mp4(data / "still" / "good.mp4", random_frames(4, 8, 8, seed=4))
+    write_mp4(data / "still" / "whole.mp4", random_frames(4, 8, 8, seed=5))
+    whole = (data / "still" / "whole.mp4").read_bytes()
+    (data / "still" / "whole.mp4").unlink()
+    (data / "still" / "truncated.mp4").write_bytes(whole[: len(whole) // 2])
+    (data / "moving" / "garbage.webm").write_bytes(b"\x1aE\xdf\xa3" + b"not a clip" * 20)
+    write_gif(data / "moving" / "short.gif", random_frames(2, 8, 8, seed=6))
+    (data / "notes.md").write_text("not a clip")
+
+    log = tmp_path / "probe.jsonl"
+    args = [
+        "train",
+        CLIP_PROBE,
+        f"run.dir={tmp_path}/run",
+        "data.source=video",
+        f"data.path={data}",
+        "data.channels=3",
+        "data.val_fraction=0",
+        "train.batch_size=5",
+        "train.max_steps=2",
+    ]
+    r = run_cli(*args, env=clean_env(**PROBE_ENV, VIDEO_PROBE_LOG=str(log)))
+    assert r.returncode == 0, r.stderr[-3000:]
+    # Five clips, batch 5: each step sees every clip, three of them bad; each is logged once.
+    assert r.stderr.count("skipping clip") == 3, r.stderr
+    assert "truncated.mp4" in r.stderr and "garbage.webm" in r.stderr and "too short" in r.stderr
+    doc = json.loads((tmp_path / "run" / "checkpoints" / "step-000000002" / "trainer.json").read_text())
+    assert doc["progress"]["skipped_samples"] == 6
+    lines = [json.loads(x) for x in log.read_text().splitlines()]
+    for line in lines:
+        assert line["shape"] == [5, 3, 3, 8, 8]
+        assert sorted(line["frames"]) == [0, 0, 0, 3, 3] and sum(line["valid"]) == 2
+        assert sorted(zip(line["captions"], line["labels"], strict=True))[-1] == ("a good gif", 0)

@@ -111,8 +111,8 @@ class LogConfig(_Section):
 
 
 class DataConfig(_Section):
-    source: Literal["digits", "folder", "shards", "moving-digits"] = "digits"
-    path: str | None = None
+    source: Literal["digits", "folder", "shards", "moving-digits", "video"] = "digits"
+    path: str | None = Field(None, description="folder: images; video: clips (recursive)")
     urls: str | list[str] | None = Field(
         None, description="shards: tar URLs/brace patterns on any fsspec store, or a shards.json list"
     )
@@ -147,6 +147,8 @@ class DataConfig(_Section):
                 )
         if self.source == "folder" and not self.path:
             raise ValueError("data.source=folder needs data.path (a folder of images)")
+        if self.source == "video" and not self.path:
+            raise ValueError("data.source=video needs data.path (a folder of .gif/.mp4/.webm/.mkv/.mov clips)")
         if self.source == "shards" and not self.urls:
             raise ValueError(
                 "data.source=shards needs data.urls (e.g. s3://bucket/data/{000000..000099}.tar or .../shards.json)"

@@ -24,7 +24,7 @@ __all__ = [
 _SPLIT_SEED = 20240917
 
 
-VIDEO_SOURCES = ("moving-digits",)
+VIDEO_SOURCES = ("moving-digits", "video")
 
 
 def is_video(cfg: Config) -> bool:
@@ -47,6 +47,10 @@ def build_dataset(cfg: Config):
         from trainer.data.video import MovingDigitsDataset
 
         return MovingDigitsDataset(d.image_size, d.channels, d.num_frames)
+    if d.source == "video":
+        from trainer.data.video import VideoFolderDataset
+
+        return VideoFolderDataset(d.path, d.image_size, d.channels, d.num_frames, d.frame_stride)
     return ImageFolderDataset(d.path, d.image_size, d.channels)
 
 
