@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from fractions import Fraction
 
 import av
 import numpy as np
@@ -14,6 +15,7 @@ from PIL import Image
 from trainer.config import ConfigError, load_config
 from trainer.data import build_splits, build_train_loader
 from trainer.data.datasets import DIGIT_WORDS, image_to_tensor
+from trainer.data.sampler import SampleStream
 from trainer.data.video import DIRECTIONS, MovingDigitsDataset, VideoFolderDataset
 
 PROBE_ENV = {"PYTHONPATH": str(REPO / "tests")}
@@ -77,12 +79,16 @@ def test_moving_digits_train_validate_and_preview_clips(tmp_path):
         "train.max_steps=2",
         "train.val_every_steps=2",
         "train.val_batches=1",
+        "data.image_ratio=0.25",  # joint training: one digit image (a one-frame clip) per batch of 4
     ]
     r = run_cli(*args, env=clean_env(**PROBE_ENV, VIDEO_PROBE_LOG=str(log)))
     assert r.returncode == 0, r.stderr[-3000:]
     lines = [json.loads(x) for x in log.read_text().splitlines()]
     assert [x["step"] for x in lines] == [0, 1]
-    assert all(x["shape"] == [4, 3, 1, 8, 8] and x["frames"] == [3] * 4 for x in lines)
+    for x in lines:  # the probe also checks that frames after extras["frames"] are zeros
+        assert x["shape"] == [4, 3, 1, 8, 8] and sorted(x["frames"]) == [1, 3, 3, 3]
+        image = x["frames"].index(1)
+        assert x["captions"][image].startswith("a handwritten ") and 40 <= x["labels"][image] < 50
     assert "val/mse=" in r.stderr
     samples = tmp_path / "run" / "samples"
     gif = samples / "step-000000002-reconstruction.gif"
@@ -209,3 +215,89 @@ def test_broken_and_short_clips_are_skipped_and_counted(tmp_path):
         assert line["shape"] == [5, 3, 3, 8, 8]
         assert sorted(line["frames"]) == [0, 0, 0, 3, 3] and sum(line["valid"]) == 2
         assert sorted(zip(line["captions"], line["labels"], strict=True))[-1] == ("a good gif", 0)
+
+
+# ---------------------------------------------------------------- joint image+video training
+
+
+def joint_cfg(*extra: str):
+    return load_config(
+        None,
+        ["data.source=moving-digits", "data.image_size=8", "data.num_frames=2", "train.batch_size=6", *extra],
+    )
+
+
+def rank_batches(train, cfg, cursor: int, world_size: int, steps: int) -> list[dict]:
+    """`steps` global batches from `cursor`, each the concatenation of every rank's batch."""
+    loaders = [iter(build_train_loader(train, cfg, cursor, r, world_size)) for r in range(world_size)]
+    out = []
+    for _ in range(steps):
+        parts = [next(it) for it in loaders]
+        out.append(
+            {
+                "images": torch.cat([p["images"] for p in parts]),
+                "indices": torch.cat([p["indices"] for p in parts]),
+                "frames": torch.cat([p["extras"]["frames"] for p in parts]),
+                "labels": torch.cat([p["labels"] for p in parts]),
+                "positions": [q for p in parts for q in p["positions"]],
+            }
+        )
+    return out
+
+
+def test_joint_batches_keep_their_ratio_across_a_resume_and_world_sizes():
+    cfg = joint_cfg("data.image_ratio=0.3")
+    train, _, num_classes = build_splits(cfg)
+    assert num_classes == 50
+    steps, b = 7, 6
+    ref = rank_batches(train, cfg, 0, 1, steps)
+    for s, batch in enumerate(ref):
+        images = (batch["frames"] == 1).sum().item()
+        assert images == int((s + 1) * b * 0.3) - int(s * b * 0.3)  # floor((s+1)Br) - floor(sBr)
+        assert ((batch["frames"] == 1) == (batch["indices"] >= 1797 * 4)).all()  # images: indices past the clips
+        assert (batch["images"][batch["frames"] == 1][:, 1:] == 0).all()  # one-frame clips: frame 1 is zeros
+    # Resume: a loader rebuilt at step 3's cursor continues the uninterrupted sequence exactly,
+    # at the same world size and after a world-size change.
+    for world_size in (1, 2, 3):
+        resumed = rank_batches(train, cfg, 3 * b, world_size, steps - 3)
+        for a, r in zip(ref[3:], resumed, strict=True):
+            assert r["positions"] == list(range(b))
+            for key in ("images", "indices", "frames", "labels"):
+                assert torch.equal(a[key], r[key]), key
+
+
+def test_joint_stream_uses_every_image_and_clip_once_per_epoch_at_any_world_size():
+    from trainer.data.joint import JointStream
+
+    n_clips, n_images, b, ratio = 23, 7, 6, Fraction(1, 4)
+    seen: dict[int, list] = {}
+    for world_size in (1, 2, 3):
+        clips, images = SampleStream(n_clips, seed=3), SampleStream(n_images, seed=4)
+        stream = JointStream(clips, images, ratio, seed=3)
+        entries = []
+        for step in range(40):  # 240 positions: 180 clips (7+ epochs), 60 images (8+ epochs)
+            refs = [ref for r in range(world_size) for ref in stream.rank_slice(step * b, b, r, world_size)]
+            assert [ref.position for ref in refs] == list(range(b))
+            entries += [ref.index for ref in refs]
+        seen[world_size] = entries
+    assert seen[1] == seen[2] == seen[3]
+    # Rank 1 of 3 changing to 2 ranks mid-run: the union is still the single-rank stream.
+    stream = JointStream(SampleStream(n_clips, seed=3), SampleStream(n_images, seed=4), ratio, seed=3)
+    mixed = [
+        ref.index
+        for step in range(40)
+        for w in [2 if step < 17 else 3]
+        for r in range(w)
+        for ref in stream.rank_slice(step * b, b, r, w)
+    ]
+    assert mixed == seen[1]
+    clip_seq = [i for i in seen[1] if i < n_clips]
+    image_seq = [i - n_clips for i in seen[1] if i >= n_clips]
+    assert len(image_seq) == 60 and len(clip_seq) == 180
+    for seq, n in ((clip_seq, n_clips), (image_seq, n_images)):
+        for e in range(len(seq) // n):  # every complete epoch of each stream is a permutation of it
+            assert sorted(seq[e * n : (e + 1) * n]) == list(range(n))
+        assert seq[:n] != seq[n : 2 * n]  # and epochs are reshuffled
+    # Image slots spread evenly: any 3 consecutive positions (a rank's share at W=2) hold 0 or 1 image.
+    flags = [i >= n_clips for i in seen[1]]
+    assert all(sum(flags[p : p + 3]) in (0, 1) for p in range(len(flags) - 3))
