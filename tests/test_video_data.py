@@ -15,7 +15,7 @@ from PIL import Image
 from trainer.config import ConfigError, load_config
 from trainer.data import build_splits, build_train_loader
 from trainer.data.datasets import DIGIT_WORDS, image_to_tensor
-from trainer.data.sampler import SampleStream
+from trainer.data.sampler import SampleRef, SampleStream
 from trainer.data.video import DIRECTIONS, MovingDigitsDataset, VideoFolderDataset
 
 PROBE_ENV = {"PYTHONPATH": str(REPO / "tests")}
@@ -301,3 +301,47 @@ def test_joint_stream_uses_every_image_and_clip_once_per_epoch_at_any_world_size
     # Image slots spread evenly: any 3 consecutive positions (a rank's share at W=2) hold 0 or 1 image.
     flags = [i >= n_clips for i in seen[1]]
     assert all(sum(flags[p : p + 3]) in (0, 1) for p in range(len(flags) - 3))
+
+
+# ---------------------------------------------------------------- clips in WebDataset shards
+
+
+def test_clips_packed_into_shards_decode_like_the_folder_and_mix_with_images(tmp_path):
+    from trainer.data.pack import pack_folder
+
+    src = tmp_path / "clips"
+    for cls in ("a", "b"):
+        (src / cls).mkdir(parents=True)
+    for i in range(3):
+        write_gif(src / "a" / f"{i}.gif", random_frames(4, 10, 12, seed=10 + i))
+        (src / "a" / f"{i}.txt").write_text(f"gif number {i}")
+        write_mp4(src / "b" / f"{i}.mp4", random_frames(5, 8, 8, seed=20 + i))
+    write_gif(src / "b" / "short.gif", random_frames(2, 8, 8, seed=30))  # decodes, but too short for 3 frames
+    (src / "b" / "broken.mp4").write_bytes(b"\x00\x00\x00\x18ftypmp42" + b"\x00" * 40)  # no video: not packed
+    out = tmp_path / "shards"
+    summary = pack_folder(str(src), str(out), samples_per_shard=3, progress=False)
+    assert (summary.shards, summary.samples, summary.skipped) == (3, 7, 1)
+
+    args = [f"data.urls={out}/shards.json", "data.num_frames=3", "data.frame_stride=1", "data.val_fraction=0"]
+    cfg = load_config(None, ["data.source=shards", "data.image_size=8", "data.channels=3", *args])
+    train, val, num_classes = build_splits(cfg)
+    assert len(train) == 7 and val is None and num_classes == 2
+    items = train.__getitems__([SampleRef(index=i, position=i, aug_seed=0) for i in range(7)])
+    folder = VideoFolderDataset(str(src), 8, 3, num_frames=3, frame_stride=1)
+    good = [p for p in folder.files if p.name != "broken.mp4"]
+    for (clip, label, _, _, valid, extras), path in zip(items, good, strict=True):
+        expected = folder.load(folder.files.index(path), 0, False)
+        if path.name == "short.gif":
+            assert expected is None and not valid and int(extras["frames"]) == 0
+            continue
+        assert valid and torch.equal(clip, expected[0]) and label == expected[1]
+        assert int(extras["frames"]) == 3 and extras.get("caption") == expected[2].get("caption")
+
+    # Joint training over shards: digit images join the clips; the shard fetch's byte counts survive.
+    cfg = load_config(None, ["data.source=shards", "data.image_size=8", "data.channels=1", "train.batch_size=4",
+                             "data.image_ratio=0.5", *args])  # fmt: skip
+    train, _, num_classes = build_splits(cfg)
+    assert num_classes == 12
+    batch = next(iter(build_train_loader(train, cfg, 0, 0, 1)))
+    assert batch["images"].shape == (4, 3, 1, 8, 8) and batch["extras"]["frames"].tolist().count(1) == 2
+    assert batch["io"]["data_bytes"] > 0

@@ -29,7 +29,7 @@ VIDEO_SOURCES = ("moving-digits", "video")
 
 def is_video(cfg: Config) -> bool:
     """Whether batches are clips (N, T, C, H, W) rather than images (N, C, H, W)."""
-    return cfg.data.source in VIDEO_SOURCES
+    return cfg.data.source in VIDEO_SOURCES or (cfg.data.source == "shards" and cfg.data.num_frames > 1)
 
 
 def sample_shape(cfg: Config) -> tuple[int, ...]:
@@ -103,11 +103,13 @@ def build_shard_splits(cfg: Config):
     from trainer.data.shards import ShardSet, ShardSplit, load_shard_list
 
     d = cfg.data
-    shape = (d.channels, d.image_size, d.image_size)
+    shape = sample_shape(cfg)
+    frames = d.num_frames if is_video(cfg) else 1
 
     def shard_set(urls, key: str) -> ShardSet:
         return ShardSet(load_shard_list(urls, d.storage_options, key), d.storage_options, d.image_size,
-                        d.channels, retries=d.read_retries)  # fmt: skip
+                        d.channels, retries=d.read_retries, num_frames=frames,
+                        frame_stride=d.frame_stride)  # fmt: skip
 
     train_set = shard_set(d.urls, "data.urls")
     if d.val_urls:
