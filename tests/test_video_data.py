@@ -69,8 +69,9 @@ def test_moving_digits_config_and_batches():
         load_config(None, ["data.source=moving-digits", "data.num_frames=0"])
 
 
-def test_moving_digits_train_validate_and_preview_clips(tmp_path):
-    """The loop, validation and previews carry (N, T, C, H, W) batches unchanged (probe task checks them)."""
+def test_moving_digits_train_validate_preview_and_resume_clips(tmp_path):
+    """The loop, validation and previews carry (N, T, C, H, W) batches unchanged (the probe task checks them),
+    and a resumed run continues the joint image+video sequence of an uninterrupted loader."""
     log = tmp_path / "probe.jsonl"
     args = [
         "train",
@@ -95,6 +96,19 @@ def test_moving_digits_train_validate_and_preview_clips(tmp_path):
     assert gif.is_file() and (samples / "step-000000002-reconstruction.png").is_file()
     with av.open(str(gif)) as c:
         assert sum(1 for _ in c.decode(video=0)) == 3
+
+    # Restart from the step-2 checkpoint for one more step: steps 0-2 are what one loader yields from cursor 0.
+    r = run_cli(*args[:3], "train.max_steps=3", *args[4:], env=clean_env(**PROBE_ENV, VIDEO_PROBE_LOG=str(log)))
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "resumed_from=" in r.stderr and "step=2 cursor=8" in r.stderr, r.stderr[-3000:]
+    lines = [json.loads(x) for x in log.read_text().splitlines()]
+    assert [x["step"] for x in lines] == [0, 1, 2]
+    cfg = load_config(CLIP_PROBE, ["data.image_ratio=0.25"])
+    loader = iter(build_train_loader(build_splits(cfg)[0], cfg, 0, 0, 1))
+    for x in lines:
+        batch = next(loader)
+        assert x["indices"] == batch["indices"].tolist() and x["labels"] == batch["labels"].tolist()
+        assert x["frames"] == batch["extras"]["frames"].tolist() and x["captions"] == batch["captions"]
 
 
 # ---------------------------------------------------------------- clip folders (PyAV)
