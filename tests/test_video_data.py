@@ -12,7 +12,7 @@ import torch
 from conftest import REPO, clean_env, run_cli
 from PIL import Image
 
-from trainer.config import ConfigError, load_config
+from trainer.config import ConfigError, DataConfig, load_config
 from trainer.data import build_splits, build_train_loader
 from trainer.data.datasets import DIGIT_WORDS, image_to_tensor
 from trainer.data.sampler import SampleRef, SampleStream
@@ -55,8 +55,8 @@ def test_moving_digits_are_deterministic_and_move_as_captioned():
 
 
 def test_moving_digits_config_and_batches():
-    cfg = load_config(None, ["data.source=moving-digits", "data.num_frames=4", "train.batch_size=6"])
-    assert cfg.data.image_size == 16  # the preset sets it; 32 is only the default when nothing does
+    assert DataConfig(source="moving-digits").image_size == 32  # the default canvas when nothing sets it
+    cfg = load_config(CLIP_PROBE, ["data.image_size=16", "data.num_frames=4", "train.batch_size=6"])
     train, val, num_classes = build_splits(cfg)
     assert num_classes == 40 and len(train) + len(val) == 1797 * 4
     batch = next(iter(build_train_loader(train, cfg, 0, 0, 1)))
@@ -64,9 +64,15 @@ def test_moving_digits_config_and_batches():
     assert batch["extras"]["frames"].tolist() == [4] * 6 and batch["extras"]["frames"].dtype == torch.int64
     assert all(" moving " in c for c in batch["captions"])
     with pytest.raises(ConfigError, match="data.flip"):
-        load_config(None, ["data.source=moving-digits", "data.flip=true"])
+        load_config(CLIP_PROBE, ["data.flip=true"])
     with pytest.raises(ConfigError, match="num_frames"):
-        load_config(None, ["data.source=moving-digits", "data.num_frames=0"])
+        load_config(CLIP_PROBE, ["data.num_frames=0"])
+    with pytest.raises(ConfigError, match="data.image_ratio=0.5 mixes images into clip batches"):
+        load_config(CLIP_PROBE, ["data.source=digits", "data.image_ratio=0.5"])
+    with pytest.raises(ConfigError, match="data.image_path"):
+        load_config(CLIP_PROBE, ["data.image_ratio=0.5", "data.image_source=folder"])
+    with pytest.raises(ConfigError, match="data.path"):
+        load_config(CLIP_PROBE, ["data.source=video"])
 
 
 def test_moving_digits_train_validate_preview_and_resume_clips(tmp_path):
@@ -235,10 +241,7 @@ def test_broken_and_short_clips_are_skipped_and_counted(tmp_path):
 
 
 def joint_cfg(*extra: str):
-    return load_config(
-        None,
-        ["data.source=moving-digits", "data.image_size=8", "data.num_frames=2", "train.batch_size=6", *extra],
-    )
+    return load_config(CLIP_PROBE, ["data.num_frames=2", "train.batch_size=6", *extra])
 
 
 def rank_batches(train, cfg, cursor: int, world_size: int, steps: int) -> list[dict]:
@@ -337,7 +340,7 @@ def test_clips_packed_into_shards_decode_like_the_folder_and_mix_with_images(tmp
     assert (summary.shards, summary.samples, summary.skipped) == (3, 7, 1)
 
     args = [f"data.urls={out}/shards.json", "data.num_frames=3", "data.frame_stride=1", "data.val_fraction=0"]
-    cfg = load_config(None, ["data.source=shards", "data.image_size=8", "data.channels=3", *args])
+    cfg = load_config(CLIP_PROBE, ["data.source=shards", "data.image_size=8", "data.channels=3", *args])
     train, val, num_classes = build_splits(cfg)
     assert len(train) == 7 and val is None and num_classes == 2
     items = train.__getitems__([SampleRef(index=i, position=i, aug_seed=0) for i in range(7)])
@@ -352,7 +355,7 @@ def test_clips_packed_into_shards_decode_like_the_folder_and_mix_with_images(tmp
         assert int(extras["frames"]) == 3 and extras.get("caption") == expected[2].get("caption")
 
     # Joint training over shards: digit images join the clips; the shard fetch's byte counts survive.
-    cfg = load_config(None, ["data.source=shards", "data.image_size=8", "data.channels=1", "train.batch_size=4",
+    cfg = load_config(CLIP_PROBE, ["data.source=shards", "data.image_size=8", "data.channels=1", "train.batch_size=4",
                              "data.image_ratio=0.5", *args])  # fmt: skip
     train, _, num_classes = build_splits(cfg)
     assert num_classes == 12
