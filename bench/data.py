@@ -65,7 +65,10 @@ def time_loader(cfg, rank: int, world: int, steps: int) -> tuple[float, dict]:
         io["images"] += len(b["positions"])
         return len(b["positions"])
 
-    count(next(it))  # worker start-up and the first fetch are not timed (their bytes are counted)
+    # Each worker's start-up and first batch (its store session, the window's indexes) are not timed
+    # (their bytes are counted): a training run pays them once, the timed steps are the steady state.
+    for _ in range(max(1, cfg.train.num_workers)):
+        count(next(it))
     t0 = time.perf_counter()
     images = sum(count(next(it)) for _ in range(steps))
     return images / (time.perf_counter() - t0), io

@@ -46,7 +46,12 @@ def _parser() -> argparse.ArgumentParser:
 
     e = sub.add_parser("eval", help="FID/KID of a checkpoint's samples vs held-out images; writes eval-<step>.json")
     e.add_argument("checkpoint", help="a checkpoint (…/step-000001200) or a checkpoint root (newest valid)")
-    e.add_argument("--num", type=int, default=None, help="images generated and compared (default: eval.num)")
+    # `--num-images`/`-n`: under torchrun, `--num` is refused by torchrun's own parser (an ambiguous
+    # prefix of its --numa-binding, even after the script name).
+    e.add_argument(
+        "--num", "--num-images", "-n", dest="num", type=int, default=None,
+        help="images generated and compared (default: eval.num); under torchrun use --num-images",
+    )  # fmt: skip
     e.add_argument(
         "--features", default=None, help="digits | inception | URL of a feature net (default: eval.features)"
     )

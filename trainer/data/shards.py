@@ -410,21 +410,48 @@ class ShardSet:
         until = self._dead_until.get(shard)
         return until is None or time.monotonic() >= until
 
-    def index(self, shard: int, stats: FetchStats) -> np.ndarray | None:
-        if shard in self._indexes:
-            self._indexes.move_to_end(shard)
-            return self._indexes[shard]
-        if not self._alive(shard):
-            return None
+    def indexes(self, shards: list[int], stats: FetchStats) -> dict[int, np.ndarray | None]:
+        """The offsets of each shard (None: unreachable), the ones not cached fetched with concurrent requests."""
+        out: dict[int, np.ndarray | None] = {}
+        todo = []
+        for shard in dict.fromkeys(shards):
+            if shard in self._indexes:
+                self._indexes.move_to_end(shard)
+                out[shard] = self._indexes[shard]
+            elif self._alive(shard):
+                todo.append(shard)
+            else:
+                out[shard] = None
+        paths = {shard: strip_protocol(self.fs, index_url(self.shards.urls[shard])) for shard in todo}
+        err: dict[int, BaseException] = {}
+        for attempt in range(self.retries + 1):
+            if not todo:
+                break
+            if attempt:
+                time.sleep(self.backoff_seconds * 2 ** (attempt - 1))
+            try:
+                got = self.fs.cat([paths[s] for s in todo], on_error="return")
+                got = [got.get(paths[s], FileNotFoundError(paths[s])) for s in todo]
+            except Exception as e:  # noqa: BLE001 - a failure of the whole call: retry all
+                got = [e] * len(todo)
+            failed = []
+            for shard, blob in zip(todo, got, strict=True):
+                if isinstance(blob, BaseException):
+                    err[shard] = blob
+                    failed.append(shard)
+                    continue
+                stats.index_bytes += len(blob)
+                out[shard] = self._parsed_index(shard, blob, stats)
+            todo = failed
+        for shard in todo:
+            self._shard_failed(shard, err[shard], stats)
+            out[shard] = None
+        return out
+
+    def _parsed_index(self, shard: int, blob: bytes, stats: FetchStats) -> np.ndarray | None:
         url = index_url(self.shards.urls[shard])
-        path = strip_protocol(self.fs, url)
-        got = self._retrying(lambda: self.fs.cat_file(path))
-        if isinstance(got, BaseException):
-            self._shard_failed(shard, got, stats)
-            return None
-        stats.index_bytes += len(got)
         try:
-            offsets = parse_index(got, url)
+            offsets = parse_index(blob, url)
         except (ValueError, KeyError) as e:
             self._shard_failed(shard, e, stats)
             return None
@@ -443,8 +470,9 @@ class ShardSet:
         """(shard, member, aug_seed, flip) -> (image, label, extras) or None, fetching all ranges at once."""
         out: list = [None] * len(wanted)
         ranges: list[tuple[int, int, int, int]] = []  # (slot, shard, start, end)
+        indexes = self.indexes([w[0] for w in wanted], stats)
         for slot, (shard, member, _, _) in enumerate(wanted):
-            offsets = self.index(shard, stats)
+            offsets = indexes[shard]
             if offsets is not None:
                 ranges.append((slot, shard, int(offsets[member]), int(offsets[member + 1])))
         blobs = self._fetch(ranges, stats)
