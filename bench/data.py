@@ -10,14 +10,14 @@ The same shards on local disk (byte ranges through fsspec's local filesystem)
 separate the pipeline's own cost from the S3 server's (moto is a Python
 server sharing the 2 cores with the loader workers).
 `shards_s3` reads with the default order (every sample shuffled on its own:
-one range request per sample); `shards_s3_block` with `data.shuffle_block`
-(`--block`, runs of neighbouring samples shuffled together: a step's run is
+one range request per sample); `shards_s3_block<N>` with `data.shuffle_block=N`
+(`--blocks`, runs of neighbouring samples shuffled together: a step's run is
 one request). Reported: images/s per rank for each source, their ratio
 (target >= 0.8), range requests per image, and bytes fetched per rank (data +
 indexes) vs the tar bytes of the samples it used and vs their payload bytes
 (image + caption, no tar headers).
 
-Usage: python bench/data.py [--images 1024] [--size 64] [--steps 12] [--workers 2] [--block 16]
+Usage: python bench/data.py [--images 1024] [--size 64] [--steps 12] [--workers 2] [--blocks 16,64]
 """
 
 from __future__ import annotations
@@ -82,7 +82,7 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=64)
     ap.add_argument("--workers", type=int, default=2)
     ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--block", type=int, default=16, help="data.shuffle_block of the shards_s3_block source")
+    ap.add_argument("--blocks", default="16,64", help="data.shuffle_block values: one shards_s3_block<N> source each")
     args = ap.parse_args()
 
     from servers import S3_CREDENTIALS, S3Server
@@ -117,7 +117,8 @@ def main() -> None:
                 f"data.storage_options={json.dumps(opts)}",
             ]
             cfgs["shards_s3"] = load_config(None, s3, {})
-            cfgs["shards_s3_block"] = load_config(None, [*s3, f"data.shuffle_block={args.block}"], {})
+            for block in (int(b) for b in args.blocks.split(",") if b):
+                cfgs[f"shards_s3_block{block}"] = load_config(None, [*s3, f"data.shuffle_block={block}"], {})
             result: dict = {"images": args.images, "image_size": args.size, "batch": args.batch,
                             "workers": args.workers, "steps": args.steps, "shards": summary.shards,
                             "payload_bytes_per_image": round(payload)}  # fmt: skip

@@ -51,6 +51,7 @@ class CheckpointManager:
         self.env = env
         self.metrics = metrics
         self.store = CheckpointStore(cfg.checkpoint_url, c.storage_options, c.keep, c.keep_every_steps)
+        self.store.prune_in_background = True  # the training thread does not wait for deletes
         self.sharded = cfg.train.parallel == "fsdp" and env.world_size > 1
         self.group = new_gloo_group(cfg.elastic.collective_timeout_seconds) if self.sharded else None
         if self.sharded:
