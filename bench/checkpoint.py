@@ -9,8 +9,9 @@ disk, so the ratios hold on a noisy machine even when absolute numbers move:
   median of later saves).
 - throughput: sync save bytes/s (serialize + blake3 + write + fsync + commit;
   old checkpoints are pruned on a helper thread, as in training runs) against
-  `dd bs=16M conv=fsync` writing the same number of bytes right before it
-  (paired: the shared disk's speed swings several-fold), and against a raw
+  `dd bs=16M conv=fsync` copying the same bytes (staged in /dev/shm) right
+  before it (paired: the shared disk's speed swings several-fold; `dd` of
+  /dev/zero is reported too, a virtual disk may write zeros faster), and against a raw
   write of the same tensor bytes from this process (the floor any serializer
   in Python can reach here). Median, min and max over `--saves` pairs.
 
@@ -61,17 +62,34 @@ def state_bytes(files: dict) -> int:
     return total
 
 
-def dd_seconds(path: str, nbytes: int) -> float:
+def dd_seconds(path: str, nbytes: int, source: str = "/dev/zero") -> float:
     count = max(1, round(nbytes / (16 << 20)))
     t0 = time.perf_counter()
     subprocess.run(
-        ["dd", "if=/dev/zero", f"of={path}", "bs=16M", f"count={count}", "conv=fsync"],
+        ["dd", f"if={source}", f"of={path}", "bs=16M", f"count={count}", "conv=fsync"],
         check=True,
         capture_output=True,
     )
     dt = time.perf_counter() - t0
     os.remove(path)
     return dt * nbytes / (count * (16 << 20))
+
+
+def stage_bytes(files: dict) -> str:
+    """The state's own bytes in a RAM file (/dev/shm), for dd to copy: the same bytes, not zeros.
+
+    A virtual disk may treat runs of zeros specially, so `dd if=/dev/zero` can
+    outrun any write of real tensor bytes.
+    """
+    fd, path = tempfile.mkstemp(prefix="gentrain-bench-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
+    with os.fdopen(fd, "wb") as f:
+        for payload in files.values():
+            if isinstance(payload, bytes):
+                f.write(payload)
+                continue
+            for t in payload.values():
+                f.write(memoryview(t.contiguous().reshape(-1).view(torch.uint8).numpy()))
+    return path
 
 
 def raw_write_seconds(path: str, files: dict) -> float:
@@ -123,11 +141,17 @@ def main() -> None:
         sync_store = CheckpointStore(os.path.join(base, "sync"), keep=1)
         sync_store.prune_in_background = True  # as training runs use the store
         sync_ckpt = Checkpointer(sync_store, async_save=False)
-        sync_s, dd_s, raw_s = [], [], []
-        for i in range(args.saves):
-            dd_s.append(dd_seconds(os.path.join(base, "dd.bin"), nbytes))
-            sync_s.append(sync_ckpt.save(i + 1, files, meta)[0])
-            raw_s.append(raw_write_seconds(os.path.join(base, "raw.bin"), files))
+        sync_s, dd_s, zeros_s, raw_s = [], [], [], []
+        staged = stage_bytes(files)
+        try:
+            for i in range(args.saves):
+                dd_s.append(dd_seconds(os.path.join(base, "dd.bin"), nbytes, staged))
+                sync_s.append(sync_ckpt.save(i + 1, files, meta)[0])
+                sync_store.wait_pruned()  # not part of the save (a helper thread's work); kept out of the next pair
+                raw_s.append(raw_write_seconds(os.path.join(base, "raw.bin"), files))
+                zeros_s.append(dd_seconds(os.path.join(base, "dd.bin"), nbytes))
+        finally:
+            os.remove(staged)
         sync_ckpt.close()
 
         async_store = CheckpointStore(os.path.join(base, "async"), keep=1)
@@ -136,6 +160,7 @@ def main() -> None:
         async_stalls = []
         for i in range(args.saves + 1):
             async_ckpt.wait()  # a training run saves every N steps: the previous save is done by then
+            async_store.wait_pruned()  # ... and so is its pruning
             stall, _ = async_ckpt.save(i + 1, files, meta)
             async_stalls.append(stall)
         async_ckpt.close()
@@ -157,6 +182,7 @@ def main() -> None:
                 "sync_save_seconds": spread(sync_s),
                 "sync_write_gbps": spread(gbps),
                 "dd_write_gbps": spread([nbytes / s / 1e9 for s in dd_s]),
+                "dd_zeros_write_gbps": spread([nbytes / s / 1e9 for s in zeros_s]),
                 "raw_python_write_gbps": spread([nbytes / s / 1e9 for s in raw_s]),
                 "sync_over_dd_paired": spread([d / s for d, s in zip(dd_s, sync_s, strict=True)]),
                 "sync_over_raw_python_paired": spread([r / s for r, s in zip(raw_s, sync_s, strict=True)]),
