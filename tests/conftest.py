@@ -42,9 +42,10 @@ def clean_env(**extra: str) -> dict[str, str]:
 
 
 def run_cli(
-    *args: str, timeout: float = 240, env: dict[str, str] | None = None, cwd: Path | None = None
+    *args: str, timeout: float = 900, env: dict[str, str] | None = None, cwd: Path | None = None
 ) -> subprocess.CompletedProcess:
-    """`python -m trainer ARGS` in a fresh process; killed if it outlives `timeout`."""
+    """`python -m trainer ARGS` in a fresh process; killed if it outlives `timeout` (a hang bound only:
+    loaded or slow machines run these several times slower than a quiet one)."""
     return subprocess.run(
         [sys.executable, "-m", "trainer", *args],
         capture_output=True,
