@@ -109,7 +109,7 @@ def test_training_evaluates_periodically_and_eval_cli_over_2_ranks_equals_1_rank
         stdout=open(log, "w"), stderr=subprocess.STDOUT, env=clean_env(), start_new_session=True,
     )  # fmt: skip
     try:
-        assert proc.wait(timeout=240) == 0, log.read_text()[-3000:]
+        assert proc.wait(timeout=600) == 0, log.read_text()[-3000:]
     finally:
         kill_group(proc)
     double = json.loads((root / "eval-000000002.json").read_text())

@@ -36,7 +36,7 @@ def make_folder(root, per_class: int = 5, size: int = 24, classes=("cats", "dogs
 
 
 def pack(src, out, per_shard: int, *options: str) -> str:
-    r = run_cli("data", "pack", str(src), str(out), "--samples-per-shard", str(per_shard), *options, timeout=120)
+    r = run_cli("data", "pack", str(src), str(out), "--samples-per-shard", str(per_shard), *options, timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
     return r.stdout
 
@@ -164,7 +164,7 @@ def test_s3_reads_fetch_only_the_used_samples_and_faults_are_skipped_counted_and
     log = tmp_path / "train.log"
     proc = start_cli("train", *args, env=__import__("conftest").clean_env(), log_path=log)
     try:
-        wait_for_log(log, "step-000000003", proc, timeout=120)
+        wait_for_log(log, "step-000000003", proc, timeout=300)
         from test_metrics import scrape
 
         text = scrape(port)
@@ -241,7 +241,7 @@ def standalone(nproc: int, max_restarts: int = 0) -> list[str]:
     ]  # fmt: skip
 
 
-def finish(proc, log, timeout=240) -> int:
+def finish(proc, log, timeout=600) -> int:
     try:
         return proc.wait(timeout=timeout)
     except Exception:
@@ -334,7 +334,7 @@ def test_sigkilled_rank_reading_shards_resumes_bit_identical(tmp_path):
     log = tmp_path / "killed.log"
     proc = start_torchrun(standalone(2, max_restarts=2), tiny(tmp_path / "killed", *args, max_steps=steps), log)
     try:
-        wait_for_log(log, "step-000000010", proc, timeout=120)
+        wait_for_log(log, "step-000000010", proc, timeout=300)
         victims = [p for p in worker_pids(proc.pid) if rank_of(p) == 1]
         assert victims, "no rank-1 worker found"
         os.kill(victims[0], signal.SIGKILL)
