@@ -72,7 +72,8 @@ class Trainer:
         self.task = task_class(cfg.task)(cfg.model_cfg, ctx)
         self.parts, self.frozen = self._build_parts()
         self.progress = TrainProgress(t.batch_size, len(self.train_set), env.world_size, cfg.seed)
-        self.checkpoints.attach(self.progress, self.parts, {n: f.record for n, f in self.frozen.items()})
+        frozen_records = {n: f.record for n, f in self.frozen.items()}
+        self.checkpoints.attach(self.progress, self.parts, frozen_records, self.task.inputs())
         self.step_runner = StepRunner(
             self.task, self.parts, self.frozen, cfg, env.rank, env.world_size, self.device, self._no_sync
         )
@@ -204,13 +205,14 @@ class Trainer:
         if not self.env.is_main:
             return
         n_params = sum(p.numel() for part in self.parts.values() for p in part.module.parameters())
+        n_train = sum(p.numel() for part in self.parts.values() for p in part.params)
         n_frozen = sum(p.numel() for f in self.frozen.values() for p in f.module.parameters())
         t = self.cfg.train
         log.info(
-            "gentrain %s: task=%s name=%s params=%.2fM frozen_params=%.2fM parts=%s device=%s world_size=%d "
+            "gentrain %s: task=%s name=%s params=%.2fM (trainable %.2fM) frozen_params=%.2fM parts=%s device=%s world_size=%d "
             "restart=%d parallel=%s batch=%d (per rank %d, chunk %d) train_samples=%d resumed_from=%s step=%d cursor=%d "
             "checkpoints=%s",
-            __version__, self.cfg.task, self.cfg.name, n_params / 1e6, n_frozen / 1e6,
+            __version__, self.cfg.task, self.cfg.name, n_params / 1e6, n_train / 1e6, n_frozen / 1e6,
             ",".join([*(n if p.trained else f"{n}(kept)" for n, p in self.parts.items()),
                       *(f"{n}(frozen)" for n in self.frozen)]), self.device, self.env.world_size,
             self.env.restart_count, t.parallel if self.env.world_size > 1 else "none", t.batch_size,

@@ -46,7 +46,15 @@ from trainer.conditioning.text import TextEncoder, TextEncoderConfig
 from trainer.config import ConfigError
 from trainer.randomness import per_sample_rand, per_sample_randint, per_sample_randn, sample_generators
 from trainer.tasks.base import Batch, Loss, Phase, PreviewContext, StepInfo, Task, TaskContext
-from trainer.tasks.ddpm import NoiseConfig, diffusion_loss, inference_scheduler, noise_scheduler_for, unet_block_types
+from trainer.tasks.ddpm import (
+    NoiseConfig,
+    architecture_hints,
+    diffusion_loss,
+    inference_scheduler,
+    noise_scheduler_for,
+    unet_block_types,
+)
+from trainer.tasks.finetune import EXTRAS_NAME, load_weights, prepare_unet
 
 log = logging.getLogger(__name__)
 
@@ -179,6 +187,20 @@ class StageNet(nn.Module):
         return self.unet(x, t, hidden, class_labels=vec, encoder_attention_mask=attn_mask)
 
 
+def stage_hints(prefix: str) -> dict[str, str]:
+    """diffusers UNet2DConditionModel config fields -> the gentrain keys that set them."""
+    context = "model.text / model.image_embed_dim (cross-attention when either is set)"
+    return {
+        **architecture_hints(prefix),
+        "in_channels": "data.channels (twice that after stage 1: the low-resolution image is concatenated)",
+        "down_block_types": f"{prefix}.attention, {prefix}.block_out_channels, {context}",
+        "up_block_types": f"{prefix}.attention, {prefix}.block_out_channels, {context}",
+        "mid_block_type": context,
+        "cross_attention_dim": "model.context_dim",
+        "projection_class_embeddings_input_dim": f"{prefix}.block_out_channels (4 x its first entry)",
+    }
+
+
 def resize(images: torch.Tensor, size: int) -> torch.Tensor:
     """Down by area averaging (anti-aliased for integer factors), up bilinearly."""
     if images.shape[-1] == size:
@@ -221,6 +243,7 @@ class CascadeTask(Task):
         self.schedulers = [self._train_scheduler(s) for s in c.stages]
         self.aug_scheduler = DDPMScheduler(num_train_timesteps=_AUG_TIMESTEPS, beta_schedule="squaredcos_cap_v2")
         self.text = TextEncoder(c.text, ctx.storage_options) if c.text is not None else None
+        self._inputs: dict[str, dict] = {}
 
     @staticmethod
     def _train_scheduler(s: StageConfig):
@@ -238,8 +261,38 @@ class CascadeTask(Task):
         return [f"stage{k}" for k in sorted(stages)]
 
     def build(self, frozen) -> dict[str, nn.Module]:
+        nets = {}
+        for k, s in enumerate(self.cfg.stages, 1):
+            net = nets[f"stage{k}"] = StageNet(s, self.cfg, self.channels, lowres=k > 1)
+            key = f"model.stages[{k - 1}]"
+            folder = prepare_unet(
+                net.unet, s, key, stage_hints(key), self.ctx.storage_options, self.ctx.load_pretrained
+            )
+            if folder is None:
+                continue
+            self._inputs[f"stage{k}.pretrained"] = folder.record
+            if folder.extras is not None:
+                load_weights(net, folder.extras, f"{key}.pretrained={s.pretrained!r}", f"the layers of {EXTRAS_NAME}",
+                             skip="unet.")  # fmt: skip
+            if s.lora is not None:
+                # LoRA trains the adapters only; the stage's conditioning layers stay trainable when the
+                # folder had none to give (a plain diffusers UNet): new layers cannot stay random.
+                for name, p in net.named_parameters():
+                    if not name.startswith("unet."):
+                        p.requires_grad_(folder.extras is None)
+        return nets
+
+    def inputs(self) -> dict[str, dict]:
+        out = dict(self._inputs)
+        if self.text is not None:
+            out["text_encoder"] = {"source": self.cfg.text.encoder, "digest": self.text.digest, "pin": True}
+        return out
+
+    def export_unets(self, modules) -> dict[str, tuple[nn.Module, dict[str, torch.Tensor]]]:
+        """Each stage's diffusers UNet plus its gentrain conditioning layers (for `checkpoints export`)."""
         return {
-            f"stage{k}": StageNet(s, self.cfg, self.channels, lowres=k > 1) for k, s in enumerate(self.cfg.stages, 1)
+            name: (net.unet, {k: v for k, v in net.state_dict().items() if not k.startswith("unet.")})
+            for name, net in modules.items()
         }
 
     def phases(self, step: int, part_steps: Mapping[str, int]) -> list[Phase]:
@@ -357,7 +410,11 @@ class CascadeTask(Task):
         """`samples`: the cascade up to the last stage trained so far; `superres-stageK`: stage K on the
         held-out batch's own low-resolution images (shows a stage trained before the ones below it)."""
         steps = ctx.part_steps
-        trained = [k for k in range(1, len(self.cfg.stages) + 1) if steps.get(f"stage{k}", 1) > 0]
+        trained = [
+            k
+            for k in range(1, len(self.cfg.stages) + 1)
+            if steps.get(f"stage{k}", 1) > 0 or self.cfg.stages[k - 1].pretrained is not None
+        ]
         out: dict[str, torch.Tensor] = {}
         opts = dict(ctx.options)
         b = ctx.batch
@@ -461,7 +518,13 @@ class CascadeTask(Task):
         last = stop_at_stage or n_stages
         if not 1 <= last <= n_stages:
             raise ConfigError(f"--stop-at-stage {stop_at_stage}: this cascade has stages 1..{n_stages}")
-        untrained = [k for k in range(1, last + 1) if part_steps is not None and part_steps.get(f"stage{k}", 0) == 0]
+        untrained = [
+            k
+            for k in range(1, last + 1)
+            if part_steps is not None
+            and part_steps.get(f"stage{k}", 0) == 0
+            and self.cfg.stages[k - 1].pretrained is None
+        ]
         if untrained:
             names = ", ".join(f"stage {k}" for k in untrained)
             raise ConfigError(
