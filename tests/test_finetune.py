@@ -181,7 +181,7 @@ def test_ddpm_unet_starts_from_a_folder_with_lora_and_half_precision_base(tmp_pa
     from diffusers import UNet2DModel
     from peft import LoraConfig, inject_adapter_in_model, set_peft_model_state_dict
 
-    from trainer.tasks.finetune import cast_frozen_base, write_folder
+    from trainer.tasks.finetune import cast_frozen_base, half_weights_autocast, write_folder
 
     def task(*overrides: str):
         cfg = load_config("digits-ddpm", ["model.block_out_channels=[8,16]", "model.norm_num_groups=4",
@@ -228,6 +228,9 @@ def test_ddpm_unet_starts_from_a_folder_with_lora_and_half_precision_base(tmp_pa
     with torch.autocast("cpu", dtype=torch.bfloat16):
         unet(x, tt).sample.float().sum().backward()
     assert all(p.grad is not None for p in unet.parameters() if p.requires_grad)
+    # Previews and evaluation (no training autocast) run such a model under its weights' dtype.
+    with torch.no_grad(), half_weights_autocast({"unet": unet}, CPU):
+        assert torch.isfinite(unet(x, tt).sample).all()
 
 
 def test_pretrained_and_lora_errors_name_the_key(tmp_path, base_folders, s3):

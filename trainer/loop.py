@@ -19,7 +19,7 @@ from accelerate import Accelerator
 from trainer import __version__
 from trainer.checkpoint.manager import CheckpointManager
 from trainer.checkpoint.weights import load_frozen
-from trainer.config import Config
+from trainer.config import Config, ConfigError
 from trainer.data import build_splits, build_train_loader
 from trainer.elastic import EXIT_OK, DistEnv, StartupClock, StopRequest, agree_to_stop, barrier, init_process_group
 from trainer.engine.evaluate import Evaluator
@@ -35,6 +35,7 @@ from trainer.metrics import TrainingMetrics
 from trainer.randomness import seed_everything
 from trainer.registry import task_class
 from trainer.tasks.base import TaskContext
+from trainer.tasks.finetune import has_lora
 
 log = logging.getLogger("gentrain")
 
@@ -169,6 +170,11 @@ class Trainer:
         frozen = {n: load_frozen(n, s, options, (pinned or {}).get(n)) for n, s in sources.items()}
         modules = self.task.build(frozen)
         trainable = [n for n in modules if n not in frozen]
+        if self.sharded and any(has_lora(modules[n]) for n in trainable):
+            raise ConfigError(
+                "LoRA adapters (lora: under model.*) are not supported with train.parallel=fsdp yet (a unit would "
+                "mix a half-precision frozen base with fp32 adapters); use train.parallel=ddp: the adapters are small"
+            )
         # Only parts this run trains are wrapped (a cascade stage outside train.stages is not).
         learns = set(self.task.parts_trained())
         t = self.cfg.train

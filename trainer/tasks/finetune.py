@@ -227,6 +227,19 @@ def cast_frozen_base(module: nn.Module, precision: str) -> None:
     cast_training_params(module, dtype=torch.float32)
 
 
+def half_weights_autocast(modules: Mapping[str, nn.Module], device: torch.device):
+    """Autocast in the half dtype some module stores weights in (a LoRA base under fp16/bf16), else nothing.
+
+    Training runs under autocast anyway; previews and evaluation do not, and fp32 activations cannot meet
+    bf16 weights outside it (diffusers' LoRA scripts validate under autocast for the same reason)."""
+    from contextlib import nullcontext
+
+    half = {p.dtype for m in modules.values() for p in m.parameters()} & {torch.float16, torch.bfloat16}
+    if not half:
+        return nullcontext()
+    return torch.autocast(device.type, dtype=half.pop())
+
+
 def lora_state_dict(unet: nn.Module) -> dict[str, torch.Tensor]:
     """The adapters alone, named as peft names them (adapter name removed), fp32 contiguous copies."""
     from peft.utils import get_peft_model_state_dict
