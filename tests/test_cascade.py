@@ -323,7 +323,7 @@ def test_digits_decoder_preset_embeds_images_with_the_shipped_cnn_and_samples_fr
 
     r = run_cli("train", "digits-decoder", f"run.dir={tmp_path}/run", "train.max_steps=3", "train.batch_size=8",
                 "train.warmup_steps=1", "train.val_every_steps=0", "sample.every_steps=0", "train.threads=1",
-                "checkpoint.every_steps=0", env=ENV)  # fmt: skip
+                "sample.num=2", "sample.inference_steps=2", "checkpoint.every_steps=0", env=ENV)  # fmt: skip
     assert r.returncode == 0, r.stderr[-3000:]
     root = f"{tmp_path}/run/checkpoints"
     inputs = CheckpointStore(root).latest_valid().manifest["inputs"]
