@@ -12,6 +12,14 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 
+
+def pytest_configure(config):
+    """In-process tests use one intra-op thread: their models are tiny, and two OpenMP threads on a
+    loaded 2-core machine spin-wait on each other (tiny steps then run 50x slower)."""
+    import torch
+
+    torch.set_num_threads(1)
+
 # A model small enough that a step takes milliseconds on one CPU core.
 TINY = [
     "model.block_out_channels=[8,16]",

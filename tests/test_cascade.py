@@ -267,7 +267,7 @@ def test_digits_cascade_preset_trained_briefly_draws_the_requested_digits_above_
     from digits_classifier import class_accuracy, fit_digits_classifier
 
     r = run_cli("train", "digits-cascade", f"run.dir={tmp_path}/run", "train.stages=[1]", "train.max_steps=200",
-                "train.warmup_steps=20", "train.val_every_steps=0", "sample.every_steps=0", "train.threads=2",
+                "train.warmup_steps=20", "train.val_every_steps=0", "sample.every_steps=0", "train.threads=1",
                 "checkpoint.every_steps=0", "ema.decay=0.99", env=ENV)  # fmt: skip
     assert r.returncode == 0, r.stderr[-3000:]
     store = CheckpointStore(f"{tmp_path}/run/checkpoints")
