@@ -88,6 +88,14 @@ def check_frames(frames: int, temporal_patch: int, key: str = "data.num_frames")
         )
 
 
+def real_tokens(frames: torch.Tensor, length: int, temporal_patch: int, per_slice: int) -> torch.Tensor:
+    """(N, length) True for the tokens of slices that start with a real frame: `frames` (N,) real frames per
+    sample, slice 0 is frame 0 and slice j >= 1 starts at frame 1 + (j - 1) * temporal_patch."""
+    slices = torch.arange(length // per_slice, device=frames.device)
+    first_frame = (slices - 1).clamp(min=0) * temporal_patch + (slices > 0).long()
+    return (first_frame[None] < frames[:, None]).repeat_interleave(per_slice, dim=1)
+
+
 def sinusoidal(length: int, dim: int, device: torch.device) -> torch.Tensor:
     """Fixed sinusoidal positions (Vaswani et al. 2017) (length, dim): slice t's code depends on t alone, so
     any clip length on the 1 + k * temporal_patch grid works and a prefix keeps its embeddings."""
@@ -198,18 +206,9 @@ class CausalVideoAutoencoder(QuantizedAutoencoder):
         x = self._spatial(x, self.dec_spatial, self.dec_spatial_pos)
         return self._unpatchify(self.dec_norm(x))
 
-    def slice_mask(self, frames: torch.Tensor | None, slices: int) -> torch.Tensor | None:
-        """(N, S*h*w) True for tokens of slices that hold a real frame (a slice's first frame is real)."""
-        if frames is None:
-            return None
-        first_frame = torch.arange(slices, device=frames.device) * self.cfg.temporal_patch
-        first_frame[1:] -= self.cfg.temporal_patch - 1  # slice j >= 1 starts at frame 1 + (j-1)*tp
-        real = first_frame[None] < frames[:, None]
-        return real[:, :, None].expand(-1, -1, self.grid * self.grid).flatten(1)
-
     def forward(self, video: torch.Tensor, frames: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
         z = self.encode(video)
-        mask = self.slice_mask(frames, z.shape[1] // (self.grid * self.grid))
+        mask = None if frames is None else real_tokens(frames, z.shape[1], self.cfg.temporal_patch, self.grid**2)
         q, idx, aux = self.quantize(z, mask)
         recon = self.decode(q)
         # Per-sample commitment ||z - sg(q)||^2 over the real slices' tokens.
