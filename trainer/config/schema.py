@@ -111,8 +111,8 @@ class LogConfig(_Section):
 
 
 class DataConfig(_Section):
-    source: Literal["digits", "folder", "shards"] = "digits"
-    path: str | None = None
+    source: Literal["digits", "folder", "shards", "moving-digits", "video"] = "digits"
+    path: str | None = Field(None, description="folder: images; video: clips (recursive)")
     urls: str | list[str] | None = Field(
         None, description="shards: tar URLs/brace patterns on any fsspec store, or a shards.json list"
     )
@@ -120,16 +120,35 @@ class DataConfig(_Section):
     storage_options: dict[str, Any] = Field(default_factory=dict, description="shards: passed to fsspec")
     shard_window: int = Field(8, ge=0, description="shards: shards shuffled together per epoch; 0 = all")
     read_retries: int = Field(3, ge=0, description="shards: retries (exponential backoff) before a shard is skipped")
-    image_size: int = Field(16, ge=4)
+    image_size: int = Field(16, ge=4, description="default 32 for moving-digits")
     channels: Literal[1, 3] = 1
     flip: bool = False
     val_fraction: float = Field(0.05, ge=0, lt=1)
     ledger: bool = Field(False, description="record consumed sample indices in run.dir/ledger")
+    num_frames: int = Field(
+        1, ge=1, description="video sources: frames per clip; batches are (N, T, C, H, W); image sources ignore it"
+    )
+    frame_stride: int = Field(1, ge=1, description="video sources: keep every k-th decoded frame")
 
     @model_validator(mode="after")
     def _folder_needs_path(self) -> DataConfig:
+        if self.source == "moving-digits":
+            if "image_size" not in self.model_fields_set:
+                self.__dict__["image_size"] = 32  # a 16 px digit needs room to move
+            if self.image_size < 8:
+                raise ValueError(
+                    f"data.image_size={self.image_size}: data.source=moving-digits needs at least 8 "
+                    "(the digit is half the canvas and must have room to move)"
+                )
+            if self.flip:
+                raise ValueError(
+                    "data.flip=true with data.source=moving-digits would mirror the motion the caption and "
+                    "label name (left/right); set data.flip=false"
+                )
         if self.source == "folder" and not self.path:
             raise ValueError("data.source=folder needs data.path (a folder of images)")
+        if self.source == "video" and not self.path:
+            raise ValueError("data.source=video needs data.path (a folder of .gif/.mp4/.webm/.mkv/.mov clips)")
         if self.source == "shards" and not self.urls:
             raise ValueError(
                 "data.source=shards needs data.urls (e.g. s3://bucket/data/{000000..000099}.tar or .../shards.json)"

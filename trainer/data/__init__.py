@@ -9,16 +9,48 @@ from trainer.config import Config, ConfigError
 from trainer.data.datasets import DigitsDataset, ImageFolderDataset, Subset, collate
 from trainer.data.sampler import SampleRef, SampleStream, StepBatchSampler
 
-__all__ = ["build_splits", "build_train_loader", "SampleStream", "SampleRef", "Subset", "collate"]
+__all__ = [
+    "build_splits",
+    "build_train_loader",
+    "is_video",
+    "sample_shape",
+    "SampleStream",
+    "SampleRef",
+    "Subset",
+    "collate",
+]
 
 # The train/validation split must not move when the training seed changes.
 _SPLIT_SEED = 20240917
+
+
+VIDEO_SOURCES = ("moving-digits", "video")
+
+
+def is_video(cfg: Config) -> bool:
+    """Whether batches are clips (N, T, C, H, W) rather than images (N, C, H, W)."""
+    return cfg.data.source in VIDEO_SOURCES
+
+
+def sample_shape(cfg: Config) -> tuple[int, ...]:
+    """One sample's shape: (C, H, W) for images, (T, C, H, W) for clips."""
+    d = cfg.data
+    image = (d.channels, d.image_size, d.image_size)
+    return (d.num_frames, *image) if is_video(cfg) else image
 
 
 def build_dataset(cfg: Config):
     d = cfg.data
     if d.source == "digits":
         return DigitsDataset(d.image_size, d.channels)
+    if d.source == "moving-digits":
+        from trainer.data.video import MovingDigitsDataset
+
+        return MovingDigitsDataset(d.image_size, d.channels, d.num_frames)
+    if d.source == "video":
+        from trainer.data.video import VideoFolderDataset
+
+        return VideoFolderDataset(d.path, d.image_size, d.channels, d.num_frames, d.frame_stride)
     return ImageFolderDataset(d.path, d.image_size, d.channels)
 
 
@@ -32,7 +64,7 @@ def build_splits(cfg: Config) -> tuple[Subset, Subset | None, int | None]:
     n_val = int(n * cfg.data.val_fraction)
     train_idx = np.sort(perm[n_val:])
     val_idx = np.sort(perm[:n_val])
-    shape = (cfg.data.channels, cfg.data.image_size, cfg.data.image_size)
+    shape = sample_shape(cfg)
     train = Subset(ds, train_idx, cfg.data.flip, shape)
     val = Subset(ds, val_idx, False, shape) if n_val else None
     return train, val, getattr(ds, "num_classes", None)

@@ -146,7 +146,8 @@ def resize_center_crop(im: Image.Image, size: int) -> Image.Image:
 class Subset:
     """Training or validation part of a dataset, mapping local to dataset indices."""
 
-    def __init__(self, dataset, indices: np.ndarray, flip: bool, image_shape: tuple[int, int, int]):
+    def __init__(self, dataset, indices: np.ndarray, flip: bool, image_shape: tuple[int, ...]):
+        # image_shape: (C, H, W), or (T, C, H, W) for clips; an unreadable sample's slot is zeros of it.
         self.dataset = dataset
         self.indices = indices
         self.flip = flip
@@ -165,13 +166,18 @@ class Subset:
         index = int(self.indices[ref.index])
         item = self.dataset.load(index, ref.aug_seed, self.flip)
         if item is None:
-            return torch.zeros(self.image_shape), -1, index, ref.position, False, {}
+            return torch.zeros(self.image_shape), -1, index, ref.position, False, missing_extras(self.image_shape)
         image, label, *rest = item
         return image, label, index, ref.position, True, (rest[0] if rest else {})
 
 
+def missing_extras(shape: tuple[int, ...]) -> dict:
+    """Extras of an unreadable sample: a clip slot has 0 real frames, so `extras["frames"]` always exists."""
+    return {"frames": torch.tensor(0, dtype=torch.int64)} if len(shape) == 4 else {}
+
+
 def collate(items: list) -> dict:
-    """Stack a step's samples. Unreadable ones stay as zero images with valid=0.
+    """Stack a step's samples (images or clips). Unreadable ones stay as zeros with valid=0.
 
     Keeping their slots (instead of dropping them) keeps every chunk non-empty
     and the same size on every rank, so DDP's collectives never disagree; the

@@ -50,7 +50,7 @@ import torch
 from PIL import Image, UnidentifiedImageError
 
 from trainer.config import ConfigError
-from trainer.data.datasets import IMAGE_EXTENSIONS, image_to_tensor
+from trainer.data.datasets import IMAGE_EXTENSIONS, image_to_tensor, missing_extras
 from trainer.data.sampler import SampleRef, SampleStream
 from trainer.randomness import derive_seed
 
@@ -535,7 +535,9 @@ class ShardSplit:
         for (shard, member), ref, item in zip(where, refs, loaded, strict=True):
             gid = self.shardset.global_id(shard, member)
             if item is None:
-                items.append((torch.zeros(self.image_shape), -1, gid, ref.position, False, {}))
+                items.append(
+                    (torch.zeros(self.image_shape), -1, gid, ref.position, False, missing_extras(self.image_shape))
+                )
             else:
                 items.append((item[0], item[1], gid, ref.position, True, item[2]))
         items.stats = stats

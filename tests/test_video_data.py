@@ -1,0 +1,211 @@
+"""Video data: Moving Digits, clip folders decoded with PyAV, joint image+video batches, clips in shards."""
+
+from __future__ import annotations
+
+import json
+
+import av
+import numpy as np
+import pytest
+import torch
+from conftest import REPO, clean_env, run_cli
+from PIL import Image
+
+from trainer.config import ConfigError, load_config
+from trainer.data import build_splits, build_train_loader
+from trainer.data.datasets import DIGIT_WORDS, image_to_tensor
+from trainer.data.video import DIRECTIONS, MovingDigitsDataset, VideoFolderDataset
+
+PROBE_ENV = {"PYTHONPATH": str(REPO / "tests")}
+CLIP_PROBE = str(REPO / "tests" / "video_probe.yaml")
+
+
+def centre_of_mass(frame: torch.Tensor) -> tuple[float, float]:
+    w = (frame + 1).sum(0)  # background is -1: weight 0
+    ys, xs = torch.meshgrid(torch.arange(w.shape[0]), torch.arange(w.shape[1]), indexing="ij")
+    return float((w * ys).sum() / w.sum()), float((w * xs).sum() / w.sum())
+
+
+def test_moving_digits_are_deterministic_and_move_as_captioned():
+    a, b = MovingDigitsDataset(32, 1, 6), MovingDigitsDataset(32, 1, 6)
+    assert len(a) == 1797 * 4 and a.num_classes == 40
+    for i in (0, 1, 2, 3, 101, 7187):
+        clip, label, extras = a.load(i, aug_seed=i * 7, flip=False)
+        again, _, _ = b.load(i, aug_seed=0, flip=False)
+        assert torch.equal(clip, again)  # a function of the index alone
+        assert clip.shape == (6, 1, 32, 32) and clip.min() >= -1 and clip.max() <= 1
+        digit, direction = label % 10, label // 10
+        words = extras["caption"].split()
+        assert words[-1] == DIRECTIONS[direction] and words[-3] == DIGIT_WORDS[digit]
+        assert int(extras["frames"]) == 6
+        # The digit never leaves the canvas: every frame holds the same ink.
+        ink = (clip + 1).sum(dim=(1, 2, 3))
+        assert torch.allclose(ink, ink[0].expand_as(ink), rtol=1e-5)
+        ys, xs = zip(*(centre_of_mass(f) for f in clip), strict=True)
+        along, across = (xs, ys) if DIRECTIONS[direction] in ("left", "right") else (ys, xs)
+        sign = 1 if DIRECTIONS[direction] in ("right", "down") else -1
+        steps = [sign * (q - p) for p, q in zip(along, along[1:], strict=False)]
+        assert all(s > 2 for s in steps), (extras["caption"], along)  # 16 px over 5 steps: >= 3 px each
+        assert max(across) - min(across) < 1e-4
+    # Four directions per digit, each labelled direction * 10 + digit.
+    labels = [a.load(i, 0, False)[1] for i in range(4)]
+    assert [lab // 10 for lab in labels] == [0, 1, 2, 3] and len({lab % 10 for lab in labels}) == 1
+
+
+def test_moving_digits_config_and_batches():
+    cfg = load_config(None, ["data.source=moving-digits", "data.num_frames=4", "train.batch_size=6"])
+    assert cfg.data.image_size == 16  # the preset sets it; 32 is only the default when nothing does
+    train, val, num_classes = build_splits(cfg)
+    assert num_classes == 40 and len(train) + len(val) == 1797 * 4
+    batch = next(iter(build_train_loader(train, cfg, 0, 0, 1)))
+    assert batch["images"].shape == (6, 4, 1, 16, 16)
+    assert batch["extras"]["frames"].tolist() == [4] * 6 and batch["extras"]["frames"].dtype == torch.int64
+    assert all(" moving " in c for c in batch["captions"])
+    with pytest.raises(ConfigError, match="data.flip"):
+        load_config(None, ["data.source=moving-digits", "data.flip=true"])
+    with pytest.raises(ConfigError, match="num_frames"):
+        load_config(None, ["data.source=moving-digits", "data.num_frames=0"])
+
+
+def test_moving_digits_train_validate_and_preview_clips(tmp_path):
+    """The loop, validation and previews carry (N, T, C, H, W) batches unchanged (probe task checks them)."""
+    log = tmp_path / "probe.jsonl"
+    args = [
+        "train",
+        CLIP_PROBE,
+        f"run.dir={tmp_path}/run",
+        "train.max_steps=2",
+        "train.val_every_steps=2",
+        "train.val_batches=1",
+    ]
+    r = run_cli(*args, env=clean_env(**PROBE_ENV, VIDEO_PROBE_LOG=str(log)))
+    assert r.returncode == 0, r.stderr[-3000:]
+    lines = [json.loads(x) for x in log.read_text().splitlines()]
+    assert [x["step"] for x in lines] == [0, 1]
+    assert all(x["shape"] == [4, 3, 1, 8, 8] and x["frames"] == [3] * 4 for x in lines)
+    assert "val/mse=" in r.stderr
+    samples = tmp_path / "run" / "samples"
+    gif = samples / "step-000000002-reconstruction.gif"
+    assert gif.is_file() and (samples / "step-000000002-reconstruction.png").is_file()
+    with av.open(str(gif)) as c:
+        assert sum(1 for _ in c.decode(video=0)) == 3
+
+
+# ---------------------------------------------------------------- clip folders (PyAV)
+
+# Few colours, all in the GIF's palette: a GIF round trip is exact.
+COLOURS = np.array([[0, 0, 0], [255, 255, 255], [255, 0, 0], [0, 255, 0], [0, 0, 255], [255, 255, 0]], np.uint8)
+
+
+def random_frames(n: int, h: int, w: int, seed: int) -> list[np.ndarray]:
+    """`n` distinct (h, w, 3) uint8 frames drawn from COLOURS."""
+    rng = np.random.default_rng(seed)
+    return [COLOURS[rng.integers(0, len(COLOURS), (h, w))] for _ in range(n)]
+
+
+def write_gif(path, frames: list[np.ndarray]) -> None:
+    palette = np.zeros((256, 4), np.uint8)  # PyAV takes pal8 palettes as ARGB rows
+    palette[:, 0] = 255
+    palette[: len(COLOURS), 1:] = COLOURS
+    lookup = {tuple(c): i for i, c in enumerate(COLOURS.tolist())}
+    with av.open(str(path), "w") as c:
+        s = c.add_stream("gif", rate=8)
+        s.width, s.height, s.pix_fmt = frames[0].shape[1], frames[0].shape[0], "pal8"
+        for f in frames:
+            index = np.vectorize(lambda *rgb: lookup[rgb], otypes=[np.uint8])(f[..., 0], f[..., 1], f[..., 2])
+            for p in s.encode(av.VideoFrame.from_ndarray((index, palette), format="pal8")):
+                c.mux(p)
+        for p in s.encode():
+            c.mux(p)
+
+
+def write_mp4(path, frames: list[np.ndarray]) -> None:
+    """H.264 with qp=0 on 4:4:4 YUV: lossless coding; only the RGB <-> YUV conversion rounds."""
+    with av.open(str(path), "w") as c:
+        s = c.add_stream("libx264", rate=8, options={"qp": "0"})
+        s.width, s.height, s.pix_fmt = frames[0].shape[1], frames[0].shape[0], "yuv444p"
+        for f in frames:
+            for p in s.encode(av.VideoFrame.from_ndarray(f, format="rgb24")):
+                c.mux(p)
+        for p in s.encode():
+            c.mux(p)
+
+
+def as_tensor(frames: list[np.ndarray], size: int, channels: int) -> torch.Tensor:
+    return torch.stack([image_to_tensor(Image.fromarray(f), size, channels) for f in frames])
+
+
+# 8-bit BT.601 YUV: Y, Cb, Cr are each rounded (+-0.5 level); back to RGB a channel gains at most
+# 1.164 * 0.5 (Y) + 2.018 * 0.5 (the largest chroma coefficient) + 0.5 (rounding to uint8) < 2.1 levels,
+# so < 3 levels of 255, i.e. 6/255 in [-1, 1].
+YUV_TOLERANCE = 6 / 255
+
+
+def test_gif_and_mp4_decode_to_the_encoded_frames_with_stride(tmp_path):
+    gif_frames = random_frames(7, 16, 20, seed=1)  # not square: short side resized, then center-cropped
+    write_gif(tmp_path / "a.gif", gif_frames)
+    mp4_frames = random_frames(7, 16, 16, seed=2)
+    write_mp4(tmp_path / "b.mp4", mp4_frames)
+    (tmp_path / "a.txt").write_text("a colourful gif\n")
+
+    ds = VideoFolderDataset(str(tmp_path), image_size=8, channels=3, num_frames=3, frame_stride=3)
+    assert [p.name for p in ds.files] == ["a.gif", "b.mp4"] and ds.num_classes is None
+    clip, label, extras = ds.load(0, aug_seed=0, flip=False)
+    assert clip.shape == (3, 3, 8, 8) and label == -1
+    assert extras["caption"] == "a colourful gif" and int(extras["frames"]) == 3
+    assert torch.equal(clip, as_tensor(gif_frames[::3], 8, 3))  # frames 0, 3, 6, exact
+
+    full = VideoFolderDataset(str(tmp_path), image_size=16, channels=3, num_frames=7, frame_stride=1)
+    clip, _, extras = full.load(1, aug_seed=0, flip=False)
+    assert "caption" not in extras
+    assert (clip - as_tensor(mp4_frames, 16, 3)).abs().max() <= YUV_TOLERANCE
+    strided = VideoFolderDataset(str(tmp_path), image_size=16, channels=3, num_frames=4, frame_stride=2)
+    assert torch.equal(strided.load(1, 0, False)[0], clip[::2])  # the same decode, every other frame
+    gray = VideoFolderDataset(str(tmp_path), image_size=8, channels=1, num_frames=2, frame_stride=1)
+    assert torch.equal(gray.load(0, 0, False)[0], as_tensor(gif_frames[:2], 8, 1))
+    assert torch.equal(gray.load(0, aug_seed=1, flip=True)[0], as_tensor(gif_frames[:2], 8, 1).flip(-1))
+
+    # Too short for 3 frames at stride 4 (needs 9 of 7): skipped, not padded.
+    short = VideoFolderDataset(str(tmp_path), image_size=8, channels=3, num_frames=3, frame_stride=4)
+    assert short.load(0, 0, False) is None and short.load(1, 0, False) is None
+
+
+def test_broken_and_short_clips_are_skipped_and_counted(tmp_path):
+    data = tmp_path / "clips"
+    for cls in ("moving", "still"):
+        (data / cls).mkdir(parents=True)
+    write_gif(data / "moving" / "good.gif", random_frames(4, 8, 8, seed=3))
+    (data / "moving" / "good.txt").write_text("a good gif")
+    write_mp4(data / "still" / "good.mp4", random_frames(4, 8, 8, seed=4))
+    write_mp4(data / "still" / "whole.mp4", random_frames(4, 8, 8, seed=5))
+    whole = (data / "still" / "whole.mp4").read_bytes()
+    (data / "still" / "whole.mp4").unlink()
+    (data / "still" / "truncated.mp4").write_bytes(whole[: len(whole) // 2])
+    (data / "moving" / "garbage.webm").write_bytes(b"\x1aE\xdf\xa3" + b"not a clip" * 20)
+    write_gif(data / "moving" / "short.gif", random_frames(2, 8, 8, seed=6))
+    (data / "notes.md").write_text("not a clip")
+
+    log = tmp_path / "probe.jsonl"
+    args = [
+        "train",
+        CLIP_PROBE,
+        f"run.dir={tmp_path}/run",
+        "data.source=video",
+        f"data.path={data}",
+        "data.channels=3",
+        "data.val_fraction=0",
+        "train.batch_size=5",
+        "train.max_steps=2",
+    ]
+    r = run_cli(*args, env=clean_env(**PROBE_ENV, VIDEO_PROBE_LOG=str(log)))
+    assert r.returncode == 0, r.stderr[-3000:]
+    # Five clips, batch 5: each step sees every clip, three of them bad; each is logged once.
+    assert r.stderr.count("skipping clip") == 3, r.stderr
+    assert "truncated.mp4" in r.stderr and "garbage.webm" in r.stderr and "too short" in r.stderr
+    doc = json.loads((tmp_path / "run" / "checkpoints" / "step-000000002" / "trainer.json").read_text())
+    assert doc["progress"]["skipped_samples"] == 6
+    lines = [json.loads(x) for x in log.read_text().splitlines()]
+    for line in lines:
+        assert line["shape"] == [5, 3, 3, 8, 8]
+        assert sorted(line["frames"]) == [0, 0, 0, 3, 3] and sum(line["valid"]) == 2
+        assert sorted(zip(line["captions"], line["labels"], strict=True))[-1] == ("a good gif", 0)
