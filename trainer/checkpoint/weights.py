@@ -130,7 +130,11 @@ def load_for_inference(
     from trainer.tasks.base import TaskContext
 
     cfg = config_from_dict(info.manifest["config"])
-    ctx = TaskContext(cfg.data.image_size, cfg.data.channels, cfg.seed, None, cfg.checkpoint.storage_options)
+    from trainer.data import is_video
+
+    frames = cfg.data.num_frames if is_video(cfg) else 1
+    ctx = TaskContext(cfg.data.image_size, cfg.data.channels, cfg.seed, None, cfg.checkpoint.storage_options,
+                      num_frames=frames)  # fmt: skip
     task = task_class(cfg.task)(cfg.model_cfg, ctx)
     records = info.manifest.get("frozen") or {}
     frozen = {

@@ -258,6 +258,13 @@ class VideoTokenizerTask(VQGANTask):
         }
 
     def forward(self, modules, batch: Batch, step: int) -> dict[str, Any]:
+        if batch.images.ndim != 5:
+            from trainer.config import ConfigError
+
+            raise ConfigError(
+                "task=video-tokenizer needs clips (N, T, C, H, W): use a video data.source (moving-digits, video); "
+                "images join as one-frame clips through data.image_ratio"
+            )
         return modules["generator"](batch.images, batch.extras.get("frames"))
 
     def frame_weights(self, batch: Batch) -> torch.Tensor:
