@@ -294,10 +294,12 @@ class MaskGITTask(Task):
 
     # ---- training
     def forward(self, modules, batch: Batch, step: int) -> dict[str, Any]:
-        encode = modules["tokenizer"].encode_indices
+        def encode(x: torch.Tensor) -> torch.Tensor:  # FSQ and LFQ give int32 codes; the losses want int64
+            return modules["tokenizer"].encode_indices(x).flatten(1).long()
+
         if self.cache is None:
-            return {"tokens": encode(batch.images).flatten(1)}
-        return {"tokens": self.cache.tokens(batch.images, lambda x: encode(x).flatten(1))}
+            return {"tokens": encode(batch.images)}
+        return {"tokens": self.cache.tokens(batch.images, encode)}
 
     def token_mask(self, batch: Batch, tokens: torch.Tensor) -> torch.Tensor | None:
         """(N, L) True for real tokens, None when all are (images; videos without padding frames)."""

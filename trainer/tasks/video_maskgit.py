@@ -96,3 +96,6 @@ class VideoMaskGITTask(MaskGITTask):
     def decode_tokens(self, modules: Mapping[str, nn.Module], tokens: torch.Tensor, frames: int | None) -> torch.Tensor:
         video = super().decode_tokens(modules, tokens, frames)
         return video[:, : frames or self.ctx.num_frames]
+
+
+TASK = VideoMaskGITTask
