@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from fractions import Fraction
 
 import av
 import numpy as np
@@ -11,9 +12,10 @@ import torch
 from conftest import REPO, clean_env, run_cli
 from PIL import Image
 
-from trainer.config import ConfigError, load_config
+from trainer.config import ConfigError, DataConfig, load_config
 from trainer.data import build_splits, build_train_loader
 from trainer.data.datasets import DIGIT_WORDS, image_to_tensor
+from trainer.data.sampler import SampleRef, SampleStream
 from trainer.data.video import DIRECTIONS, MovingDigitsDataset, VideoFolderDataset
 
 PROBE_ENV = {"PYTHONPATH": str(REPO / "tests")}
@@ -53,8 +55,8 @@ def test_moving_digits_are_deterministic_and_move_as_captioned():
 
 
 def test_moving_digits_config_and_batches():
-    cfg = load_config(None, ["data.source=moving-digits", "data.num_frames=4", "train.batch_size=6"])
-    assert cfg.data.image_size == 16  # the preset sets it; 32 is only the default when nothing does
+    assert DataConfig(source="moving-digits").image_size == 32  # the default canvas when nothing sets it
+    cfg = load_config(CLIP_PROBE, ["data.image_size=16", "data.num_frames=4", "train.batch_size=6"])
     train, val, num_classes = build_splits(cfg)
     assert num_classes == 40 and len(train) + len(val) == 1797 * 4
     batch = next(iter(build_train_loader(train, cfg, 0, 0, 1)))
@@ -62,13 +64,20 @@ def test_moving_digits_config_and_batches():
     assert batch["extras"]["frames"].tolist() == [4] * 6 and batch["extras"]["frames"].dtype == torch.int64
     assert all(" moving " in c for c in batch["captions"])
     with pytest.raises(ConfigError, match="data.flip"):
-        load_config(None, ["data.source=moving-digits", "data.flip=true"])
+        load_config(CLIP_PROBE, ["data.flip=true"])
     with pytest.raises(ConfigError, match="num_frames"):
-        load_config(None, ["data.source=moving-digits", "data.num_frames=0"])
+        load_config(CLIP_PROBE, ["data.num_frames=0"])
+    with pytest.raises(ConfigError, match="data.image_ratio=0.5 mixes images into clip batches"):
+        load_config(CLIP_PROBE, ["data.source=digits", "data.image_ratio=0.5"])
+    with pytest.raises(ConfigError, match="data.image_path"):
+        load_config(CLIP_PROBE, ["data.image_ratio=0.5", "data.image_source=folder"])
+    with pytest.raises(ConfigError, match="data.path"):
+        load_config(CLIP_PROBE, ["data.source=video"])
 
 
-def test_moving_digits_train_validate_and_preview_clips(tmp_path):
-    """The loop, validation and previews carry (N, T, C, H, W) batches unchanged (probe task checks them)."""
+def test_moving_digits_train_validate_preview_and_resume_clips(tmp_path):
+    """The loop, validation and previews carry (N, T, C, H, W) batches unchanged (the probe task checks them),
+    and a resumed run continues the joint image+video sequence of an uninterrupted loader."""
     log = tmp_path / "probe.jsonl"
     args = [
         "train",
@@ -77,18 +86,35 @@ def test_moving_digits_train_validate_and_preview_clips(tmp_path):
         "train.max_steps=2",
         "train.val_every_steps=2",
         "train.val_batches=1",
+        "data.image_ratio=0.25",  # joint training: one digit image (a one-frame clip) per batch of 4
     ]
     r = run_cli(*args, env=clean_env(**PROBE_ENV, VIDEO_PROBE_LOG=str(log)))
     assert r.returncode == 0, r.stderr[-3000:]
     lines = [json.loads(x) for x in log.read_text().splitlines()]
     assert [x["step"] for x in lines] == [0, 1]
-    assert all(x["shape"] == [4, 3, 1, 8, 8] and x["frames"] == [3] * 4 for x in lines)
+    for x in lines:  # the probe also checks that frames after extras["frames"] are zeros
+        assert x["shape"] == [4, 3, 1, 8, 8] and sorted(x["frames"]) == [1, 3, 3, 3]
+        image = x["frames"].index(1)
+        assert x["captions"][image].startswith("a handwritten ") and 40 <= x["labels"][image] < 50
     assert "val/mse=" in r.stderr
     samples = tmp_path / "run" / "samples"
     gif = samples / "step-000000002-reconstruction.gif"
     assert gif.is_file() and (samples / "step-000000002-reconstruction.png").is_file()
     with av.open(str(gif)) as c:
         assert sum(1 for _ in c.decode(video=0)) == 3
+
+    # Restart from the step-2 checkpoint for one more step: steps 0-2 are what one loader yields from cursor 0.
+    r = run_cli(*args[:3], "train.max_steps=3", *args[4:], env=clean_env(**PROBE_ENV, VIDEO_PROBE_LOG=str(log)))
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "resumed_from=" in r.stderr and "step=2 cursor=8" in r.stderr, r.stderr[-3000:]
+    lines = [json.loads(x) for x in log.read_text().splitlines()]
+    assert [x["step"] for x in lines] == [0, 1, 2]
+    cfg = load_config(CLIP_PROBE, ["data.image_ratio=0.25"])
+    loader = iter(build_train_loader(build_splits(cfg)[0], cfg, 0, 0, 1))
+    for x in lines:
+        batch = next(loader)
+        assert x["indices"] == batch["indices"].tolist() and x["labels"] == batch["labels"].tolist()
+        assert x["frames"] == batch["extras"]["frames"].tolist() and x["captions"] == batch["captions"]
 
 
 # ---------------------------------------------------------------- clip folders (PyAV)
@@ -209,3 +235,130 @@ def test_broken_and_short_clips_are_skipped_and_counted(tmp_path):
         assert line["shape"] == [5, 3, 3, 8, 8]
         assert sorted(line["frames"]) == [0, 0, 0, 3, 3] and sum(line["valid"]) == 2
         assert sorted(zip(line["captions"], line["labels"], strict=True))[-1] == ("a good gif", 0)
+
+
+# ---------------------------------------------------------------- joint image+video training
+
+
+def joint_cfg(*extra: str):
+    return load_config(CLIP_PROBE, ["data.num_frames=2", "train.batch_size=6", *extra])
+
+
+def rank_batches(train, cfg, cursor: int, world_size: int, steps: int) -> list[dict]:
+    """`steps` global batches from `cursor`, each the concatenation of every rank's batch."""
+    loaders = [iter(build_train_loader(train, cfg, cursor, r, world_size)) for r in range(world_size)]
+    out = []
+    for _ in range(steps):
+        parts = [next(it) for it in loaders]
+        out.append(
+            {
+                "images": torch.cat([p["images"] for p in parts]),
+                "indices": torch.cat([p["indices"] for p in parts]),
+                "frames": torch.cat([p["extras"]["frames"] for p in parts]),
+                "labels": torch.cat([p["labels"] for p in parts]),
+                "positions": [q for p in parts for q in p["positions"]],
+            }
+        )
+    return out
+
+
+def test_joint_batches_keep_their_ratio_across_a_resume_and_world_sizes():
+    cfg = joint_cfg("data.image_ratio=0.3")
+    train, _, num_classes = build_splits(cfg)
+    assert num_classes == 50
+    steps, b = 7, 6
+    ref = rank_batches(train, cfg, 0, 1, steps)
+    for s, batch in enumerate(ref):
+        images = (batch["frames"] == 1).sum().item()
+        assert images == int((s + 1) * b * 0.3) - int(s * b * 0.3)  # floor((s+1)Br) - floor(sBr)
+        assert ((batch["frames"] == 1) == (batch["indices"] >= 1797 * 4)).all()  # images: indices past the clips
+        assert (batch["images"][batch["frames"] == 1][:, 1:] == 0).all()  # one-frame clips: frame 1 is zeros
+    # Resume: a loader rebuilt at step 3's cursor continues the uninterrupted sequence exactly,
+    # at the same world size and after a world-size change.
+    for world_size in (1, 2, 3):
+        resumed = rank_batches(train, cfg, 3 * b, world_size, steps - 3)
+        for a, r in zip(ref[3:], resumed, strict=True):
+            assert r["positions"] == list(range(b))
+            for key in ("images", "indices", "frames", "labels"):
+                assert torch.equal(a[key], r[key]), key
+
+
+def test_joint_stream_uses_every_image_and_clip_once_per_epoch_at_any_world_size():
+    from trainer.data.joint import JointStream
+
+    n_clips, n_images, b, ratio = 23, 7, 6, Fraction(1, 4)
+    seen: dict[int, list] = {}
+    for world_size in (1, 2, 3):
+        clips, images = SampleStream(n_clips, seed=3), SampleStream(n_images, seed=4)
+        stream = JointStream(clips, images, ratio, seed=3)
+        entries = []
+        for step in range(40):  # 240 positions: 180 clips (7+ epochs), 60 images (8+ epochs)
+            refs = [ref for r in range(world_size) for ref in stream.rank_slice(step * b, b, r, world_size)]
+            assert [ref.position for ref in refs] == list(range(b))
+            entries += [ref.index for ref in refs]
+        seen[world_size] = entries
+    assert seen[1] == seen[2] == seen[3]
+    # Rank 1 of 3 changing to 2 ranks mid-run: the union is still the single-rank stream.
+    stream = JointStream(SampleStream(n_clips, seed=3), SampleStream(n_images, seed=4), ratio, seed=3)
+    mixed = [
+        ref.index
+        for step in range(40)
+        for w in [2 if step < 17 else 3]
+        for r in range(w)
+        for ref in stream.rank_slice(step * b, b, r, w)
+    ]
+    assert mixed == seen[1]
+    clip_seq = [i for i in seen[1] if i < n_clips]
+    image_seq = [i - n_clips for i in seen[1] if i >= n_clips]
+    assert len(image_seq) == 60 and len(clip_seq) == 180
+    for seq, n in ((clip_seq, n_clips), (image_seq, n_images)):
+        for e in range(len(seq) // n):  # every complete epoch of each stream is a permutation of it
+            assert sorted(seq[e * n : (e + 1) * n]) == list(range(n))
+        assert seq[:n] != seq[n : 2 * n]  # and epochs are reshuffled
+    # Image slots spread evenly: any 3 consecutive positions (a rank's share at W=2) hold 0 or 1 image.
+    flags = [i >= n_clips for i in seen[1]]
+    assert all(sum(flags[p : p + 3]) in (0, 1) for p in range(len(flags) - 3))
+
+
+# ---------------------------------------------------------------- clips in WebDataset shards
+
+
+def test_clips_packed_into_shards_decode_like_the_folder_and_mix_with_images(tmp_path):
+    from trainer.data.pack import pack_folder
+
+    src = tmp_path / "clips"
+    for cls in ("a", "b"):
+        (src / cls).mkdir(parents=True)
+    for i in range(3):
+        write_gif(src / "a" / f"{i}.gif", random_frames(4, 10, 12, seed=10 + i))
+        (src / "a" / f"{i}.txt").write_text(f"gif number {i}")
+        write_mp4(src / "b" / f"{i}.mp4", random_frames(5, 8, 8, seed=20 + i))
+    write_gif(src / "b" / "short.gif", random_frames(2, 8, 8, seed=30))  # decodes, but too short for 3 frames
+    (src / "b" / "broken.mp4").write_bytes(b"\x00\x00\x00\x18ftypmp42" + b"\x00" * 40)  # no video: not packed
+    out = tmp_path / "shards"
+    summary = pack_folder(str(src), str(out), samples_per_shard=3, progress=False)
+    assert (summary.shards, summary.samples, summary.skipped) == (3, 7, 1)
+
+    args = [f"data.urls={out}/shards.json", "data.num_frames=3", "data.frame_stride=1", "data.val_fraction=0"]
+    cfg = load_config(CLIP_PROBE, ["data.source=shards", "data.image_size=8", "data.channels=3", *args])
+    train, val, num_classes = build_splits(cfg)
+    assert len(train) == 7 and val is None and num_classes == 2
+    items = train.__getitems__([SampleRef(index=i, position=i, aug_seed=0) for i in range(7)])
+    folder = VideoFolderDataset(str(src), 8, 3, num_frames=3, frame_stride=1)
+    good = [p for p in folder.files if p.name != "broken.mp4"]
+    for (clip, label, _, _, valid, extras), path in zip(items, good, strict=True):
+        expected = folder.load(folder.files.index(path), 0, False)
+        if path.name == "short.gif":
+            assert expected is None and not valid and int(extras["frames"]) == 0
+            continue
+        assert valid and torch.equal(clip, expected[0]) and label == expected[1]
+        assert int(extras["frames"]) == 3 and extras.get("caption") == expected[2].get("caption")
+
+    # Joint training over shards: digit images join the clips; the shard fetch's byte counts survive.
+    cfg = load_config(CLIP_PROBE, ["data.source=shards", "data.image_size=8", "data.channels=1", "train.batch_size=4",
+                             "data.image_ratio=0.5", *args])  # fmt: skip
+    train, _, num_classes = build_splits(cfg)
+    assert num_classes == 12
+    batch = next(iter(build_train_loader(train, cfg, 0, 0, 1)))
+    assert batch["images"].shape == (4, 3, 1, 8, 8) and batch["extras"]["frames"].tolist().count(1) == 2
+    assert batch["io"]["data_bytes"] > 0

@@ -67,6 +67,7 @@ class ClipProbeTask(Task):
                     "valid": batch.valid.tolist(),
                     "captions": batch.captions,
                     "labels": batch.labels.tolist(),
+                    "indices": batch.indices.tolist(),
                 }
                 f.write(json.dumps(line) + "\n")
         return Loss(self._per_sample(modules, batch))

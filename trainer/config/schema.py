@@ -129,6 +129,11 @@ class DataConfig(_Section):
         1, ge=1, description="video sources: frames per clip; batches are (N, T, C, H, W); image sources ignore it"
     )
     frame_stride: int = Field(1, ge=1, description="video sources: keep every k-th decoded frame")
+    image_ratio: float = Field(
+        0.0, ge=0, lt=1, description="video sources: share of every batch that is images (one-frame clips)"
+    )
+    image_source: Literal["digits", "folder"] = Field("digits", description="image_ratio > 0: where images come from")
+    image_path: str | None = Field(None, description="image_source=folder: a folder of images")
 
     @model_validator(mode="after")
     def _folder_needs_path(self) -> DataConfig:
@@ -147,6 +152,15 @@ class DataConfig(_Section):
                 )
         if self.source == "folder" and not self.path:
             raise ValueError("data.source=folder needs data.path (a folder of images)")
+        if self.image_ratio > 0:
+            if not (self.source in ("moving-digits", "video") or (self.source == "shards" and self.num_frames > 1)):
+                raise ValueError(
+                    f"data.image_ratio={self.image_ratio} mixes images into clip batches, but data.source="
+                    f"{self.source} gives images; use a video source (moving-digits, video, or shards with "
+                    "data.num_frames > 1) or set data.image_ratio=0"
+                )
+            if self.image_source == "folder" and not self.image_path:
+                raise ValueError("data.image_source=folder needs data.image_path (a folder of images)")
         if self.source == "video" and not self.path:
             raise ValueError("data.source=video needs data.path (a folder of .gif/.mp4/.webm/.mkv/.mov clips)")
         if self.source == "shards" and not self.urls:

@@ -29,7 +29,7 @@ VIDEO_SOURCES = ("moving-digits", "video")
 
 def is_video(cfg: Config) -> bool:
     """Whether batches are clips (N, T, C, H, W) rather than images (N, C, H, W)."""
-    return cfg.data.source in VIDEO_SOURCES
+    return cfg.data.source in VIDEO_SOURCES or (cfg.data.source == "shards" and cfg.data.num_frames > 1)
 
 
 def sample_shape(cfg: Config) -> tuple[int, ...]:
@@ -57,17 +57,45 @@ def build_dataset(cfg: Config):
 def build_splits(cfg: Config) -> tuple[Subset, Subset | None, int | None]:
     """(train, validation or None, number of classes or None)."""
     if cfg.data.source == "shards":
-        return build_shard_splits(cfg)
-    ds = build_dataset(cfg)
+        train, val, num_classes = build_shard_splits(cfg)
+    else:
+        train, val, num_classes = split(build_dataset(cfg), cfg.data.val_fraction, cfg.data.flip, sample_shape(cfg))
+    if cfg.data.image_ratio > 0:
+        train, num_classes = joint_split(cfg, train, num_classes)
+    return train, val, num_classes
+
+
+def split(ds, val_fraction: float, flip: bool, shape: tuple[int, ...]) -> tuple[Subset, Subset | None, int | None]:
     n = len(ds)
     perm = np.random.default_rng(_SPLIT_SEED).permutation(n)
-    n_val = int(n * cfg.data.val_fraction)
+    n_val = int(n * val_fraction)
     train_idx = np.sort(perm[n_val:])
     val_idx = np.sort(perm[:n_val])
-    shape = sample_shape(cfg)
-    train = Subset(ds, train_idx, cfg.data.flip, shape)
+    train = Subset(ds, train_idx, flip, shape)
     val = Subset(ds, val_idx, False, shape) if n_val else None
     return train, val, getattr(ds, "num_classes", None)
+
+
+def _image_dataset(cfg: Config):
+    d = cfg.data
+    if d.image_source == "digits":
+        return DigitsDataset(d.image_size, d.channels)
+    return ImageFolderDataset(d.image_path, d.image_size, d.channels)
+
+
+def joint_split(cfg: Config, clips, clip_classes: int | None):
+    """(joint image+video training set, number of classes): the clip training split plus the image source's
+    training split (the same held-out fraction as any image set; validation stays on clips). Image labels
+    follow the clip classes, so class conditioning tells "a seven" from "a seven moving left"."""
+    from trainer.data.joint import JointSet
+
+    d = cfg.data
+    image_ds = _image_dataset(cfg)
+    images, _, image_classes = split(image_ds, d.val_fraction, d.flip, (d.channels, d.image_size, d.image_size))
+    joint = JointSet(clips, images, d.image_ratio, sample_shape(cfg), label_offset=clip_classes or 0)
+    if clip_classes is None and image_classes is None:
+        return joint, None
+    return joint, (clip_classes or 0) + (image_classes or 0)
 
 
 def build_shard_splits(cfg: Config):
@@ -75,11 +103,13 @@ def build_shard_splits(cfg: Config):
     from trainer.data.shards import ShardSet, ShardSplit, load_shard_list
 
     d = cfg.data
-    shape = (d.channels, d.image_size, d.image_size)
+    shape = sample_shape(cfg)
+    frames = d.num_frames if is_video(cfg) else 1
 
     def shard_set(urls, key: str) -> ShardSet:
         return ShardSet(load_shard_list(urls, d.storage_options, key), d.storage_options, d.image_size,
-                        d.channels, retries=d.read_retries)  # fmt: skip
+                        d.channels, retries=d.read_retries, num_frames=frames,
+                        frame_stride=d.frame_stride)  # fmt: skip
 
     train_set = shard_set(d.urls, "data.urls")
     if d.val_urls:

@@ -1,4 +1,4 @@
-"""`gentrain data pack` and `gentrain data index`: image folders into WebDataset shards, indexes for any shards.
+"""`gentrain data pack` and `gentrain data index`: image (or clip) folders into WebDataset shards, indexes for any shards.
 
 Packing writes each shard with webdataset's `TarWriter` to a local temporary
 file, scans it with the same code `data index` uses (so the index always
@@ -32,6 +32,7 @@ from trainer.data.shards import (
     strip_protocol,
     url_dir,
 )
+from trainer.data.video import VIDEO_EXTENSIONS, ClipError, decode_clip
 
 log = logging.getLogger(__name__)
 
@@ -48,8 +49,13 @@ class PackSummary:
 
 
 def folder_samples(src: Path) -> tuple[list[tuple[Path, int]], list[str]]:
-    """Every image below `src` (sorted) with its class number (first-level subfolder; -1 when flat), class names."""
+    """Every image below `src` (sorted) with its class number (first-level subfolder; -1 when flat), class names.
+
+    A folder without images but with clips (gif/mp4/webm/mkv/mov) gives its clips instead: they are packed
+    as they are (not re-encoded) and read back as clips with `data.num_frames` > 1."""
     files = sorted(p for p in src.rglob("*") if p.is_file() and p.suffix.lower() in IMAGE_EXTENSIONS)
+    if not files:
+        files = sorted(p for p in src.rglob("*") if p.is_file() and p.suffix.lower() in VIDEO_EXTENSIONS)
     rel = [p.relative_to(src).parts for p in files]
     classes = sorted({parts[0] for parts in rel if len(parts) > 1})
     index = {c: i for i, c in enumerate(classes)}
@@ -76,6 +82,12 @@ def sample_members(image: Path, label: int) -> dict[str, bytes]:
 
 
 def _readable(image: Path) -> bool:
+    if image.suffix.lower() in VIDEO_EXTENSIONS:
+        try:  # at least one frame decodes; a clip too short for some data.num_frames is skipped at load time
+            decode_clip(str(image), 8, 3, 1, 1)
+            return True
+        except ClipError:
+            return False
     try:
         with Image.open(image) as im:
             im.verify()
@@ -102,7 +114,7 @@ def pack_folder(
         raise ConfigError(f"data pack: --samples-per-shard={samples_per_shard} must be at least 1")
     files, classes = folder_samples(base)
     if not files:
-        raise ConfigError(f"data pack: {src!r} holds no {'/'.join(IMAGE_EXTENSIONS)} files")
+        raise ConfigError(f"data pack: {src!r} holds no {'/'.join(IMAGE_EXTENSIONS + VIDEO_EXTENSIONS)} files")
     fs = filesystem(out_url, storage_options)
     out = out_url.rstrip("/")
     fs.makedirs(strip_protocol(fs, out), exist_ok=True)
@@ -130,7 +142,7 @@ def pack_folder(
 
     for image, label in tqdm(files, desc="packing", unit="img", disable=not progress):
         if not _readable(image):
-            log.warning("skipping unreadable image %s", image)
+            log.warning("skipping unreadable file %s", image)
             summary.skipped += 1
             continue
         key = f"{summary.samples + len(pending):09d}"

@@ -52,6 +52,7 @@ from PIL import Image, UnidentifiedImageError
 from trainer.config import ConfigError
 from trainer.data.datasets import IMAGE_EXTENSIONS, image_to_tensor, missing_extras
 from trainer.data.sampler import SampleRef, SampleStream
+from trainer.data.video import VIDEO_EXTENSIONS, decode_clip, frames_extra
 from trainer.randomness import derive_seed
 
 log = logging.getLogger(__name__)
@@ -62,6 +63,7 @@ SHARDLIST_NAME = "shards.json"
 SHARDLIST_KIND = "wids-shard-index-v1"
 
 _IMAGE_EXTS = tuple(e.lstrip(".") for e in IMAGE_EXTENSIONS)
+_VIDEO_EXTS = tuple(e.lstrip(".") for e in VIDEO_EXTENSIONS)
 _STREAM_SHARDS = 3
 _STREAM_WINDOW = 4
 _SPLIT_SEED = 20240917
@@ -271,17 +273,34 @@ def parse_sample(blob: bytes) -> dict[str, bytes]:
     return members
 
 
-def decode_sample(members: dict[str, bytes], image_size: int, channels: int, flip: bool, aug_seed: int):
-    """(image, label, extras) from a sample's members; ValueError/OSError when it cannot be used."""
-    ext = next((e for e in _IMAGE_EXTS if e in members), None)
-    if ext is None:
-        raise ValueError(f"no image member (have {sorted(members)})")
-    with Image.open(io.BytesIO(members[ext])) as im:
-        x = image_to_tensor(im, image_size, channels)
+def decode_sample(
+    members: dict[str, bytes],
+    image_size: int,
+    channels: int,
+    flip: bool,
+    aug_seed: int,
+    num_frames: int = 1,
+    frame_stride: int = 1,
+):
+    """(image, label, extras) from a sample's members; ValueError/OSError when it cannot be used.
+
+    With `num_frames` > 1 the sample is a clip: its mp4/gif/webm/mkv/mov member is decoded with PyAV
+    into (num_frames, C, H, W) (`extras["frames"]` = num_frames); a too-short clip is a ValueError."""
+    if num_frames > 1:
+        ext = next((e for e in _VIDEO_EXTS if e in members), None)
+        if ext is None:
+            raise ValueError(f"no clip member ({'/'.join(_VIDEO_EXTS)}; have {sorted(members)})")
+        x = decode_clip(io.BytesIO(members[ext]), image_size, channels, num_frames, frame_stride)
+    else:
+        ext = next((e for e in _IMAGE_EXTS if e in members), None)
+        if ext is None:
+            raise ValueError(f"no image member (have {sorted(members)})")
+        with Image.open(io.BytesIO(members[ext])) as im:
+            x = image_to_tensor(im, image_size, channels)
     if flip and aug_seed & 1:
         x = x.flip(-1)
     label = int(members["cls"].decode().strip()) if "cls" in members else -1
-    extras: dict = {}
+    extras: dict = {"frames": frames_extra(num_frames)} if num_frames > 1 else {}
     if "txt" in members:
         extras["caption"] = members["txt"].decode("utf-8", errors="replace").strip()
     for name, raw in members.items():
@@ -325,8 +344,12 @@ class ShardSet:
         retries: int = 3,
         backoff_seconds: float = 0.2,
         index_cache: int = 64,
+        num_frames: int = 1,
+        frame_stride: int = 1,
     ):
         self.shards = shards
+        self.num_frames = num_frames  # > 1: samples are clips
+        self.frame_stride = frame_stride
         self.storage_options = dict(storage_options or {})
         self.image_size = image_size
         self.channels = channels
@@ -430,7 +453,10 @@ class ShardSet:
             try:
                 if len(blob) != end - start:
                     raise ValueError(f"short read: {len(blob)} of {end - start} bytes")
-                out[slot] = decode_sample(parse_sample(blob), self.image_size, self.channels, flip, aug_seed)
+                out[slot] = decode_sample(
+                    parse_sample(blob), self.image_size, self.channels, flip, aug_seed, self.num_frames,
+                    self.frame_stride,
+                )  # fmt: skip
             except (OSError, ValueError, KeyError, tarfile.TarError, UnidentifiedImageError, Image.DecompressionBombError) as e:  # fmt: skip
                 where = f"{self.shards.urls[shard]}#{member}"
                 if where not in self._reported:
