@@ -206,12 +206,13 @@ def test_video_maskgit_samples_gifs_named_by_caption_with_the_frames_asked_for(t
 
 @pytest.mark.slow
 def test_video_tokenizer_under_torchrun_resumes_bit_identical_after_sigkill(tmp_path):
+    """Joint image+video batches (a quarter one-frame images, padded): padding and all."""
     steps = 6
 
     def args(root):
         return tokenizer_args(
             root, "task=probe_tasks:KillableVideoTokenizer", "model.disc_start_step=2", "model.grad_penalty_every=2",
-            "model.dead_code_threshold=0.5", "checkpoint.every_steps=2", max_steps=steps,
+            "model.dead_code_threshold=0.5", "checkpoint.every_steps=2", "data.image_ratio=0.25", max_steps=steps,
         )  # fmt: skip
 
     a = _kill_and_compare(tmp_path, args, kill_at=3, steps=steps)
@@ -226,7 +227,7 @@ def test_video_maskgit_under_torchrun_resumes_bit_identical_after_sigkill(tmp_pa
     def args(root):
         return maskgit_args(
             root, tokenizer, "task=probe_tasks:KillableVideoMaskGIT", "model.dropout=0.1", "checkpoint.every_steps=2",
-            max_steps=steps,
+            "data.image_ratio=0.25", max_steps=steps,
         )  # fmt: skip
 
     a = _kill_and_compare(tmp_path, args, kill_at=3, steps=steps)
