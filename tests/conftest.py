@@ -12,6 +12,14 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 
+
+def pytest_configure(config):
+    """In-process tests use one intra-op thread: their models are tiny, and two OpenMP threads on a
+    loaded 2-core machine spin-wait on each other (tiny steps then run 50x slower)."""
+    import torch
+
+    torch.set_num_threads(1)
+
 # A model small enough that a step takes milliseconds on one CPU core.
 TINY = [
     "model.block_out_channels=[8,16]",
@@ -42,9 +50,10 @@ def clean_env(**extra: str) -> dict[str, str]:
 
 
 def run_cli(
-    *args: str, timeout: float = 240, env: dict[str, str] | None = None, cwd: Path | None = None
+    *args: str, timeout: float = 900, env: dict[str, str] | None = None, cwd: Path | None = None
 ) -> subprocess.CompletedProcess:
-    """`python -m trainer ARGS` in a fresh process; killed if it outlives `timeout`."""
+    """`python -m trainer ARGS` in a fresh process; killed if it outlives `timeout` (a hang bound only:
+    loaded or slow machines run these several times slower than a quiet one)."""
     return subprocess.run(
         [sys.executable, "-m", "trainer", *args],
         capture_output=True,

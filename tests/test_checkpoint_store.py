@@ -160,6 +160,20 @@ def test_retention_keeps_newest_and_milestones_and_removes_debris(store_url):
     assert [i.step for i in store.list() if i.valid] == [20, 40, 50]
 
 
+def test_background_pruning_deletes_after_the_commit_returns_and_before_the_next_commit(store_url):
+    url, so = store_url
+    store = CheckpointStore(url, so, keep=1)
+    store.prune_in_background = True  # as training runs use it
+    write(store, 1)
+    res = write(store, 2)
+    assert res.info.valid and res.deleted == []  # the commit did not wait for deletes
+    assert store.wait_pruned() == [1] and store.steps() == [2]
+    write(store, 3)
+    write(store, 4)  # the next commit first waits for the pruning the previous one started
+    store.close()
+    assert store.steps() == [4] and [i.step for i in store.list() if i.valid] == [4]
+
+
 # ---------------------------------------------------------------- local-only faults
 
 

@@ -38,7 +38,7 @@ def standalone(nproc: int, max_restarts: int = 3) -> list[str]:
     ]
 
 
-def finish(proc, log, timeout=240) -> int:
+def finish(proc, log, timeout=600) -> int:
     try:
         return proc.wait(timeout=timeout)
     except Exception:
@@ -58,7 +58,7 @@ def test_sigkilled_worker_is_restarted_and_the_result_equals_an_uninterrupted_ru
     log = tmp_path / "killed.log"
     proc = start_torchrun(standalone(2), tiny(tmp_path / "killed", *args, max_steps=steps), log)
     try:
-        wait_for_log(log, "step-000000030", proc, timeout=120)
+        wait_for_log(log, "step-000000030", proc, timeout=300)
         victims = [p for p in worker_pids(proc.pid) if rank_of(p) == 1]
         assert victims, "no rank-1 worker found"
         os.kill(victims[0], signal.SIGKILL)
@@ -106,8 +106,8 @@ def test_node_loss_survivor_continues_at_world_size_1(tmp_path):
     time.sleep(1.0)
     b = start_torchrun(common, args_b, log_b)
     try:
-        wait_for_log(log_a, "world_size=2", a, timeout=120)
-        wait_for_log(log_a, "step-000000020", a, timeout=120)
+        wait_for_log(log_a, "world_size=2", a, timeout=300)
+        wait_for_log(log_a, "step-000000020", a, timeout=300)
         kill_tree(b)  # the node disappears: agent and worker at once
         rc = finish(a, log_a, timeout=300)
     finally:
@@ -126,7 +126,7 @@ def test_sigterm_to_torchrun_writes_an_emergency_checkpoint_at_the_step_reached(
     args = tiny(tmp_path, "checkpoint.every_steps=0", "train.log_every_steps=1", max_steps=100000)
     proc = start_torchrun(standalone(2, max_restarts=0), args, log)
     try:
-        wait_for_log(log, "step=40/", proc, timeout=120)
+        wait_for_log(log, "step=40/", proc, timeout=300)
         proc.send_signal(signal.SIGTERM)
         proc.wait(timeout=60)
     finally:
@@ -233,7 +233,7 @@ def test_launch_trains_and_exits_0_then_143_on_sigterm(tmp_path):
         stdout=open(log, "w"), stderr=subprocess.STDOUT, env=__import__("conftest").clean_env(), start_new_session=True,
     )  # fmt: skip
     try:
-        wait_for_log(log, "step=10/", proc, timeout=120)
+        wait_for_log(log, "step=10/", proc, timeout=300)
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=60) == 143, log.read_text()[-3000:]
     finally:

@@ -102,7 +102,7 @@ def test_fsdp_matches_ddp_within_float_tolerance_and_writes_a_sharded_checkpoint
         "unet.model.rank-00000.safetensors", "unet.model.rank-00001.safetensors"}  # fmt: skip
 
 
-def test_sigkilled_fsdp_rank_resumes_bit_identical(tmp_path):
+def test_sigkilled_fsdp_rank_resumes_bit_identical_from_an_async_save(tmp_path):
     from test_engine_tasks import probe_args, train_ddpm
 
     encoder = train_ddpm(tmp_path / "ddpm")
@@ -110,25 +110,31 @@ def test_sigkilled_fsdp_rank_resumes_bit_identical(tmp_path):
     env = {"PYTHONPATH": str(REPO / "tests")}
     run_torchrun(tmp_path, "ref", 2, probe_args(tmp_path / "ref", encoder, *common, max_steps=steps), **env)
 
+    # The killed run saves in the background (every rank's writer thread writes its shards, rank 0's
+    # commits); rank 1 dies in step 6 once the async save of step 4 has committed.
     log = tmp_path / "killed.log"
-    proc = start_torchrun(standalone(2), probe_args(tmp_path / "killed", encoder, *common, max_steps=steps), log,
-                          PROBE_TASK_KILL="1:6", **env)  # fmt: skip
+    killed = tmp_path / "killed/run/checkpoints"
+    proc = start_torchrun(standalone(2), probe_args(tmp_path / "killed", encoder, *common, "checkpoint.async=true",
+                                                    max_steps=steps), log,
+                          PROBE_TASK_KILL="1:6", PROBE_TASK_KILL_AFTER=str(killed / "step-000000004/manifest.json"),
+                          **env)  # fmt: skip
     rc = finish(proc, log)
     text = log.read_text()
     assert rc == 0, text[-4000:]
     assert re.search(r"world_size=2 restart=1 parallel=fsdp .*resumed_from=\S+step-000000004", text), text[-3000:]
 
-    def tensors(root: str) -> dict[str, dict[str, torch.Tensor]]:
+    def tensors(root: str, step: int) -> dict[str, dict[str, torch.Tensor]]:
         store = CheckpointStore(root)
-        info = store.check(steps)
+        info = store.check(step)
         return {n: store.read_tensors(info, n) for n in info.manifest["files"] if n.endswith(".safetensors")}
 
-    a, b = tensors(f"{tmp_path}/ref/run/checkpoints"), tensors(f"{tmp_path}/killed/run/checkpoints")
-    assert a.keys() == b.keys()
-    assert {"generator.model.rank-00001.safetensors", "discriminator.optimizer.rank-00000.safetensors"} <= set(a)
-    for name in a:  # every rank's slices of weights, EMA, both optimizers; every rank's RNG state
-        for key in a[name]:
-            assert torch.equal(a[name][key], b[name][key]), f"{name}:{key} differs"
+    for step in (4, steps):  # the async-written checkpoint the restart read, and the end
+        a, b = tensors(f"{tmp_path}/ref/run/checkpoints", step), tensors(str(killed), step)
+        assert a.keys() == b.keys()
+        assert {"generator.model.rank-00001.safetensors", "discriminator.optimizer.rank-00000.safetensors"} <= set(a)
+        for name in a:  # every rank's slices of weights, EMA, both optimizers; every rank's RNG state
+            for key in a[name]:
+                assert torch.equal(a[name][key], b[name][key]), f"step {step} {name}:{key} differs"
 
 
 def roundtrip(tmp_path, name: str, nproc: int, src: str, out: str, *args: str) -> None:

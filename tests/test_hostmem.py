@@ -44,7 +44,7 @@ def probe(mode: str) -> dict:
         env={**os.environ, "PYTHONPATH": REPO},
         capture_output=True,
         text=True,
-        timeout=120,
+        timeout=300,
         check=True,
     )
     return json.loads(out.stdout.strip().splitlines()[-1])

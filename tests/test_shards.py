@@ -36,7 +36,7 @@ def make_folder(root, per_class: int = 5, size: int = 24, classes=("cats", "dogs
 
 
 def pack(src, out, per_shard: int, *options: str) -> str:
-    r = run_cli("data", "pack", str(src), str(out), "--samples-per-shard", str(per_shard), *options, timeout=120)
+    r = run_cli("data", "pack", str(src), str(out), "--samples-per-shard", str(per_shard), *options, timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
     return r.stdout
 
@@ -48,24 +48,35 @@ def s3_options(server) -> str:
 # ---------------------------------------------------------------- the order
 
 
-@pytest.mark.parametrize("window", [0, 1, 3])
-def test_shard_order_uses_every_sample_once_per_epoch_and_depends_on_seed_epoch_and_shards_only(window):
+@pytest.mark.parametrize("window,block", [(0, 1), (1, 1), (3, 1), (0, 3), (2, 2)])
+def test_shard_order_uses_every_sample_once_per_epoch_and_depends_on_seed_epoch_and_shards_only(window, block):
     counts = np.array([4, 4, 3, 4, 1, 4])
     n = int(counts.sum())
-    stream = ShardStream(counts, seed=7, window=window)
+    stream = ShardStream(counts, seed=7, window=window, block=block)
     for epoch in range(3):
         assert sorted(i for _, i in stream.take(epoch * n, n)) == list(range(n))
     # A fresh stream at any cursor (a resume) reads what the running one read; ranks' slices tile the batch.
     full = stream.take(0, 3 * n)
     for cursor in (0, 5, n - 1, n + 3):
-        assert ShardStream(counts, 7, window).take(cursor, 12) == full[cursor : cursor + 12]
+        assert ShardStream(counts, 7, window, block).take(cursor, 12) == full[cursor : cursor + 12]
+    starts = np.concatenate([[0], np.cumsum(counts)])
+    if block > 1:  # the epoch is made of whole runs: `block` consecutive samples of a shard (shorter at its end)
+        ids = [i for _, i in full[:n]]
+        runs, p = [], 0
+        while p < n:
+            shard = int(np.searchsorted(starts, ids[p], side="right") - 1)
+            assert (ids[p] - starts[shard]) % block == 0, ids
+            length = min(block, int(starts[shard + 1] - ids[p]))
+            assert ids[p : p + length] == list(range(ids[p], ids[p] + length)), ids
+            runs.append(ids[p])
+            p += length
+        assert runs != sorted(runs)  # the runs themselves are shuffled
     for world in (1, 2, 3):
         tiles = [r.index for rank in range(world) for r in stream.rank_slice(6, 6, rank, world)]
         assert tiles == [i for _, i in full[6:12]]
-    assert ShardStream(counts, 8, window).take(0, n) != full[:n]
+    assert ShardStream(counts, 8, window, block).take(0, n) != full[:n]
     if window == 1:  # a window of one shard reads shard by shard
         first = [i for _, i in full[:4]]
-        starts = np.concatenate([[0], np.cumsum(counts)])
         shard = int(np.searchsorted(starts, first[0], side="right") - 1)
         assert all(starts[shard] <= i < starts[shard + 1] for i in first[: counts[shard]])
 
@@ -153,12 +164,12 @@ def test_s3_reads_fetch_only_the_used_samples_and_faults_are_skipped_counted_and
     log = tmp_path / "train.log"
     proc = start_cli("train", *args, env=__import__("conftest").clean_env(), log_path=log)
     try:
-        wait_for_log(log, "step-000000003", proc, timeout=120)
+        wait_for_log(log, "step-000000003", proc, timeout=300)
         from test_metrics import scrape
 
         text = scrape(port)
         assert re.search(r"^gentrain_skipped_samples_total 4\.0$", text, re.M), text
-        assert re.search(r"^gentrain_skipped_shards_total 1\.0$", text, re.M), text
+        assert re.search(r'^gentrain_skipped_shards_total\{rank="0"\} 1\.0$', text, re.M), text
     finally:
         kill_group(proc)
     out = log.read_text()
@@ -180,6 +191,45 @@ def test_s3_reads_fetch_only_the_used_samples_and_faults_are_skipped_counted_and
     assert sum(rec["io"]["used_bytes"] for rec in ledger) == sum(sizes.values())
 
 
+def test_s3_neighbouring_samples_are_read_with_one_request_and_gaps_are_fetched_only_when_asked(tmp_path, s3_server):
+    from trainer.data.pack import pack_folder
+
+    src = tmp_path / "src"
+    make_folder(src, per_class=6)
+    url = f"s3://{s3_server.make_bucket()}/set"
+    opts = s3_server.storage_options()
+    pack_folder(str(src), url, 6, opts, progress=False)  # 2 shards of 6
+    shards = load_shard_list(f"{url}/shards.json", opts)
+    offsets = [json.loads(filesystem(url, opts).cat_file(f"{url}/{s:06d}.tar.idx.json"))["offsets"] for s in (0, 1)]
+    size = {s * 6 + j: o[j + 1] - o[j] for s, o in enumerate(offsets) for j in range(6)}
+
+    def read(block: int, merge_gap: int, refs=None):
+        split = ShardSplit(ShardSet(shards, opts, 16, 3, merge_gap=merge_gap), "all", 0.0, False, (3, 16, 16), 0, block)
+        refs = refs or split.make_stream(5).rank_slice(0, 8, 0, 1)
+        return refs, split.__getitems__(refs)
+
+    def runs(ids: list[int]) -> int:  # maximal runs of consecutive samples of one shard
+        ids = sorted(ids)
+        return 1 + sum(1 for a, b in zip(ids, ids[1:], strict=False) if b != a + 1 or a // 6 != b // 6)
+
+    refs, blocks = read(block=3, merge_gap=0)
+    ids = [r.index for r in refs]
+    # A block-shuffled step is a few runs: one request each, and exactly the samples' own bytes.
+    assert blocks.stats.requests == runs(ids) <= 4 and len(ids) == 8
+    assert blocks.stats.data_bytes == blocks.stats.used_bytes == sum(size[i] for i in ids)
+    _, single = read(block=1, merge_gap=0, refs=refs)  # the same samples read one by one... same results
+    for a, b in zip(blocks, single, strict=True):
+        assert a[4] and b[4] and torch.equal(a[0], b[0]) and a[1:4] == b[1:4] and a[5]["caption"] == b[5]["caption"]
+    # With a gap allowance the holes between runs of a shard are fetched too: one request per shard touched.
+    _, gapped = read(block=3, merge_gap=10**9, refs=refs)
+    touched = sorted({i // 6 for i in ids})
+    spans = sum(offsets[s][max(i % 6 for i in ids if i // 6 == s) + 1] - offsets[s][min(i % 6 for i in ids if i // 6 == s)]
+                for s in touched)  # fmt: skip
+    assert gapped.stats.requests == len(touched) and gapped.stats.data_bytes == spans
+    assert gapped.stats.used_bytes == blocks.stats.used_bytes
+    assert all(torch.equal(a[0], b[0]) for a, b in zip(gapped, blocks, strict=True))
+
+
 # ---------------------------------------------------------------- torchrun: world-size changes, SIGKILL
 
 
@@ -191,7 +241,7 @@ def standalone(nproc: int, max_restarts: int = 0) -> list[str]:
     ]  # fmt: skip
 
 
-def finish(proc, log, timeout=240) -> int:
+def finish(proc, log, timeout=600) -> int:
     try:
         return proc.wait(timeout=timeout)
     except Exception:
@@ -212,7 +262,8 @@ def test_s3_shards_every_sample_once_per_epoch_across_2_1_3_ranks_with_workers_a
     base = tiny(
         tmp_path, "data.source=shards", f"data.urls={url}/shards.json", "data.channels=3", "data.image_size=16",
         f"data.storage_options={json.dumps(s3_server.storage_options())}", "data.val_fraction=0", "data.ledger=true",
-        "data.shard_window=3", "model.num_classes=2", "train.num_workers=2", f"train.batch_size={batch}",
+        "data.shard_window=3", "data.shuffle_block=2", "model.num_classes=2", "train.num_workers=2",
+        f"train.batch_size={batch}",
         "checkpoint.every_steps=0",
     )  # fmt: skip
     # Leg boundaries at cursors 42 and 96: mid-epoch, mid-window, mid-shard.
@@ -241,10 +292,11 @@ def test_s3_shards_every_sample_once_per_epoch_across_2_1_3_ranks_with_workers_a
     tail = stream[(len(stream) // n) * n :]
     assert len(set(tail)) == len(tail)
     # The order is the one ShardStream defines (seed 0), whatever the world size and workers.
-    assert stream == [i for _, i in ShardStream(np.array([4] * 7 + [2]), 0, 3).take(0, 27 * batch)]
+    assert stream == [i for _, i in ShardStream(np.array([4] * 7 + [2]), 0, 3, 2).take(0, 27 * batch)]
 
-    # Per rank and leg: fetched data bytes are exactly the tar records of its own samples; with the
-    # indexes each worker reads, within 1.2x of those bytes.
+    # Per rank and leg: fetched data bytes are exactly the tar records of its own samples (runs of a
+    # shuffle block are merged into one request, no gap is fetched); with the indexes each worker
+    # reads, within 1.2x of those bytes.
     fs = filesystem(url, s3_server.storage_options())
     offsets = [json.loads(fs.cat_file(f"{url}/{s:06d}.tar.idx.json"))["offsets"] for s in range(8)]
     size = {s * 4 + j: o[j + 1] - o[j] for s, o in enumerate(offsets) for j in range(len(o) - 1)}
@@ -257,6 +309,8 @@ def test_s3_shards_every_sample_once_per_epoch_across_2_1_3_ranks_with_workers_a
             t[2] += sum(size[i] for i in rec["indices"])
             assert rec["io"]["used_bytes"] == sum(size[i] for i in rec["indices"])
     assert len(totals) == 6
+    requests = sum(rec["io"]["requests"] for ranks in per_step.values() for rec in ranks.values())
+    assert requests < 0.8 * len(stream), requests  # runs of 2 merged: fewer requests than samples
     for (world, r), (data, index, used) in totals.items():
         assert data == used, (world, r)
         assert (data + index) / used <= 1.2, (world, r, data, index, used)
@@ -280,7 +334,7 @@ def test_sigkilled_rank_reading_shards_resumes_bit_identical(tmp_path):
     log = tmp_path / "killed.log"
     proc = start_torchrun(standalone(2, max_restarts=2), tiny(tmp_path / "killed", *args, max_steps=steps), log)
     try:
-        wait_for_log(log, "step-000000010", proc, timeout=120)
+        wait_for_log(log, "step-000000010", proc, timeout=300)
         victims = [p for p in worker_pids(proc.pid) if rank_of(p) == 1]
         assert victims, "no rank-1 worker found"
         os.kill(victims[0], signal.SIGKILL)

@@ -47,7 +47,12 @@ def _parser() -> argparse.ArgumentParser:
 
     e = sub.add_parser("eval", help="FID/KID of a checkpoint's samples vs held-out images; writes eval-<step>.json")
     e.add_argument("checkpoint", help="a checkpoint (…/step-000001200) or a checkpoint root (newest valid)")
-    e.add_argument("--num", type=int, default=None, help="images generated and compared (default: eval.num)")
+    # `--num-images`/`-n`: under torchrun, `--num` is refused by torchrun's own parser (an ambiguous
+    # prefix of its --numa-binding, even after the script name).
+    e.add_argument(
+        "--num", "--num-images", "-n", dest="num", type=int, default=None,
+        help="images generated and compared (default: eval.num); under torchrun use --num-images",
+    )  # fmt: skip
     e.add_argument(
         "--features", default=None, help="digits | inception | URL of a feature net (default: eval.features)"
     )
@@ -70,6 +75,14 @@ def _parser() -> argparse.ArgumentParser:
     cc.add_argument("url", help="one checkpoint, or a root (the newest valid one)")
     cc.add_argument("out", help="checkpoint root to write the copy under (any fsspec URL)")
     cc.add_argument("--storage-options", type=json.loads, default={}, help="JSON passed to fsspec for both")
+
+    ce = csub.add_parser(
+        "export", help="diffusion UNets as diffusers folders (merged), LoRA adapters alone beside them"
+    )
+    ce.add_argument("url", help="one checkpoint, or a root (the newest valid one)")
+    ce.add_argument("out", help="folder (any fsspec URL): OUT/<part>/ and, for LoRA parts, OUT/<part>-lora/")
+    ce.add_argument("--no-ema", action="store_true", help="export the raw weights instead of the EMA weights")
+    ce.add_argument("--storage-options", type=json.loads, default={}, help="JSON passed to fsspec for both")
 
     d = sub.add_parser("data", help="pack image folders into WebDataset shards, index shards made elsewhere")
     dsub = d.add_subparsers(dest="action", required=True)
@@ -255,6 +268,8 @@ def cmd_checkpoints(args: argparse.Namespace) -> int:
     if info is None:
         print(f"INVALID: no valid checkpoint under {args.url}")
         return EXIT_INVALID_CHECKPOINT
+    if args.action == "export":
+        return _export(args, store, info)
     if args.action == "consolidate":
         from trainer.checkpoint.weights import consolidate
 
@@ -279,6 +294,24 @@ def cmd_checkpoints(args: argparse.Namespace) -> int:
         f"valid: {info.url} (step {info.step}, {len(files)} files, {_human_bytes(info.total_bytes)}, "
         f"{'+'.join(algorithms)} checked)"
     )
+    return EXIT_OK
+
+
+def _export(args: argparse.Namespace, store, info) -> int:
+    import torch
+
+    from trainer.checkpoint.weights import load_for_inference
+    from trainer.tasks.finetune import write_folder
+
+    if not info.valid:
+        print(f"INVALID: {info.url}: {info.reason}", file=sys.stderr)
+        return EXIT_INVALID_CHECKPOINT
+    _, task, modules = load_for_inference(store, info, use_ema=not args.no_ema, device=torch.device("cpu"))
+    out = args.out.rstrip("/")
+    for part, (unet, extras) in task.export_unets(modules).items():
+        for url in write_folder(unet, f"{out}/{part}", extras, args.storage_options):
+            print(f"wrote {url}")
+    print(f"exported {info.url} (step {info.step}, {'online' if args.no_ema else 'EMA'} weights) to {out}")
     return EXIT_OK
 
 

@@ -19,7 +19,7 @@ from accelerate import Accelerator
 from trainer import __version__
 from trainer.checkpoint.manager import CheckpointManager
 from trainer.checkpoint.weights import load_frozen
-from trainer.config import Config
+from trainer.config import Config, ConfigError
 from trainer.data import build_splits, build_train_loader, is_video
 from trainer.elastic import EXIT_OK, DistEnv, StartupClock, StopRequest, agree_to_stop, barrier, init_process_group
 from trainer.engine.evaluate import Evaluator
@@ -35,6 +35,7 @@ from trainer.metrics import TrainingMetrics
 from trainer.randomness import seed_everything
 from trainer.registry import task_class
 from trainer.tasks.base import TaskContext
+from trainer.tasks.finetune import has_lora
 
 log = logging.getLogger("gentrain")
 
@@ -73,7 +74,8 @@ class Trainer:
         self.task = task_class(cfg.task)(cfg.model_cfg, ctx)
         self.parts, self.frozen = self._build_parts()
         self.progress = TrainProgress(t.batch_size, len(self.train_set), env.world_size, cfg.seed)
-        self.checkpoints.attach(self.progress, self.parts, {n: f.record for n, f in self.frozen.items()})
+        frozen_records = {n: f.record for n, f in self.frozen.items()}
+        self.checkpoints.attach(self.progress, self.parts, frozen_records, self.task.inputs())
         self.step_runner = StepRunner(
             self.task, self.parts, self.frozen, cfg, env.rank, env.world_size, self.device, self._no_sync
         )
@@ -169,6 +171,11 @@ class Trainer:
         frozen = {n: load_frozen(n, s, options, (pinned or {}).get(n)) for n, s in sources.items()}
         modules = self.task.build(frozen)
         trainable = [n for n in modules if n not in frozen]
+        if self.sharded and any(has_lora(modules[n]) for n in trainable):
+            raise ConfigError(
+                "LoRA adapters (lora: under model.*) are not supported with train.parallel=fsdp yet (a unit would "
+                "mix a half-precision frozen base with fp32 adapters); use train.parallel=ddp: the adapters are small"
+            )
         # Only parts this run trains are wrapped (a cascade stage outside train.stages is not).
         learns = set(self.task.parts_trained())
         t = self.cfg.train
@@ -205,13 +212,14 @@ class Trainer:
         if not self.env.is_main:
             return
         n_params = sum(p.numel() for part in self.parts.values() for p in part.module.parameters())
+        n_train = sum(p.numel() for part in self.parts.values() for p in part.params)
         n_frozen = sum(p.numel() for f in self.frozen.values() for p in f.module.parameters())
         t = self.cfg.train
         log.info(
-            "gentrain %s: task=%s name=%s params=%.2fM frozen_params=%.2fM parts=%s device=%s world_size=%d "
+            "gentrain %s: task=%s name=%s params=%.2fM (trainable %.2fM) frozen_params=%.2fM parts=%s device=%s world_size=%d "
             "restart=%d parallel=%s batch=%d (per rank %d, chunk %d) train_samples=%d resumed_from=%s step=%d cursor=%d "
             "checkpoints=%s",
-            __version__, self.cfg.task, self.cfg.name, n_params / 1e6, n_frozen / 1e6,
+            __version__, self.cfg.task, self.cfg.name, n_params / 1e6, n_train / 1e6, n_frozen / 1e6,
             ",".join([*(n if p.trained else f"{n}(kept)" for n, p in self.parts.items()),
                       *(f"{n}(frozen)" for n in self.frozen)]), self.device, self.env.world_size,
             self.env.restart_count, t.parallel if self.env.world_size > 1 else "none", t.batch_size,

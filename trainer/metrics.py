@@ -123,8 +123,12 @@ class TrainingMetrics:
         )
         self.world_size = Gauge("gentrain_world_size", "Processes in the job", multiprocess_mode="max")
         self.skipped = Counter("gentrain_skipped_samples", "Samples skipped because they could not be read")
+        # Per rank: each rank reads its own samples of a shard and gives up on it on its own, so a
+        # dead shard is usually skipped by every rank; max over ranks = shards skipped by the job.
         self.skipped_shards = Counter(
-            "gentrain_skipped_shards", "Shards skipped after retries (each rank that gave up on one counts it once)"
+            "gentrain_skipped_shards",
+            "Shards this rank skipped after retries (each shard once per rank; max over ranks for the job)",
+            ["rank"],
         )
         self.data_bytes = Counter(
             "gentrain_data_bytes_fetched", "Bytes read from shard storage, by kind (data | index)", ["kind"]
@@ -207,7 +211,7 @@ class TrainingMetrics:
         for url in io.get("failed_shards", ()):
             if url not in self._failed_shards:
                 self._failed_shards.add(url)
-                self.skipped_shards.inc()
+                self.skipped_shards.labels(rank=str(self.env.rank)).inc()
 
     def on_eval(self, values: dict[str, float]) -> None:
         if self.enabled:

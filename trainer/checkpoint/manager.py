@@ -22,6 +22,7 @@ from trainer.checkpoint.state import (
     snapshot_files,
 )
 from trainer.checkpoint.store import CheckpointCorrupt, CheckpointStore, SaveResult
+from trainer.checkpoint.weights import check_pinned_inputs
 from trainer.checkpoint.writer import Checkpointer
 from trainer.config import Config
 from trainer.elastic import EXIT_PREEMPTED, DistEnv, StopRequest, broadcast_object, gather_objects, new_gloo_group
@@ -51,6 +52,7 @@ class CheckpointManager:
         self.env = env
         self.metrics = metrics
         self.store = CheckpointStore(cfg.checkpoint_url, c.storage_options, c.keep, c.keep_every_steps)
+        self.store.prune_in_background = True  # the training thread does not wait for deletes
         self.sharded = cfg.train.parallel == "fsdp" and env.world_size > 1
         self.group = new_gloo_group(cfg.elastic.collective_timeout_seconds) if self.sharded else None
         if self.sharded:
@@ -67,10 +69,19 @@ class CheckpointManager:
         self.progress: Stateful | None = None
         self.parts: Mapping[str, Stateful] = {}
         self.frozen: Mapping[str, dict[str, Any]] = {}
+        self.inputs: Mapping[str, dict[str, Any]] = {}
 
-    def attach(self, progress: Stateful, parts: Mapping[str, Stateful], frozen: Mapping[str, dict[str, Any]]) -> None:
-        """The state a checkpoint holds: progress, trainable parts, and frozen parts' source records."""
+    def attach(
+        self,
+        progress: Stateful,
+        parts: Mapping[str, Stateful],
+        frozen: Mapping[str, dict[str, Any]],
+        inputs: Mapping[str, dict[str, Any]] | None = None,
+    ) -> None:
+        """The state a checkpoint holds: progress, trainable parts, frozen parts' source records, and the
+        task's other inputs (pretrained folders, text encoder: URL and digest, see Task.inputs)."""
         self.progress, self.parts, self.frozen = progress, parts, frozen
+        self.inputs = dict(inputs or {})
 
     # ---------------------------------------------------------------- resume
 
@@ -97,8 +108,15 @@ class CheckpointManager:
         """
         if not self.cfg.checkpoint.resume:
             return None
-        steps = [info.step for info in self.store.valid_candidates()] if self.env.is_main else None
-        for step in broadcast_object(steps):
+        steps, recorded = None, None
+        if self.env.is_main:
+            infos = list(self.store.valid_candidates())
+            steps = [info.step for info in infos]
+            recorded = (infos[0].manifest or {}).get("inputs") or {} if infos else {}
+        steps, recorded = broadcast_object((steps, recorded))
+        # Every rank raises together (exit 2) when a pinned input (the text encoder) changed.
+        check_pinned_inputs(recorded, self.inputs, f"the run at {self.store.url}")
+        for step in steps:
             info = self.store.check(step)
             error = None
             try:
@@ -134,6 +152,7 @@ class CheckpointManager:
             "task": self.cfg.task,
             "config": self.cfg.to_dict(),
             "frozen": dict(self.frozen),
+            "inputs": dict(self.inputs),
         }
 
     def save(self, step: int, sync: bool = False, final: bool = False) -> bool:

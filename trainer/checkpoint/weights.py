@@ -120,6 +120,25 @@ def load_frozen(
     )
 
 
+def check_pinned_inputs(recorded: Mapping[str, Any], current: Mapping[str, Any], where: str) -> None:
+    """Refuse (exit 2) when an input the run pinned (`"pin": True`, e.g. its text encoder) now has another
+    digest: the model was trained on the old one's outputs and would silently get different conditions."""
+    for name, now in current.items():
+        was = recorded.get(name)
+        if not now.get("pin") or was is None or was.get("digest") == now.get("digest"):
+            continue
+        raise ConfigError(
+            f"{name}: {where} was trained with {was.get('source') or was.get('url')} ({was.get('digest')}), but "
+            f"{now.get('source') or now.get('url')} now gives {now.get('digest')}. Its outputs would differ from the "
+            "ones the model learned. Use the same weights again, or start a new run (a new checkpoint.url)."
+        )
+    for name, now in current.items():
+        was = recorded.get(name)
+        if not now.get("pin") and was is not None and was.get("digest") != now.get("digest"):
+            log.info("%s: %s changed since %s started (%s -> %s); the checkpoint's weights are used",
+                     name, now.get("url"), where, was.get("digest"), now.get("digest"))  # fmt: skip
+
+
 def load_for_inference(
     store: CheckpointStore, info: CheckpointInfo, use_ema: bool, device: Any
 ) -> tuple[Any, Any, dict[str, Any]]:
@@ -132,9 +151,10 @@ def load_for_inference(
     cfg = config_from_dict(info.manifest["config"])
     from trainer.data import is_video
 
+    # The checkpoint holds every weight: pretrained folders are not read again.
     frames = cfg.data.num_frames if is_video(cfg) else 1
     ctx = TaskContext(cfg.data.image_size, cfg.data.channels, cfg.seed, None, cfg.checkpoint.storage_options,
-                      num_frames=frames)  # fmt: skip
+                      num_frames=frames, load_pretrained=False)  # fmt: skip
     task = task_class(cfg.task)(cfg.model_cfg, ctx)
     records = info.manifest.get("frozen") or {}
     frozen = {
@@ -142,6 +162,7 @@ def load_for_inference(
         for name, source in task.frozen_sources().items()
     }
     modules = task.build(frozen)
+    check_pinned_inputs(info.manifest.get("inputs") or {}, task.inputs(), f"checkpoint {info.url}")
     for name, module in modules.items():
         tensors = (
             frozen[name].tensors if name in frozen else read_weights(store, info, weights_file(info, name, use_ema))

@@ -143,3 +143,4 @@ class Checkpointer:
             self.wait()
         if self._pool is not None:
             self._pool.shutdown(wait=True)
+        self.store.close()

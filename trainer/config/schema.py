@@ -120,6 +120,12 @@ class DataConfig(_Section):
     storage_options: dict[str, Any] = Field(default_factory=dict, description="shards: passed to fsspec")
     shard_window: int = Field(8, ge=0, description="shards: shards shuffled together per epoch; 0 = all")
     read_retries: int = Field(3, ge=0, description="shards: retries (exponential backoff) before a shard is skipped")
+    shuffle_block: int = Field(
+        1, ge=1, description="shards: runs of this many consecutive samples of a shard stay together in the shuffle"
+    )
+    read_merge_gap: int = Field(
+        0, ge=0, description="shards: merge a step's ranges of one shard at most this many bytes apart into one read"
+    )
     image_size: int = Field(16, ge=4, description="default 32 for moving-digits")
     channels: Literal[1, 3] = 1
     flip: bool = False

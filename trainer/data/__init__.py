@@ -109,14 +109,14 @@ def build_shard_splits(cfg: Config):
     def shard_set(urls, key: str) -> ShardSet:
         return ShardSet(load_shard_list(urls, d.storage_options, key), d.storage_options, d.image_size,
                         d.channels, retries=d.read_retries, num_frames=frames,
-                        frame_stride=d.frame_stride)  # fmt: skip
+                        frame_stride=d.frame_stride, merge_gap=d.read_merge_gap)  # fmt: skip
 
     train_set = shard_set(d.urls, "data.urls")
     if d.val_urls:
-        train = ShardSplit(train_set, "all", 0.0, d.flip, shape, d.shard_window)
+        train = ShardSplit(train_set, "all", 0.0, d.flip, shape, d.shard_window, d.shuffle_block)
         val = ShardSplit(shard_set(d.val_urls, "data.val_urls"), "all", 0.0, False, shape)
     else:
-        train = ShardSplit(train_set, "train", d.val_fraction, d.flip, shape, d.shard_window)
+        train = ShardSplit(train_set, "train", d.val_fraction, d.flip, shape, d.shard_window, d.shuffle_block)
         val = ShardSplit(train_set, "val", d.val_fraction, False, shape)
     if len(train) == 0:
         raise ConfigError(f"data.urls={d.urls!r}: no training samples")

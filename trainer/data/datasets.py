@@ -210,6 +210,7 @@ def collate(items: list) -> dict:
             "data_bytes": stats.data_bytes,
             "index_bytes": stats.index_bytes,
             "used_bytes": stats.used_bytes,
+            "requests": stats.requests,
             "failed_shards": list(stats.failed_shards),
         }
     return out

@@ -321,6 +321,7 @@ class FetchStats:
     data_bytes: int = 0
     index_bytes: int = 0
     used_bytes: int = 0
+    requests: int = 0  # range requests sent (merged neighbours count once; retries not counted)
     failed_shards: list[str] = field(default_factory=list)
 
 
@@ -346,6 +347,7 @@ class ShardSet:
         index_cache: int = 64,
         num_frames: int = 1,
         frame_stride: int = 1,
+        merge_gap: int = 0,
     ):
         self.shards = shards
         self.num_frames = num_frames  # > 1: samples are clips
@@ -356,6 +358,7 @@ class ShardSet:
         self.retries = retries
         self.backoff_seconds = backoff_seconds
         self.index_cache = max(1, index_cache)
+        self.merge_gap = merge_gap
         self.num_classes = shards.num_classes
         self.starts = np.concatenate([[0], np.cumsum(shards.counts)]).astype(np.int64)
         self._fs = None
@@ -407,21 +410,48 @@ class ShardSet:
         until = self._dead_until.get(shard)
         return until is None or time.monotonic() >= until
 
-    def index(self, shard: int, stats: FetchStats) -> np.ndarray | None:
-        if shard in self._indexes:
-            self._indexes.move_to_end(shard)
-            return self._indexes[shard]
-        if not self._alive(shard):
-            return None
+    def indexes(self, shards: list[int], stats: FetchStats) -> dict[int, np.ndarray | None]:
+        """The offsets of each shard (None: unreachable), the ones not cached fetched with concurrent requests."""
+        out: dict[int, np.ndarray | None] = {}
+        todo = []
+        for shard in dict.fromkeys(shards):
+            if shard in self._indexes:
+                self._indexes.move_to_end(shard)
+                out[shard] = self._indexes[shard]
+            elif self._alive(shard):
+                todo.append(shard)
+            else:
+                out[shard] = None
+        paths = {shard: strip_protocol(self.fs, index_url(self.shards.urls[shard])) for shard in todo}
+        err: dict[int, BaseException] = {}
+        for attempt in range(self.retries + 1):
+            if not todo:
+                break
+            if attempt:
+                time.sleep(self.backoff_seconds * 2 ** (attempt - 1))
+            try:
+                got = self.fs.cat([paths[s] for s in todo], on_error="return")
+                got = [got.get(paths[s], FileNotFoundError(paths[s])) for s in todo]
+            except Exception as e:  # noqa: BLE001 - a failure of the whole call: retry all
+                got = [e] * len(todo)
+            failed = []
+            for shard, blob in zip(todo, got, strict=True):
+                if isinstance(blob, BaseException):
+                    err[shard] = blob
+                    failed.append(shard)
+                    continue
+                stats.index_bytes += len(blob)
+                out[shard] = self._parsed_index(shard, blob, stats)
+            todo = failed
+        for shard in todo:
+            self._shard_failed(shard, err[shard], stats)
+            out[shard] = None
+        return out
+
+    def _parsed_index(self, shard: int, blob: bytes, stats: FetchStats) -> np.ndarray | None:
         url = index_url(self.shards.urls[shard])
-        path = strip_protocol(self.fs, url)
-        got = self._retrying(lambda: self.fs.cat_file(path))
-        if isinstance(got, BaseException):
-            self._shard_failed(shard, got, stats)
-            return None
-        stats.index_bytes += len(got)
         try:
-            offsets = parse_index(got, url)
+            offsets = parse_index(blob, url)
         except (ValueError, KeyError) as e:
             self._shard_failed(shard, e, stats)
             return None
@@ -440,8 +470,9 @@ class ShardSet:
         """(shard, member, aug_seed, flip) -> (image, label, extras) or None, fetching all ranges at once."""
         out: list = [None] * len(wanted)
         ranges: list[tuple[int, int, int, int]] = []  # (slot, shard, start, end)
+        indexes = self.indexes([w[0] for w in wanted], stats)
         for slot, (shard, member, _, _) in enumerate(wanted):
-            offsets = self.index(shard, stats)
+            offsets = indexes[shard]
             if offsets is not None:
                 ranges.append((slot, shard, int(offsets[member]), int(offsets[member + 1])))
         blobs = self._fetch(ranges, stats)
@@ -465,33 +496,54 @@ class ShardSet:
         return out
 
     def _fetch(self, ranges: list[tuple[int, int, int, int]], stats: FetchStats) -> list[bytes | None]:
-        """All ranges concurrently; failed ones retried with backoff, a shard whose ranges keep failing is skipped."""
+        """All ranges concurrently, neighbours merged; failures retried with backoff, then the shard is skipped.
+
+        Ranges of one shard that touch (or lie within `merge_gap` bytes of
+        each other) become one request: request count, not bytes, is what a
+        store's per-request latency and rate limits charge for. With
+        `merge_gap` = 0 nothing but the samples' own bytes is fetched.
+        """
         blobs: list[bytes | None] = [None] * len(ranges)
-        todo = [i for i, r in enumerate(ranges) if self._alive(r[1])]
+        # requests: [shard, start, end, [range numbers]]
+        requests: list[list] = []
+        for i in sorted(range(len(ranges)), key=lambda i: (ranges[i][1], ranges[i][2])):
+            _, shard, start, end = ranges[i]
+            if not self._alive(shard):
+                continue
+            last = requests[-1] if requests else None
+            if last is not None and last[0] == shard and start - last[2] <= self.merge_gap:
+                last[2] = max(last[2], end)
+                last[3].append(i)
+            else:
+                requests.append([shard, start, end, [i]])
+        todo = list(range(len(requests)))
         err: dict[int, BaseException] = {}
         for attempt in range(self.retries + 1):
             if not todo:
                 break
             if attempt:
                 time.sleep(self.backoff_seconds * 2 ** (attempt - 1))
-            paths = [strip_protocol(self.fs, self.shards.urls[ranges[i][1]]) for i in todo]
+            reqs = [requests[j] for j in todo]
+            paths = [strip_protocol(self.fs, self.shards.urls[r[0]]) for r in reqs]
             try:
-                got = self.fs.cat_ranges(
-                    paths, [ranges[i][2] for i in todo], [ranges[i][3] for i in todo], on_error="return"
-                )
+                got = self.fs.cat_ranges(paths, [r[1] for r in reqs], [r[2] for r in reqs], on_error="return")
             except Exception as e:  # noqa: BLE001 - a failure of the whole call: retry all
                 got = [e] * len(todo)
             failed = []
-            for i, g in zip(todo, got, strict=True):
+            for j, g in zip(todo, got, strict=True):
+                shard, start, _, members = requests[j]
                 if isinstance(g, BaseException):
-                    err[ranges[i][1]] = g
-                    failed.append(i)
-                else:
-                    blobs[i] = g
-                    stats.data_bytes += len(g)
+                    err[shard] = g
+                    failed.append(j)
+                    continue
+                stats.data_bytes += len(g)
+                view = memoryview(g)
+                for i in members:  # a short read leaves the later samples short; load_many reports them
+                    blobs[i] = bytes(view[ranges[i][2] - start : ranges[i][3] - start])
             todo = failed
-        for shard in sorted({ranges[i][1] for i in todo}):
+        for shard in sorted({requests[j][0] for j in todo}):
             self._shard_failed(shard, err[shard], stats)
+        stats.requests += len(requests)
         return blobs
 
 
@@ -507,13 +559,16 @@ class ShardSplit:
     reads a whole step's refs with concurrent range requests.
     """
 
-    def __init__(self, shardset: ShardSet, part: str, fraction: float, flip: bool, image_shape, window: int = 0):
+    def __init__(
+        self, shardset: ShardSet, part: str, fraction: float, flip: bool, image_shape, window: int = 0, block: int = 1
+    ):
         self.shardset = shardset
         self.part = part  # "train" | "val" | "all"
         self.fraction = fraction
         self.flip = flip
         self.image_shape = image_shape
         self.window = window
+        self.block = block
         counts = shardset.shards.counts
         n_val = np.round(counts * fraction).astype(np.int64) if part != "all" else np.zeros_like(counts)
         self.counts = counts - n_val if part in ("train", "all") else n_val
@@ -528,7 +583,7 @@ class ShardSplit:
         return self.shardset
 
     def make_stream(self, seed: int) -> ShardStream:
-        return ShardStream(self.counts, seed, self.window)
+        return ShardStream(self.counts, seed, self.window, self.block)
 
     def members(self, shard: int) -> np.ndarray:
         """Member numbers (within the shard) of this part, in shard order."""
@@ -581,16 +636,21 @@ class ShardStream(SampleStream):
 
     Epoch e permutes the shards (seeded by (seed, e)), cuts that order into
     windows of `window` shards (0: one window, a full shuffle) and permutes
-    the samples of each window (seeded by (seed, e, window number)). Entry p
+    the samples of each window (seeded by (seed, e, window number)); with
+    `block` > 1 it permutes runs of `block` consecutive samples of a shard
+    instead (MosaicML Streaming's shuffle block), so a rank's slice of a step
+    is a few runs of neighbouring samples, read with a few range requests
+    (block = 1 is the plain sample permutation, unchanged). Entry p
     of the stream is found in O(log shards) plus one window permutation, so
     resume at any cursor is O(window), and every sample appears once per epoch.
     """
 
-    def __init__(self, counts: np.ndarray, seed: int, window: int):
+    def __init__(self, counts: np.ndarray, seed: int, window: int, block: int = 1):
         super().__init__(int(np.sum(counts)), seed)
         self.counts = np.asarray(counts, dtype=np.int64)
         self.starts = np.concatenate([[0], np.cumsum(self.counts)])
         self.window = window if window > 0 else len(self.counts)
+        self.block = max(1, block)
         self._epoch_layout: tuple[int, np.ndarray, np.ndarray] | None = None
         self._windows: OrderedDict[tuple[int, int], np.ndarray] = OrderedDict()
 
@@ -607,9 +667,18 @@ class ShardStream(SampleStream):
         if key not in self._windows:
             order, _ = self._layout(epoch)
             shards = order[w * self.window : (w + 1) * self.window]
-            ids = np.concatenate([np.arange(self.starts[s], self.starts[s + 1]) for s in shards])
             rng = np.random.default_rng(derive_seed(self.seed, _STREAM_WINDOW, epoch, w))
-            self._windows[key] = ids[rng.permutation(len(ids))]
+            if self.block == 1:
+                ids = np.concatenate([np.arange(self.starts[s], self.starts[s + 1]) for s in shards])
+                self._windows[key] = ids[rng.permutation(len(ids))]
+            else:
+                # Runs of `block` consecutive samples of a shard (the last run of a shard may be shorter).
+                runs = [
+                    np.arange(a, min(a + self.block, self.starts[s + 1]))
+                    for s in shards
+                    for a in range(int(self.starts[s]), int(self.starts[s + 1]), self.block)
+                ]
+                self._windows[key] = np.concatenate([runs[i] for i in rng.permutation(len(runs))])
             while len(self._windows) > 2:
                 self._windows.popitem(last=False)
         return self._windows[key]

@@ -16,6 +16,7 @@ from trainer.config import Config
 from trainer.engine.shard import full_value, is_fsdp, reshard
 from trainer.optim import OptimSettings, build_ema, build_lr_schedule, build_optimizer
 from trainer.tasks.base import FrozenWeights
+from trainer.tasks.finetune import cast_frozen_base
 
 log = logging.getLogger(__name__)
 
@@ -181,6 +182,7 @@ def build_parts(
         if name in frozen:
             frozen_parts[name] = FrozenPart(name, module, frozen[name])
             continue
+        cast_frozen_base(module, cfg.train.precision)  # LoRA: half-precision base, fp32 adapters
         wrapped = wrap(module) if name in wrapped_names else module
         optimizer = build_optimizer(module, cfg, name)
         fp16 = cfg.train.precision == "fp16"

@@ -15,6 +15,7 @@ from trainer.engine.parts import FrozenPart, Part, bare_modules, ema_swapped, ev
 from trainer.engine.step import to_device
 from trainer.media import save_media
 from trainer.tasks.base import Batch, PreviewContext, Task
+from trainer.tasks.finetune import half_weights_autocast
 
 log = logging.getLogger("gentrain")
 
@@ -86,7 +87,7 @@ class Previewer:
             weights=lambda ema: ema_swapped(self.parts, ema),
             part_steps={n: p.step for n, p in self.parts.items()},
         )
-        with eval_mode(self.modules):
+        with eval_mode(self.modules), half_weights_autocast(self.modules, self.device):
             previews = self.task.previews(self.modules, ctx)
         if not self.is_main:
             return []

@@ -115,10 +115,13 @@ def evaluate(
         for images in real_images(real_set, n_real, rank, world_size):
             metric.update(images.to(device), real=True)
         metric.has_real = True
-    for images in generated_images(
-        lambda count, s: task.sample(modules, count, seed=s, device=device, **sample_options),
-        num, seed, rank, world_size,
-    ):  # fmt: skip
+    from trainer.tasks.finetune import half_weights_autocast
+
+    def sample(count: int, s: int) -> torch.Tensor:
+        with half_weights_autocast(modules, device):  # a LoRA run's half-precision base
+            return task.sample(modules, count, seed=s, device=device, **sample_options)
+
+    for images in generated_images(sample, num, seed, rank, world_size):
         metric.update(images.to(device), real=False)
     values = metric.compute(n_real, num)
     return {**values, "num_generated": num, "num_real": n_real}

@@ -109,6 +109,9 @@ class TaskContext:
     storage_options: dict[str, Any] = field(default_factory=dict)
     stages: list[int] | None = None  # `train.stages`: the cascade stages this run trains (None = all)
     num_frames: int = 1  # `data.num_frames`: frames per clip of video sources (batches are (N, T, C, H, W))
+    # False where a checkpoint's weights replace whatever `build` loads (sampling): pretrained folders
+    # (`model.pretrained`) are then not read at all.
+    load_pretrained: bool = True
 
 
 @dataclass
@@ -171,6 +174,19 @@ class Task:
     def frozen_sources(self) -> dict[str, FrozenSource]:
         """Parts loaded from other runs, by part name; resolved before `build`."""
         return {}
+
+    def inputs(self) -> dict[str, dict[str, Any]]:
+        """What else the run depends on, recorded in every checkpoint (after `build`): a pretrained folder's
+        URL and digest, a text encoder's. A record with `"pin": True` must match on resume (exit 2 otherwise);
+        the others are provenance (the checkpoint's weights replace them)."""
+        return {}
+
+    def export_unets(self, modules: Mapping[str, nn.Module]) -> dict[str, tuple[nn.Module, dict[str, torch.Tensor]]]:
+        """Diffusers UNets to export (`gentrain checkpoints export`), by part: (the UNet, extra tensors that
+        belong with it). Tasks without one refuse."""
+        from trainer.config import ConfigError
+
+        raise ConfigError(f"{type(self).__name__} has no diffusers UNet to export")
 
     def build(self, frozen: Mapping[str, FrozenWeights]) -> dict[str, nn.Module]:
         """Every part, trainable and frozen, freshly initialized (the engine loads frozen weights)."""

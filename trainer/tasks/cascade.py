@@ -15,12 +15,17 @@ class labels (`model.num_classes`), captions embedded by a frozen sentence
 encoder (`model.text`: pooled vector added to the time embedding, token
 vectors as cross-attention context) and image embeddings
 (`model.image_embed_dim`, the DALL-E 2 decoder: added to the time embedding
-and as `image_embed_tokens` extra context tokens).
+and as `image_embed_tokens` extra context tokens), read from the data or
+computed from each training image by a frozen `model.image_encoder`
+(trainer/conditioning/image.py).
 
 Objectives per stage: epsilon / v (DDPM noise schedule, min-SNR weighting,
-optional DREAM for epsilon) or rectified flow (`prediction_type: flow`, SD3's
-timestep densities and loss weights, a flow-matching Euler sampler), all
-from diffusers' own functions.
+optional DREAM for epsilon), rectified flow (`prediction_type: flow`, SD3's
+timestep densities and loss weights, a flow-matching Euler sampler), or the
+elucidated preconditioning (`prediction_type: edm`, Karras et al. 2022, as
+imagen-pytorch's ElucidatedImagen: lognormal sigmas, c_skip/c_out/c_in/c_noise
+and the loss weight, sampled by diffusers' EDM schedulers), all from
+diffusers' own functions.
 """
 
 from __future__ import annotations
@@ -32,7 +37,13 @@ from typing import Any, Literal
 import numpy as np
 import torch
 import torch.nn.functional as F
-from diffusers import DDPMScheduler, FlowMatchEulerDiscreteScheduler, UNet2DConditionModel
+from diffusers import (
+    DDPMScheduler,
+    EDMDPMSolverMultistepScheduler,
+    EDMEulerScheduler,
+    FlowMatchEulerDiscreteScheduler,
+    UNet2DConditionModel,
+)
 from diffusers.models.embeddings import TimestepEmbedding, Timesteps
 from diffusers.training_utils import (
     compute_density_for_timestep_sampling,
@@ -46,7 +57,15 @@ from trainer.conditioning.text import TextEncoder, TextEncoderConfig
 from trainer.config import ConfigError
 from trainer.randomness import per_sample_rand, per_sample_randint, per_sample_randn, sample_generators
 from trainer.tasks.base import Batch, Loss, Phase, PreviewContext, StepInfo, Task, TaskContext
-from trainer.tasks.ddpm import NoiseConfig, diffusion_loss, inference_scheduler, noise_scheduler_for, unet_block_types
+from trainer.tasks.ddpm import (
+    NoiseConfig,
+    architecture_hints,
+    diffusion_loss,
+    inference_scheduler,
+    noise_scheduler_for,
+    unet_block_types,
+)
+from trainer.tasks.finetune import EXTRAS_NAME, load_weights, prepare_unet
 
 log = logging.getLogger(__name__)
 
@@ -54,11 +73,26 @@ _STREAM = 100  # stage k draws from stream 100 + k: independent of other stages 
 _AUG_TIMESTEPS = 1000  # the noise-augmentation schedule (cosine), shared by all stages
 
 
+class EDMConfig(BaseModel):
+    """`edm.*`: the elucidated preconditioning's constants (Karras et al. 2022, arXiv:2206.00364, table 1),
+    the defaults of the paper and of imagen-pytorch's ElucidatedImagen."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    sigma_data: float = Field(0.5, gt=0, description="standard deviation of the data (images in [-1, 1])")
+    p_mean: float = Field(-1.2, description="training: ln(sigma) ~ N(p_mean, p_std^2)")
+    p_std: float = Field(1.2, gt=0)
+    sigma_min: float = Field(0.002, gt=0, description="sampling: the schedule's ends")
+    sigma_max: float = Field(80.0, gt=0)
+    rho: float = Field(7.0, gt=0, description="sampling: Karras schedule curvature")
+
+
 class StageConfig(NoiseConfig):
     """One stage: its resolution, UNet, objective and low-resolution augmentation."""
 
     image_size: int = Field(..., ge=4)
-    prediction_type: Literal["epsilon", "v_prediction", "flow"] = "epsilon"
+    prediction_type: Literal["epsilon", "v_prediction", "flow", "edm"] = "epsilon"
+    edm: EDMConfig = Field(default_factory=EDMConfig, description="prediction_type=edm: its constants")
     dream: bool = Field(False, description="DREAM (arXiv:2312.00210), epsilon prediction only")
     dream_detail_preservation: float = Field(1.0, gt=0)
     weighting_scheme: Literal["logit_normal", "mode", "sigma_sqrt", "cosmap", "none"] = Field(
@@ -90,6 +124,9 @@ class CascadeConfig(BaseModel):
     text: TextEncoderConfig | None = Field(None, description="caption conditioning; null = none")
     image_embed_dim: int | None = Field(None, ge=1, description="DALL-E 2 decoder: width of data's image_embed")
     image_embed_tokens: int = Field(4, ge=1, description="context tokens made from the image embedding")
+    image_encoder: Literal["digits-features"] | None = Field(
+        None, description="embed each training image with this frozen encoder when the data carries no image_embed"
+    )
     context_dim: int = Field(64, ge=8, description="cross-attention width")
 
     @model_validator(mode="after")
@@ -179,6 +216,20 @@ class StageNet(nn.Module):
         return self.unet(x, t, hidden, class_labels=vec, encoder_attention_mask=attn_mask)
 
 
+def stage_hints(prefix: str) -> dict[str, str]:
+    """diffusers UNet2DConditionModel config fields -> the gentrain keys that set them."""
+    context = "model.text / model.image_embed_dim (cross-attention when either is set)"
+    return {
+        **architecture_hints(prefix),
+        "in_channels": "data.channels (twice that after stage 1: the low-resolution image is concatenated)",
+        "down_block_types": f"{prefix}.attention, {prefix}.block_out_channels, {context}",
+        "up_block_types": f"{prefix}.attention, {prefix}.block_out_channels, {context}",
+        "mid_block_type": context,
+        "cross_attention_dim": "model.context_dim",
+        "projection_class_embeddings_input_dim": f"{prefix}.block_out_channels (4 x its first entry)",
+    }
+
+
 def resize(images: torch.Tensor, size: int) -> torch.Tensor:
     """Down by area averaging (anti-aliased for integer factors), up bilinearly."""
     if images.shape[-1] == size:
@@ -186,6 +237,23 @@ def resize(images: torch.Tensor, size: int) -> torch.Tensor:
     if images.shape[-1] > size:
         return F.interpolate(images, size=(size, size), mode="area")
     return F.interpolate(images, size=(size, size), mode="bilinear", align_corners=False)
+
+
+def edm_scheduler(e: EDMConfig, kind: str):
+    """diffusers' EDM sampler for `sample.scheduler` (ddim -> EDMEulerScheduler, dpm -> EDMDPMSolverMultistepScheduler).
+
+    Its `precondition_*` functions are also the training's, so training and sampling cannot disagree.
+    prediction_type "epsilon" is diffusers' name for EDM's own F-parametrization (c_out > 0).
+    """
+    cls = EDMDPMSolverMultistepScheduler if kind == "dpm" else EDMEulerScheduler
+    return cls(sigma_min=e.sigma_min, sigma_max=e.sigma_max, sigma_data=e.sigma_data, rho=e.rho,
+               prediction_type="epsilon")  # fmt: skip
+
+
+def edm_loss_weight(sigma: torch.Tensor, sigma_data: float) -> torch.Tensor:
+    """lambda(sigma) = (sigma^2 + sigma_data^2) / (sigma * sigma_data)^2 (EDM eq. 8, table 1): with it the
+    effective target of the network output has unit variance at every noise level."""
+    return (sigma**2 + sigma_data**2) / (sigma * sigma_data) ** 2
 
 
 def _cat(a: Mapping[str, torch.Tensor], b: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -221,11 +289,24 @@ class CascadeTask(Task):
         self.schedulers = [self._train_scheduler(s) for s in c.stages]
         self.aug_scheduler = DDPMScheduler(num_train_timesteps=_AUG_TIMESTEPS, beta_schedule="squaredcos_cap_v2")
         self.text = TextEncoder(c.text, ctx.storage_options) if c.text is not None else None
+        self._inputs: dict[str, dict] = {}
+        self.image_encoder = None
+        if c.image_encoder is not None:
+            from trainer.conditioning.image import ImageEncoder
+
+            self.image_encoder = ImageEncoder(c.image_encoder)
+            if c.image_embed_dim != self.image_encoder.dim:
+                raise ConfigError(
+                    f"model.image_encoder={c.image_encoder} gives {self.image_encoder.dim}-wide embeddings: set "
+                    f"model.image_embed_dim={self.image_encoder.dim} (it is {c.image_embed_dim})"
+                )
 
     @staticmethod
     def _train_scheduler(s: StageConfig):
         if s.prediction_type == "flow":
             return FlowMatchEulerDiscreteScheduler(num_train_timesteps=s.num_train_timesteps)
+        if s.prediction_type == "edm":
+            return edm_scheduler(s.edm, "ddim")
         return noise_scheduler_for(s)
 
     # ---- parts
@@ -238,8 +319,41 @@ class CascadeTask(Task):
         return [f"stage{k}" for k in sorted(stages)]
 
     def build(self, frozen) -> dict[str, nn.Module]:
+        nets = {}
+        for k, s in enumerate(self.cfg.stages, 1):
+            net = nets[f"stage{k}"] = StageNet(s, self.cfg, self.channels, lowres=k > 1)
+            key = f"model.stages[{k - 1}]"
+            folder = prepare_unet(
+                net.unet, s, key, stage_hints(key), self.ctx.storage_options, self.ctx.load_pretrained
+            )
+            if folder is None:
+                continue
+            self._inputs[f"stage{k}.pretrained"] = folder.record
+            if folder.extras is not None:
+                load_weights(net, folder.extras, f"{key}.pretrained={s.pretrained!r}", f"the layers of {EXTRAS_NAME}",
+                             skip="unet.")  # fmt: skip
+            if s.lora is not None:
+                # LoRA trains the adapters only; the stage's conditioning layers stay trainable when the
+                # folder had none to give (a plain diffusers UNet): new layers cannot stay random.
+                for name, p in net.named_parameters():
+                    if not name.startswith("unet."):
+                        p.requires_grad_(folder.extras is None)
+        return nets
+
+    def inputs(self) -> dict[str, dict]:
+        out = dict(self._inputs)
+        if self.text is not None:
+            out["text_encoder"] = {"source": self.cfg.text.encoder, "digest": self.text.digest, "pin": True}
+        if self.image_encoder is not None:
+            enc = self.image_encoder
+            out["image_encoder"] = {"source": enc.name, "digest": enc.digest, "pin": True}
+        return out
+
+    def export_unets(self, modules) -> dict[str, tuple[nn.Module, dict[str, torch.Tensor]]]:
+        """Each stage's diffusers UNet plus its gentrain conditioning layers (for `checkpoints export`)."""
         return {
-            f"stage{k}": StageNet(s, self.cfg, self.channels, lowres=k > 1) for k, s in enumerate(self.cfg.stages, 1)
+            name: (net.unet, {k: v for k, v in net.state_dict().items() if not k.startswith("unet.")})
+            for name, net in modules.items()
         }
 
     def phases(self, step: int, part_steps: Mapping[str, int]) -> list[Phase]:
@@ -286,6 +400,13 @@ class CascadeTask(Task):
             cond["image_embed"] = e * (~drop).float()[:, None]
         return cond
 
+    def image_embeds(self, batch: Batch) -> torch.Tensor | None:
+        """The batch's image embeddings: from the data, else computed by `model.image_encoder`."""
+        given = batch.extras.get("image_embed")
+        if given is None and self.image_encoder is not None:
+            return self.image_encoder.encode(batch.images)
+        return given
+
     @property
     def conditional(self) -> bool:
         c = self.cfg
@@ -313,10 +434,12 @@ class CascadeTask(Task):
             ])  # fmt: skip
             index = (u * sched.config.num_train_timesteps).long().clamp(max=sched.config.num_train_timesteps - 1)
             t = sched.timesteps[index].to(device)
+        elif s.prediction_type == "edm":
+            sigma = (s.edm.p_mean + s.edm.p_std * per_sample_randn(gens, (1,))).exp().view(n).to(device, x0.dtype)
         else:
             t = per_sample_randint(gens, s.num_train_timesteps).to(device)
         drop = per_sample_rand(gens) < self.cfg.cond_drop_prob
-        cond = self.conditions(n, device, drop, batch.labels, batch.captions, batch.extras.get("image_embed"))
+        cond = self.conditions(n, device, drop, batch.labels, batch.captions, self.image_embeds(batch))
         if k > 1:
             level = per_sample_rand(gens) * s.noise_aug_max
             aug_t = (level * _AUG_TIMESTEPS).long().clamp(max=_AUG_TIMESTEPS - 1)
@@ -333,6 +456,13 @@ class CascadeTask(Task):
             weight = compute_loss_weighting_for_sd3(s.weighting_scheme, sigma).view(n)
             mse = F.mse_loss(pred.float(), (noise - x0).float(), reduction="none").mean(dim=(1, 2, 3))
             return Loss(mse * weight, {"mse": mse.detach()})
+        if s.prediction_type == "edm":
+            sig = sigma.view(n, 1, 1, 1)
+            noisy = x0 + sig * noise
+            out = net(sched.precondition_inputs(noisy, sig), sched.precondition_noise(sigma), cond).sample
+            denoised = sched.precondition_outputs(noisy, out, sig)
+            mse = F.mse_loss(denoised.float(), x0.float(), reduction="none").mean(dim=(1, 2, 3))
+            return Loss(mse * edm_loss_weight(sigma.float(), s.edm.sigma_data), {"mse": mse.detach()})
         noisy = sched.add_noise(x0, noise, t)
         target = noise if s.prediction_type == "epsilon" else sched.get_velocity(x0, noise, t)
         if s.dream:
@@ -357,7 +487,11 @@ class CascadeTask(Task):
         """`samples`: the cascade up to the last stage trained so far; `superres-stageK`: stage K on the
         held-out batch's own low-resolution images (shows a stage trained before the ones below it)."""
         steps = ctx.part_steps
-        trained = [k for k in range(1, len(self.cfg.stages) + 1) if steps.get(f"stage{k}", 1) > 0]
+        trained = [
+            k
+            for k in range(1, len(self.cfg.stages) + 1)
+            if steps.get(f"stage{k}", 1) > 0 or self.cfg.stages[k - 1].pretrained is not None
+        ]
         out: dict[str, torch.Tensor] = {}
         opts = dict(ctx.options)
         b = ctx.batch
@@ -370,7 +504,7 @@ class CascadeTask(Task):
                 if captions is not None and len(captions) < ctx.num:
                     captions = (captions * ctx.num)[: ctx.num]
                 has_embeds = self.cfg.image_embed_dim is not None and b is not None
-                embeds = b.extras.get("image_embed") if has_embeds else None
+                embeds = self.image_embeds(b) if has_embeds else None
                 if embeds is not None:
                     embeds = embeds.repeat((ctx.num + len(embeds) - 1) // len(embeds), 1)[: ctx.num]
                 out["samples"] = self.sample(
@@ -380,7 +514,7 @@ class CascadeTask(Task):
             for k in (k for k in trained if k > 1 and b is not None):
                 low = resize(b.images, self.cfg.stages[k - 2].image_size)
                 cond = self.conditions(len(b), ctx.device, torch.zeros(len(b), dtype=torch.bool), b.labels,
-                                       b.captions, b.extras.get("image_embed"))  # fmt: skip
+                                       b.captions, self.image_embeds(b))  # fmt: skip
                 x = self._run_stage(k, modules[f"stage{k}"], low, cond, range(len(b)), ctx.seed, ctx.device, **opts)
                 out[f"superres-stage{k}"] = ((x.float().clamp(-1, 1) + 1) / 2).cpu()
         return out
@@ -426,6 +560,8 @@ class CascadeTask(Task):
         train_sched = self.schedulers[k - 1]
         if s.prediction_type == "flow":
             sched = FlowMatchEulerDiscreteScheduler.from_config(train_sched.config)
+        elif s.prediction_type == "edm":
+            sched = edm_scheduler(s.edm, scheduler)
         else:
             sched = inference_scheduler(train_sched, scheduler)
         sched.set_timesteps(inference_steps)
@@ -461,7 +597,13 @@ class CascadeTask(Task):
         last = stop_at_stage or n_stages
         if not 1 <= last <= n_stages:
             raise ConfigError(f"--stop-at-stage {stop_at_stage}: this cascade has stages 1..{n_stages}")
-        untrained = [k for k in range(1, last + 1) if part_steps is not None and part_steps.get(f"stage{k}", 0) == 0]
+        untrained = [
+            k
+            for k in range(1, last + 1)
+            if part_steps is not None
+            and part_steps.get(f"stage{k}", 0) == 0
+            and self.cfg.stages[k - 1].pretrained is None
+        ]
         if untrained:
             names = ", ".join(f"stage {k}" for k in untrained)
             raise ConfigError(

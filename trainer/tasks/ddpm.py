@@ -19,6 +19,7 @@ from trainer.randomness import (
     sample_generators,
 )
 from trainer.tasks.base import Batch, Loss, Phase, StepInfo, Task, TaskContext
+from trainer.tasks.finetune import FinetuneFields, prepare_unet
 
 
 class UNetShapeConfig(BaseModel):
@@ -43,8 +44,9 @@ class UNetShapeConfig(BaseModel):
         return self
 
 
-class NoiseConfig(UNetShapeConfig):
-    """The UNet plus its noise schedule and objective; shared by DDPM and every cascade stage."""
+class NoiseConfig(UNetShapeConfig, FinetuneFields):
+    """The UNet plus its noise schedule and objective, and where its weights start (`pretrained`, `lora`);
+    shared by DDPM and every cascade stage."""
 
     prediction_type: Literal["epsilon", "v_prediction"] = "epsilon"
     num_train_timesteps: int = Field(1000, ge=2)
@@ -81,6 +83,20 @@ def unet_block_types(c: UNetShapeConfig, attn_down: str = "AttnDownBlock2D", att
         down[-1] = attn_down
         up[0] = attn_up
     return tuple(down), tuple(up)
+
+
+def architecture_hints(prefix: str) -> dict[str, str]:
+    """diffusers UNet config fields -> the gentrain keys that set them (for pretrained-folder mismatches)."""
+    return {
+        "block_out_channels": f"{prefix}.block_out_channels",
+        "layers_per_block": f"{prefix}.layers_per_block",
+        "norm_num_groups": f"{prefix}.norm_num_groups",
+        "down_block_types": f"{prefix}.attention and {prefix}.block_out_channels",
+        "up_block_types": f"{prefix}.attention and {prefix}.block_out_channels",
+        "in_channels": "data.channels",
+        "out_channels": "data.channels",
+        "num_class_embeds": "model.num_classes (the UNet has one more row: the null class)",
+    }
 
 
 def diffusion_loss(
@@ -122,6 +138,7 @@ class DDPMTask(Task):
 
             raise ConfigError(f"model.num_classes={c.num_classes} but the dataset has {ctx.num_classes} classes")
         self.noise_scheduler = noise_scheduler_for(c)
+        self._inputs: dict[str, dict] = {}
 
     @classmethod
     def trainable_part_names(cls, model_cfg: DiffusionModelConfig) -> list[str]:
@@ -147,7 +164,17 @@ class DDPMTask(Task):
             # One extra embedding row is the "no label" class used for CFG.
             num_class_embeds=(c.num_classes + 1) if self.conditional else None,
         )
+        folder = prepare_unet(unet, c, "model", architecture_hints("model"), self.ctx.storage_options,
+                              self.ctx.load_pretrained)  # fmt: skip
+        if folder is not None:
+            self._inputs["unet.pretrained"] = folder.record
         return {"unet": unet}
+
+    def inputs(self) -> dict[str, dict]:
+        return dict(self._inputs)
+
+    def export_unets(self, modules) -> dict[str, tuple[nn.Module, dict[str, torch.Tensor]]]:
+        return {"unet": (modules["unet"], {})}
 
     def _null_label(self) -> int:
         assert self.cfg.num_classes is not None
