@@ -10,8 +10,8 @@
 
 `PROBE_TASK_KILL=RANK:STEP` makes that rank SIGKILL itself in the middle
 of global step STEP on the first attempt, so tests kill at an exact point
-instead of racing a running job. `KillableVQGAN` and `KillableMaskGIT` are the
-real tasks plus that switch.
+instead of racing a running job. `KillableVQGAN`, `KillableMaskGIT`,
+`KillableVideoTokenizer` and `KillableVideoMaskGIT` are the real tasks plus that switch.
 """
 
 from __future__ import annotations
@@ -29,6 +29,8 @@ from torch import nn
 from trainer.registry import task_class
 from trainer.tasks.base import Batch, FrozenSource, Loss, Phase, PreviewContext, StepInfo, Task
 from trainer.tasks.maskgit import MaskGITTask
+from trainer.tasks.video_maskgit import VideoMaskGITTask
+from trainer.tasks.video_tokenizer import VideoTokenizerTask
 from trainer.tasks.vqgan import VQGANTask
 
 
@@ -156,6 +158,18 @@ class KillableVQGAN(VQGANTask):
 
 
 class KillableMaskGIT(MaskGITTask):
+    def forward(self, modules, batch: Batch, step: int):
+        maybe_die(step)
+        return super().forward(modules, batch, step)
+
+
+class KillableVideoTokenizer(VideoTokenizerTask):
+    def forward(self, modules, batch: Batch, step: int):
+        maybe_die(step)
+        return super().forward(modules, batch, step)
+
+
+class KillableVideoMaskGIT(VideoMaskGITTask):
     def forward(self, modules, batch: Batch, step: int):
         maybe_die(step)
         return super().forward(modules, batch, step)

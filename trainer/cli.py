@@ -41,6 +41,7 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--prompt", default=None, help="text-conditioned: the caption to draw")
     s.add_argument("--embeddings", default=None, help="image-embedding-conditioned: a .npy of (D,) or (N, D)")
     s.add_argument("--stop-at-stage", type=int, default=None, help="cascade: run stages 1..K only")
+    s.add_argument("--frames", type=int, default=None, help="video models: frames per clip (default: as trained)")
     s.add_argument("--batch-size", type=int, default=None, help="sample in chunks of this many (memory)")
     s.add_argument("--storage-options", type=json.loads, default={}, help="JSON passed to fsspec")
 
@@ -136,7 +137,7 @@ def cmd_sample(args: argparse.Namespace) -> int:
 
     from trainer.checkpoint import resolve_checkpoint
     from trainer.checkpoint.weights import load_for_inference
-    from trainer.media import save_grid, save_media
+    from trainer.media import contact_sheet, save_gif, save_grid, save_media, slugify
 
     store, info = resolve_checkpoint(args.checkpoint, args.storage_options)
     if info is None or not info.valid:
@@ -158,6 +159,10 @@ def cmd_sample(args: argparse.Namespace) -> int:
     )
     if images.ndim == 4:
         written = [save_grid(images, args.out)]
+    elif args.prompt is not None:  # videos of a caption: <caption>.gif beside a contact sheet at --out
+        stem = os.path.splitext(args.out)[0]
+        written = [save_gif(images, os.path.join(os.path.dirname(stem), f"{slugify(args.prompt)}.gif"))]
+        written.append(save_grid(contact_sheet(images), f"{stem}.png", nrow=images.shape[1]))
     else:  # videos: a GIF and a contact sheet beside it
         written = save_media(images, os.path.splitext(args.out)[0])
     print(f"wrote {', '.join(written)}: {args.num} samples from {info.url} (step {info.step})")
@@ -225,6 +230,8 @@ def _conditions(args: argparse.Namespace, store, info) -> dict[str, Any]:
             raise ConfigError(f"--embeddings {args.embeddings}: not a readable .npy file ({e})") from None
     if args.stop_at_stage is not None:
         out["stop_at_stage"] = args.stop_at_stage
+    if args.frames is not None:
+        out["frames"] = args.frames
     if args.batch_size is not None:
         out["batch_size"] = args.batch_size
     return out

@@ -20,7 +20,7 @@ from trainer import __version__
 from trainer.checkpoint.manager import CheckpointManager
 from trainer.checkpoint.weights import load_frozen
 from trainer.config import Config, ConfigError
-from trainer.data import build_splits, build_train_loader
+from trainer.data import build_splits, build_train_loader, is_video
 from trainer.elastic import EXIT_OK, DistEnv, StartupClock, StopRequest, agree_to_stop, barrier, init_process_group
 from trainer.engine.evaluate import Evaluator
 from trainer.engine.parts import build_parts
@@ -68,8 +68,9 @@ class Trainer:
         self.sharded = t.parallel == "fsdp" and env.world_size > 1
         self.train_set, self.val_set, num_classes = build_splits(cfg)
         ctx = TaskContext(
-            cfg.data.image_size, cfg.data.channels, cfg.seed, num_classes, cfg.checkpoint.storage_options, t.stages
-        )
+            cfg.data.image_size, cfg.data.channels, cfg.seed, num_classes, cfg.checkpoint.storage_options, t.stages,
+            num_frames=cfg.data.num_frames if is_video(cfg) else 1,
+        )  # fmt: skip
         self.task = task_class(cfg.task)(cfg.model_cfg, ctx)
         self.parts, self.frozen = self._build_parts()
         self.progress = TrainProgress(t.batch_size, len(self.train_set), env.world_size, cfg.seed)

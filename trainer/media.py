@@ -5,6 +5,7 @@ from __future__ import annotations
 import io
 import math
 import os
+import re
 
 import numpy as np
 import torch
@@ -62,6 +63,12 @@ def save_gif(videos: torch.Tensor, path: str, fps: int = 8) -> str:
         frames.append(Image.fromarray(grid[..., 0] if grid.shape[-1] == 1 else grid))
     frames[0].save(path, save_all=True, append_images=frames[1:], duration=int(1000 / fps), loop=0)
     return path
+
+
+def slugify(text: str, max_length: int = 80) -> str:
+    """A file name for a caption: "A seven, moving left!" -> "a-seven-moving-left"."""
+    slug = re.sub(r"[^a-z0-9]+", "-", text.lower()).strip("-")[:max_length].rstrip("-")
+    return slug or "untitled"
 
 
 def save_media(media: torch.Tensor, stem: str) -> list[str]:

@@ -149,10 +149,12 @@ def load_for_inference(
     from trainer.tasks.base import TaskContext
 
     cfg = config_from_dict(info.manifest["config"])
+    from trainer.data import is_video
+
     # The checkpoint holds every weight: pretrained folders are not read again.
-    ctx = TaskContext(
-        cfg.data.image_size, cfg.data.channels, cfg.seed, None, cfg.checkpoint.storage_options, load_pretrained=False
-    )
+    frames = cfg.data.num_frames if is_video(cfg) else 1
+    ctx = TaskContext(cfg.data.image_size, cfg.data.channels, cfg.seed, None, cfg.checkpoint.storage_options,
+                      num_frames=frames, load_pretrained=False)  # fmt: skip
     task = task_class(cfg.task)(cfg.model_cfg, ctx)
     records = info.manifest.get("frozen") or {}
     frozen = {

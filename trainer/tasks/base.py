@@ -108,6 +108,7 @@ class TaskContext:
     num_classes: int | None = None
     storage_options: dict[str, Any] = field(default_factory=dict)
     stages: list[int] | None = None  # `train.stages`: the cascade stages this run trains (None = all)
+    num_frames: int = 1  # `data.num_frames`: frames per clip of video sources (batches are (N, T, C, H, W))
     # False where a checkpoint's weights replace whatever `build` loads (sampling): pretrained folders
     # (`model.pretrained`) are then not read at all.
     load_pretrained: bool = True

@@ -215,7 +215,7 @@ class DDPMTask(Task):
         labels: torch.Tensor | None = None,
         **unused: Any,
     ) -> torch.Tensor:
-        asked = [k for k in ("prompts", "image_embeds", "stop_at_stage") if unused.get(k) is not None]
+        asked = [k for k in ("prompts", "image_embeds", "stop_at_stage", "frames") if unused.get(k) is not None]
         if asked or (labels is not None and not self.conditional):
             from trainer.config import ConfigError
 

@@ -130,19 +130,61 @@ class MaskTransformer(nn.Module):
         self.head = nn.Linear(cfg.dim, num_codes)
 
     def forward(
-        self, tokens: torch.Tensor, context: torch.Tensor | None, context_mask: torch.Tensor | None = None
+        self,
+        tokens: torch.Tensor,
+        context: torch.Tensor | None,
+        context_mask: torch.Tensor | None = None,
+        token_mask: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """tokens (N, L) with `mask_id` where masked; context (N, Lc, dim) or None, `context_mask` (N, Lc)
-        True where a context token is real (padding is not attended) -> logits (N, L, K)."""
+        True where a context token is real, `token_mask` (N, L) True where a token is real (padding of
+        either is not attended, so padded tokens change nothing for the others) -> logits (N, L, K)."""
         x = self.tokens(tokens)
-        pad = None
+        keep = token_mask.bool() if token_mask is not None else None
         if context is not None:
             x = torch.cat([context.to(x.dtype), x], dim=1)
-            if context_mask is not None:
-                keep = torch.ones(tokens.shape, dtype=torch.bool, device=tokens.device)
-                pad = ~torch.cat([context_mask.bool(), keep], dim=1)
+            if context_mask is not None or keep is not None:
+                ctx_keep = context_mask if context_mask is not None else torch.ones(context.shape[:2])
+                tok_keep = keep if keep is not None else torch.ones(tokens.shape)
+                keep = torch.cat([ctx_keep.to(tokens.device, torch.bool), tok_keep.to(tokens.device, torch.bool)], 1)
+        pad = None if keep is None else ~keep
         x = self.encoder(x + self.pos[:, : x.shape[1]], src_key_padding_mask=pad)
         return self.head(self.norm(x[:, x.shape[1] - tokens.shape[1] :]))
+
+
+def check_tokenizer_geometry(
+    c: MaskGITConfig, ctx: TaskContext, source: Any, url: str, geometry: tuple[int, int]
+) -> tuple[int, int]:
+    """The transformer's vocabulary, image size and channels against the tokenizer run's (`geometry`:
+    its codebook size and token grid side); the expected `model.codebook_size` / `model.latent_size`
+    when set. Returns (codebook size, token grid side)."""
+    from trainer.config import ConfigError
+
+    num_codes, tok_grid = geometry
+    if c.codebook_size is not None and c.codebook_size != num_codes:
+        raise ConfigError(
+            f"model.codebook_size={c.codebook_size} but the tokenizer at {url} has {num_codes} codes: "
+            "the transformer's vocabulary must equal the tokenizer's codebook. Set model.codebook_size="
+            f"{num_codes} (or leave it unset), or point model.tokenizer.url at a matching tokenizer."
+        )
+    ds = source.model_cfg.downsample
+    grid = ctx.image_size // ds
+    if ctx.image_size % ds or grid != tok_grid:
+        raise ConfigError(
+            f"data.image_size={ctx.image_size} gives a {grid}x{grid} token grid but the tokenizer at {url} "
+            f"was trained on {source.data.image_size}px images ({tok_grid}x{tok_grid} tokens). Use "
+            f"data.image_size={source.data.image_size}."
+        )
+    if c.latent_size is not None and c.latent_size != grid:
+        raise ConfigError(
+            f"model.latent_size={c.latent_size} but the tokenizer at {url} makes a {grid}x{grid} token grid. "
+            f"Set model.latent_size={grid} (or leave it unset)."
+        )
+    if source.data.channels != ctx.channels:
+        raise ConfigError(
+            f"data.channels={ctx.channels} but the tokenizer at {url} encodes {source.data.channels}-channel images"
+        )
+    return num_codes, grid
 
 
 class MaskGITTask(Task):
@@ -173,48 +215,39 @@ class MaskGITTask(Task):
         return {"tokenizer": FrozenSource(t.url, part="generator", use_ema=t.use_ema)}
 
     def build(self, frozen) -> dict[str, nn.Module]:
-        from trainer.config import ConfigError
         from trainer.registry import task_class
-        from trainer.tasks.vqgan import VQGANTask, tokenizer_geometry
 
         source = frozen["tokenizer"].config
-        url = frozen["tokenizer"].record["url"]
         tok_task = task_class(source.task)
-        if not issubclass(tok_task, VQGANTask):
-            raise ConfigError(f"model.tokenizer.url={url}: a {source.task!r} run, not a vqgan tokenizer")
-        num_codes, tok_grid = tokenizer_geometry(source)
+        self.num_codes, self.grid = self._check_tokenizer(tok_task, source, frozen["tokenizer"].record["url"])
         c = self.cfg
-        if c.codebook_size is not None and c.codebook_size != num_codes:
-            raise ConfigError(
-                f"model.codebook_size={c.codebook_size} but the tokenizer at {url} has {num_codes} codes: "
-                "the transformer's vocabulary must equal the tokenizer's codebook. Set model.codebook_size="
-                f"{num_codes} (or leave it unset), or point model.tokenizer.url at a matching tokenizer."
-            )
-        ds = source.model_cfg.downsample
-        grid = self.ctx.image_size // ds
-        if self.ctx.image_size % ds or grid != tok_grid:
-            raise ConfigError(
-                f"data.image_size={self.ctx.image_size} gives a {grid}x{grid} token grid but the tokenizer at {url} "
-                f"was trained on {source.data.image_size}px images ({tok_grid}x{tok_grid} tokens). Use "
-                f"data.image_size={source.data.image_size}."
-            )
-        if c.latent_size is not None and c.latent_size != grid:
-            raise ConfigError(
-                f"model.latent_size={c.latent_size} but the tokenizer at {url} makes a {grid}x{grid} token grid. "
-                f"Set model.latent_size={grid} (or leave it unset)."
-            )
-        if source.data.channels != self.ctx.channels:
-            raise ConfigError(
-                f"data.channels={self.ctx.channels} but the tokenizer at {url} encodes {source.data.channels}-channel "
-                "images"
-            )
-        self.num_codes, self.grid = num_codes, grid
         if c.token_cache:
             self.cache = TokenCache(c.token_cache, frozen["tokenizer"].record["digest"])
-        tokenizer = tok_task(source.model_cfg, self.ctx).build({})["generator"]
+        tokenizer = tok_task(source.model_cfg, self._tokenizer_context(source)).build({})["generator"]
         cond_tokens = (1 if c.num_classes else 0) + (c.text.max_tokens if c.text else 0)
-        transformer = MaskTransformer(c, num_codes, grid * grid, cond_tokens)
+        transformer = MaskTransformer(c, self.num_codes, math.prod(self.token_layout()), cond_tokens)
         return {"tokenizer": tokenizer, "transformer": transformer}
+
+    def _tokenizer_context(self, source: Any) -> TaskContext:
+        return self.ctx
+
+    def _check_tokenizer(self, tok_task: type, source: Any, url: str) -> tuple[int, int]:
+        """(codebook size, token grid side) of the tokenizer run `source`; ConfigError on any mismatch."""
+        from trainer.config import ConfigError
+        from trainer.tasks.video_tokenizer import VideoTokenizerTask
+        from trainer.tasks.vqgan import VQGANTask, tokenizer_geometry
+
+        if not issubclass(tok_task, VQGANTask) or issubclass(tok_task, VideoTokenizerTask):
+            raise ConfigError(f"model.tokenizer.url={url}: a {source.task!r} run, not a vqgan tokenizer")
+        return check_tokenizer_geometry(self.cfg, self.ctx, source, url, tokenizer_geometry(source))
+
+    def token_layout(self, frames: int | None = None) -> tuple[int, ...]:
+        """Shape of one sample's token grid; images take no `frames`."""
+        if frames is not None:
+            from trainer.config import ConfigError
+
+            raise ConfigError("--frames: this MaskGIT makes images, not videos")
+        return (self.grid, self.grid)
 
     # ---- conditioning
     @property
@@ -261,33 +294,47 @@ class MaskGITTask(Task):
 
     # ---- training
     def forward(self, modules, batch: Batch, step: int) -> dict[str, Any]:
-        encode = modules["tokenizer"].encode_indices
-        if self.cache is None:
-            return {"tokens": encode(batch.images).flatten(1)}
-        return {"tokens": self.cache.tokens(batch.images, lambda x: encode(x).flatten(1))}
+        def encode(x: torch.Tensor) -> torch.Tensor:  # FSQ and LFQ give int32 codes; the losses want int64
+            return modules["tokenizer"].encode_indices(x).flatten(1).long()
 
-    def _masked(self, tokens: torch.Tensor, step: int, positions: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
-        """Per-sample cosine-scheduled masks, drawn from (seed, step, position): exact on resume."""
+        if self.cache is None:
+            return {"tokens": encode(batch.images)}
+        return {"tokens": self.cache.tokens(batch.images, encode)}
+
+    def token_mask(self, batch: Batch, tokens: torch.Tensor) -> torch.Tensor | None:
+        """(N, L) True for real tokens, None when all are (images; videos without padding frames)."""
+        return None
+
+    def _masked(
+        self, tokens: torch.Tensor, step: int, positions: list[int], real: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per-sample cosine-scheduled masks over the real tokens, drawn from (seed, step, position): exact
+        on resume."""
         n, length = tokens.shape
         gens = sample_generators(self.seed, step, positions, stream=1)
         r = per_sample_rand(gens)
         drop = per_sample_rand(gens) < self.cfg.cond_drop_prob
         scores = torch.stack([torch.rand(length, generator=g) for g in gens])
-        num_masked = (cosine_mask_ratio(r) * length).ceil().clamp(1, length).long()
+        count = torch.full((n,), length) if real is None else real.sum(1).cpu()
+        if real is not None:  # padding ranks after every real token, so it is never masked
+            scores = torch.where(real.cpu(), scores, 2.0)
+        num_masked = (cosine_mask_ratio(r) * count).ceil().clamp(min=1).minimum(count).long()
         ranks = scores.argsort(dim=1).argsort(dim=1)
         mask = ranks < num_masked[:, None]
         return mask.to(tokens.device), drop.to(tokens.device)
 
     def _token_loss(self, modules, batch: Batch, tokens: torch.Tensor, step: int, smoothing: float):
-        mask, drop = self._masked(tokens, step, batch.positions)
+        real = self.token_mask(batch, tokens)
+        mask, drop = self._masked(tokens, step, batch.positions, real)
         inputs = torch.where(mask, self.num_codes, tokens)
         transformer = modules["transformer"]
         context, context_mask = self.conditioning_tokens(transformer, batch.labels, batch.captions, drop)
-        logits = transformer(inputs, context, context_mask).float()
+        logits = transformer(inputs, context, context_mask, real).float()
         ce = F.cross_entropy(logits.transpose(1, 2), tokens, reduction="none", label_smoothing=smoothing)
         m = mask.float()
-        per_sample = (ce * m).sum(1) / m.sum(1)
-        acc = ((logits.argmax(-1) == tokens).float() * m).sum(1) / m.sum(1)
+        count = m.sum(1).clamp(min=1)  # 0 only for an unreadable sample (no real tokens, weight 0)
+        per_sample = (ce * m).sum(1) / count
+        acc = ((logits.argmax(-1) == tokens).float() * m).sum(1) / count
         return per_sample, acc
 
     def loss(self, phase: Phase, modules, batch: Batch, outputs, info: StepInfo) -> Loss:
@@ -322,15 +369,18 @@ class MaskGITTask(Task):
         prompts: list[str] | None = None,
         temperature: float | None = None,
         choice_temperature: float | None = None,
+        frames: int | None = None,
         **unused: Any,
     ) -> torch.Tensor:
         """Iterative parallel decoding: at step t keep the most confident predictions and re-mask the rest,
-        `L * cos(pi/2 * t/T)` of them, with Gumbel noise on the confidences annealed to zero."""
+        `L * cos(pi/2 * t/T)` of them, with Gumbel noise on the confidences annealed to zero. `frames`:
+        video models only (see `token_layout`)."""
         transformer = modules["transformer"]
         temperature = self.cfg.temperature if temperature is None else temperature
         choice_temperature = self.cfg.choice_temperature if choice_temperature is None else choice_temperature
         g = torch.Generator().manual_seed(seed)
-        length = self.grid * self.grid
+        layout = self.token_layout(frames)
+        length = math.prod(layout)
         tokens = torch.full((num, length), self.num_codes, dtype=torch.long)
         from trainer.config import ConfigError
 
@@ -373,9 +423,11 @@ class MaskGITTask(Task):
                 cut = noisy.sort(dim=1).values[:, remask - 1 : remask]
                 drawn = torch.where(noisy <= cut, self.num_codes, drawn)
             tokens = drawn
-        grid = tokens.view(num, self.grid, self.grid).to(device)
-        images = modules["tokenizer"].decode_indices(grid)
-        return ((images.float() + 1) / 2).cpu()
+        return self.decode_tokens(modules, tokens.view(num, *layout).to(device), frames)
+
+    def decode_tokens(self, modules: Mapping[str, nn.Module], tokens: torch.Tensor, frames: int | None) -> torch.Tensor:
+        """Token grids (N, *token_layout) -> media in [0, 1] on CPU, through the frozen tokenizer."""
+        return ((modules["tokenizer"].decode_indices(tokens).float() + 1) / 2).cpu()
 
 
 TASK = MaskGITTask

@@ -10,9 +10,12 @@ bare with gradients off (so DDP all-reduces nothing for it and sees no unused
 parameters); the discriminator phase runs from `model.disc_start_step` on the
 detached reconstructions. Only the generator has an EMA.
 
-MaskGIT and video tasks use the trained generator as a frozen tokenizer
-through `VQAutoencoder.encode_indices` / `decode_indices` and
-`tokenizer_geometry(config)`.
+MaskGIT uses the trained generator as a frozen tokenizer through
+`VQAutoencoder.encode_indices` / `decode_indices` and
+`tokenizer_geometry(config)`. The video tokenizer (`video_tokenizer.py`)
+shares the config sections (`CodebookConfig`, `AdversarialConfig`), the
+quantizer (`QuantizedAutoencoder`), the discriminator and the losses: they
+are computed per frame and averaged over each sample's real frames.
 """
 
 from __future__ import annotations
@@ -38,14 +41,11 @@ class PerceptualConfig(BaseModel):
     weight: float = Field(1.0, ge=0)
 
 
-class VQGANConfig(BaseModel):
+class CodebookConfig(BaseModel):
+    """`model.*` keys of a quantizer (shared by the image and the video tokenizer)."""
+
     model_config = ConfigDict(extra="forbid")
 
-    # autoencoder (each level after the first halves the resolution)
-    block_out_channels: list[int] = Field(default=[32, 64, 64], min_length=1)
-    layers_per_block: int = Field(1, ge=1)
-    norm_num_groups: int = Field(8, ge=1)
-    # quantizer
     quantizer: Literal["vq", "fsq", "lfq"] = "vq"
     codebook_size: int = Field(256, ge=2, description="vq and lfq (lfq: a power of two); fsq: product of fsq_levels")
     codebook_dim: int = Field(16, ge=1, description="vq: code vector width")
@@ -57,33 +57,9 @@ class VQGANConfig(BaseModel):
     )
     lfq_entropy_weight: float = Field(0.1, ge=0)
     usage_window: int = Field(100, ge=1, description="training forwards over which codebook usage is measured")
-    # losses
-    l1_weight: float = Field(1.0, ge=0)
-    l2_weight: float = Field(0.0, ge=0)
-    perceptual: PerceptualConfig | None = None
-    adv_weight: float = Field(0.1, ge=0, description="generator's hinge adversarial weight (times the adaptive one)")
-    adaptive_weight: bool = Field(
-        True, description="Esser et al.: scale adv by |grad rec| / |grad adv| at the last layer"
-    )
-    adaptive_weight_max: float = Field(1e4, gt=0)
-    disc_start_step: int = Field(2000, ge=0, description="global step from which the discriminator trains and is used")
-    disc_channels: int = Field(32, ge=1)
-    disc_layers: int = Field(2, ge=1)
-    grad_penalty_every: int = Field(
-        0, ge=0, description="gradient penalty on the discriminator's own steps 0, k, 2k, ..."
-    )
-    grad_penalty_weight: float = Field(10.0, ge=0)
-    lecam_weight: float = Field(0.0, ge=0, description="LeCAM regularizer (Tseng et al. 2021); 0 = off")
-    lecam_decay: float = Field(0.999, gt=0, lt=1)
 
     @model_validator(mode="after")
-    def _check(self) -> VQGANConfig:
-        bad = [c for c in self.block_out_channels if c % self.norm_num_groups]
-        if bad:
-            raise ValueError(
-                f"model.block_out_channels {self.block_out_channels}: every entry must be divisible by "
-                f"model.norm_num_groups={self.norm_num_groups}"
-            )
+    def _check_codebook(self) -> CodebookConfig:
         if self.quantizer == "lfq" and self.codebook_size & (self.codebook_size - 1):
             raise ValueError(f"model.codebook_size={self.codebook_size}: lfq needs a power of two (e.g. 256, 1024)")
         if self.quantizer == "fsq" and any(level < 3 for level in self.fsq_levels):
@@ -102,6 +78,49 @@ class VQGANConfig(BaseModel):
             return int(math.log2(self.codebook_size))
         return self.codebook_dim
 
+
+class AdversarialConfig(BaseModel):
+    """`model.*` keys of a tokenizer's losses: reconstruction, perceptual, hinge GAN with its regularizers."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    l1_weight: float = Field(1.0, ge=0)
+    l2_weight: float = Field(0.0, ge=0)
+    perceptual: PerceptualConfig | None = None
+    adv_weight: float = Field(0.1, ge=0, description="generator's hinge adversarial weight (times the adaptive one)")
+    adaptive_weight: bool = Field(
+        True, description="Esser et al.: scale adv by |grad rec| / |grad adv| at the last layer"
+    )
+    adaptive_weight_max: float = Field(1e4, gt=0)
+    disc_start_step: int = Field(2000, ge=0, description="global step from which the discriminator trains and is used")
+    disc_channels: int = Field(32, ge=1)
+    disc_layers: int = Field(2, ge=1)
+    grad_penalty_every: int = Field(
+        0, ge=0, description="gradient penalty on the discriminator's own steps 0, k, 2k, ..."
+    )
+    grad_penalty_weight: float = Field(10.0, ge=0)
+    lecam_weight: float = Field(0.0, ge=0, description="LeCAM regularizer (Tseng et al. 2021); 0 = off")
+    lecam_decay: float = Field(0.999, gt=0, lt=1)
+
+
+class VQGANConfig(CodebookConfig, AdversarialConfig):
+    model_config = ConfigDict(extra="forbid")
+
+    # autoencoder (each level after the first halves the resolution)
+    block_out_channels: list[int] = Field(default=[32, 64, 64], min_length=1)
+    layers_per_block: int = Field(1, ge=1)
+    norm_num_groups: int = Field(8, ge=1)
+
+    @model_validator(mode="after")
+    def _check(self) -> VQGANConfig:
+        bad = [c for c in self.block_out_channels if c % self.norm_num_groups]
+        if bad:
+            raise ValueError(
+                f"model.block_out_channels {self.block_out_channels}: every entry must be divisible by "
+                f"model.norm_num_groups={self.norm_num_groups}"
+            )
+        return self
+
     @property
     def downsample(self) -> int:
         return 2 ** (len(self.block_out_channels) - 1)
@@ -113,7 +132,81 @@ def tokenizer_geometry(cfg: Any) -> tuple[int, int]:
     return m.num_codes, cfg.data.image_size // m.downsample
 
 
-class VQAutoencoder(nn.Module):
+class QuantizedAutoencoder(nn.Module):
+    """What every tokenizer shares: a quantizer from vector-quantize-pytorch (VQ with an EMA codebook, FSQ
+    or LFQ), codebook usage over the last training forwards, and code lookup for decoding.
+
+    `channel_first`: latents are image maps (N, C, h, w) (VQ-GAN); else token sequences (N, L, C) (video).
+    """
+
+    cfg: CodebookConfig
+
+    def _init_quantizer(self, cfg: CodebookConfig, channel_first: bool) -> None:
+        latent = cfg.latent_channels
+        self.channel_first = channel_first
+        if cfg.quantizer == "vq":
+            # Commitment is computed per sample by the callers (the library returns a batch mean).
+            self.quantizer = VectorQuantize(
+                dim=latent,
+                codebook_size=cfg.codebook_size,
+                decay=cfg.codebook_decay,
+                commitment_weight=0.0,
+                threshold_ema_dead_code=cfg.dead_code_threshold,
+                accept_image_fmap=channel_first,
+            )
+        elif cfg.quantizer == "fsq":
+            self.quantizer = FSQ(levels=list(cfg.fsq_levels), dim=latent, channel_first=channel_first)
+        else:
+            self.quantizer = LFQ(
+                dim=latent,
+                codebook_size=cfg.codebook_size,
+                entropy_loss_weight=cfg.lfq_entropy_weight,
+                commitment_loss_weight=0.0,
+                channel_first=channel_first,
+            )
+        # Which codes were used in each of the last `usage_window` training forwards (a ring).
+        self.register_buffer("recent_codes", torch.zeros(cfg.usage_window, cfg.num_codes, dtype=torch.bool))
+        self.register_buffer("recent_pos", torch.zeros((), dtype=torch.long))
+
+    @property
+    def last_layer(self) -> torch.Tensor:
+        """The weight the adaptive GAN weight differentiates against."""
+        raise NotImplementedError
+
+    def quantize(
+        self, z: torch.Tensor, mask: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(quantized like z, indices, auxiliary loss scalar). `mask` (N, L) (sequences only): False tokens
+        are padding, left out of the VQ codebook's EMA update and LFQ's entropy loss."""
+        if self.cfg.quantizer == "vq":
+            q, idx, _ = self.quantizer(z, mask=mask) if mask is not None else self.quantizer(z)
+            return q, idx, z.new_zeros(())
+        if self.cfg.quantizer == "fsq":
+            q, idx = self.quantizer(z)
+            return q, idx, z.new_zeros(())
+        q, idx, aux = self.quantizer(z, mask=mask) if mask is not None else self.quantizer(z)
+        return q, idx, aux
+
+    @torch.no_grad()
+    def _record_usage(self, idx: torch.Tensor, mask: torch.Tensor | None = None) -> None:
+        used = torch.zeros(self.cfg.num_codes, dtype=torch.bool, device=idx.device)
+        used[idx[mask] if mask is not None else idx.flatten()] = True
+        self.recent_codes[self.recent_pos % self.cfg.usage_window] = used
+        self.recent_pos += 1
+
+    def codebook_usage(self) -> torch.Tensor:
+        """Fraction of the codebook used over the last `usage_window` training forwards (rows not yet
+        written are all False, so no slicing and no device sync on the training step)."""
+        return self.recent_codes.any(0).float().mean()
+
+    def lookup_codes(self, idx: torch.Tensor) -> torch.Tensor:
+        """Code indices -> quantized latents: (N, C, h, w) for image maps, (N, L, C) for sequences."""
+        if self.cfg.quantizer == "vq":
+            return self.quantizer.get_output_from_indices(idx)  # the quantizer's own layout
+        return self.quantizer.indices_to_codes(idx)
+
+
+class VQAutoencoder(QuantizedAutoencoder):
     """Encoder -> 1x1 conv -> quantizer -> 1x1 conv -> Decoder; `forward` returns what the losses need."""
 
     def __init__(self, cfg: VQGANConfig, channels: int):
@@ -142,45 +235,11 @@ class VQAutoencoder(nn.Module):
         )
         self.quant_conv = nn.Conv2d(latent, latent, 1)
         self.post_quant_conv = nn.Conv2d(latent, latent, 1)
-        if cfg.quantizer == "vq":
-            # Commitment is computed per sample below (the library returns a batch mean).
-            self.quantizer = VectorQuantize(
-                dim=latent,
-                codebook_size=cfg.codebook_size,
-                decay=cfg.codebook_decay,
-                commitment_weight=0.0,
-                threshold_ema_dead_code=cfg.dead_code_threshold,
-                accept_image_fmap=True,
-            )
-        elif cfg.quantizer == "fsq":
-            self.quantizer = FSQ(levels=list(cfg.fsq_levels), dim=latent, channel_first=True)
-        else:
-            self.quantizer = LFQ(
-                dim=latent,
-                codebook_size=cfg.codebook_size,
-                entropy_loss_weight=cfg.lfq_entropy_weight,
-                commitment_loss_weight=0.0,
-                channel_first=True,
-            )
-        # Which codes were used in each of the last `usage_window` training forwards (a ring).
-        self.register_buffer("recent_codes", torch.zeros(cfg.usage_window, cfg.num_codes, dtype=torch.bool))
-        self.register_buffer("recent_pos", torch.zeros((), dtype=torch.long))
+        self._init_quantizer(cfg, channel_first=True)
 
     @property
     def last_layer(self) -> torch.Tensor:
-        """The weight the adaptive GAN weight differentiates against."""
         return self.decoder.conv_out.weight
-
-    def quantize(self, z: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(quantized (N, C, h, w), indices (N, h, w), auxiliary loss scalar)."""
-        if self.cfg.quantizer == "vq":
-            q, idx, _ = self.quantizer(z)
-            return q, idx, z.new_zeros(())
-        if self.cfg.quantizer == "fsq":
-            q, idx = self.quantizer(z)
-            return q, idx, z.new_zeros(())
-        q, idx, aux = self.quantizer(z)
-        return q, idx, aux
 
     def forward(self, images: torch.Tensor) -> dict[str, torch.Tensor]:
         z = self.quant_conv(self.encoder(images))
@@ -193,18 +252,6 @@ class VQAutoencoder(nn.Module):
         return {"reconstruction": recon, "indices": idx, "commitment": commit, "aux": aux}
 
     @torch.no_grad()
-    def _record_usage(self, idx: torch.Tensor) -> None:
-        used = torch.zeros(self.cfg.num_codes, dtype=torch.bool, device=idx.device)
-        used[idx.flatten()] = True
-        self.recent_codes[self.recent_pos % self.cfg.usage_window] = used
-        self.recent_pos += 1
-
-    def codebook_usage(self) -> torch.Tensor:
-        """Fraction of the codebook used over the last `usage_window` training forwards (rows not yet
-        written are all False, so no slicing and no device sync on the training step)."""
-        return self.recent_codes.any(0).float().mean()
-
-    @torch.no_grad()
     def encode_indices(self, images: torch.Tensor) -> torch.Tensor:
         """Images in [-1, 1] (N, C, H, W) -> code indices (N, h, w)."""
         z = self.quant_conv(self.encoder(images))
@@ -213,10 +260,7 @@ class VQAutoencoder(nn.Module):
     @torch.no_grad()
     def decode_indices(self, idx: torch.Tensor) -> torch.Tensor:
         """Code indices (N, h, w) -> images in [-1, 1] (N, C, H, W)."""
-        if self.cfg.quantizer == "vq":
-            q = self.quantizer.get_output_from_indices(idx)  # (N, C, h, w): the quantizer takes image maps
-        else:
-            q = self.quantizer.indices_to_codes(idx)  # channel-first (N, C, h, w)
+        q = self.lookup_codes(idx)  # channel-first (N, C, h, w)
         return self.decoder(self.post_quant_conv(q.to(self.post_quant_conv.weight.dtype))).clamp(-1, 1)
 
 
@@ -306,7 +350,24 @@ class VQGANTask(Task):
     def forward(self, modules, batch: Batch, step: int) -> dict[str, Any]:
         return modules["generator"](batch.images)
 
+    # Losses and metrics are computed per frame and averaged over each sample's real frames, so the video
+    # tokenizer (N, T, C, H, W) with padding frames shares them; an image is one frame of weight 1.
+    def frame_weights(self, batch: Batch) -> torch.Tensor:
+        """(N, T) weight of each frame in losses and metrics: 1 for real frames, 0 for padding."""
+        return torch.ones(len(batch), 1, device=batch.images.device)
+
+    @staticmethod
+    def _frames(x: torch.Tensor) -> torch.Tensor:
+        """(N, C, H, W) or (N, T, C, H, W) -> frames (N*T, C, H, W)."""
+        return x.flatten(0, 1) if x.ndim == 5 else x
+
+    @staticmethod
+    def _per_sample(per_frame: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """Per-frame values (N*T,) -> the mean over each sample's real frames (N,)."""
+        return (per_frame.view(weights.shape) * weights).sum(1) / weights.sum(1).clamp(min=1)
+
     def _reconstruction_loss(self, recon: torch.Tensor, real: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Per-frame terms of frames (M, C, H, W)."""
         c = self.cfg
         diff = recon.float() - real.float()
         terms = {}
@@ -324,12 +385,17 @@ class VQGANTask(Task):
 
     def loss(self, phase: Phase, modules, batch: Batch, outputs, info: StepInfo) -> Loss:
         c = self.cfg
-        recon, real, valid = outputs["reconstruction"], batch.images, batch.valid
+        weights = self.frame_weights(batch)
+        recon, real, valid = self._frames(outputs["reconstruction"]), self._frames(batch.images), batch.valid
+
+        def per_sample(per_frame: torch.Tensor) -> torch.Tensor:
+            return self._per_sample(per_frame, weights)
+
         if phase.part == "generator":
-            terms = self._reconstruction_loss(recon, real)
+            terms = {k: per_sample(v) for k, v in self._reconstruction_loss(recon, real).items()}
             total = terms["rec"] + c.commitment_weight * outputs["commitment"] + outputs["aux"]
             if info.step >= c.disc_start_step and c.adv_weight > 0:
-                adv = -modules["discriminator"](recon).float()
+                adv = per_sample(-modules["discriminator"](recon).float())
                 weight = torch.tensor(c.adv_weight, device=recon.device)
                 if c.adaptive_weight:
                     n = valid.sum().clamp(min=1)
@@ -342,18 +408,21 @@ class VQGANTask(Task):
                 terms["adv_weight"] = weight.detach()
             terms["commitment"] = outputs["commitment"]
             generator = _bare(modules["generator"])
-            terms.update(self._code_stats(outputs["indices"], generator))
+            terms.update(self._code_stats(outputs["indices"], generator, outputs.get("token_mask")))
             return Loss(total, {k: v.detach() for k, v in terms.items()})
 
         # discriminator phase: reconstructions arrive detached
         disc = modules["discriminator"]
         real_in = real.detach().requires_grad_(self._penalize(info))
-        d_real, d_fake = disc(real_in).float(), disc(recon).float()
-        total = hinge_d(d_real, d_fake)
+        d_real_frames, d_fake_frames = disc(real_in).float(), disc(recon).float()
+        total = per_sample(hinge_d(d_real_frames, d_fake_frames))
+        d_real, d_fake = per_sample(d_real_frames), per_sample(d_fake_frames)
         terms = {"hinge": total.detach(), "real_logit": d_real.detach(), "fake_logit": d_fake.detach()}
         if c.lecam_weight > 0:
             bare = _bare(disc)
-            lecam = F.relu(d_real - bare.ema_fake).pow(2) + F.relu(bare.ema_real - d_fake).pow(2)
+            lecam = per_sample(
+                F.relu(d_real_frames - bare.ema_fake).pow(2) + F.relu(bare.ema_real - d_fake_frames).pow(2)
+            )
             total = total + c.lecam_weight * lecam
             terms["lecam"] = lecam.detach()
             with torch.no_grad():
@@ -361,10 +430,10 @@ class VQGANTask(Task):
                 bare.ema_real.lerp_((d_real * valid).sum() / n, 1 - bare.lecam_decay)
                 bare.ema_fake.lerp_((d_fake * valid).sum() / n, 1 - bare.lecam_decay)
         if real_in.requires_grad:
-            # Gradient penalty on real images (the seed's apply_grad_penalty_every): per sample
+            # Gradient penalty on real frames (the seed's apply_grad_penalty_every): per frame
             # (||grad_x D(x)|| - 1)^2, differentiated again for the discriminator's update.
-            (grad,) = torch.autograd.grad(d_real.sum(), real_in, create_graph=True)
-            gp = (grad.flatten(1).norm(dim=1) - 1).pow(2)
+            (grad,) = torch.autograd.grad(d_real_frames.sum(), real_in, create_graph=True)
+            gp = per_sample((grad.flatten(1).norm(dim=1) - 1).pow(2))
             total = total + c.grad_penalty_weight * gp
             terms["grad_penalty"] = gp.detach()
         return Loss(total, terms)
@@ -373,9 +442,11 @@ class VQGANTask(Task):
         every = self.cfg.grad_penalty_every
         return bool(every) and info.part_step % every == 0
 
-    def _code_stats(self, idx: torch.Tensor, generator: VQAutoencoder) -> dict[str, torch.Tensor]:
-        counts = torch.bincount(idx.flatten(), minlength=self.cfg.num_codes).float()
-        p = counts / counts.sum()
+    def _code_stats(
+        self, idx: torch.Tensor, generator: QuantizedAutoencoder, mask: torch.Tensor | None = None
+    ) -> dict[str, torch.Tensor]:
+        counts = torch.bincount(idx[mask] if mask is not None else idx.flatten(), minlength=self.cfg.num_codes)
+        p = counts.float() / counts.sum().clamp(min=1)
         perplexity = torch.exp(-(p * torch.log(p.clamp(min=1e-12))).sum())
         return {
             "perplexity": perplexity,
@@ -383,13 +454,14 @@ class VQGANTask(Task):
         }
 
     def validate(self, modules, batch: Batch) -> dict[str, torch.Tensor]:
-        recon = modules["generator"](batch.images)["reconstruction"].float().clamp(-1, 1)
-        mse = (recon - batch.images.float()).pow(2).mean(dim=(1, 2, 3))
+        recon = self._frames(self.forward(modules, batch, -1)["reconstruction"]).float().clamp(-1, 1)
+        mse = self._per_sample((recon - self._frames(batch.images).float()).pow(2).mean(dim=(1, 2, 3)),
+                               self.frame_weights(batch))  # fmt: skip
         # Images span [-1, 1]: peak-to-peak 2, so PSNR = 10 log10(4 / MSE).
         return {"mse": mse, "psnr": 10 * torch.log10(4.0 / mse.clamp(min=1e-10))}
 
     def previews(self, modules, ctx: PreviewContext) -> dict[str, torch.Tensor]:
-        """input | online reconstruction | EMA reconstruction of each image of a fixed held-out batch."""
+        """input | online reconstruction | EMA reconstruction of each image (or video) of a fixed held-out batch."""
         if ctx.batch is None:
             return {}
         images = ctx.batch.images[: ctx.num]

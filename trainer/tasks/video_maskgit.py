@@ -1,0 +1,101 @@
+"""Video MaskGIT task (`task: video-maskgit`): Phenaki's masked-token transformer over a frozen causal video
+tokenizer's codes.
+
+The MaskGIT task (`trainer.tasks.maskgit`) over the token slices of a
+`video-tokenizer` run (`model.tokenizer.url`, digest-pinned like MaskGIT's
+tokenizer, with the same geometry checks plus the clip length): a clip of T
+frames is S = 1 + (T - 1) / temporal_patch slices of h x w tokens, one
+sequence of S*h*w tokens with learned positions, conditioned on captions
+(`model.text`) or classes with classifier-free guidance, and decoded
+iteratively. Padding slices (images in joint image+video training) are
+neither attended nor masked nor scored, which is exactly a shorter
+sequence: since the tokenizer is causal, sampling fewer frames than trained
+is sampling fewer slices (the positions are a prefix).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+from pydantic import ConfigDict, Field
+from torch import nn
+
+from trainer.tasks.base import Batch, TaskContext
+from trainer.tasks.maskgit import MaskGITConfig, MaskGITTask, check_tokenizer_geometry
+from trainer.tasks.video_tokenizer import real_tokens
+
+
+class VideoMaskGITConfig(MaskGITConfig):
+    model_config = ConfigDict(extra="forbid")
+
+    # Expected tokenizer geometry beyond MaskGIT's; null = whatever the tokenizer has.
+    temporal_patch: int | None = Field(None, ge=1, description="frames per token slice after the first")
+
+
+class VideoMaskGITTask(MaskGITTask):
+    ModelConfig = VideoMaskGITConfig
+    cfg: VideoMaskGITConfig
+
+    def __init__(self, model_cfg: VideoMaskGITConfig, ctx: TaskContext):
+        super().__init__(model_cfg, ctx)
+        self.temporal_patch = 1
+
+    def _check_tokenizer(self, tok_task: type, source: Any, url: str) -> tuple[int, int]:
+        from trainer.config import ConfigError
+        from trainer.tasks.video_tokenizer import VideoTokenizerTask, check_frames
+        from trainer.tasks.vqgan import tokenizer_geometry
+
+        if not issubclass(tok_task, VideoTokenizerTask):
+            raise ConfigError(f"model.tokenizer.url={url}: a {source.task!r} run, not a video-tokenizer run")
+        geometry = check_tokenizer_geometry(self.cfg, self.ctx, source, url, tokenizer_geometry(source))
+        tp = source.model_cfg.temporal_patch
+        if self.cfg.temporal_patch is not None and self.cfg.temporal_patch != tp:
+            raise ConfigError(
+                f"model.temporal_patch={self.cfg.temporal_patch} but the tokenizer at {url} groups {tp} frames per "
+                f"token slice. Set model.temporal_patch={tp} (or leave it unset)."
+            )
+        check_frames(self.ctx.num_frames, tp)
+        trained = source.data.num_frames
+        if self.ctx.num_frames > trained:
+            raise ConfigError(
+                f"data.num_frames={self.ctx.num_frames} but the tokenizer at {url} was trained on {trained}-frame "
+                f"clips: its temporal transformer never saw later slices. Use data.num_frames<={trained}."
+            )
+        self.temporal_patch = tp
+        return geometry
+
+    def _tokenizer_context(self, source: Any) -> TaskContext:
+        """The tokenizer is built as its own run built it (its clip length, not this run's)."""
+        d = source.data
+        return TaskContext(d.image_size, d.channels, source.seed, num_frames=d.num_frames)
+
+    def token_layout(self, frames: int | None = None) -> tuple[int, ...]:
+        """(slices, h, w) for `frames` frames (default: the trained clip length); frames off the
+        1 + k * temporal_patch grid round up to the next slice, and `decode_tokens` trims them."""
+        trained = self.ctx.num_frames
+        if frames is None:
+            frames = trained
+        if frames < 1 or frames > trained:
+            from trainer.config import ConfigError
+
+            raise ConfigError(
+                f"--frames {frames}: this model was trained on {trained}-frame clips (data.num_frames); "
+                f"ask for 1 to {trained} frames"
+            )
+        return (1 + math.ceil((frames - 1) / self.temporal_patch), self.grid, self.grid)
+
+    def token_mask(self, batch: Batch, tokens: torch.Tensor) -> torch.Tensor | None:
+        frames = batch.extras.get("frames")
+        if frames is None:
+            return None
+        return real_tokens(frames, tokens.shape[1], self.temporal_patch, self.grid * self.grid)
+
+    def decode_tokens(self, modules: Mapping[str, nn.Module], tokens: torch.Tensor, frames: int | None) -> torch.Tensor:
+        video = super().decode_tokens(modules, tokens, frames)
+        return video[:, : frames or self.ctx.num_frames]
+
+
+TASK = VideoMaskGITTask
