@@ -20,6 +20,7 @@ def pytest_configure(config):
 
     torch.set_num_threads(1)
 
+
 # A model small enough that a step takes milliseconds on one CPU core.
 TINY = [
     "model.block_out_channels=[8,16]",
