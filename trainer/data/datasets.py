@@ -59,6 +59,21 @@ class DigitsDataset:
         return img, label, {"caption": digit_caption(label)}
 
 
+def scan_folder(root: str, extensions: tuple[str, ...]) -> tuple[list[Path], dict[str, int], list[int]]:
+    """Files with `extensions` below `root` (recursive, sorted), the class index of the first-level
+    subfolder names (sorted, like torchvision's ImageFolder) and each file's label (-1 at the top level)."""
+    base = Path(root)
+    if not base.is_dir():
+        raise FileNotFoundError(f"data.path {root!r} is not a folder")
+    files = sorted(p for p in base.rglob("*") if p.is_file() and p.suffix.lower() in extensions)
+    if not files:
+        raise FileNotFoundError(f"data.path {root!r} holds no {'/'.join(extensions)} files")
+    parts = [p.relative_to(base).parts for p in files]
+    classes = sorted({ps[0] for ps in parts if len(ps) > 1})
+    class_index = {c: i for i, c in enumerate(classes)}
+    return files, class_index, [class_index[ps[0]] if len(ps) > 1 else -1 for ps in parts]
+
+
 class ImageFolderDataset:
     """Every png/jpg/jpeg/webp below `root` (recursive), resized on the short side and center-cropped.
 
@@ -71,20 +86,8 @@ class ImageFolderDataset:
     """
 
     def __init__(self, root: str, image_size: int, channels: int = 3):
-        base = Path(root)
-        if not base.is_dir():
-            raise FileNotFoundError(f"data.path {root!r} is not a folder")
-        files = sorted(p for p in base.rglob("*") if p.is_file() and p.suffix.lower() in IMAGE_EXTENSIONS)
-        if not files:
-            raise FileNotFoundError(f"data.path {root!r} holds no {'/'.join(IMAGE_EXTENSIONS)} files")
-        self.files = files
-        classes = sorted({p.relative_to(base).parts[0] for p in files if len(p.relative_to(base).parts) > 1})
-        self.class_index = {c: i for i, c in enumerate(classes)}
-        self.num_classes = len(classes) or None
-        self.labels = [
-            self.class_index.get(p.relative_to(base).parts[0], -1) if len(p.relative_to(base).parts) > 1 else -1
-            for p in files
-        ]
+        self.files, self.class_index, self.labels = scan_folder(root, IMAGE_EXTENSIONS)
+        self.num_classes = len(self.class_index) or None
         self.image_size = image_size
         self.channels = channels
         self._reported: set[str] = set()

@@ -10,7 +10,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from trainer.data.datasets import DIGIT_WORDS, image_to_tensor, load_digits_arrays
+from trainer.data.datasets import DIGIT_WORDS, image_to_tensor, load_digits_arrays, scan_folder
 
 log = logging.getLogger(__name__)
 
@@ -131,18 +131,8 @@ class VideoFolderDataset:
     """
 
     def __init__(self, root: str, image_size: int, channels: int, num_frames: int, frame_stride: int):
-        base = Path(root)
-        if not base.is_dir():
-            raise FileNotFoundError(f"data.path {root!r} is not a folder")
-        files = sorted(p for p in base.rglob("*") if p.is_file() and p.suffix.lower() in VIDEO_EXTENSIONS)
-        if not files:
-            raise FileNotFoundError(f"data.path {root!r} holds no {'/'.join(VIDEO_EXTENSIONS)} files")
-        self.files = files
-        parts = [p.relative_to(base).parts for p in files]
-        classes = sorted({ps[0] for ps in parts if len(ps) > 1})
-        self.class_index = {c: i for i, c in enumerate(classes)}
-        self.num_classes = len(classes) or None
-        self.labels = [self.class_index[ps[0]] if len(ps) > 1 else -1 for ps in parts]
+        self.files, self.class_index, self.labels = scan_folder(root, VIDEO_EXTENSIONS)
+        self.num_classes = len(self.class_index) or None
         self.image_size = image_size
         self.channels = channels
         self.num_frames = num_frames
