@@ -83,24 +83,24 @@ def stage_bytes(files: dict) -> str:
     """
     fd, path = tempfile.mkstemp(prefix="gentrain-bench-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
     with os.fdopen(fd, "wb") as f:
-        for payload in files.values():
-            if isinstance(payload, bytes):
-                f.write(payload)
-                continue
-            for t in payload.values():
-                f.write(memoryview(t.contiguous().reshape(-1).view(torch.uint8).numpy()))
+        write_payloads(f, files)
     return path
+
+
+def write_payloads(f, files: dict) -> None:
+    """Every file's bytes, tensors as their raw storage, one after another."""
+    for payload in files.values():
+        if isinstance(payload, bytes):
+            f.write(payload)
+            continue
+        for t in payload.values():
+            f.write(memoryview(t.contiguous().reshape(-1).view(torch.uint8).numpy()))
 
 
 def raw_write_seconds(path: str, files: dict) -> float:
     t0 = time.perf_counter()
     with open(path, "wb") as f:
-        for payload in files.values():
-            if isinstance(payload, bytes):
-                f.write(payload)
-                continue
-            for t in payload.values():
-                f.write(memoryview(t.contiguous().reshape(-1).view(torch.uint8).numpy()))
+        write_payloads(f, files)
         f.flush()
         os.fsync(f.fileno())
     dt = time.perf_counter() - t0
