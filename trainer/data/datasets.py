@@ -179,6 +179,17 @@ def missing_extras(shape: tuple[int, ...]) -> dict:
     return {"frames": torch.tensor(0, dtype=torch.int64)} if len(shape) == 4 else {}
 
 
+def _stack(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """torch.stack; in a DataLoader worker straight into shared memory (as torch's default_collate does),
+    else the batch is copied once more into shared memory when it is sent to the training process."""
+    if torch.utils.data.get_worker_info() is None:
+        return torch.stack(tensors)
+    first = tensors[0]
+    storage = first._typed_storage()._new_shared(sum(t.numel() for t in tensors), device=first.device)
+    out = first.new(storage).resize_(len(tensors), *first.shape)
+    return torch.stack(tensors, out=out)
+
+
 def collate(items: list) -> dict:
     """Stack a step's samples (images or clips). Unreadable ones stay as zeros with valid=0.
 
@@ -188,7 +199,7 @@ def collate(items: list) -> dict:
     """
     valid = torch.tensor([it[4] for it in items], dtype=torch.bool)
     out = {
-        "images": torch.stack([it[0] for it in items]),
+        "images": _stack([it[0] for it in items]),
         "labels": torch.tensor([it[1] for it in items], dtype=torch.int64),
         "indices": torch.tensor([it[2] for it in items], dtype=torch.int64),
         "positions": [it[3] for it in items],
