@@ -9,10 +9,10 @@ running ranks side by side would measure contention, not the loader).
 The same shards on local disk (byte ranges through fsspec's local filesystem)
 separate the pipeline's own cost from the S3 server's (moto is a Python
 server sharing the 2 cores with the loader workers).
-`shards_s3` reads with the default order (every sample shuffled on its own:
-one range request per sample); `shards_s3_block<N>` with `data.shuffle_block=N`
-(`--blocks`, runs of neighbouring samples shuffled together: a step's run is
-one request). Reported: images/s per rank for each source, their ratio
+`shards_s3` and `shards_local` read with the default order (shuffle blocks of
+8: a rank's slice of a step is a few runs of neighbouring samples, one range
+request each); `shards_s3_block<N>` with `data.shuffle_block=N` (`--blocks`;
+N=1: every sample shuffled on its own, one request per sample). Reported: images/s per rank for each source, their ratio
 (target >= 0.8), range requests per image, and bytes fetched per rank (data +
 indexes) vs the tar bytes of the samples it used and vs their payload bytes
 (image + caption, no tar headers), and where each image's CPU goes (the

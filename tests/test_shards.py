@@ -17,9 +17,12 @@ from elastic_helpers import rank_of, start_torchrun, worker_pids
 from helpers import assert_identical, final_weights, kill_group, start_cli, wait_for_log
 from PIL import Image
 
+from trainer.config.schema import DataConfig
 from trainer.data.datasets import ImageFolderDataset
 from trainer.data.sampler import SampleRef
-from trainer.data.shards import ShardSet, ShardSplit, ShardStream, filesystem, load_shard_list
+from trainer.data.shards import ShardSet, ShardSplit, ShardStream, filesystem, load_shard_list, parse_sample
+
+DEFAULT_BLOCK = DataConfig().shuffle_block
 
 
 def make_folder(root, per_class: int = 5, size: int = 24, classes=("cats", "dogs")) -> None:
@@ -81,6 +84,69 @@ def test_shard_order_uses_every_sample_once_per_epoch_and_depends_on_seed_epoch_
         assert all(starts[shard] <= i < starts[shard + 1] for i in first[: counts[shard]])
 
 
+def test_default_shuffle_block_mixes_at_least_8_blocks_into_a_batch_of_64_with_few_requests_per_rank():
+    assert DEFAULT_BLOCK == 8
+    counts = np.array([100, 37, 128, 128, 64, 90, 128, 5, 77, 128, 128, 60])  # uneven, one shorter than a block
+    starts = np.concatenate([[0], np.cumsum(counts)])
+    n = int(counts.sum())
+
+    def shard(i: int) -> int:
+        return int(np.searchsorted(starts, i, side="right") - 1)
+
+    def requests(ids: list[int]) -> int:  # what ShardSet._fetch sends: runs of touching samples of one shard
+        ids = sorted(ids)
+        return 1 + sum(1 for a, b in zip(ids, ids[1:], strict=False) if b != a + 1 or shard(a) != shard(b))
+
+    def per_image(block: int, world: int) -> float:
+        stream = ShardStream(counts, seed=3, window=8, block=block)
+        steps = n // 64
+        sent = sum(requests([r.index for r in stream.rank_slice(s * 64, 64, rank, world)])
+                   for s in range(steps) for rank in range(world))  # fmt: skip
+        return sent / (steps * 64)
+
+    stream = ShardStream(counts, seed=3, window=8, block=DEFAULT_BLOCK)
+    ids = [i for _, i in stream.take(0, 2 * n)]
+    for s in range(0, 2 * n - 64, 64):
+        batch = ids[s : s + 64]
+        blocks = {(shard(i), (i - starts[shard(i)]) // DEFAULT_BLOCK) for i in batch}
+        assert len(blocks) >= 8, (s, sorted(blocks))
+        assert len({shard(i) for i in batch}) >= 2
+    # Requests per image: every sample on its own is about one; default blocks about 1/8 at 1 and 2 ranks.
+    assert per_image(1, 1) > 0.8 and per_image(1, 2) > 0.8
+    assert per_image(DEFAULT_BLOCK, 1) < 0.16 and per_image(DEFAULT_BLOCK, 2) < 0.2
+
+
+def test_member_headers_are_read_like_tarfile_and_broken_ones_raise():
+    def tar(members: list[tuple[str, bytes]], fmt) -> bytes:
+        buf = __import__("io").BytesIO()
+        with tarfile.open(fileobj=buf, mode="w", format=fmt) as tf:
+            for name, data in members:
+                info = tarfile.TarInfo(name)
+                if data is None:
+                    info.type = tarfile.DIRTYPE
+                    tf.addfile(info)
+                else:
+                    info.size = len(data)
+                    tf.addfile(info, __import__("io").BytesIO(data))
+        return buf.getvalue()
+
+    plain = [("a/b/s1.jpg", b"\xff\xd8jpeg" * 100), ("a/b/s1.txt", "ünïcode".encode()), ("a/b/s1.cls", b"3")]
+    expect = {"jpg": plain[0][1], "txt": plain[1][1], "cls": b"3"}
+    long_dir = "x" * 120 + "/"  # a ustar prefix (USTAR), a pax header (PAX), a GNU long name (GNU)
+    for fmt in (tarfile.USTAR_FORMAT, tarfile.GNU_FORMAT, tarfile.PAX_FORMAT):
+        assert parse_sample(tar(plain, fmt)) == expect
+        assert parse_sample(tar([(long_dir + n, d) for n, d in plain], fmt)) == expect
+    assert parse_sample(tar([("dir", None), *plain], tarfile.USTAR_FORMAT)) == expect
+    blob = bytearray(tar(plain, tarfile.USTAR_FORMAT))
+    blob[130] ^= 1  # a size digit: the header checksum no longer matches
+    with pytest.raises(ValueError, match="checksum"):
+        parse_sample(bytes(blob))
+    with pytest.raises(ValueError, match="two samples"):
+        parse_sample(tar([plain[0], ("a/b/s2.txt", b"x")], tarfile.USTAR_FORMAT))
+    with pytest.raises(ValueError, match="truncated"):
+        parse_sample(tar(plain, tarfile.USTAR_FORMAT)[:700])
+
+
 # ---------------------------------------------------------------- pack and index
 
 
@@ -89,7 +155,7 @@ def test_pack_round_trip_keeps_pixels_captions_classes_and_embeddings_and_index_
     make_folder(src)
     (src / "dogs" / "broken.png").write_bytes(b"\x89PNG\r\n\x1a\n" + b"garbage" * 10)
     out = tmp_path / "shards"
-    stdout = pack(src, out, 4)
+    stdout = pack(src, out, 4, "--no-shuffle")  # the folder's order: compared sample by sample below
     assert re.search(r"3 shards, 10 samples, \d+ bytes, 1 skipped", stdout), stdout
 
     shards = load_shard_list(f"{out}/{{000000..000002}}.tar", None)
@@ -109,6 +175,22 @@ def test_pack_round_trip_keeps_pixels_captions_classes_and_embeddings_and_index_
         assert extras["text_embed"].tolist() == [-float(i)] * 2
     records = sum(o[-1] - o[0] for o in (json.loads(p.read_text())["offsets"] for p in out.glob("*.idx.json")))
     assert items.stats.used_bytes == items.stats.data_bytes == records
+
+    # By default the samples are written in a seeded shuffled order: the same samples, classes mixed.
+    from trainer.data.pack import pack_folder
+
+    def captions(folder, seed):
+        pack_folder(str(src), str(folder), 4, progress=False, shuffle_seed=seed)
+        split = ShardSplit(ShardSet(load_shard_list(f"{folder}/shards.json", None), None, 16, 3), "all", 0.0, False,
+                           (3, 16, 16))  # fmt: skip
+        return [it[5]["caption"] for it in split.__getitems__([SampleRef(i, i, 0) for i in range(len(split))])]
+
+    in_order = [e["caption"] for *_, e in items]
+    shuffled = captions(tmp_path / "shuffled", 0)
+    assert sorted(shuffled) == sorted(in_order) and shuffled != in_order
+    assert captions(tmp_path / "again", 0) == shuffled and captions(tmp_path / "other", 1) != shuffled
+    assert pack(src, tmp_path / "cli", 4).splitlines()[-1].endswith("1 skipped")
+    assert (tmp_path / "cli" / "000000.tar").read_bytes() == (tmp_path / "shuffled" / "000000.tar").read_bytes()
 
     # `data index` on the same shards (as if made elsewhere) writes the same offsets.
     packed = {p.name: json.loads(p.read_text()) for p in out.glob("*.idx.json")}
@@ -258,15 +340,16 @@ def test_s3_shards_every_sample_once_per_epoch_across_2_1_3_ranks_with_workers_a
     src = tmp_path / "src"
     make_folder(src, per_class=n // 2)
     url = f"s3://{s3_server.make_bucket()}/set"
-    pack(src, url, 4, "--storage-options", s3_options(s3_server))  # 8 shards, the last holds 2
+    # 3 shards of 10: the default shuffle blocks (8) make runs of 8 and 2 of each shard.
+    pack(src, url, 10, "--storage-options", s3_options(s3_server))
     base = tiny(
         tmp_path, "data.source=shards", f"data.urls={url}/shards.json", "data.channels=3", "data.image_size=16",
         f"data.storage_options={json.dumps(s3_server.storage_options())}", "data.val_fraction=0", "data.ledger=true",
-        "data.shard_window=3", "data.shuffle_block=2", "model.num_classes=2", "train.num_workers=2",
+        "data.shard_window=2", "model.num_classes=2", "train.num_workers=2",
         f"train.batch_size={batch}",
         "checkpoint.every_steps=0",
     )  # fmt: skip
-    # Leg boundaries at cursors 42 and 96: mid-epoch, mid-window, mid-shard.
+    # Leg boundaries at cursors 42 and 96: mid-epoch, mid-window, mid-shard (96: mid-block too).
     plan = [(2, 7), (1, 16), (3, 27)]
     previous = 0
     for i, (world, until) in enumerate(plan):
@@ -292,14 +375,14 @@ def test_s3_shards_every_sample_once_per_epoch_across_2_1_3_ranks_with_workers_a
     tail = stream[(len(stream) // n) * n :]
     assert len(set(tail)) == len(tail)
     # The order is the one ShardStream defines (seed 0), whatever the world size and workers.
-    assert stream == [i for _, i in ShardStream(np.array([4] * 7 + [2]), 0, 3, 2).take(0, 27 * batch)]
+    assert stream == [i for _, i in ShardStream(np.array([10, 10, 10]), 0, 2, DEFAULT_BLOCK).take(0, 27 * batch)]
 
     # Per rank and leg: fetched data bytes are exactly the tar records of its own samples (runs of a
     # shuffle block are merged into one request, no gap is fetched); with the indexes each worker
     # reads, within 1.2x of those bytes.
     fs = filesystem(url, s3_server.storage_options())
-    offsets = [json.loads(fs.cat_file(f"{url}/{s:06d}.tar.idx.json"))["offsets"] for s in range(8)]
-    size = {s * 4 + j: o[j + 1] - o[j] for s, o in enumerate(offsets) for j in range(len(o) - 1)}
+    offsets = [json.loads(fs.cat_file(f"{url}/{s:06d}.tar.idx.json"))["offsets"] for s in range(3)]
+    size = {s * 10 + j: o[j + 1] - o[j] for s, o in enumerate(offsets) for j in range(len(o) - 1)}
     totals: dict[tuple[int, int], list[int]] = defaultdict(lambda: [0, 0, 0])
     for ranks in per_step.values():
         for r, rec in ranks.items():
@@ -310,7 +393,7 @@ def test_s3_shards_every_sample_once_per_epoch_across_2_1_3_ranks_with_workers_a
             assert rec["io"]["used_bytes"] == sum(size[i] for i in rec["indices"])
     assert len(totals) == 6
     requests = sum(rec["io"]["requests"] for ranks in per_step.values() for rec in ranks.values())
-    assert requests < 0.8 * len(stream), requests  # runs of 2 merged: fewer requests than samples
+    assert requests < 0.6 * len(stream), requests  # runs of a block merged: fewer requests than samples
     for (world, r), (data, index, used) in totals.items():
         assert data == used, (world, r)
         assert (data + index) / used <= 1.2, (world, r, data, index, used)

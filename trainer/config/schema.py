@@ -121,7 +121,10 @@ class DataConfig(_Section):
     shard_window: int = Field(8, ge=0, description="shards: shards shuffled together per epoch; 0 = all")
     read_retries: int = Field(3, ge=0, description="shards: retries (exponential backoff) before a shard is skipped")
     shuffle_block: int = Field(
-        1, ge=1, description="shards: runs of this many consecutive samples of a shard stay together in the shuffle"
+        8,
+        ge=1,
+        description="shards: runs of this many consecutive samples of a shard stay together in the shuffle "
+        "(a batch of B draws from >= B/N runs, each read with one request); 1 = every sample on its own",
     )
     read_merge_gap: int = Field(
         0, ge=0, description="shards: merge a step's ranges of one shard at most this many bytes apart into one read"

@@ -17,6 +17,7 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 from PIL import Image
 
 from trainer.config import ConfigError
@@ -102,8 +103,15 @@ def pack_folder(
     samples_per_shard: int,
     storage_options: dict | None = None,
     progress: bool = True,
+    shuffle_seed: int | None = 0,
 ) -> PackSummary:
-    """Pack an image folder into `out_url/000000.tar, ...` with indexes and `shards.json`."""
+    """Pack an image folder into `out_url/000000.tar, ...` with indexes and `shards.json`.
+
+    The samples are written in an order permuted by `shuffle_seed` (None: the
+    folder's sorted order). Readers shuffle shards and runs of neighbours
+    (`data.shard_window`, `data.shuffle_block`), not whole data sets, so
+    neighbours in a shard must be unrelated: in folder order they share a
+    class (WebDataset's advice too: shuffle when writing shards)."""
     from tqdm.auto import tqdm
     from webdataset import TarWriter
 
@@ -115,6 +123,8 @@ def pack_folder(
     files, classes = folder_samples(base)
     if not files:
         raise ConfigError(f"data pack: {src!r} holds no {'/'.join(IMAGE_EXTENSIONS + VIDEO_EXTENSIONS)} files")
+    if shuffle_seed is not None:
+        files = [files[i] for i in np.random.default_rng(shuffle_seed).permutation(len(files))]
     fs = filesystem(out_url, storage_options)
     out = out_url.rstrip("/")
     fs.makedirs(strip_protocol(fs, out), exist_ok=True)

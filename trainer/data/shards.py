@@ -8,14 +8,15 @@ shard-per-rank split that changes the sample order with the world size); a
 local cache needs the disk for every shard a window touches. With the byte
 offset of every sample (one integer per sample, written by `gentrain data pack`
 or `gentrain data index` beside each shard), a rank fetches exactly the tar
-bytes of its own samples, one range request per sample, all of a batch's
-requests concurrently (fsspec `cat_ranges`).
+bytes of its own samples, one range request per run of neighbouring samples,
+all of a step's requests concurrently (fsspec `cat_ranges`).
 
 The order (see `ShardStream`): each epoch permutes the shards, groups them
-into windows of `data.shard_window` shards and permutes the samples within
-each window. It is a function of (seed, epoch, shard list) only, so any world
-size and any number of loader workers read the same stream; a worker only
-needs the indexes of the shards of the current window.
+into windows of `data.shard_window` shards and permutes runs of
+`data.shuffle_block` neighbouring samples within each window. It is a
+function of (seed, epoch, shard list, window, block) only, so any world size
+and any number of loader workers read the same stream; a worker only needs
+the indexes of the shards of the current window.
 
 Files (both JSON):
 - `<shard>.idx.json`: {"format": "gentrain-tar-index/1", "shard_bytes": B,
@@ -688,10 +689,14 @@ class ShardStream(SampleStream):
     Epoch e permutes the shards (seeded by (seed, e)), cuts that order into
     windows of `window` shards (0: one window, a full shuffle) and permutes
     the samples of each window (seeded by (seed, e, window number)); with
-    `block` > 1 it permutes runs of `block` consecutive samples of a shard
-    instead (MosaicML Streaming's shuffle block), so a rank's slice of a step
-    is a few runs of neighbouring samples, read with a few range requests
-    (block = 1 is the plain sample permutation, unchanged). Entry p
+    `block` > 1 (the config default is 8) it permutes runs of `block`
+    consecutive samples of a shard instead (MosaicML Streaming's shuffle
+    block), so a rank's slice of a step, a contiguous part of the stream, is a
+    few runs of neighbouring samples, read with a few range requests (block =
+    1 is the plain sample permutation). A sample-level shuffle across blocks
+    (Streaming's two-level py1br/py1e) would scatter each block's samples
+    over steps and ranks: without a local cache of whole blocks, one request
+    per sample again. Entry p
     of the stream is found in O(log shards) plus one window permutation, so
     resume at any cursor is O(window), and every sample appears once per epoch.
     """
