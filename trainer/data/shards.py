@@ -106,6 +106,10 @@ def _join(base: str, rel: str) -> str:
     return posixpath.join(base, rel)
 
 
+# Whole small files (indexes, shard lists) are read with `start=0`: a plain `cat_file` makes s3fs send a
+# HEAD first (to split large objects into concurrent parts), a second request per file for nothing.
+
+
 def filesystem(url: str, storage_options: dict | None):
     import fsspec
 
@@ -156,7 +160,7 @@ def load_shard_list(urls: str | list[str], storage_options: dict | None, key: st
     if len(folders) == 1:
         list_url = posixpath.join(folders.pop(), SHARDLIST_NAME)
         try:
-            raw = fs.cat_file(strip_protocol(fs, list_url))
+            raw = fs.cat_file(strip_protocol(fs, list_url), start=0)
             nbytes += len(raw)
             listed = json.loads(raw)
             base = listed.get("base") or url_dir(list_url)
@@ -166,7 +170,7 @@ def load_shard_list(urls: str | list[str], storage_options: dict | None, key: st
             pass
     missing = [u for u in shard_urls if strip_protocol(fs, u) not in counts]
     if missing:
-        blobs = fs.cat([strip_protocol(fs, index_url(u)) for u in missing], on_error="return")
+        blobs = fs.cat([strip_protocol(fs, index_url(u)) for u in missing], on_error="return", start=0)
         for u in missing:
             blob = blobs[strip_protocol(fs, index_url(u))]
             if isinstance(blob, BaseException):
@@ -190,7 +194,7 @@ def _shard_list(urls: list[str], counts: np.ndarray, listed: dict) -> ShardList:
 def _read_json(url: str, storage_options: dict | None, key: str) -> dict:
     fs = filesystem(url, storage_options)
     try:
-        return json.loads(fs.cat_file(strip_protocol(fs, url)))
+        return json.loads(fs.cat_file(strip_protocol(fs, url), start=0))
     except FileNotFoundError:
         raise ConfigError(f"{key}={url!r} does not exist") from None
     except json.JSONDecodeError as e:
@@ -482,7 +486,7 @@ class ShardSet:
             if attempt:
                 time.sleep(self.backoff_seconds * 2 ** (attempt - 1))
             try:
-                got = self.fs.cat([paths[s] for s in todo], on_error="return")
+                got = self.fs.cat([paths[s] for s in todo], on_error="return", start=0)
                 got = [got.get(paths[s], FileNotFoundError(paths[s])) for s in todo]
             except Exception as e:  # noqa: BLE001 - a failure of the whole call: retry all
                 got = [e] * len(todo)
