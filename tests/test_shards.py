@@ -139,7 +139,7 @@ def test_member_headers_are_read_like_tarfile_and_broken_ones_raise():
     assert parse_sample(tar([("dir", None), *plain], tarfile.USTAR_FORMAT)) == expect
     blob = bytearray(tar(plain, tarfile.USTAR_FORMAT))
     blob[130] ^= 1  # a size digit: the header checksum no longer matches
-    with pytest.raises(ValueError, match="checksum"):
+    with pytest.raises(tarfile.TarError):
         parse_sample(bytes(blob))
     with pytest.raises(ValueError, match="two samples"):
         parse_sample(tar([plain[0], ("a/b/s2.txt", b"x")], tarfile.USTAR_FORMAT))
