@@ -25,11 +25,13 @@ digits written as 16x16 PNGs (class folders), once read from that folder and
 once from the same images packed into shards on the moto server (each
 `--train-blocks` value a `data.shuffle_block`; 0 = the default), 2 loader
 workers each; reported: train steps/s over `--train-steps` steps after
-`--train-warmup` steps (which cover the loaders' prefetch queue), and the
-ratio to the folder run.
+`--train-warmup` steps, and the ratio to the folder run. The workers' queue
+(2 workers x prefetch 2 = 4 batches, full when training starts) hides a
+loader slower than the model by less than 4 batches over the run: with 68
+steps, by less than about 6%.
 
 Usage: python bench/data.py [--images 1024] [--size 64] [--steps 12] [--workers 2] [--blocks 1,16,64]
-                            [--train-steps 30] [--train-blocks 0,1,64]
+                            [--train-steps 60] [--train-blocks 0,1,64]
 """
 
 from __future__ import annotations
@@ -186,7 +188,7 @@ def main() -> None:
     ap.add_argument("--workers", type=int, default=2)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--blocks", default="1,16,64", help="data.shuffle_block values: one shards_s3_block<N> source each")
-    ap.add_argument("--train-steps", type=int, default=30)
+    ap.add_argument("--train-steps", type=int, default=60)
     ap.add_argument("--train-warmup", type=int, default=8)
     ap.add_argument("--train-blocks", default="0,1,64", help="data.shuffle_block values for `train` (0: the default)")
     ap.add_argument("--skip-pipeline", action="store_true", help="only the train section")
