@@ -1,12 +1,25 @@
 """Checkpoint benchmark: training stall per save (async vs sync) and write throughput vs dd.
 
 Prints one JSON object. Everything is measured in the same run on the same
-disk, so the ratios hold on a noisy machine even when absolute numbers move:
+disk, so the ratios hold on a noisy machine even when absolute numbers move.
+The state is a model of `--params` float32 parameters (Linear 4096x4096
+layers) with its fused AdamW state, held by gentrain's own `Part`, and saved
+through gentrain's own `snapshot_files` and `Checkpointer`:
 
-- stall: seconds the training thread is blocked per save. Sync = the whole
-  write; async = snapshot into reused CPU buffers (the first async save also
-  allocates them, so it is reported separately and the steady state is the
-  median of later saves).
+- stall in the training loop (the figure that counts): the bench model trains
+  (forward, backward, `Part.optimizer_step`, which waits on the fence) for
+  `--loop-steps` steps per window; a window that starts with an async save is
+  paired with a window without one in the same repeat, and
+  stall = (loop time with the save) - (loop time without it), which counts
+  everything the save costs the loop: the snapshot of buffers on the training
+  thread, the fence's wait for the background copy, and the writer threads
+  competing for cores and memory bandwidth. The background copy of
+  parameters and optimizer state overlaps the next forward/backward
+  ("overlap", what training does); "copy_all" copies everything on the
+  training thread before `save` returns (the previous design), in the same loop.
+- snapshot-only stall: `save` alone, copying every tensor on the calling
+  thread (the figure earlier versions reported; the first async save also
+  allocates the reused buffers and is reported separately).
 - throughput: sync save bytes/s (serialize + blake3 + write + fsync + commit;
   old checkpoints are pruned on a helper thread, as in training runs) against
   `dd bs=16M conv=fsync` copying the same bytes (staged in /dev/shm) right
@@ -15,7 +28,8 @@ disk, so the ratios hold on a noisy machine even when absolute numbers move:
   write of the same tensor bytes from this process (the floor any serializer
   in Python can reach here). Median, min and max over `--saves` pairs.
 
-Usage: python bench/checkpoint.py [--params 100e6] [--dir DIR] [--saves 5]
+Usage: python bench/checkpoint.py [--params 100e6] [--dir DIR] [--saves 5] [--repeats 9]
+       [--threads 1] [--batch 16] [--loop-steps 4] [--write-nice 10]
 """
 
 from __future__ import annotations
@@ -31,25 +45,38 @@ import time
 
 import torch
 
-from trainer.checkpoint import CheckpointStore, split_tensors
-from trainer.checkpoint.writer import Checkpointer
+from trainer.checkpoint import CheckpointStore
+from trainer.checkpoint.state import capture_rank_state, snapshot_files, updated_only_in_steps
+from trainer.checkpoint.writer import BACKGROUND_WRITE_NICE, Checkpointer
+from trainer.engine.parts import Part
+from trainer.engine.progress import TrainProgress
+from trainer.optim import OptimSettings
+
+WIDTH = 4096
 
 
-def build_state(num_params: int) -> dict:
-    """A model of `num_params` float32 parameters plus its AdamW state (about 12 bytes/param)."""
-    width = 4096
-    layers = max(1, round(num_params / (width * width + width)))
-    model = torch.nn.Sequential(*[torch.nn.Linear(width, width, bias=True) for _ in range(layers)])
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    for p in model.parameters():
-        p.grad = torch.randn_like(p) * 1e-3
-    opt.step()
-    opt_tensors, opt_skeleton = split_tensors(opt.state_dict())
-    return {
-        "model.safetensors": model.state_dict(),
-        "optimizer.safetensors": opt_tensors,
-        "optimizer.json": json.dumps(opt_skeleton).encode(),
-    }
+def build_part(num_params: int) -> Part:
+    """A gentrain Part: `num_params` float32 parameters (Linear layers) and fused AdamW (about 12 bytes/param
+    in all), no EMA, no clipping: the loop's own optimizer step (unscale, norm, step, schedule)."""
+    layers = max(1, round(num_params / (WIDTH * WIDTH + WIDTH)))
+    model = torch.nn.Sequential(*[torch.nn.Linear(WIDTH, WIDTH, bias=True) for _ in range(layers)])
+    settings = OptimSettings(lr=1e-4, betas=(0.9, 0.999), weight_decay=0.0, eps=1e-8, warmup_steps=0,
+                             lr_schedule="constant", max_grad_norm=None, max_steps=1 << 30)  # fmt: skip
+    opt = torch.optim.AdamW(model.parameters(), lr=settings.lr, fused=True)
+    schedule = torch.optim.lr_scheduler.LambdaLR(opt, lambda _: 1.0)
+    scaler = torch.amp.GradScaler("cpu", enabled=False)
+    return Part("net", model, model, opt, schedule, scaler, None, settings)
+
+
+def train_step(part: Part, x: torch.Tensor) -> None:
+    part.optimizer.zero_grad(set_to_none=True)
+    part.module(x).pow(2).mean().backward()
+    part.optimizer_step()
+
+
+def checkpoint_files(part: Part, progress: TrainProgress) -> dict:
+    """What CheckpointManager.save hands the writer on one rank: every file, live tensors."""
+    return snapshot_files(progress, {part.name: part}, [capture_rank_state()], {})
 
 
 def state_bytes(files: dict) -> int:
@@ -119,8 +146,73 @@ def digest_gbps(algorithm: str) -> float:
 
 
 def spread(values: list[float], digits: int = 3) -> dict:
+    q = statistics.quantiles(values, n=4) if len(values) > 1 else [values[0]] * 3
     return {"median": round(statistics.median(values), digits), "min": round(min(values), digits),
-            "max": round(max(values), digits)}  # fmt: skip
+            "max": round(max(values), digits), "quartiles": [round(q[0], digits), round(q[2], digits)]}  # fmt: skip
+
+
+def loop_stalls(part: Part, progress: TrainProgress, base: str, args) -> dict:
+    """Loop time with an async save minus loop time without one, per repeat, for both snapshot designs."""
+    store = CheckpointStore(os.path.join(base, "loop"), keep=1)
+    store.prune_in_background = True
+    ckpt = Checkpointer(store, async_save=True, write_nice=args.write_nice)
+    waits: list[float] = []
+
+    def fence() -> None:  # what CheckpointManager.fence does, timed
+        waits.append(ckpt.fence())
+
+    part.fence = fence
+    x = torch.randn(args.batch, WIDTH, generator=torch.Generator().manual_seed(0))
+    step_s = []
+    for _ in range(2):  # warm-up: allocator, kernels
+        t0 = time.perf_counter()
+        train_step(part, x)
+        step_s.append(time.perf_counter() - t0)
+    save_no = 0
+
+    def save(stable: bool) -> float:
+        nonlocal save_no
+        save_no += 1
+        files = checkpoint_files(part, progress)
+        predicate = updated_only_in_steps({part.name: part}) if stable else None
+        return ckpt.save(save_no, files, {"world_size": 1}, stable=predicate)[0]
+
+    save(True)  # allocates the reused buffers (first touch is slow here); not measured
+    ckpt.wait()
+    windows: dict[str, list[float]] = {"none": [], "overlap": [], "copy_all": []}
+    calls: dict[str, list[float]] = {"overlap": [], "copy_all": []}
+    fence_waits: dict[str, list[float]] = {"overlap": [], "copy_all": []}
+    tails: dict[str, list[float]] = {"overlap": [], "copy_all": []}
+    order = list(windows)
+    for r in range(args.repeats):
+        for kind in order[r % 3 :] + order[: r % 3]:  # rotate the order: drift does not favour one kind
+            ckpt.wait()
+            store.wait_pruned()
+            waits.clear()
+            t0 = time.perf_counter()
+            if kind != "none":
+                calls[kind].append(save(stable=kind == "overlap"))
+            for _ in range(args.loop_steps):
+                train_step(part, x)
+            windows[kind].append(time.perf_counter() - t0)
+            if kind != "none":
+                fence_waits[kind].append(sum(waits))
+                t1 = time.perf_counter()
+                ckpt.wait()  # a write still running after the window was not counted in it
+                tails[kind].append(time.perf_counter() - t1)
+    ckpt.close()
+    assert ckpt.take_failure() is None
+    out = {"step_seconds_no_save": spread([w / args.loop_steps for w in windows["none"]])}
+    for kind in ("overlap", "copy_all"):
+        stalls = [w - n for w, n in zip(windows[kind], windows["none"], strict=True)]
+        out[kind] = {
+            "stall_seconds": spread(stalls),
+            "save_call_seconds": spread(calls[kind]),
+            "fence_wait_seconds": spread(fence_waits[kind]),
+            "write_left_after_window_seconds": spread(tails[kind]),
+            "_stalls": stalls,
+        }
+    return out
 
 
 def main() -> None:
@@ -128,11 +220,20 @@ def main() -> None:
     ap.add_argument("--params", type=float, default=100e6)
     ap.add_argument("--dir", default=None, help="where to write (default: a temp dir under the repo's disk)")
     ap.add_argument("--saves", type=int, default=5)
+    ap.add_argument("--repeats", type=int, default=9, help="training-loop windows per kind")
+    ap.add_argument("--threads", type=int, default=1, help="torch intra-op threads of the training loop")
+    ap.add_argument("--batch", type=int, default=16)
+    ap.add_argument("--loop-steps", type=int, default=4, help="training steps per window")
+    ap.add_argument("--write-nice", type=int, default=BACKGROUND_WRITE_NICE, help="background writer's nice")
     args = ap.parse_args()
+    torch.set_num_threads(args.threads)
 
     base = args.dir or tempfile.mkdtemp(prefix="gentrain-bench-", dir=os.path.dirname(os.path.abspath(__file__)))
     os.makedirs(base, exist_ok=True)
-    files = build_state(int(args.params))
+    part = build_part(int(args.params))
+    progress = TrainProgress(args.batch, 1 << 20, 1, 0)
+    train_step(part, torch.randn(args.batch, WIDTH))  # optimizer state exists from here on
+    files = checkpoint_files(part, progress)
     nbytes = state_bytes(files)
     meta = {"world_size": 1}
     try:
@@ -165,6 +266,8 @@ def main() -> None:
             async_stalls.append(stall)
         async_ckpt.close()
         assert async_ckpt.take_failure() is None
+        del files, async_ckpt  # frees the snapshot-only buffers before the loop allocates its own
+        loop = loop_stalls(part, progress, base, args)
     finally:
         if not args.dir:
             shutil.rmtree(base, ignore_errors=True)
@@ -186,9 +289,25 @@ def main() -> None:
                 "raw_python_write_gbps": spread([nbytes / s / 1e9 for s in raw_s]),
                 "sync_over_dd_paired": spread([d / s for d, s in zip(dd_s, sync_s, strict=True)]),
                 "sync_over_raw_python_paired": spread([r / s for r, s in zip(raw_s, sync_s, strict=True)]),
-                "async_stall_seconds_first": round(async_stalls[0], 3),
-                "async_stall_seconds": spread(async_stalls[1:]),
-                "async_stall_over_sync": round(async_steady / sync_med, 4),
+                "loop": {
+                    "threads": args.threads,
+                    "batch": args.batch,
+                    "steps_per_window": args.loop_steps,
+                    "repeats": args.repeats,
+                    "write_nice": args.write_nice,
+                    "step_seconds_no_save": loop["step_seconds_no_save"],
+                    **{
+                        kind: {
+                            **{k: v for k, v in loop[kind].items() if not k.startswith("_")},
+                            "stall_over_sync": spread([x / sync_med for x in loop[kind]["_stalls"]], 4),
+                        }
+                        for kind in ("overlap", "copy_all")
+                    },
+                },
+                "async_stall_over_sync": round(statistics.median(loop["overlap"]["_stalls"]) / sync_med, 4),
+                "snapshot_only_stall_seconds_first": round(async_stalls[0], 3),
+                "snapshot_only_stall_seconds": spread(async_stalls[1:]),
+                "snapshot_only_stall_over_sync": round(async_steady / sync_med, 4),
                 "blake3_one_thread_gbps": round(digest_gbps("blake3"), 3),
                 "sha256_one_thread_gbps": round(digest_gbps("sha256"), 3),
                 "targets": {"async_stall_over_sync_max": 0.10, "sync_over_dd_min": 0.80},

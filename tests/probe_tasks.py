@@ -10,8 +10,15 @@
 
 `PROBE_TASK_KILL=RANK:STEP` makes that rank SIGKILL itself in the middle
 of global step STEP on the first attempt, so tests kill at an exact point
-instead of racing a running job. `KillableVQGAN`, `KillableMaskGIT`,
-`KillableVideoTokenizer` and `KillableVideoMaskGIT` are the real tasks plus that switch.
+instead of racing a running job (`PROBE_TASK_KILL_SIGNAL=TERM` sends SIGTERM
+instead). `KillableVQGAN`, `KillableMaskGIT`, `KillableVideoTokenizer` and
+`KillableVideoMaskGIT` are the real tasks plus that switch.
+
+`PROBE_TASK_OVERLAP=1` holds every background snapshot copy until the
+training thread reaches a fence or an optimizer step has completed (see
+`hold_snapshot_copies`): the copy then always overlaps the next step's
+forward and backward, and a missing fence shows as a failed or different
+checkpoint instead of passing by luck.
 """
 
 from __future__ import annotations
@@ -48,7 +55,59 @@ def maybe_die(step: int) -> None:
             deadline = time.monotonic() + 120
             while after and not os.path.exists(after) and time.monotonic() < deadline:
                 time.sleep(0.05)
-            os.kill(os.getpid(), signal.SIGKILL)
+            os.kill(os.getpid(), getattr(signal, "SIG" + os.environ.get("PROBE_TASK_KILL_SIGNAL", "KILL")))
+
+
+def hold_snapshot_copies() -> None:
+    """Make each background snapshot copy wait for the next `Checkpointer.fence()` call or completed
+    optimizer step, whichever comes first. With the fences in place the copy starts when the training
+    thread reaches the next optimizer step (after that step's forward and backward) and the step waits
+    for it; without one the optimizer steps first and the copy sees the next step's values. Logs
+    "probe: snapshot copy held until a fence" or "... until an optimizer step" for the tests."""
+    import sys
+    import threading
+
+    from torch.optim.optimizer import register_optimizer_step_post_hook
+
+    from trainer.checkpoint import writer
+
+    cond = threading.Condition()
+    events: list[str] = []
+
+    def record(what: str) -> None:
+        with cond:
+            events.append(what)
+            cond.notify_all()
+
+    register_optimizer_step_post_hook(lambda *_: record("an optimizer step"))
+    fence, stage = writer.Checkpointer.fence, writer.SnapshotBuffers.stage
+
+    def fence_first(self):
+        record("a fence")
+        return fence(self)
+
+    def staged_held(self, files, stable=None):
+        snapshot = stage(self, files, stable)
+        with cond:
+            start = len(events)
+        complete = snapshot.complete
+
+        def held_complete() -> None:
+            with cond:
+                cond.wait_for(lambda: len(events) > start, timeout=120)
+                first = events[start] if len(events) > start else "nothing (timed out)"
+            sys.stderr.write(f"probe: snapshot copy held until {first}\n")
+            complete()
+
+        snapshot.complete = held_complete
+        return snapshot
+
+    writer.Checkpointer.fence = fence_first
+    writer.SnapshotBuffers.stage = staged_held
+
+
+if os.environ.get("PROBE_TASK_OVERLAP") == "1":
+    hold_snapshot_copies()
 
 
 class ProbeConfig(BaseModel):
@@ -71,7 +130,12 @@ class Generator(nn.Module):
             nn.Conv2d(width, channels, 3, padding=1),
         )
 
+        # Changes in forward, like a VQ codebook's EMA: a background save must copy it at once.
+        self.register_buffer("forwards", torch.zeros((), dtype=torch.long))
+
     def forward(self, x: torch.Tensor, features: torch.Tensor) -> torch.Tensor:
+        if self.training:
+            self.forwards += 1
         return torch.tanh(self.net(torch.cat([x, features], dim=1)))
 
 

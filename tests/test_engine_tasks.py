@@ -92,21 +92,29 @@ def test_sigkilled_rank_under_torchrun_resumes_bit_identical_without_unused_para
                          PYTHONPATH=str(REPO / "tests"))  # fmt: skip
     assert finish(ref, ref_log) == 0, ref_log.read_text()[-4000:]
 
+    # The killed run saves in the background, each copy held into the next step until its fence
+    # (PROBE_TASK_OVERLAP); rank 1 dies in step 13 once the save of step 10 has committed.
     log = tmp_path / "killed.log"
-    proc = start_torchrun(standalone(2), probe_args(tmp_path / "killed", encoder_url, *common, max_steps=steps), log,
-                          PYTHONPATH=str(REPO / "tests"), PROBE_TASK_KILL="1:13")  # fmt: skip
+    killed = tmp_path / "killed/run/checkpoints"
+    proc = start_torchrun(standalone(2), probe_args(tmp_path / "killed", encoder_url, *common, "checkpoint.async=true",
+                                                    max_steps=steps), log,
+                          PYTHONPATH=str(REPO / "tests"), PROBE_TASK_KILL="1:13", PROBE_TASK_OVERLAP="1",
+                          PROBE_TASK_KILL_AFTER=str(killed / "step-000000010/manifest.json"))  # fmt: skip
     rc = finish(proc, log)
     text = log.read_text()
     assert rc == 0, text[-4000:]
     assert "world_size=2 restart=1" in text and "step-000000010" in text.split("restart=1")[1].split("\n")[0]
+    assert text.count("probe: snapshot copy held until a fence") == 4, text[-3000:]  # steps 5, 10; 15, 20
+    assert "until an optimizer step" not in text
 
-    a = checkpoint_tensors(f"{tmp_path}/ref/run/checkpoints", steps)
-    b = checkpoint_tensors(f"{tmp_path}/killed/run/checkpoints", steps)
-    assert a.keys() == b.keys()
-    assert {"rank-00000.safetensors", "rank-00001.safetensors", "discriminator.optimizer.safetensors"} <= set(a)
-    for name in a:  # weights, EMA, both optimizers, every rank's global RNG state
-        for key in a[name]:
-            assert torch.equal(a[name][key], b[name][key]), f"{name}:{key} differs"
+    for step in (20, steps):  # written in the background (its copy overlapping step 21), and the end
+        a = checkpoint_tensors(f"{tmp_path}/ref/run/checkpoints", step)
+        b = checkpoint_tensors(str(killed), step)
+        assert a.keys() == b.keys()
+        assert {"rank-00000.safetensors", "rank-00001.safetensors", "discriminator.optimizer.safetensors"} <= set(a)
+        for name in a:  # weights, EMA, both optimizers, every rank's global RNG state
+            for key in a[name]:
+                assert torch.equal(a[name][key], b[name][key]), f"step {step} {name}:{key} differs"
 
 
 def test_resume_with_changed_frozen_weights_is_refused_and_a_moved_source_uses_the_pinned_step(tmp_path):

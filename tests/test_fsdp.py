@@ -110,18 +110,23 @@ def test_sigkilled_fsdp_rank_resumes_bit_identical_from_an_async_save(tmp_path):
     env = {"PYTHONPATH": str(REPO / "tests")}
     run_torchrun(tmp_path, "ref", 2, probe_args(tmp_path / "ref", encoder, *common, max_steps=steps), **env)
 
-    # The killed run saves in the background (every rank's writer thread writes its shards, rank 0's
-    # commits); rank 1 dies in step 6 once the async save of step 4 has committed.
+    # The killed run saves in the background (every rank's writer thread copies its local shards while
+    # the next step's forward and backward run, then writes them; rank 0 commits); PROBE_TASK_OVERLAP
+    # holds each copy until that step reaches its fence. Rank 1 dies in step 6 once the async save of
+    # step 4 has committed.
     log = tmp_path / "killed.log"
     killed = tmp_path / "killed/run/checkpoints"
     proc = start_torchrun(standalone(2), probe_args(tmp_path / "killed", encoder, *common, "checkpoint.async=true",
                                                     max_steps=steps), log,
                           PROBE_TASK_KILL="1:6", PROBE_TASK_KILL_AFTER=str(killed / "step-000000004/manifest.json"),
-                          **env)  # fmt: skip
+                          PROBE_TASK_OVERLAP="1", **env)  # fmt: skip
     rc = finish(proc, log)
     text = log.read_text()
     assert rc == 0, text[-4000:]
     assert re.search(r"world_size=2 restart=1 parallel=fsdp .*resumed_from=\S+step-000000004", text), text[-3000:]
+    # Steps 4 (first attempt) and 8 (after the restart), on both ranks: each copy overlapped the next step.
+    assert text.count("probe: snapshot copy held until a fence") == 4, text[-3000:]
+    assert "until an optimizer step" not in text and "checkpoint save failed" not in text
 
     def tensors(root: str, step: int) -> dict[str, dict[str, torch.Tensor]]:
         store = CheckpointStore(root)

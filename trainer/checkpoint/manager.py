@@ -20,10 +20,11 @@ from trainer.checkpoint.state import (
     restore,
     sharded_snapshot_files,
     snapshot_files,
+    updated_only_in_steps,
 )
 from trainer.checkpoint.store import CheckpointCorrupt, CheckpointStore, SaveResult
 from trainer.checkpoint.weights import check_pinned_inputs
-from trainer.checkpoint.writer import Checkpointer
+from trainer.checkpoint.writer import Checkpointer, SnapshotError
 from trainer.config import Config
 from trainer.elastic import EXIT_PREEMPTED, DistEnv, StopRequest, broadcast_object, gather_objects, new_gloo_group
 from trainer.metrics import TrainingMetrics
@@ -57,14 +58,16 @@ class CheckpointManager:
         self.group = new_gloo_group(cfg.elastic.collective_timeout_seconds) if self.sharded else None
         if self.sharded:
             self.writer = Checkpointer(
-                self.store, c.async_, on_done=metrics.on_checkpoint_done, write=self._write_sharded
-            )
+                self.store, c.async_, on_done=metrics.on_checkpoint_done, write=self._write_sharded,
+                on_copy_failure=lambda step, meta, e: self._write_sharded(step, {}, meta, failed=repr(e)),
+            )  # fmt: skip
         else:
             self.writer = (
                 Checkpointer(self.store, c.async_, on_done=metrics.on_checkpoint_done) if env.is_main else None
             )
         self.every_steps = c.every_steps
         self.failures = 0
+        self._stall: float | None = None  # an async save's stall so far; its fence adds the rest
         self.resumed_from: str | None = None
         self.progress: Stateful | None = None
         self.parts: Mapping[str, Stateful] = {}
@@ -79,9 +82,15 @@ class CheckpointManager:
         inputs: Mapping[str, dict[str, Any]] | None = None,
     ) -> None:
         """The state a checkpoint holds: progress, trainable parts, frozen parts' source records, and the
-        task's other inputs (pretrained folders, text encoder: URL and digest, see Task.inputs)."""
+        task's other inputs (pretrained folders, text encoder: URL and digest, see Task.inputs).
+
+        Every part waits on `fence()` before it changes its weights, optimizer state or EMA, so a
+        background save can copy them while the next forward and backward run."""
         self.progress, self.parts, self.frozen = progress, parts, frozen
         self.inputs = dict(inputs or {})
+        for part in parts.values():
+            if hasattr(part, "fence"):
+                part.fence = self.fence
 
     # ---------------------------------------------------------------- resume
 
@@ -168,18 +177,42 @@ class CheckpointManager:
                 return True
             files = snapshot_files(self.progress, self.parts, rank_states, self.frozen)
             meta = self._meta()
+        background = self.writer.async_save and not sync
         try:
-            # The writer logs the commit and reports it to the metrics itself.
-            self.writer.save(step, files, meta, sync=sync)
+            # The writer logs the commit and reports it to the metrics itself. A background save copies the
+            # parts' weights, optimizer state and EMA while the next step runs (see `fence`).
+            self.writer.save(
+                step, files, meta, sync=sync, stable=updated_only_in_steps(self.parts) if background else None
+            )
         except Exception as e:  # storage outage, quota, credentials: training goes on
             self._count_failure(e)
             if final:
                 raise  # the final save must not be lost silently: crash, and be retried
             return False
-        self.metrics.on_checkpoint_stall(time.perf_counter() - t0)
+        if background:
+            self._stall = time.perf_counter() - t0  # the fence adds what it waits
+        else:
+            self.metrics.on_checkpoint_stall(time.perf_counter() - t0)
         return True
 
-    def _write_sharded(self, step: int, files: Mapping[str, Any], meta: Mapping[str, Any]) -> SaveResult | None:
+    def fence(self) -> None:
+        """Wait until a background save has copied the parts' state; every part calls this before it
+        changes its weights, optimizer state or EMA. A failed copy is counted like a failed save (that
+        checkpoint is not written; training goes on and the next save retries)."""
+        if self.writer is None:
+            return
+        waited = 0.0
+        try:
+            waited = self.writer.fence()
+        except SnapshotError as e:
+            self._count_failure(e)
+        if self._stall is not None:
+            self.metrics.on_checkpoint_stall(self._stall + waited)
+            self._stall = None
+
+    def _write_sharded(
+        self, step: int, files: Mapping[str, Any], meta: Mapping[str, Any], failed: str | None = None
+    ) -> SaveResult | None:
         """Every rank: write own files, report them; rank 0: index, then manifest (commit), LATEST, retention.
 
         Runs in the writer thread on every rank; its collectives use the
@@ -195,7 +228,7 @@ class CheckpointManager:
             log.info("checkpoint %s is already committed; not writing it again", self.store.url_for(step))
             return None
         return write_sharded(self.store, step, files, local_index, meta, self.env.rank, self.env.world_size,
-                             self.group, t0)  # fmt: skip
+                             self.group, t0, failed=failed)  # fmt: skip
 
     def _count_failure(self, err: BaseException) -> None:
         self.failures += 1

@@ -131,15 +131,18 @@ def write_sharded(
     world_size: int,
     group: Any,
     t0: float | None = None,
+    failed: str | None = None,
 ) -> SaveResult | None:
     """Collective over `group`: each rank writes its files and reports their sizes and digests; rank 0
     writes the merged index, then commits the manifest listing every rank's files. Returns the result on
-    rank 0, None elsewhere; raises on every rank if any rank failed (then nothing is committed)."""
+    rank 0, None elsewhere; raises on every rank if any rank failed (then nothing is committed). A rank
+    whose snapshot already `failed` writes nothing and reports why."""
     from trainer.elastic import gather_objects
 
-    entries, error = {}, None
+    entries, error = {}, (f"rank {rank}: {failed}" if failed else None)
     try:
-        entries = store.write_files(step, files)
+        if error is None:
+            entries = store.write_files(step, files)
     except Exception as e:
         error = f"rank {rank}: {type(e).__name__}: {e}"
     reports = gather_objects((entries, local_index, error), group=group)

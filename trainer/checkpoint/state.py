@@ -20,7 +20,7 @@ module only decides the files. Frozen parts are not saved: their source
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any, Protocol
 
 import torch
@@ -28,6 +28,7 @@ import torch
 from trainer.checkpoint.format import join_tensors, split_tensors
 from trainer.checkpoint.sharded import ShardIndex, group_name, is_sharded, load_group, local_slices
 from trainer.checkpoint.store import CheckpointInfo, CheckpointStore, Payload
+from trainer.checkpoint.writer import storage_key
 from trainer.randomness import rng_state, set_rng_state
 
 TRAINER_JSON = "trainer.json"
@@ -125,6 +126,15 @@ def sharded_snapshot_files(
     files[tensor_name] = rs["tensors"]
     files[json_name] = json.dumps(rs["values"]).encode()
     return files, index
+
+
+def updated_only_in_steps(parts: Mapping[str, Any]) -> Callable[[torch.Tensor], bool]:
+    """True for a tensor that only changes when a part updates (its parameters, optimizer state and EMA
+    weights: an optimizer step, an EMA update or swap, a load), so a background save may copy it while
+    the next forward and backward run. Buffers and everything else are copied at once: they may change
+    in forward (a VQ codebook's EMA and dead-code replacement, BatchNorm statistics, usage rings)."""
+    keys = {storage_key(t) for part in parts.values() for t in part.stable_tensors()}
+    return lambda t: storage_key(t) in keys
 
 
 def read_frozen_records(store: CheckpointStore, info: CheckpointInfo) -> dict[str, dict[str, Any]]:

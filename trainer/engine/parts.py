@@ -4,7 +4,7 @@ frozen ones (weights from another run, never optimized or saved). Built from a t
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from typing import Any
 
@@ -62,6 +62,9 @@ class Part:
         # engine toggles exactly these, never the frozen base weights of an adapted model.
         self.params = [p for p in module.parameters() if p.requires_grad]
         self.step = 0
+        # Set by the checkpoint manager: returns once a background save has copied this part's
+        # weights, optimizer state and EMA (see trainer.checkpoint.writer); called before changing them.
+        self.fence: Callable[[], None] = _no_fence
 
     def learns_now(self) -> bool:
         """True while this run trains the part and it has not reached its own max steps."""
@@ -73,6 +76,7 @@ class Part:
 
     def optimizer_step(self) -> float:
         """Unscale, clip, step optimizer, schedule and EMA; returns the gradient norm before clipping."""
+        self.fence()  # everything below changes state a background save may still be copying
         self.scaler.unscale_(self.optimizer)
         max_norm = self.settings.max_grad_norm
         params = [p for p in self.params if p.grad is not None]
@@ -99,6 +103,16 @@ class Part:
         return self.lr_schedule.get_last_lr()[0]
 
     # ---- state
+    def stable_tensors(self) -> list[torch.Tensor]:
+        """Tensors that change only in `optimizer_step`, `load_state_dict` or an EMA swap (all behind
+        `fence`): parameters, EMA weights, optimizer state. Buffers are not among them."""
+        out = list(self.module.parameters())
+        if self.ema is not None:
+            out += list(self.ema.shadow_params)
+        for per_param in self.optimizer.state.values():
+            out += [v for v in per_param.values() if isinstance(v, torch.Tensor)]
+        return out
+
     def ema_weights(self) -> dict[str, torch.Tensor]:
         """The module's state dict with EMA weights in place of parameters (loadable as the model)."""
         state = dict(self.module.state_dict())
@@ -123,6 +137,7 @@ class Part:
         }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        self.fence()
         self.module.load_state_dict(state["model"])
         # fused/foreach say how this process steps, not what was learned: keep the ones built here
         # (a checkpoint written by an older version would otherwise switch the fused kernel off).
@@ -138,6 +153,10 @@ class Part:
             self.ema.load_state_dict({**state["ema_meta"], "shadow_params": params})
             self.ema.to(next(self.module.parameters()).device)
         self.step = int(state["step"])
+
+
+def _no_fence() -> None:
+    return None
 
 
 class FrozenPart:
@@ -241,6 +260,8 @@ def ema_swapped(parts: Mapping[str, Part], enabled: bool = True):
     which go through `.data` and fail on FSDP2's DTensor parameters.
     """
     swapped = [p for p in parts.values() if p.ema is not None] if enabled else []
+    for p in swapped:
+        p.fence()  # the online weights are overwritten below
     saved = []
     reshard(p.module for p in swapped)
     with torch.no_grad():
