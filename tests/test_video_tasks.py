@@ -10,7 +10,7 @@ import pytest
 import torch
 from conftest import REPO, clean_env, run_cli
 from PIL import Image
-from test_vqgan_maskgit import _kill_and_compare, tensors
+from test_vqgan_maskgit import VQGAN, _kill_and_compare, tensors
 
 from trainer.cli import main
 from trainer.config import ConfigError
@@ -158,6 +158,14 @@ def test_tokenizer_frames_must_be_one_plus_a_multiple_of_the_temporal_patch(tmp_
     assert main(["train", *tokenizer_args(tmp_path, "data.num_frames=4", max_steps=1)]) == 2
 
 
+def test_video_tokenizer_refuses_image_batches(tmp_path, capsys):
+    """An image source gives (N, C, H, W) batches: refused with exit 2 before a step is taken or saved."""
+    assert main(["train", *tokenizer_args(tmp_path, "data.source=digits", max_steps=1)]) == 2
+    err = capsys.readouterr().err
+    assert "task=video-tokenizer needs clips (N, T, C, H, W)" in err and "data.image_ratio" in err, err
+    assert not (tmp_path / "run/checkpoints").exists() or not list((tmp_path / "run/checkpoints").iterdir())
+
+
 # ---------------------------------------------------------------- video MaskGIT
 
 
@@ -176,6 +184,18 @@ def test_video_maskgit_refuses_a_mismatched_tokenizer(tmp_path, tokenizer, capsy
     image = ["digits-maskgit", "data.image_size=8", f"model.tokenizer.url={tokenizer}", f"run.dir={tmp_path}/img"]
     assert main(["train", *image]) == 2
     assert "not a vqgan tokenizer" in capsys.readouterr().err
+    assert not (tmp_path / "run/checkpoints").exists() or not list((tmp_path / "run/checkpoints").iterdir())
+
+
+def test_video_maskgit_refuses_an_image_tokenizer(tmp_path, capsys):
+    """A 2D VQ-GAN run's codes are images, not token slices: exit 2 naming the key, URL and run kind."""
+    image = [*VQGAN, f"run.dir={tmp_path}/vqgan", "train.max_steps=1"]
+    assert main(["train", *image]) == 0
+    url = f"{tmp_path}/vqgan/checkpoints"
+    capsys.readouterr()
+    assert main(["train", *maskgit_args(tmp_path, url, max_steps=1)]) == 2
+    err = capsys.readouterr().err
+    assert f"model.tokenizer.url={url}" in err and "'vqgan' run, not a video-tokenizer run" in err, err
     assert not (tmp_path / "run/checkpoints").exists() or not list((tmp_path / "run/checkpoints").iterdir())
 
 
