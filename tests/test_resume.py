@@ -29,6 +29,12 @@ def test_sigterm_then_resume_in_a_new_process_is_bit_identical(tmp_path):
     stopped = final_weights(f"{broken}/run/checkpoints")
     assert 10 <= stopped["step"] < steps
 
+    # Another seed is another sample order: resuming under it would repeat and skip samples, so it is refused
+    # (exit 2, naming the key) and the checkpoint stays as it was.
+    r = run_cli("train", *args, "seed=1")
+    assert r.returncode == 2 and "data order changed" in r.stderr and "seed=1" in r.stderr, r.stderr[-3000:]
+    assert final_weights(f"{broken}/run/checkpoints")["step"] == stopped["step"]
+
     r = run_cli("train", *args)
     assert r.returncode == 0, r.stderr[-3000:]
     assert f"resumed_from={broken}/run/checkpoints/step-{stopped['step']:09d}" in r.stderr
@@ -90,3 +96,26 @@ def test_emergency_save_that_cannot_finish_in_time_keeps_the_previous_checkpoint
     text = log.read_text()
     assert "did not finish within elastic.grace_seconds" in text
     assert final_weights(f"{tmp_path}/run/checkpoints")["step"] == 5
+
+
+def test_a_changed_shard_order_is_refused_on_resume_and_old_checkpoints_still_load():
+    from trainer.config import ConfigError
+    from trainer.engine.progress import TrainProgress
+
+    order = {"seed": 0, "data.shard_window": 8, "data.shuffle_block": 8}
+    saved = TrainProgress(8, 100, 2, 0, order)
+    saved.step, saved.cursor = 3, 24
+    state = saved.state_dict()
+    same = TrainProgress(8, 100, 1, 0, dict(order))
+    same.load_state_dict(state)
+    assert (same.step, same.cursor) == (3, 24)
+    other = TrainProgress(8, 100, 2, 0, {**order, "data.shuffle_block": 1})
+    try:
+        other.load_state_dict(state)
+    except ConfigError as e:
+        assert "data.shuffle_block=1" in str(e) and "8" in str(e)
+    else:
+        raise AssertionError("a changed shuffle block resumed")
+    del state["order"]  # written before the order was recorded
+    other.load_state_dict(state)
+    assert other.cursor == 24

@@ -73,7 +73,10 @@ class Trainer:
         )  # fmt: skip
         self.task = task_class(cfg.task)(cfg.model_cfg, ctx)
         self.parts, self.frozen = self._build_parts()
-        self.progress = TrainProgress(t.batch_size, len(self.train_set), env.world_size, cfg.seed)
+        order: dict = {"seed": cfg.seed}
+        if cfg.data.source == "shards":
+            order |= {"data.shard_window": cfg.data.shard_window, "data.shuffle_block": cfg.data.shuffle_block}
+        self.progress = TrainProgress(t.batch_size, len(self.train_set), env.world_size, cfg.seed, order)
         frozen_records = {n: f.record for n, f in self.frozen.items()}
         self.checkpoints.attach(self.progress, self.parts, frozen_records, self.task.inputs())
         self.step_runner = StepRunner(

@@ -25,7 +25,7 @@ from trainer.checkpoint.state import (
 from trainer.checkpoint.store import CheckpointCorrupt, CheckpointStore, SaveResult
 from trainer.checkpoint.weights import check_pinned_inputs
 from trainer.checkpoint.writer import Checkpointer, SnapshotError
-from trainer.config import Config
+from trainer.config import Config, ConfigError
 from trainer.elastic import EXIT_PREEMPTED, DistEnv, StopRequest, broadcast_object, gather_objects, new_gloo_group
 from trainer.metrics import TrainingMetrics
 
@@ -130,9 +130,15 @@ class CheckpointManager:
             error = None
             try:
                 self._restore(info)
+            except ConfigError as e:  # the config, not the checkpoint, is wrong: an older one would not help
+                error = ("config", str(e))
             except (CheckpointCorrupt, KeyError, ValueError, RuntimeError) as e:
-                error = f"rank {self.env.rank}: {e}"
-            errors = [e for e in gather_objects(error) if e]
+                error = ("corrupt", f"rank {self.env.rank}: {e}")
+            reported = [e for e in gather_objects(error) if e]
+            refused = [msg for kind, msg in reported if kind == "config"]
+            if refused:
+                raise ConfigError(refused[0])  # on every rank together (exit 2)
+            errors = [msg for _, msg in reported]
             if not errors:
                 self.resumed_from = self.store.url_for(step)
                 return self.resumed_from

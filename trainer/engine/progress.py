@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Mapping
 from typing import Any
+
+from trainer.config import ConfigError
 
 
 class TrainProgress:
@@ -13,8 +16,13 @@ class TrainProgress:
     only when an optimizer step completes, so prefetched batches never count.
     """
 
-    def __init__(self, batch_size: int, epoch_size: int, world_size: int, seed: int):
+    def __init__(
+        self, batch_size: int, epoch_size: int, world_size: int, seed: int, order: Mapping[str, Any] | None = None
+    ):
         self.batch_size = batch_size
+        # The config keys the sample order is a function of (besides the cursor): a resume under other
+        # values would continue another order mid-epoch, repeating and skipping samples.
+        self.order = dict(order or {"seed": seed})
         self.epoch_size = epoch_size
         self.world_size = world_size
         self.seed = seed
@@ -41,10 +49,21 @@ class TrainProgress:
             "skipped_samples": self.skipped_samples,
             "world_size": self.world_size,
             "seed": self.seed,
+            "order": self.order,
             "time_unix": time.time(),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        saved = state.get("order")  # absent in checkpoints written before it was recorded
+        if saved is not None:
+            changed = [f"{k}={self.order.get(k)!r} (the checkpoint's: {v!r})" for k, v in saved.items()
+                       if self.order.get(k, v) != v]  # fmt: skip
+            if changed:
+                raise ConfigError(
+                    "the data order changed since the checkpoint, so resuming would repeat and skip samples of "
+                    f"this epoch: {', '.join(changed)}; set the checkpoint's values to resume, or start a new "
+                    "run (another run.dir or checkpoint.url)"
+                )
         self.step = int(state["step"])
         self.cursor = int(state["cursor"])
         self.skipped_samples = int(state.get("skipped_samples", 0))
