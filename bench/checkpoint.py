@@ -28,7 +28,7 @@ through gentrain's own `snapshot_files` and `Checkpointer`:
   write of the same tensor bytes from this process (the floor any serializer
   in Python can reach here). Median, min and max over `--saves` pairs.
 
-Usage: python bench/checkpoint.py [--params 100e6] [--dir DIR] [--saves 5] [--repeats 9]
+Usage: python bench/checkpoint.py [--params 100e6] [--dir DIR] [--saves 5] [--repeats 15]
        [--threads 1] [--batch 16] [--loop-steps 4] [--write-nice 10]
 """
 
@@ -202,15 +202,23 @@ def loop_stalls(part: Part, progress: TrainProgress, base: str, args) -> dict:
                 tails[kind].append(time.perf_counter() - t1)
     ckpt.close()
     assert ckpt.take_failure() is None
-    out = {"step_seconds_no_save": spread([w / args.loop_steps for w in windows["none"]])}
+    none = windows["none"]
+    out = {
+        "step_seconds_no_save": spread([w / args.loop_steps for w in none]),
+        # The same difference between two windows without a save (consecutive repeats): the noise floor.
+        "none_minus_none_seconds": spread([b - a for a, b in zip(none, none[1:], strict=False)]),
+    }
     for kind in ("overlap", "copy_all"):
-        stalls = [w - n for w, n in zip(windows[kind], windows["none"], strict=True)]
+        stalls = [w - n for w, n in zip(windows[kind], none, strict=True)]
+        blocked = [c + f for c, f in zip(calls[kind], fence_waits[kind], strict=True)]
         out[kind] = {
             "stall_seconds": spread(stalls),
-            "save_call_seconds": spread(calls[kind]),
-            "fence_wait_seconds": spread(fence_waits[kind]),
+            "save_call_seconds": spread(calls[kind], 4),
+            "fence_wait_seconds": spread(fence_waits[kind], 4),
+            "training_thread_blocked_seconds": spread(blocked, 4),
             "write_left_after_window_seconds": spread(tails[kind]),
             "_stalls": stalls,
+            "_blocked": blocked,
         }
     return out
 
@@ -220,7 +228,7 @@ def main() -> None:
     ap.add_argument("--params", type=float, default=100e6)
     ap.add_argument("--dir", default=None, help="where to write (default: a temp dir under the repo's disk)")
     ap.add_argument("--saves", type=int, default=5)
-    ap.add_argument("--repeats", type=int, default=9, help="training-loop windows per kind")
+    ap.add_argument("--repeats", type=int, default=15, help="training-loop windows per kind")
     ap.add_argument("--threads", type=int, default=1, help="torch intra-op threads of the training loop")
     ap.add_argument("--batch", type=int, default=16)
     ap.add_argument("--loop-steps", type=int, default=4, help="training steps per window")
@@ -296,10 +304,12 @@ def main() -> None:
                     "repeats": args.repeats,
                     "write_nice": args.write_nice,
                     "step_seconds_no_save": loop["step_seconds_no_save"],
+                    "none_minus_none_seconds": loop["none_minus_none_seconds"],
                     **{
                         kind: {
                             **{k: v for k, v in loop[kind].items() if not k.startswith("_")},
                             "stall_over_sync": spread([x / sync_med for x in loop[kind]["_stalls"]], 4),
+                            "blocked_over_sync": spread([x / sync_med for x in loop[kind]["_blocked"]], 4),
                         }
                         for kind in ("overlap", "copy_all")
                     },
