@@ -267,6 +267,40 @@ def test_maskgit_under_torchrun_resumes_bit_identical_after_sigkill(tmp_path, to
     assert not any(n.startswith("tokenizer") for n in a)
 
 
+@pytest.mark.slow
+def test_fsdp_sharded_frozen_tokenizer_trains_bit_identical_to_a_whole_one_across_a_sigkill(tmp_path, tokenizer):
+    # train.shard_frozen gathers the same fp32 weights the replicated tokenizer holds, so codes, previews
+    # and every saved tensor must be bit-identical to FSDP with a whole tokenizer, also across a SIGKILL.
+    # The sharded run reads a token cache pre-filled with the first 4 samples of the stream: in step 1
+    # rank 0 has only hits while rank 1 has misses, the case where an uncoordinated cache would hang.
+    steps = 8
+    common = ["train.parallel=fsdp", "model.dropout=0.1", "checkpoint.every_steps=3", "sample.every_steps=4"]
+    ref_log = tmp_path / "ref.log"
+    ref = start_torchrun(standalone(2), maskgit_args(tmp_path / "ref", tokenizer, *common, max_steps=steps), ref_log,
+                         PYTHONPATH=str(REPO / "tests"))  # fmt: skip
+    assert finish(ref, ref_log) == 0, ref_log.read_text()[-4000:]
+    cache = tmp_path / "cache"
+    fill = run_cli("train", *maskgit_args(tmp_path / "fill", tokenizer, "train.batch_size=4", f"model.token_cache={cache}",
+                                          max_steps=1), env=ENV)  # fmt: skip
+    assert fill.returncode == 0, fill.stderr[-3000:]
+    log = tmp_path / "killed.log"
+    args = maskgit_args(tmp_path / "killed", tokenizer, *common, "train.shard_frozen=true", f"model.token_cache={cache}",
+                        "task=probe_tasks:KillableMaskGIT", max_steps=steps)  # fmt: skip
+    proc = start_torchrun(standalone(2), args, log, PYTHONPATH=str(REPO / "tests"), PROBE_TASK_KILL="1:5")
+    rc = finish(proc, log)
+    text = log.read_text()
+    assert rc == 0, text[-4000:]
+    assert "tokenizer(frozen, sharded)" in text and "world_size=2 restart=1" in text
+    assert "token cache: encoding a cached image to join" in text  # the asymmetric step happened
+    assert (tmp_path / "killed/run/samples/step-000000008.png").exists()
+    a = tensors(f"{tmp_path}/ref/run/checkpoints", steps)
+    b = tensors(f"{tmp_path}/killed/run/checkpoints", steps)
+    assert a.keys() == b.keys() and not any(n.startswith("tokenizer") for n in b)
+    for name in a:
+        for key in a[name]:
+            assert torch.equal(a[name][key], b[name][key]), f"{name}:{key} differs"
+
+
 def test_token_cache_is_keyed_by_tokenizer_digest_and_changes_nothing(tmp_path, tokenizer):
     cache = tmp_path / "cache"
     plain = run_cli("train", *maskgit_args(tmp_path / "a", tokenizer, max_steps=3), env=ENV)

@@ -97,7 +97,7 @@ class Trainer:
         )  # fmt: skip
         self.evaluator = Evaluator(
             self.task, self.parts, self.frozen, cfg, self.val_set or self.train_set, env.rank, env.world_size,
-            self.device, self.reporter.on_eval,
+            self.device, self.reporter.on_eval, collective=self.sharded,
         )  # fmt: skip
         self.evaluator.prepare()
         self.clock.mark("build")
@@ -188,12 +188,18 @@ class Trainer:
 
             def wrap(m):
                 return shard_module(m, t.precision, t.cpu_offload and self.device.type == "cuda")
+
+            shard_frozen = wrap if t.shard_frozen else None
         elif self.env.world_size > 1:
             wrap = self.accelerator.prepare_model
         else:
             wrap = lambda m: m  # noqa: E731
+        if not self.sharded:
+            shard_frozen = None
+            if t.shard_frozen:
+                log.warning("train.shard_frozen=true has no effect on one process; frozen parts stay whole")
         ema = set(self.task.ema_part_names(self.cfg.model_cfg))
-        return build_parts(modules, trainable, frozen, learns, self.cfg, self.device, wrap, ema)
+        return build_parts(modules, trainable, frozen, learns, self.cfg, self.device, wrap, ema, shard_frozen)
 
     def _no_sync(self, wrapped):
         """Skip the gradient reduction of a chunk that is not the step's last (DDP or FSDP2)."""
@@ -224,7 +230,7 @@ class Trainer:
             "checkpoints=%s",
             __version__, self.cfg.task, self.cfg.name, n_params / 1e6, n_train / 1e6, n_frozen / 1e6,
             ",".join([*(n if p.trained else f"{n}(kept)" for n, p in self.parts.items()),
-                      *(f"{n}(frozen)" for n in self.frozen)]), self.device, self.env.world_size,
+                      *(f"{n}(frozen{', sharded' if is_fsdp(f.module) else ''})" for n, f in self.frozen.items())]), self.device, self.env.world_size,
             self.env.restart_count, t.parallel if self.env.world_size > 1 else "none", t.batch_size,
             self.step_runner.rank_batch, self.step_runner.chunk_size,
             len(self.train_set), self.checkpoints.resumed_from or "none (fresh start)", self.progress.step,

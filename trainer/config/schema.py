@@ -46,6 +46,11 @@ class TrainConfig(_Section):
     threads: int | None = Field(None, ge=1, description="torch intra-op threads per process")
     parallel: Literal["ddp", "fsdp"] = Field("ddp", description="replicate parts (ddp) or shard them (fsdp)")
     cpu_offload: bool = Field(False, description="fsdp: keep sharded parameters and optimizer state in CPU memory")
+    shard_frozen: bool = Field(
+        False,
+        description="fsdp: shard frozen parts (a MaskGIT tokenizer) too, each rank keeping 1/world of their weights "
+        "and gathering one block at a time when they are used; for frozen parts too large to replicate",
+    )
     stages: list[int] | None = Field(
         None, min_length=1, description="cascade: which stages (1-based) this run trains; null = all"
     )
@@ -56,6 +61,11 @@ class TrainConfig(_Section):
             raise ValueError(
                 f"train.cpu_offload=true needs train.parallel=fsdp (got train.parallel={self.parallel}); "
                 "DDP keeps a full replica on every device"
+            )
+        if self.shard_frozen and self.parallel != "fsdp":
+            raise ValueError(
+                f"train.shard_frozen=true needs train.parallel=fsdp (got train.parallel={self.parallel}); "
+                "under DDP every rank holds whole frozen parts"
             )
         return self
 

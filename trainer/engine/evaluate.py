@@ -34,6 +34,7 @@ class Evaluator:
         world_size: int,
         device: torch.device,
         report: Callable[[int, dict[str, float]], None],
+        collective: bool = False,
     ):
         self.task = task
         self.parts = parts
@@ -44,6 +45,7 @@ class Evaluator:
         self.world_size = world_size
         self.device = device
         self.report = report
+        self.collective = collective
         self._metric = None
         self._about: dict = {}
 
@@ -74,7 +76,7 @@ class Evaluator:
         with ema_swapped(self.parts, self.cfg.sample.use_ema), eval_mode(self.modules):
             values = evaluate(
                 self.task, self.modules, self._metric, self.real_set, self.cfg.eval.num, self.cfg.seed,
-                sample_options(self.cfg), self.rank, self.world_size, self.device,
+                sample_options(self.cfg), self.rank, self.world_size, self.device, collective=self.collective,
             )  # fmt: skip
         if self.rank == 0:
             result = {"step": step, "world_size": self.world_size, **values, **self._about,

@@ -160,7 +160,8 @@ def _no_fence() -> None:
 
 
 class FrozenPart:
-    """A part loaded from another run: eval mode, no gradients, never wrapped, optimized or saved."""
+    """A part loaded from another run: eval mode, no gradients, never optimized or saved (under
+    train.shard_frozen its module is sharded in place after loading, like a trained FSDP part)."""
 
     def __init__(self, name: str, module: nn.Module, weights: FrozenWeights):
         self.name = name
@@ -187,10 +188,12 @@ def build_parts(
     device: torch.device,
     wrap: Any,
     ema_names: set[str] | None = None,
+    shard_frozen: Any = None,
 ) -> tuple[dict[str, Part], dict[str, FrozenPart]]:
     """Parts from a task's modules; `wrap(module)` makes the DDP wrapper for the parts this run trains
     (`wrapped_names`), or shards the module in place under FSDP2 (then optimizer and EMA are built on its
-    DTensors); the other parts are kept bare and untouched."""
+    DTensors); the other parts are kept bare and untouched. `shard_frozen(module)`, if given, shards a
+    frozen part in place once its weights are loaded whole."""
     parts: dict[str, Part] = {}
     frozen_parts: dict[str, FrozenPart] = {}
     unknown = set(modules) - set(trainable) - set(frozen)
@@ -200,6 +203,8 @@ def build_parts(
         module.to(device)
         if name in frozen:
             frozen_parts[name] = FrozenPart(name, module, frozen[name])
+            if shard_frozen is not None:
+                shard_frozen(module)
             continue
         cast_frozen_base(module, cfg.train.precision)  # LoRA: half-precision base, fp32 adapters
         wrapped = wrap(module) if name in wrapped_names else module

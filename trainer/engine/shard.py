@@ -16,7 +16,13 @@ from contextlib import contextmanager
 
 import torch
 from torch import nn
-from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import (
+    CPUOffloadPolicy,
+    FSDPModule,
+    MixedPrecisionPolicy,
+    fully_shard,
+    register_fsdp_forward_method,
+)
 from torch.distributed.tensor import DTensor
 
 _PARAM_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
@@ -29,7 +35,7 @@ def fsdp_units(module: nn.Module) -> list[nn.Module]:
     def walk(m: nn.Module) -> None:
         for child in m.children():
             if isinstance(child, nn.ModuleList):
-                units.extend(b for b in child if any(True for _ in b.parameters()))
+                units.extend(b for b in child if b is not None and any(True for _ in b.parameters()))
             else:
                 walk(child)
 
@@ -43,13 +49,21 @@ def mixed_precision(precision: str) -> MixedPrecisionPolicy:
 
 
 def shard_module(module: nn.Module, precision: str, cpu_offload: bool) -> nn.Module:
-    """Apply fully_shard per block, then to the whole part (in place; returns the same object)."""
+    """Apply fully_shard per block, then to the whole part (in place; returns the same object).
+
+    FSDP2 gathers a unit's parameters in hooks around `forward`; a part used
+    through other methods (a tokenizer's `encode_indices` / `decode_indices`)
+    names them in a class attribute `fsdp_forward_methods`, and they get the
+    same hooks.
+    """
     kwargs = {"mp_policy": mixed_precision(precision)}
     if cpu_offload:
         kwargs["offload_policy"] = CPUOffloadPolicy()
     for unit in fsdp_units(module):
         fully_shard(unit, **kwargs)
     fully_shard(module, **kwargs)
+    for name in getattr(module, "fsdp_forward_methods", ()):
+        register_fsdp_forward_method(module, name)
     return module
 
 

@@ -86,13 +86,27 @@ def real_images(real_set, n: int, rank: int, world_size: int, batch: int = 64):
 
 
 def generated_images(
-    sample: Callable[[int, int], torch.Tensor], n: int, seed: int, rank: int, world_size: int, chunk: int = GEN_CHUNK
+    sample: Callable[[int, int], torch.Tensor],
+    n: int,
+    seed: int,
+    rank: int,
+    world_size: int,
+    chunk: int = GEN_CHUNK,
+    collective: bool = False,
 ):
-    """Yield this rank's chunks of n generated images; chunk k is `sample(count, seed(seed, k))` on every world size."""
+    """Yield this rank's chunks of n generated images; chunk k is `sample(count, seed(seed, k))` on every world size.
+
+    `collective` (FSDP: every forward is all-gathers all ranks join): a rank with one chunk fewer than
+    rank 0 samples one more image and drops it, so all ranks run the same number of forwards.
+    """
     chunks = math.ceil(n / chunk)
-    for k in rank_block(chunks, rank, world_size):
+    mine = rank_block(chunks, rank, world_size)
+    for k in mine:
         count = min(chunk, n - k * chunk)
         yield sample(count, derive_seed(seed, _EVAL_STREAM, k) % (2**63))
+    if collective:
+        for _ in range(len(rank_block(chunks, 0, world_size)) - len(mine)):
+            sample(1, derive_seed(seed, _EVAL_STREAM, 0) % (2**63))
 
 
 def evaluate(
@@ -106,8 +120,10 @@ def evaluate(
     rank: int,
     world_size: int,
     device: torch.device,
+    collective: bool = False,
 ) -> dict[str, float]:
-    """FID/KID of `num` generated images vs up to `num` real ones; every rank must call it (collectives)."""
+    """FID/KID of `num` generated images vs up to `num` real ones; every rank must call it (collectives).
+    `collective`: the parts are FSDP-sharded (see `generated_images`)."""
     n_real = min(num, len(real_set))
     if n_real < 2:
         raise ValueError(f"evaluation needs at least 2 real images, the held-out set has {len(real_set)}")
@@ -121,7 +137,7 @@ def evaluate(
         with half_weights_autocast(modules, device):  # a LoRA run's half-precision base
             return task.sample(modules, count, seed=s, device=device, **sample_options)
 
-    for images in generated_images(sample, num, seed, rank, world_size):
+    for images in generated_images(sample, num, seed, rank, world_size, collective=collective):
         metric.update(images.to(device), real=False)
     values = metric.compute(n_real, num)
     return {**values, "num_generated": num, "num_real": n_real}

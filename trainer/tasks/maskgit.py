@@ -8,16 +8,19 @@ predicts them; sampling decodes iteratively in parallel (`sample.inference_steps
 decoding steps) with temperature, choice-temperature annealing and
 classifier-free guidance, then decodes the codes through the tokenizer.
 
-Conditioning goes through `conditioning_tokens`: context tokens prepended
-to the sequence, with a null condition for guidance. Class labels are built
-in; other conditioners (text) provide the same call.
+Conditioning: the task gathers a `Condition` (class labels, caption embeddings
+from the shared frozen text encoder, which samples are dropped for guidance);
+the transformer turns it into context tokens prepended to the sequence, inside
+its forward, so DDP and FSDP see every parameter use.
 """
 
 from __future__ import annotations
 
+import logging
 import math
 import os
 from collections.abc import Mapping
+from dataclasses import dataclass, replace
 from typing import Any
 
 import blake3
@@ -28,8 +31,11 @@ from pydantic import BaseModel, ConfigDict, Field
 from torch import nn
 
 from trainer.conditioning.text import TextEncoderConfig
+from trainer.engine.shard import is_fsdp
 from trainer.randomness import per_sample_rand, sample_generators
 from trainer.tasks.base import Batch, FrozenSource, Loss, Phase, PreviewContext, StepInfo, Task, TaskContext
+
+log = logging.getLogger(__name__)
 
 
 class TokenizerConfig(BaseModel):
@@ -79,16 +85,30 @@ class TokenCache:
     def __init__(self, root: str, digest: str):
         self.dir = os.path.join(root, digest.replace(":", "-"))
         os.makedirs(self.dir, exist_ok=True)
-        self.hits = self.misses = 0
+        self.hits = self.misses = self.kept_in_step = 0
 
     def _path(self, image: torch.Tensor) -> str:
         data = image.detach().to("cpu", torch.float32).contiguous().numpy().tobytes()
         return os.path.join(self.dir, blake3.blake3(data).hexdigest()[:32] + ".npy")
 
-    def tokens(self, images: torch.Tensor, encode) -> torch.Tensor:
+    def tokens(self, images: torch.Tensor, encode, collective: bool = False) -> torch.Tensor:
+        """`collective`: the tokenizer is sharded (train.shard_frozen), so each encode is a series of
+        all-gathers every rank must join; a rank whose images are all cached encodes one anyway (and
+        drops the result) when another rank has misses, or the ranks would wait on each other forever."""
         paths = [self._path(x) for x in images]
         found = [np.load(p) if os.path.exists(p) else None for p in paths]
         todo = [i for i, t in enumerate(found) if t is None]
+        if collective:
+            import torch.distributed as dist
+
+            anyone = torch.tensor([1 if todo else 0], device=images.device)
+            dist.all_reduce(anyone, op=dist.ReduceOp.MAX)
+            if anyone.item() and not todo:
+                encode(images[:1])
+                if not self.kept_in_step:
+                    log.info("token cache: encoding a cached image to join the sharded tokenizer's all-gathers "
+                             "of ranks with misses (logged once)")  # fmt: skip
+                self.kept_in_step += 1
         if todo:
             fresh = encode(images[todo]).cpu().numpy().astype(np.int32)
             for i, t in zip(todo, fresh, strict=True):
@@ -100,6 +120,18 @@ class TokenCache:
         self.hits += len(paths) - len(todo)
         self.misses += len(todo)
         return torch.from_numpy(np.stack(found)).to(images.device, torch.long)
+
+
+@dataclass
+class Condition:
+    """What a MaskGIT sample is conditioned on, before the transformer embeds it: class labels (N,) (-1 for
+    none), the frozen text encoder's caption token embeddings (N, Lt, width) and mask (N, Lt), and which
+    samples get the null condition (N,) bool (classifier-free guidance), or None."""
+
+    labels: torch.Tensor | None = None
+    text: torch.Tensor | None = None
+    text_mask: torch.Tensor | None = None
+    drop: torch.Tensor | None = None
 
 
 class MaskTransformer(nn.Module):
@@ -129,16 +161,37 @@ class MaskTransformer(nn.Module):
         self.norm = nn.LayerNorm(cfg.dim)
         self.head = nn.Linear(cfg.dim, num_codes)
 
+    def context(self, cond: Condition) -> tuple[torch.Tensor, torch.Tensor]:
+        """Context tokens (N, Lc, dim) and their mask (N, Lc): a class token and/or the caption's projected
+        token embeddings, the null class / null caption where `cond.drop` (classifier-free guidance)."""
+        parts, masks = [], []
+        if cond.labels is not None:
+            null = self.classes.num_embeddings - 1
+            labels = torch.where(cond.labels < 0, null, cond.labels)
+            if cond.drop is not None:
+                labels = torch.where(cond.drop, null, labels)
+            parts.append(self.classes(labels)[:, None])
+            masks.append(torch.ones(len(labels), 1, dtype=torch.bool, device=labels.device))
+        if cond.text is not None:
+            tokens, mask = self.text_proj(cond.text), cond.text_mask.bool()
+            if cond.drop is not None:
+                null = self.null_text.expand(len(tokens), tokens.shape[1], -1)
+                tokens = torch.where(cond.drop[:, None, None], null, tokens)
+                first = torch.zeros_like(mask)
+                first[:, 0] = True
+                mask = torch.where(cond.drop[:, None], first, mask)
+            parts.append(tokens)
+            masks.append(mask)
+        return torch.cat(parts, dim=1), torch.cat(masks, dim=1)
+
     def forward(
-        self,
-        tokens: torch.Tensor,
-        context: torch.Tensor | None,
-        context_mask: torch.Tensor | None = None,
-        token_mask: torch.Tensor | None = None,
+        self, tokens: torch.Tensor, cond: Condition | None = None, token_mask: torch.Tensor | None = None
     ) -> torch.Tensor:
-        """tokens (N, L) with `mask_id` where masked; context (N, Lc, dim) or None, `context_mask` (N, Lc)
-        True where a context token is real, `token_mask` (N, L) True where a token is real (padding of
-        either is not attended, so padded tokens change nothing for the others) -> logits (N, L, K)."""
+        """tokens (N, L) with `mask_id` where masked; `cond` the condition (None: unconditional), `token_mask`
+        (N, L) True where a token is real (padding of either is not attended, so padded tokens change
+        nothing for the others) -> logits (N, L, K). The context is built here, inside forward, so that
+        DDP and FSDP see every parameter use (FSDP gathers weights only in forward)."""
+        context, context_mask = self.context(cond) if cond is not None else (None, None)
         x = self.tokens(tokens)
         keep = token_mask.bool() if token_mask is not None else None
         if context is not None:
@@ -254,43 +307,22 @@ class MaskGITTask(Task):
     def conditional(self) -> bool:
         return self.cfg.num_classes is not None or self.text is not None
 
-    def conditioning_tokens(
-        self,
-        transformer: nn.Module,
-        labels: torch.Tensor | None,
-        captions: list[str] | None,
-        drop: torch.Tensor | None,
-    ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-        """Context tokens (N, Lc, dim) and their mask for the transformer: a class token and/or the caption's
-        projected token embeddings. `drop` marks samples given the null condition (classifier-free guidance)."""
+    def condition(
+        self, labels: torch.Tensor | None, captions: list[str] | None, drop: torch.Tensor | None, device
+    ) -> Condition | None:
+        """The transformer's condition: class labels and/or the captions' text embeddings (the shared frozen
+        text encoder, outside the trained parts). `drop` marks samples given the null condition."""
         if not self.conditional:
-            return None, None
-        bare = getattr(transformer, "module", transformer)
-        parts, masks = [], []
-        if self.cfg.num_classes is not None:
-            null = self.cfg.num_classes
-            labels = torch.where(labels < 0, null, labels)
-            if drop is not None:
-                labels = torch.where(drop, null, labels)
-            parts.append(bare.classes(labels)[:, None])
-            masks.append(torch.ones(len(labels), 1, dtype=torch.bool, device=labels.device))
+            return None
+        cond = Condition(labels=labels if self.cfg.num_classes is not None else None, drop=drop)
         if self.text is not None:
-            device = bare.null_text.device
             if captions is None:
                 from trainer.config import ConfigError
 
                 raise ConfigError("model.text is set but the data has no captions (.txt beside images, or shards' txt)")
             emb = self.text.encode(captions, device)
-            tokens, mask = bare.text_proj(emb.tokens), emb.mask.bool()
-            if drop is not None:
-                null = bare.null_text.expand(len(captions), tokens.shape[1], -1)
-                tokens = torch.where(drop[:, None, None], null, tokens)
-                first = torch.zeros_like(mask)
-                first[:, 0] = True
-                mask = torch.where(drop[:, None], first, mask)
-            parts.append(tokens)
-            masks.append(mask)
-        return torch.cat(parts, dim=1), torch.cat(masks, dim=1)
+            cond.text, cond.text_mask = emb.tokens, emb.mask.bool()
+        return cond
 
     # ---- training
     def forward(self, modules, batch: Batch, step: int) -> dict[str, Any]:
@@ -299,7 +331,7 @@ class MaskGITTask(Task):
 
         if self.cache is None:
             return {"tokens": encode(batch.images)}
-        return {"tokens": self.cache.tokens(batch.images, encode)}
+        return {"tokens": self.cache.tokens(batch.images, encode, collective=is_fsdp(modules["tokenizer"]))}
 
     def token_mask(self, batch: Batch, tokens: torch.Tensor) -> torch.Tensor | None:
         """(N, L) True for real tokens, None when all are (images; videos without padding frames)."""
@@ -327,9 +359,8 @@ class MaskGITTask(Task):
         real = self.token_mask(batch, tokens)
         mask, drop = self._masked(tokens, step, batch.positions, real)
         inputs = torch.where(mask, self.num_codes, tokens)
-        transformer = modules["transformer"]
-        context, context_mask = self.conditioning_tokens(transformer, batch.labels, batch.captions, drop)
-        logits = transformer(inputs, context, context_mask, real).float()
+        cond = self.condition(batch.labels, batch.captions, drop, tokens.device)
+        logits = modules["transformer"](inputs, cond, real).float()
         ce = F.cross_entropy(logits.transpose(1, 2), tokens, reduction="none", label_smoothing=smoothing)
         m = mask.float()
         count = m.sum(1).clamp(min=1)  # 0 only for an unreadable sample (no real tokens, weight 0)
@@ -388,23 +419,22 @@ class MaskGITTask(Task):
             raise ConfigError("--class: this MaskGIT is not class-conditional (model.num_classes is not set)")
         if prompts is not None and self.text is None:
             raise ConfigError("--prompt: this MaskGIT is not text-conditional (model.text is not set)")
-        context = uncond = context_mask = uncond_mask = None
+        cond = uncond = None
         if self.conditional:
             if labels is None:
                 labels = torch.arange(num) % (self.cfg.num_classes or 1)
             labels = labels.to(device)
             if self.text is not None and prompts is None:
                 prompts = [""] * num
-            everyone = torch.ones(num, dtype=torch.bool, device=device)
-            context, context_mask = self.conditioning_tokens(transformer, labels, prompts, None)
-            uncond, uncond_mask = self.conditioning_tokens(transformer, labels, prompts, everyone)
-        guided = context is not None and guidance_scale != 1.0
+            cond = self.condition(labels, prompts, None, device)
+            uncond = replace(cond, drop=torch.ones(num, dtype=torch.bool, device=device))
+        guided = cond is not None and guidance_scale != 1.0
         steps = max(1, inference_steps)
         for t in range(steps):
             x = tokens.to(device)
-            logits = transformer(x, context, context_mask).float()
+            logits = transformer(x, cond).float()
             if guided:
-                uncond_logits = transformer(x, uncond, uncond_mask).float()
+                uncond_logits = transformer(x, uncond).float()
                 logits = logits + (guidance_scale - 1.0) * (logits - uncond_logits)
             logits = logits.cpu()
             probs = F.softmax(logits / temperature, dim=-1)

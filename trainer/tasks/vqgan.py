@@ -140,6 +140,8 @@ class QuantizedAutoencoder(nn.Module):
     """
 
     cfg: CodebookConfig
+    # What a MaskGIT calls on its frozen tokenizer: under train.shard_frozen these gather the weights (FSDP2).
+    fsdp_forward_methods = ("encode_indices", "decode_indices")
 
     def _init_quantizer(self, cfg: CodebookConfig, channel_first: bool) -> None:
         latent = cfg.latent_channels
