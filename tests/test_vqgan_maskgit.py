@@ -301,6 +301,32 @@ def test_fsdp_sharded_frozen_tokenizer_trains_bit_identical_to_a_whole_one_acros
             assert torch.equal(a[name][key], b[name][key]), f"{name}:{key} differs"
 
 
+@pytest.mark.slow
+def test_vqgan_under_fsdp_matches_ddp_and_refuses_the_gradient_penalty(tmp_path):
+    # Generator and discriminator both sharded, the discriminator from step 1 with the adaptive weight
+    # (gradients at the decoder's last layer): same losses as DDP up to float rounding (FSDP2 reduces
+    # flat buffers; see test_fsdp for the bound's reasoning).
+    def run(name: str, *extra: str) -> tuple[int, str]:
+        log = tmp_path / f"{name}.log"
+        args = vqgan_args(tmp_path / name, "model.disc_start_step=1", *extra, max_steps=3)
+        proc = start_torchrun(standalone(2, max_restarts=0), args, log, PYTHONPATH=str(REPO / "tests"))
+        return finish(proc, log), log.read_text()
+
+    rc, text = run("refused", "train.parallel=fsdp", "model.grad_penalty_every=4")
+    assert (
+        rc != 0 and "set model.grad_penalty_every=0" in text and "Traceback" not in text.split("ConfigError")[0][-200:]
+    )
+    assert not (tmp_path / "refused/run/checkpoints").exists()
+    losses = {}
+    for name, extra in (("ddp", ()), ("fsdp", ("train.parallel=fsdp",))):
+        rc, text = run(name, "model.grad_penalty_every=0", *extra)
+        assert rc == 0, text[-4000:]
+        losses[name] = [float(v) for v in re.findall(r"generator/loss=([0-9.e+-]+).*discriminator/loss=([0-9.e+-]+)",
+                                                     text) for v in v]  # fmt: skip
+    assert len(losses["ddp"]) == len(losses["fsdp"]) >= 4  # steps 2 and 3 train both parts
+    torch.testing.assert_close(torch.tensor(losses["fsdp"]), torch.tensor(losses["ddp"]), rtol=1e-4, atol=1e-6)
+
+
 def test_token_cache_is_keyed_by_tokenizer_digest_and_changes_nothing(tmp_path, tokenizer):
     cache = tmp_path / "cache"
     plain = run_cli("train", *maskgit_args(tmp_path / "a", tokenizer, max_steps=3), env=ENV)

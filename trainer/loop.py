@@ -174,6 +174,9 @@ class Trainer:
         frozen = {n: load_frozen(n, s, options, (pinned or {}).get(n)) for n, s in sources.items()}
         modules = self.task.build(frozen)
         trainable = [n for n in modules if n not in frozen]
+        refusal = self.task.fsdp_refusal() if self.sharded else None
+        if refusal:
+            raise ConfigError(f"train.parallel=fsdp: {refusal}")
         if self.sharded and any(has_lora(modules[n]) for n in trainable):
             raise ConfigError(
                 "LoRA adapters (lora: under model.*) are not supported with train.parallel=fsdp yet (a unit would "

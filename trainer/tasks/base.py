@@ -157,6 +157,10 @@ class Task:
         """Trainable parts that keep an EMA when `ema.enabled` (default: all; a GAN: its generator)."""
         return cls.trainable_part_names(model_cfg)
 
+    def fsdp_refusal(self) -> str | None:
+        """Why this configuration cannot train under train.parallel=fsdp (None: it can)."""
+        return None
+
     def parts_trained(self) -> list[str]:
         """The trainable parts this run optimizes (and wraps in DDP); the others keep their state untouched.
 

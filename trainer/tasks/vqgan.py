@@ -313,6 +313,17 @@ class VQGANTask(Task):
     # The adaptive weight comes from a whole chunk's gradients: micro-batching would change it.
     micro_batch_invariant = False
 
+    def fsdp_refusal(self) -> str | None:
+        if self.cfg.grad_penalty_every:
+            # A double backward (create_graph=True) through the sharded discriminator: FSDP2's backward
+            # hooks free its gathered weights before the second pass needs them (measured: it fails).
+            return (
+                f"model.grad_penalty_every={self.cfg.grad_penalty_every} differentiates the discriminator twice "
+                "(a gradient penalty), which FSDP2 does not support; set model.grad_penalty_every=0 "
+                "(model.lecam_weight regularizes the discriminator without it) or use train.parallel=ddp"
+            )
+        return None
+
     def __init__(self, model_cfg: VQGANConfig, ctx: TaskContext):
         super().__init__(model_cfg, ctx)
         from trainer.config import ConfigError
