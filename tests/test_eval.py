@@ -78,6 +78,18 @@ def test_user_feature_network_from_a_folder_gives_the_same_values_as_the_shipped
     assert fid_kid(mine, a, b)["fid"] == fid_kid(shipped, a, b)["fid"]
 
 
+def test_an_eval_num_the_ranks_cannot_share_evenly_is_refused_before_training():
+    from trainer.config import ConfigError
+    from trainer.eval.fid import check_split
+
+    check_split(64, 64, 2)
+    check_split(48, 48, 1)
+    with pytest.raises(ConfigError, match=r"eval.num=48 makes 3 chunks .* multiple of 32 \(e.g. 32\)"):
+        check_split(48, 48, 2)
+    with pytest.raises(ConfigError, match="real images: 33"):
+        check_split(64, 33, 2)
+
+
 @pytest.mark.slow
 def test_training_evaluates_periodically_and_eval_cli_over_2_ranks_equals_1_rank(tmp_path):
     args = tiny(tmp_path, "eval.every_steps=2", "eval.num=32", "checkpoint.every_steps=2", max_steps=2)

@@ -97,7 +97,7 @@ class Trainer:
         )  # fmt: skip
         self.evaluator = Evaluator(
             self.task, self.parts, self.frozen, cfg, self.val_set or self.train_set, env.rank, env.world_size,
-            self.device, self.reporter.on_eval, collective=self.sharded,
+            self.device, self.reporter.on_eval,
         )  # fmt: skip
         self.evaluator.prepare()
         self.clock.mark("build")

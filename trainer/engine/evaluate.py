@@ -34,7 +34,6 @@ class Evaluator:
         world_size: int,
         device: torch.device,
         report: Callable[[int, dict[str, float]], None],
-        collective: bool = False,
     ):
         self.task = task
         self.parts = parts
@@ -45,7 +44,6 @@ class Evaluator:
         self.world_size = world_size
         self.device = device
         self.report = report
-        self.collective = collective
         self._metric = None
         self._about: dict = {}
 
@@ -57,9 +55,10 @@ class Evaluator:
         """Load the feature network now, so a missing one fails before training starts."""
         if self.enabled and self._metric is None:
             from trainer.eval.features import load_features
-            from trainer.eval.fid import FidKid
+            from trainer.eval.fid import FidKid, check_split
 
             e = self.cfg.eval
+            check_split(e.num, min(e.num, len(self.real_set)), self.world_size)
             net, self._about = load_features(e.features, e.features_url, self.cfg.checkpoint.storage_options)
             self._metric = FidKid(net, e.kid_subset_size, self.device)
 
@@ -76,7 +75,7 @@ class Evaluator:
         with ema_swapped(self.parts, self.cfg.sample.use_ema), eval_mode(self.modules):
             values = evaluate(
                 self.task, self.modules, self._metric, self.real_set, self.cfg.eval.num, self.cfg.seed,
-                sample_options(self.cfg), self.rank, self.world_size, self.device, collective=self.collective,
+                sample_options(self.cfg), self.rank, self.world_size, self.device,
             )  # fmt: skip
         if self.rank == 0:
             result = {"step": step, "world_size": self.world_size, **values, **self._about,

@@ -85,28 +85,31 @@ def real_images(real_set, n: int, rank: int, world_size: int, batch: int = 64):
         yield ((b["images"][b["valid"]] + 1) / 2).clamp(0, 1)
 
 
-def generated_images(
-    sample: Callable[[int, int], torch.Tensor],
-    n: int,
-    seed: int,
-    rank: int,
-    world_size: int,
-    chunk: int = GEN_CHUNK,
-    collective: bool = False,
-):
-    """Yield this rank's chunks of n generated images; chunk k is `sample(count, seed(seed, k))` on every world size.
+def check_split(num: int, n_real: int, world_size: int, chunk: int = GEN_CHUNK) -> None:
+    """Refuse an eval.num whose generated chunks or real images do not split evenly over the ranks: with
+    uneven shares the metric states' sync (torchmetrics' gather of per-rank features) was measured to
+    leave rank 0 waiting forever (DDP and FSDP alike); the chunk seeds make any even split give the
+    same result."""
+    chunks = math.ceil(num / chunk)
+    if world_size > 1 and (chunks % world_size or n_real % world_size):
+        from trainer.config import ConfigError
 
-    `collective` (FSDP: every forward is all-gathers all ranks join): a rank with one chunk fewer than
-    rank 0 samples one more image and drops it, so all ranks run the same number of forwards.
-    """
+        good = chunk * world_size
+        raise ConfigError(
+            f"eval.num={num} makes {chunks} chunks of {chunk} generated images, which {world_size} ranks cannot "
+            f"share evenly (real images: {n_real}); use a multiple of {good} (e.g. {max(good, num // good * good)}) "
+            "that the held-out set has"
+        )
+
+
+def generated_images(
+    sample: Callable[[int, int], torch.Tensor], n: int, seed: int, rank: int, world_size: int, chunk: int = GEN_CHUNK
+):
+    """Yield this rank's chunks of n generated images; chunk k is `sample(count, seed(seed, k))` on every world size."""
     chunks = math.ceil(n / chunk)
-    mine = rank_block(chunks, rank, world_size)
-    for k in mine:
+    for k in rank_block(chunks, rank, world_size):
         count = min(chunk, n - k * chunk)
         yield sample(count, derive_seed(seed, _EVAL_STREAM, k) % (2**63))
-    if collective:
-        for _ in range(len(rank_block(chunks, 0, world_size)) - len(mine)):
-            sample(1, derive_seed(seed, _EVAL_STREAM, 0) % (2**63))
 
 
 def evaluate(
@@ -120,11 +123,10 @@ def evaluate(
     rank: int,
     world_size: int,
     device: torch.device,
-    collective: bool = False,
 ) -> dict[str, float]:
-    """FID/KID of `num` generated images vs up to `num` real ones; every rank must call it (collectives).
-    `collective`: the parts are FSDP-sharded (see `generated_images`)."""
+    """FID/KID of `num` generated images vs up to `num` real ones; every rank must call it (collectives)."""
     n_real = min(num, len(real_set))
+    check_split(num, n_real, world_size)
     if n_real < 2:
         raise ValueError(f"evaluation needs at least 2 real images, the held-out set has {len(real_set)}")
     if not metric.has_real:
@@ -137,7 +139,7 @@ def evaluate(
         with half_weights_autocast(modules, device):  # a LoRA run's half-precision base
             return task.sample(modules, count, seed=s, device=device, **sample_options)
 
-    for images in generated_images(sample, num, seed, rank, world_size, collective=collective):
+    for images in generated_images(sample, num, seed, rank, world_size):
         metric.update(images.to(device), real=False)
     values = metric.compute(n_real, num)
     return {**values, "num_generated": num, "num_real": n_real}
