@@ -4,8 +4,9 @@ A background save copies the state into reused CPU buffers in two parts. Tensors
 before the next optimizer step (buffers: a VQ codebook's EMA, BatchNorm statistics and usage rings
 change in forward; RNG states) are copied on the training thread when `save` is called. Tensors that
 only change when a part updates (parameters, optimizer state, EMA weights; the caller names them with
-`stable`) are copied by the writer thread while the next step's forward and backward run, as
-CheckFreq (Mohan et al., FAST '21) pipelines its snapshot. Whatever changes them first calls
+`stable`) are copied by a background thread while the next step's forward and backward run, as
+CheckFreq (Mohan et al., FAST '21) pipelines its snapshot; then a second one, at low CPU priority,
+serializes, hashes and writes. Whatever changes them first calls
 `fence()`, which returns once the copy is complete: every optimizer step (and with it the schedule,
 the loss scaler and the EMA update), an EMA swap for previews, a load, the next save and `close()`.
 """
@@ -79,7 +80,7 @@ class Snapshot:
         self.deferred_bytes = sum(d.buffer.numel() * d.buffer.element_size() for d in deferred)
 
     def complete(self) -> None:
-        """Copy the deferred tensors (writer thread). A source changed in place since it was staged means
+        """Copy the deferred tensors (background thread). A source changed in place since it was staged means
         a missing fence: raise rather than write a checkpoint mixing two steps."""
         try:
             ctx = torch.cuda.stream(self._stream) if self._stream is not None else nullcontext()
