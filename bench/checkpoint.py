@@ -17,6 +17,9 @@ through gentrain's own `snapshot_files` and `Checkpointer`:
   parameters and optimizer state overlaps the next forward/backward
   ("overlap", what training does); "copy_all" copies everything on the
   training thread before `save` returns (the previous design), in the same loop.
+  The training thread's own CPU time and run-queue wait (Linux schedstat)
+  split the stall into work that got slower (memory bandwidth and caches
+  shared with the writer) and time waiting for a core (CPU contention).
 - snapshot-only stall: `save` alone, copying every tensor on the calling
   thread (the figure earlier versions reported; the first async save also
   allocates the reused buffers and is reported separately).
@@ -145,6 +148,19 @@ def digest_gbps(algorithm: str) -> float:
     return len(data) / (time.perf_counter() - t0) / 1e9
 
 
+def thread_times() -> tuple[float, float]:
+    """This thread's (seconds on a CPU, seconds runnable but waiting for one), from Linux schedstat: what
+    splits a slower step into CPU contention (waiting for a core) and the step's own work getting slower
+    (memory bandwidth and cache shared with the writer); the rest of the wall time is sleep (a fence, the GIL).
+    Zeros where schedstat is missing."""
+    try:
+        with open("/proc/thread-self/schedstat") as f:
+            on_cpu, waiting = f.read().split()[:2]
+        return int(on_cpu) / 1e9, int(waiting) / 1e9
+    except (OSError, ValueError):
+        return 0.0, 0.0
+
+
 def spread(values: list[float], digits: int = 3) -> dict:
     q = statistics.quantiles(values, n=4) if len(values) > 1 else [values[0]] * 3
     return {"median": round(statistics.median(values), digits), "min": round(min(values), digits),
@@ -188,14 +204,17 @@ def loop_stalls(part: Part, progress: TrainProgress, base: str, args) -> dict:
     steps_taken: dict[str, list[int]] = {k: [] for k in kinds[2:]}
     calls: dict[str, list[float]] = {k: [] for k in kinds[2:]}
     fence_waits: dict[str, list[float]] = {k: [] for k in kinds[2:]}
+    extra_cpu: dict[str, list[float]] = {k: [] for k in kinds[1:]}
+    extra_wait: dict[str, list[float]] = {k: [] for k in kinds[1:]}
     pace: list[float] = []
     for r in range(args.repeats):
-        windows: dict[str, tuple[float, list[float]]] = {}
+        windows: dict[str, tuple[float, list[float], float, float]] = {}
         for kind in kinds[r % 4 :] + kinds[: r % 4]:  # rotate the order: drift does not favour one kind
             ckpt.wait()
             store.wait_pruned()
             waits.clear()
             step_times = []
+            cpu0, wait0 = thread_times()
             t0 = time.perf_counter()
             if kind in calls:
                 calls[kind].append(save(stable=kind == "overlap"))
@@ -203,18 +222,30 @@ def loop_stalls(part: Part, progress: TrainProgress, base: str, args) -> dict:
                 t1 = time.perf_counter()
                 train_step(part, x)
                 step_times.append(time.perf_counter() - t1)
-            windows[kind] = (time.perf_counter() - t0, step_times)
+            wall = time.perf_counter() - t0
+            cpu1, wait1 = thread_times()
+            windows[kind] = (wall, step_times, cpu1 - cpu0, wait1 - wait0)
             if kind in calls:
                 fence_waits[kind].append(sum(waits))
                 steps_taken[kind].append(len(step_times))
         step = statistics.fmean(windows["none"][1])  # the mean: total - n * mean has expectation 0 without a save
         pace.append(step)
+        n_none = len(windows["none"][1])
+        cpu_step, wait_step = windows["none"][2] / n_none, windows["none"][3] / n_none
         for kind in stalls:
-            total, step_times = windows[kind]
-            stalls[kind].append(total - len(step_times) * step)
+            total, step_times, cpu, wait = windows[kind]
+            n = len(step_times)
+            stalls[kind].append(total - n * step)
+            extra_cpu[kind].append(cpu - n * cpu_step)
+            extra_wait[kind].append(wait - n * wait_step)
     ckpt.close()
     assert ckpt.take_failure() is None
-    out = {"step_seconds_no_save": spread(pace), "noise_floor_seconds": spread(stalls["none_again"])}
+    out = {
+        "step_seconds_no_save": spread(pace),
+        "noise_floor_seconds": spread(stalls["none_again"]),
+        "noise_floor_extra_cpu_seconds": spread(extra_cpu["none_again"]),
+        "noise_floor_extra_runqueue_wait_seconds": spread(extra_wait["none_again"]),
+    }
     for kind in ("overlap", "copy_all"):
         blocked = [c + f for c, f in zip(calls[kind], fence_waits[kind], strict=True)]
         out[kind] = {
@@ -223,6 +254,10 @@ def loop_stalls(part: Part, progress: TrainProgress, base: str, args) -> dict:
             "fence_wait_seconds": spread(fence_waits[kind], 4),
             "training_thread_blocked_seconds": spread(blocked, 4),
             "steps_per_window": spread(steps_taken[kind], 1),
+            # the stall split: the training thread's extra CPU time (its work got slower: memory bandwidth,
+            # caches, the copy in `save`) and extra time runnable without a core (CPU contention)
+            "extra_cpu_seconds": spread(extra_cpu[kind]),
+            "extra_runqueue_wait_seconds": spread(extra_wait[kind]),
             "_stalls": stalls[kind],
             "_blocked": blocked,
         }
@@ -312,6 +347,8 @@ def main() -> None:
                     "write_nice": args.write_nice,
                     "step_seconds_no_save": loop["step_seconds_no_save"],
                     "noise_floor_seconds": loop["noise_floor_seconds"],
+                    "noise_floor_extra_cpu_seconds": loop["noise_floor_extra_cpu_seconds"],
+                    "noise_floor_extra_runqueue_wait_seconds": loop["noise_floor_extra_runqueue_wait_seconds"],
                     "noise_floor_over_sync": spread([x / sync_med for x in loop["_noise"]], 4),
                     **{
                         kind: {
