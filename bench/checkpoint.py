@@ -17,6 +17,9 @@ through gentrain's own `snapshot_files` and `Checkpointer`:
   parameters and optimizer state overlaps the next forward/backward
   ("overlap", what training does); "copy_all" copies everything on the
   training thread before `save` returns (the previous design), in the same loop.
+  The training thread's own CPU time and run-queue wait (Linux schedstat)
+  split the stall into work that got slower (memory bandwidth and caches
+  shared with the writer) and time waiting for a core (CPU contention).
 - snapshot-only stall: `save` alone, copying every tensor on the calling
   thread (the figure earlier versions reported; the first async save also
   allocates the reused buffers and is reported separately).
@@ -145,6 +148,19 @@ def digest_gbps(algorithm: str) -> float:
     return len(data) / (time.perf_counter() - t0) / 1e9
 
 
+def thread_times() -> tuple[float, float]:
+    """This thread's (seconds on a CPU, seconds runnable but waiting for one), from Linux schedstat: what
+    splits a slower step into CPU contention (waiting for a core) and the step's own work getting slower
+    (memory bandwidth and cache shared with the writer); the rest of the wall time is sleep (a fence, the GIL).
+    Zeros where schedstat is missing."""
+    try:
+        with open("/proc/thread-self/schedstat") as f:
+            on_cpu, waiting = f.read().split()[:2]
+        return int(on_cpu) / 1e9, int(waiting) / 1e9
+    except (OSError, ValueError):
+        return 0.0, 0.0
+
+
 def spread(values: list[float], digits: int = 3) -> dict:
     q = statistics.quantiles(values, n=4) if len(values) > 1 else [values[0]] * 3
     return {"median": round(statistics.median(values), digits), "min": round(min(values), digits),
@@ -152,7 +168,14 @@ def spread(values: list[float], digits: int = 3) -> dict:
 
 
 def loop_stalls(part: Part, progress: TrainProgress, base: str, args) -> dict:
-    """Loop time with an async save minus loop time without one, per repeat, for both snapshot designs."""
+    """Per repeat: what a window of training steps that starts with an async save costs beyond the same
+    number of steps at this repeat's pace without a save, for both snapshot designs.
+
+    A window with a save keeps stepping until the background write has finished (at least
+    `--loop-steps` steps), so the writer's use of cores and memory bandwidth is inside it; its stall is
+    its time minus its step count times the mean step of this repeat's window without a save. A second
+    window without a save, costed the same way, gives the noise floor (its true stall is 0).
+    """
     store = CheckpointStore(os.path.join(base, "loop"), keep=1)
     store.prune_in_background = True
     ckpt = Checkpointer(store, async_save=True, write_nice=args.write_nice)
@@ -163,11 +186,8 @@ def loop_stalls(part: Part, progress: TrainProgress, base: str, args) -> dict:
 
     part.fence = fence
     x = torch.randn(args.batch, WIDTH, generator=torch.Generator().manual_seed(0))
-    step_s = []
     for _ in range(2):  # warm-up: allocator, kernels
-        t0 = time.perf_counter()
         train_step(part, x)
-        step_s.append(time.perf_counter() - t0)
     save_no = 0
 
     def save(stable: bool) -> float:
@@ -179,47 +199,69 @@ def loop_stalls(part: Part, progress: TrainProgress, base: str, args) -> dict:
 
     save(True)  # allocates the reused buffers (first touch is slow here); not measured
     ckpt.wait()
-    windows: dict[str, list[float]] = {"none": [], "overlap": [], "copy_all": []}
-    calls: dict[str, list[float]] = {"overlap": [], "copy_all": []}
-    fence_waits: dict[str, list[float]] = {"overlap": [], "copy_all": []}
-    tails: dict[str, list[float]] = {"overlap": [], "copy_all": []}
-    order = list(windows)
+    kinds = ["none", "none_again", "overlap", "copy_all"]
+    stalls: dict[str, list[float]] = {k: [] for k in kinds[1:]}
+    steps_taken: dict[str, list[int]] = {k: [] for k in kinds[2:]}
+    calls: dict[str, list[float]] = {k: [] for k in kinds[2:]}
+    fence_waits: dict[str, list[float]] = {k: [] for k in kinds[2:]}
+    extra_cpu: dict[str, list[float]] = {k: [] for k in kinds[1:]}
+    extra_wait: dict[str, list[float]] = {k: [] for k in kinds[1:]}
+    pace: list[float] = []
     for r in range(args.repeats):
-        for kind in order[r % 3 :] + order[: r % 3]:  # rotate the order: drift does not favour one kind
+        windows: dict[str, tuple[float, list[float], float, float]] = {}
+        for kind in kinds[r % 4 :] + kinds[: r % 4]:  # rotate the order: drift does not favour one kind
             ckpt.wait()
             store.wait_pruned()
             waits.clear()
+            step_times = []
+            cpu0, wait0 = thread_times()
             t0 = time.perf_counter()
-            if kind != "none":
+            if kind in calls:
                 calls[kind].append(save(stable=kind == "overlap"))
-            for _ in range(args.loop_steps):
-                train_step(part, x)
-            windows[kind].append(time.perf_counter() - t0)
-            if kind != "none":
-                fence_waits[kind].append(sum(waits))
+            while len(step_times) < args.loop_steps or (ckpt.writing() and len(step_times) < 4 * args.loop_steps):
                 t1 = time.perf_counter()
-                ckpt.wait()  # a write still running after the window was not counted in it
-                tails[kind].append(time.perf_counter() - t1)
+                train_step(part, x)
+                step_times.append(time.perf_counter() - t1)
+            wall = time.perf_counter() - t0
+            cpu1, wait1 = thread_times()
+            windows[kind] = (wall, step_times, cpu1 - cpu0, wait1 - wait0)
+            if kind in calls:
+                fence_waits[kind].append(sum(waits))
+                steps_taken[kind].append(len(step_times))
+        step = statistics.fmean(windows["none"][1])  # the mean: total - n * mean has expectation 0 without a save
+        pace.append(step)
+        n_none = len(windows["none"][1])
+        cpu_step, wait_step = windows["none"][2] / n_none, windows["none"][3] / n_none
+        for kind in stalls:
+            total, step_times, cpu, wait = windows[kind]
+            n = len(step_times)
+            stalls[kind].append(total - n * step)
+            extra_cpu[kind].append(cpu - n * cpu_step)
+            extra_wait[kind].append(wait - n * wait_step)
     ckpt.close()
     assert ckpt.take_failure() is None
-    none = windows["none"]
     out = {
-        "step_seconds_no_save": spread([w / args.loop_steps for w in none]),
-        # The same difference between two windows without a save (consecutive repeats): the noise floor.
-        "none_minus_none_seconds": spread([b - a for a, b in zip(none, none[1:], strict=False)]),
+        "step_seconds_no_save": spread(pace),
+        "noise_floor_seconds": spread(stalls["none_again"]),
+        "noise_floor_extra_cpu_seconds": spread(extra_cpu["none_again"]),
+        "noise_floor_extra_runqueue_wait_seconds": spread(extra_wait["none_again"]),
     }
     for kind in ("overlap", "copy_all"):
-        stalls = [w - n for w, n in zip(windows[kind], none, strict=True)]
         blocked = [c + f for c, f in zip(calls[kind], fence_waits[kind], strict=True)]
         out[kind] = {
-            "stall_seconds": spread(stalls),
+            "stall_seconds": spread(stalls[kind]),
             "save_call_seconds": spread(calls[kind], 4),
             "fence_wait_seconds": spread(fence_waits[kind], 4),
             "training_thread_blocked_seconds": spread(blocked, 4),
-            "write_left_after_window_seconds": spread(tails[kind]),
-            "_stalls": stalls,
+            "steps_per_window": spread(steps_taken[kind], 1),
+            # the stall split: the training thread's extra CPU time (its work got slower: memory bandwidth,
+            # caches, the copy in `save`) and extra time runnable without a core (CPU contention)
+            "extra_cpu_seconds": spread(extra_cpu[kind]),
+            "extra_runqueue_wait_seconds": spread(extra_wait[kind]),
+            "_stalls": stalls[kind],
             "_blocked": blocked,
         }
+    out["_noise"] = stalls["none_again"]
     return out
 
 
@@ -231,7 +273,7 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=15, help="training-loop windows per kind")
     ap.add_argument("--threads", type=int, default=1, help="torch intra-op threads of the training loop")
     ap.add_argument("--batch", type=int, default=16)
-    ap.add_argument("--loop-steps", type=int, default=4, help="training steps per window")
+    ap.add_argument("--loop-steps", type=int, default=4, help="training steps per window (at least)")
     ap.add_argument("--write-nice", type=int, default=BACKGROUND_WRITE_NICE, help="background writer's nice")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
@@ -300,11 +342,14 @@ def main() -> None:
                 "loop": {
                     "threads": args.threads,
                     "batch": args.batch,
-                    "steps_per_window": args.loop_steps,
+                    "min_steps_per_window": args.loop_steps,
                     "repeats": args.repeats,
                     "write_nice": args.write_nice,
                     "step_seconds_no_save": loop["step_seconds_no_save"],
-                    "none_minus_none_seconds": loop["none_minus_none_seconds"],
+                    "noise_floor_seconds": loop["noise_floor_seconds"],
+                    "noise_floor_extra_cpu_seconds": loop["noise_floor_extra_cpu_seconds"],
+                    "noise_floor_extra_runqueue_wait_seconds": loop["noise_floor_extra_runqueue_wait_seconds"],
+                    "noise_floor_over_sync": spread([x / sync_med for x in loop["_noise"]], 4),
                     **{
                         kind: {
                             **{k: v for k, v in loop[kind].items() if not k.startswith("_")},
