@@ -20,7 +20,7 @@ The same judges run on held-out real clips (their ceiling, should be ~1) and
 on the tokenizer's reconstructions of them (what the codes can carry at
 best). A `video-tokenizer` checkpoint gets only those two. Prints JSON.
 
-Usage: python bench/moving_digits.py CHECKPOINT [--per-prompt 10] [--steps N] [--guidance-scale G]
+Usage: python bench/moving_digits.py CHECKPOINT [--per-prompt 10] [--steps N] [--guidance-scale G] [--gif OUT.gif]
 """
 
 from __future__ import annotations
@@ -38,6 +38,7 @@ from trainer.checkpoint.weights import load_for_inference
 from trainer.data import build_splits
 from trainer.data.video import DIRECTIONS, moving_caption
 from trainer.eval.features import build_cnn, shipped_digits
+from trainer.media import save_gif
 
 INK = 0.5  # share of a frame's peak above which a pixel is ink
 
@@ -149,6 +150,7 @@ def main() -> None:
     p.add_argument("--batch", type=int, default=40)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--gif", default=None, help="also write the first sample of each prompt as one GIF here")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     device = torch.device("cpu")
@@ -183,7 +185,10 @@ def main() -> None:
                 conditions = {"labels": r * 10 + d}
             samples.append(task.sample(modules, len(d), args.seed + i, device, inference_steps=steps,
                                        guidance_scale=guidance, **conditions))  # fmt: skip
-        out["samples"] = judge(torch.cat(samples), digits, directions, net)
+        samples = torch.cat(samples)
+        out["samples"] = judge(samples, digits, directions, net)
+        if args.gif:  # the first clip of every prompt: a row per digit, a column per direction
+            out["gif"] = save_gif(samples[:: args.per_prompt], args.gif, nrow=len(DIRECTIONS))
         out["samples"].update(inference_steps=steps, guidance_scale=guidance,
                               seconds=round(time.perf_counter() - begin, 1))  # fmt: skip
     print(json.dumps(out, indent=1))
