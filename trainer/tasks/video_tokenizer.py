@@ -31,11 +31,9 @@ next to the CPU torch here, and download weights when built; the parts used
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, Literal
 
 import torch
-from typing import Literal
-
 from pydantic import ConfigDict, Field, model_validator
 from torch import nn
 
