@@ -20,7 +20,8 @@ The same judges run on held-out real clips (their ceiling, should be ~1) and
 on the tokenizer's reconstructions of them (what the codes can carry at
 best). A `video-tokenizer` checkpoint gets only those two. Prints JSON.
 
-Usage: python bench/moving_digits.py CHECKPOINT [--per-prompt 10] [--steps N] [--guidance-scale G] [--gif OUT.gif]
+Usage: python bench/moving_digits.py CHECKPOINT [--per-prompt 10] [--steps N] [--guidance-scale G]
+       [--temperature T] [--choice-temperature C] [--gif OUT.gif]
 """
 
 from __future__ import annotations
@@ -146,6 +147,10 @@ def main() -> None:
     p.add_argument("--per-prompt", type=int, default=10, help="samples per (digit, direction) prompt")
     p.add_argument("--steps", type=int, default=None, help="decoding steps (default: the run's)")
     p.add_argument("--guidance-scale", type=float, default=None, help="default: the run's")
+    p.add_argument("--temperature", type=float, default=None, help="token draws (default: the run's)")
+    p.add_argument(
+        "--choice-temperature", type=float, default=None, help="which tokens stay masked (default: the run's)"
+    )
     p.add_argument("--real", type=int, default=400, help="held-out real clips to judge (and reconstruct)")
     p.add_argument("--batch", type=int, default=40)
     p.add_argument("--seed", type=int, default=0)
@@ -184,12 +189,16 @@ def main() -> None:
             else:
                 conditions = {"labels": r * 10 + d}
             samples.append(task.sample(modules, len(d), args.seed + i, device, inference_steps=steps,
-                                       guidance_scale=guidance, **conditions))  # fmt: skip
+                                       guidance_scale=guidance, temperature=args.temperature,
+                                       choice_temperature=args.choice_temperature, **conditions))  # fmt: skip
         samples = torch.cat(samples)
         out["samples"] = judge(samples, digits, directions, net)
         if args.gif:  # the first clip of every prompt: a row per digit, a column per direction
             out["gif"] = save_gif(samples[:: args.per_prompt], args.gif, nrow=len(DIRECTIONS))
         out["samples"].update(inference_steps=steps, guidance_scale=guidance,
+                              temperature=cfg.model.temperature if args.temperature is None else args.temperature,
+                              choice_temperature=cfg.model.choice_temperature if args.choice_temperature is None
+                              else args.choice_temperature,
                               seconds=round(time.perf_counter() - begin, 1))  # fmt: skip
     print(json.dumps(out, indent=1))
 
