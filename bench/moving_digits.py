@@ -196,8 +196,8 @@ def main() -> None:
         if args.gif:  # the first clip of every prompt: a row per digit, a column per direction
             out["gif"] = save_gif(samples[:: args.per_prompt], args.gif, nrow=len(DIRECTIONS))
         out["samples"].update(inference_steps=steps, guidance_scale=guidance,
-                              temperature=cfg.model.temperature if args.temperature is None else args.temperature,
-                              choice_temperature=cfg.model.choice_temperature if args.choice_temperature is None
+                              temperature=task.cfg.temperature if args.temperature is None else args.temperature,
+                              choice_temperature=task.cfg.choice_temperature if args.choice_temperature is None
                               else args.choice_temperature,
                               seconds=round(time.perf_counter() - begin, 1))  # fmt: skip
     print(json.dumps(out, indent=1))
