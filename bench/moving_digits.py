@@ -21,6 +21,7 @@ on the tokenizer's reconstructions of them (what the codes can carry at
 best). A `video-tokenizer` checkpoint gets only those two. Prints JSON.
 
 Usage: python bench/moving_digits.py CHECKPOINT [--per-prompt 10] [--steps N] [--guidance-scale G]
+       [--temperature T] [--choice-temperature C] [--gif OUT.gif]
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ from trainer.checkpoint.weights import load_for_inference
 from trainer.data import build_splits
 from trainer.data.video import DIRECTIONS, moving_caption
 from trainer.eval.features import build_cnn, shipped_digits
+from trainer.media import save_gif
 
 INK = 0.5  # share of a frame's peak above which a pixel is ink
 
@@ -145,10 +147,15 @@ def main() -> None:
     p.add_argument("--per-prompt", type=int, default=10, help="samples per (digit, direction) prompt")
     p.add_argument("--steps", type=int, default=None, help="decoding steps (default: the run's)")
     p.add_argument("--guidance-scale", type=float, default=None, help="default: the run's")
+    p.add_argument("--temperature", type=float, default=None, help="token draws (default: the run's)")
+    p.add_argument(
+        "--choice-temperature", type=float, default=None, help="which tokens stay masked (default: the run's)"
+    )
     p.add_argument("--real", type=int, default=400, help="held-out real clips to judge (and reconstruct)")
     p.add_argument("--batch", type=int, default=40)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--gif", default=None, help="also write the first sample of each prompt as one GIF here")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     device = torch.device("cpu")
@@ -182,9 +189,16 @@ def main() -> None:
             else:
                 conditions = {"labels": r * 10 + d}
             samples.append(task.sample(modules, len(d), args.seed + i, device, inference_steps=steps,
-                                       guidance_scale=guidance, **conditions))  # fmt: skip
-        out["samples"] = judge(torch.cat(samples), digits, directions, net)
+                                       guidance_scale=guidance, temperature=args.temperature,
+                                       choice_temperature=args.choice_temperature, **conditions))  # fmt: skip
+        samples = torch.cat(samples)
+        out["samples"] = judge(samples, digits, directions, net)
+        if args.gif:  # the first clip of every prompt: a row per digit, a column per direction
+            out["gif"] = save_gif(samples[:: args.per_prompt], args.gif, nrow=len(DIRECTIONS))
         out["samples"].update(inference_steps=steps, guidance_scale=guidance,
+                              temperature=task.cfg.temperature if args.temperature is None else args.temperature,
+                              choice_temperature=task.cfg.choice_temperature if args.choice_temperature is None
+                              else args.choice_temperature,
                               seconds=round(time.perf_counter() - begin, 1))  # fmt: skip
     print(json.dumps(out, indent=1))
 

@@ -49,6 +49,13 @@ def test_moving_digits_are_deterministic_and_move_as_captioned():
         steps = [sign * (q - p) for p, q in zip(along, along[1:], strict=False)]
         assert all(s > 2 for s in steps), (extras["caption"], along)  # 16 px over 5 steps: >= 3 px each
         assert max(across) - min(across) < 1e-4
+        # data.path_jitter=0 (the default): the path runs along the centre line, the digit's 16 px band
+        # centred across the motion.
+        band = clip[..., 8:24, :] if DIRECTIONS[direction] in ("left", "right") else clip[..., 8:24]
+        assert torch.equal((clip + 1).sum(), (band + 1).sum())
+    assert set(a.offsets.tolist()) == {8}
+    assert set(MovingDigitsDataset(32, 1, 6, path_jitter=2).offsets.tolist()) == {6, 7, 8, 9, 10}
+    assert set(MovingDigitsDataset(32, 1, 6, path_jitter=None).offsets.tolist()) == set(range(17))  # anywhere
     # Four directions per digit, each labelled direction * 10 + digit.
     labels = [a.load(i, 0, False)[1] for i in range(4)]
     assert [lab // 10 for lab in labels] == [0, 1, 2, 3] and len({lab % 10 for lab in labels}) == 1

@@ -75,10 +75,10 @@ def tokenizer(tmp_path_factory) -> str:
     return f"{root}/run/checkpoints"
 
 
-def small_tokenizer(quantizer: str = "vq") -> CausalVideoAutoencoder:
+def small_tokenizer(quantizer: str = "vq", encoder_context: str = "clip") -> CausalVideoAutoencoder:
     cfg = VideoTokenizerConfig(
         quantizer=quantizer, codebook_size=16, codebook_dim=4, fsq_levels=[5, 3], dim=16, heads=2, spatial_depth=1,
-        temporal_depth=1, pixel_channels=4, patch_size=4, temporal_patch=2,
+        temporal_depth=1, pixel_channels=4, patch_size=4, temporal_patch=2, encoder_context=encoder_context,
     )  # fmt: skip
     torch.manual_seed(0)
     return CausalVideoAutoencoder(cfg, channels=1, image_size=8)
@@ -87,9 +87,9 @@ def small_tokenizer(quantizer: str = "vq") -> CausalVideoAutoencoder:
 # ---------------------------------------------------------------- the causal tokenizer
 
 
-@pytest.mark.parametrize("quantizer", ["vq", "fsq", "lfq"])
-def test_causal_tokenizer_shapes_and_a_one_frame_clip_tokenizes_like_the_image(quantizer):
-    model = small_tokenizer(quantizer).eval()
+@pytest.mark.parametrize(("quantizer", "context"), [("vq", "clip"), ("fsq", "clip"), ("lfq", "clip"), ("vq", "patch")])
+def test_causal_tokenizer_shapes_and_a_one_frame_clip_tokenizes_like_the_image(quantizer, context):
+    model = small_tokenizer(quantizer, context).eval()
     video = torch.rand(3, 5, 1, 8, 8) * 2 - 1
     idx = model.encode_indices(video)
     assert idx.shape == (3, 3, 2, 2)  # 1 + (5 - 1) / 2 slices of 2x2 tokens
@@ -104,6 +104,11 @@ def test_causal_tokenizer_shapes_and_a_one_frame_clip_tokenizes_like_the_image(q
     other = torch.cat([image, torch.rand(3, 4, 1, 8, 8)], dim=1)
     assert torch.equal(model.encode_indices(other)[:, 0], one[:, 0])
     assert torch.equal(model.decode_indices(idx)[:, :1], model.decode_indices(one))
+    if context == "patch":  # a code sees its own patch only: changing one patch changes that token's latent alone
+        changed = video.clone()
+        changed[:, 3:5, :, 4:, :4] = torch.rand(3, 2, 1, 4, 4)  # frames 3-4 (slice 2), bottom-left patch (1, 0)
+        diff = (model.encode(changed) != model.encode(video)).any(-1).view(3, 3, 2, 2)
+        assert diff[:, 2, 1, 0].all() and diff.sum() == 3
 
 
 def test_padding_frames_do_not_change_the_loss():

@@ -53,13 +53,14 @@ def contact_sheet(videos: torch.Tensor) -> torch.Tensor:
     return videos.reshape(n * t, *videos.shape[2:])
 
 
-def save_gif(videos: torch.Tensor, path: str, fps: int = 8) -> str:
-    """(N, T, C, H, W) in [0, 1] -> an animated GIF: frame t shows frame t of every video in a grid."""
+def save_gif(videos: torch.Tensor, path: str, fps: int = 8, nrow: int | None = None) -> str:
+    """(N, T, C, H, W) in [0, 1] -> an animated GIF: frame t shows frame t of every video in a grid of `nrow`
+    videos per row (default: about square)."""
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     upscale = max(1, 64 // videos.shape[-1])
     frames = []
     for t in range(videos.shape[1]):
-        grid = make_grid(videos[:, t], upscale=upscale)
+        grid = make_grid(videos[:, t], nrow=nrow, upscale=upscale)
         frames.append(Image.fromarray(grid[..., 0] if grid.shape[-1] == 1 else grid))
     frames[0].save(path, save_all=True, append_images=frames[1:], duration=int(1000 / fps), loop=0)
     return path

@@ -148,6 +148,9 @@ class DataConfig(_Section):
         1, ge=1, description="video sources: frames per clip; batches are (N, T, C, H, W); image sources ignore it"
     )
     frame_stride: int = Field(1, ge=1, description="video sources: keep every k-th decoded frame")
+    path_jitter: int | None = Field(
+        0, ge=0, description="moving-digits: px a clip's path may lie off the canvas centre line; null = anywhere"
+    )
     image_ratio: float = Field(
         0.0, ge=0, lt=1, description="video sources: share of every batch that is images (one-frame clips)"
     )

@@ -46,7 +46,7 @@ def build_dataset(cfg: Config):
     if d.source == "moving-digits":
         from trainer.data.video import MovingDigitsDataset
 
-        return MovingDigitsDataset(d.image_size, d.channels, d.num_frames)
+        return MovingDigitsDataset(d.image_size, d.channels, d.num_frames, d.path_jitter)
     if d.source == "video":
         from trainer.data.video import VideoFolderDataset
 

@@ -36,13 +36,16 @@ class MovingDigitsDataset:
 
     Sample `i` is digit `i // 4` moving `DIRECTIONS[i % 4]`: it starts touching one
     edge and reaches the opposite edge on the last frame, never leaving the
-    canvas; its offset across the motion is fixed per sample. Label =
-    direction * 10 + digit (40 classes), caption "a seven moving left". Frames
-    are drawn at load time from the index alone, so resume is exact.
-    `frame_stride` does not apply: the motion always spans the clip.
+    canvas. Its path runs along the canvas centre line, or up to `path_jitter`
+    px off it (None: anywhere the digit fits), fixed per sample. With the
+    default 0 a clip is a function of (digit image, direction) alone: the
+    demo's masked transformer then learns the digit, not where it happens to
+    be. Label = direction * 10 + digit (40 classes), caption "a seven moving
+    left". Frames are drawn at load time from the index alone, so resume is
+    exact. `frame_stride` does not apply: the motion always spans the clip.
     """
 
-    def __init__(self, image_size: int, channels: int, num_frames: int):
+    def __init__(self, image_size: int, channels: int, num_frames: int, path_jitter: int | None = 0):
         images, labels = load_digits_arrays()
         self.size = image_size
         self.digit_size = d = max(4, image_size // 2)
@@ -53,7 +56,12 @@ class MovingDigitsDataset:
         self.num_frames = num_frames
         self.num_classes = 10 * len(DIRECTIONS)
         n = len(self.digits) * len(DIRECTIONS)
-        self.offsets = np.random.default_rng(_MOVING_SEED).integers(0, image_size - d + 1, size=n)
+        rng = np.random.default_rng(_MOVING_SEED)
+        if path_jitter is None:  # anywhere the digit fits
+            self.offsets = rng.integers(0, image_size - d + 1, size=n)
+        else:  # within path_jitter px of the centre line
+            centre = (image_size - d) // 2
+            self.offsets = (centre + rng.integers(-path_jitter, path_jitter + 1, size=n)).clip(0, image_size - d)
 
     def __len__(self) -> int:
         return len(self.digits) * len(DIRECTIONS)

@@ -21,7 +21,7 @@ import math
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import Any, Literal
 
 import blake3
 import numpy as np
@@ -63,6 +63,11 @@ class MaskGITConfig(BaseModel):
     cond_drop_prob: float = Field(0.1, ge=0, lt=1, description="condition dropout for classifier-free guidance")
     token_cache: str | None = Field(
         None, description="local folder caching each image's tokens (keyed by tokenizer digest and image content)"
+    )
+    positions: Literal["learned", "axial"] = Field(
+        "learned",
+        description="learned: an embedding per token position; axial: the sum of one per axis of the token grid "
+        "(slice, row, column), so a relation such as 'the same place one slice earlier' is learned once",
     )
     temperature: float = Field(1.0, gt=0, description="sampling temperature of the token draws")
     choice_temperature: float = Field(4.5, ge=0, description="randomness of which tokens stay masked, annealed to 0")
@@ -137,14 +142,24 @@ class Condition:
 class MaskTransformer(nn.Module):
     """Token + position embeddings, condition tokens in front, pre-norm encoder, logits over the codebook."""
 
-    def __init__(self, cfg: MaskGITConfig, num_codes: int, seq_len: int, cond_tokens: int):
+    def __init__(self, cfg: MaskGITConfig, num_codes: int, layout: tuple[int, ...], cond_tokens: int):
         super().__init__()
         self.num_codes = num_codes
         self.mask_id = num_codes
+        self.layout = layout
         self.tokens = nn.Embedding(num_codes + 1, cfg.dim)
-        self.pos = nn.Parameter(torch.zeros(1, cond_tokens + seq_len, cfg.dim))
-        nn.init.trunc_normal_(self.pos, std=0.02)
+        if cfg.positions == "axial":  # condition tokens keep one embedding each
+            self.pos = nn.Parameter(torch.zeros(1, cond_tokens, cfg.dim)) if cond_tokens else None
+            self.axes = nn.ParameterList(nn.Parameter(torch.zeros(n, cfg.dim)) for n in layout)
+        else:
+            self.pos = nn.Parameter(torch.zeros(1, cond_tokens + math.prod(layout), cfg.dim))
+            self.axes = None
         self.classes = nn.Embedding(cfg.num_classes + 1, cfg.dim) if cfg.num_classes else None
+        # One scale for codes, classes and positions (MaskGIT's BERT init): torch's N(0, 1) embeddings would
+        # drown the positions at the pre-norm input, and learning where a token is would take thousands of steps.
+        extra = [*(self.axes or []), *([self.classes.weight] if self.classes is not None else [])]
+        for emb in (self.tokens.weight, *([self.pos] if self.pos is not None else []), *extra):
+            nn.init.trunc_normal_(emb, std=0.02)
         if cfg.text is not None:  # caption token embeddings projected to context tokens; a learned null caption
             self.text_proj = nn.Linear(cfg.text.width, cfg.dim)
             self.null_text = nn.Parameter(torch.zeros(1, 1, cfg.dim))
@@ -201,8 +216,20 @@ class MaskTransformer(nn.Module):
                 tok_keep = keep if keep is not None else torch.ones(tokens.shape)
                 keep = torch.cat([ctx_keep.to(tokens.device, torch.bool), tok_keep.to(tokens.device, torch.bool)], 1)
         pad = None if keep is None else ~keep
-        x = self.encoder(x + self.pos[:, : x.shape[1]], src_key_padding_mask=pad)
+        x = self.encoder(x + self.positions()[:, : x.shape[1]], src_key_padding_mask=pad)
         return self.head(self.norm(x[:, x.shape[1] - tokens.shape[1] :]))
+
+    def positions(self) -> torch.Tensor:
+        """(1, condition tokens + prod(layout), dim): a shorter sequence (fewer slices) takes a prefix."""
+        if self.axes is None:
+            return self.pos
+        grid = 0
+        for a, emb in enumerate(self.axes):
+            shape = [1] * len(self.layout) + [emb.shape[-1]]
+            shape[a] = self.layout[a]
+            grid = grid + emb.view(shape)
+        grid = grid.reshape(1, -1, self.axes[0].shape[-1])
+        return grid if self.pos is None else torch.cat([self.pos, grid], dim=1)
 
 
 def check_tokenizer_geometry(
@@ -278,7 +305,7 @@ class MaskGITTask(Task):
             self.cache = TokenCache(c.token_cache, frozen["tokenizer"].record["digest"])
         tokenizer = tok_task(source.model_cfg, self._tokenizer_context(source)).build({})["generator"]
         cond_tokens = (1 if c.num_classes else 0) + (c.text.max_tokens if c.text else 0)
-        transformer = MaskTransformer(c, self.num_codes, math.prod(self.token_layout()), cond_tokens)
+        transformer = MaskTransformer(c, self.num_codes, self.token_layout(), cond_tokens)
         return {"tokenizer": tokenizer, "transformer": transformer}
 
     def _tokenizer_context(self, source: Any) -> TaskContext:

@@ -31,7 +31,7 @@ next to the CPU torch here, and download weights when built; the parts used
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, Literal
 
 import torch
 from pydantic import ConfigDict, Field, model_validator
@@ -58,6 +58,11 @@ class VideoTokenizerConfig(CodebookConfig, AdversarialConfig):
     temporal_depth: int = Field(2, ge=1, description="causal temporal transformer layers, encoder and decoder each")
     mlp_ratio: float = Field(4.0, gt=0)
     pixel_channels: int = Field(16, ge=1, description="channels of the decoder's shared per-frame output conv")
+    encoder_context: Literal["clip", "patch"] = Field(
+        "clip",
+        description="what a code sees: its causal clip (C-ViViT), or its own spatio-temporal patch (local codes, "
+        "which a masked transformer learns much faster); the decoder always sees the whole causal clip",
+    )
 
     @model_validator(mode="after")
     def _check(self) -> VideoTokenizerConfig:
@@ -126,10 +131,11 @@ class CausalVideoAutoencoder(QuantizedAutoencoder):
         self.grid = image_size // p
         self.embed_first = nn.Linear(channels * p * p, d)
         self.embed_rest = nn.Linear(tp * channels * p * p, d)
-        self.enc_spatial_pos = nn.Parameter(torch.zeros(1, self.grid * self.grid, d))
         self.dec_spatial_pos = nn.Parameter(torch.zeros(1, self.grid * self.grid, d))
-        nn.init.trunc_normal_(self.enc_spatial_pos, std=0.02)
         nn.init.trunc_normal_(self.dec_spatial_pos, std=0.02)
+        if cfg.encoder_context == "clip":  # local codes have no positions (and DDP wants no unused parameters)
+            self.enc_spatial_pos = nn.Parameter(torch.zeros(1, self.grid * self.grid, d))
+            nn.init.trunc_normal_(self.enc_spatial_pos, std=0.02)
         self.enc_spatial = _transformer(cfg, cfg.spatial_depth)
         self.enc_temporal = _transformer(cfg, cfg.temporal_depth)
         self.enc_norm = nn.LayerNorm(d)
@@ -194,8 +200,16 @@ class CausalVideoAutoencoder(QuantizedAutoencoder):
 
     def encode(self, video: torch.Tensor) -> torch.Tensor:
         """Videos -> continuous latents (N, S*h*w, latent) before quantization."""
-        x = self._spatial(self._patchify(video), self.enc_spatial, self.enc_spatial_pos)
-        x = self._temporal(x, self.enc_temporal)
+        x = self._patchify(video)
+        if self.cfg.encoder_context == "patch":
+            # Every token a sequence of its own: no positions, no attention to other tokens, so a code is a
+            # function of its patch alone (an empty patch is one code anywhere, a stroke the same code wherever
+            # it is); the first slice keeps its own embedding.
+            n, s, length, d = x.shape
+            x = self.enc_temporal(self.enc_spatial(x.reshape(-1, 1, d))).view(n, s, length, d)
+        else:
+            x = self._spatial(x, self.enc_spatial, self.enc_spatial_pos)
+            x = self._temporal(x, self.enc_temporal)
         return self.to_latent(self.enc_norm(x)).flatten(1, 2)
 
     def decode(self, q: torch.Tensor) -> torch.Tensor:
