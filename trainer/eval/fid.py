@@ -2,12 +2,21 @@
 
 Work split: the generated images come in fixed chunks, chunk k drawn with
 seed (seed, k), and each rank takes a contiguous run of chunks and of real
-images. torchmetrics gathers its states over the process group at `compute`
-(FID: feature sums and covariance sums added; KID: the features themselves,
+images; shares may be uneven (48 images over 2 ranks: 2 chunks and 1).
+torchmetrics gathers its states over the process group at `compute` (FID:
+feature sums and covariance sums added; KID: the features themselves,
 concatenated in rank order), so the statistics are those of the whole set:
 the same images and the same result at any world size, up to float summation
 order. KID's random subsets come from a fixed seed in a forked RNG, so the
 training RNG is untouched.
+
+Two things make uneven shares safe. KID keeps its features as a list with no
+reduction, and torchmetrics gathers such a list one element at a time, so
+ranks holding different numbers of batches would issue different numbers of
+collectives and wait on each other forever: each rank's lists are joined into
+exactly one tensor (possibly empty) before `compute`. And sampling through an
+FSDP-sharded part is itself collective (every forward gathers parameters), so
+a rank with fewer chunks draws a throwaway one-image chunk to keep step.
 """
 
 from __future__ import annotations
@@ -58,8 +67,19 @@ class FidKid:
             self.fid.update(images, real=real)
             self.kid.update(images, real=real)
 
+    def _one_tensor_per_list(self) -> None:
+        """Join each KID feature list into one tensor (empty if this rank saw none), so every rank
+        issues the same collectives in torchmetrics' sync (one gather per list element)."""
+        width = self.features.num_features
+        for name in ("real_features", "fake_features"):
+            parts = getattr(self.kid, name)
+            if len(parts) != 1:
+                joined = torch.cat(parts) if parts else torch.zeros(0, width, device=self.kid.device)
+                setattr(self.kid, name, [joined])
+
     @torch.no_grad()
     def compute(self, n_real: int, n_fake: int) -> dict[str, float]:
+        self._one_tensor_per_list()
         fid = float(self.fid.compute())
         self.kid.subset_size = max(2, min(self.kid_subset_size, n_real, n_fake))
         with torch.random.fork_rng(devices=[]):
@@ -85,31 +105,28 @@ def real_images(real_set, n: int, rank: int, world_size: int, batch: int = 64):
         yield ((b["images"][b["valid"]] + 1) / 2).clamp(0, 1)
 
 
-def check_split(num: int, n_real: int, world_size: int, chunk: int = GEN_CHUNK) -> None:
-    """Refuse an eval.num whose generated chunks or real images do not split evenly over the ranks: with
-    uneven shares the metric states' sync (torchmetrics' gather of per-rank features) was measured to
-    leave rank 0 waiting forever (DDP and FSDP alike); the chunk seeds make any even split give the
-    same result."""
-    chunks = math.ceil(num / chunk)
-    if world_size > 1 and (chunks % world_size or n_real % world_size):
-        from trainer.config import ConfigError
-
-        good = chunk * world_size
-        raise ConfigError(
-            f"eval.num={num} makes {chunks} chunks of {chunk} generated images, which {world_size} ranks cannot "
-            f"share evenly (real images: {n_real}); use a multiple of {good} (e.g. {max(good, num // good * good)}) "
-            "that the held-out set has"
-        )
-
-
 def generated_images(
-    sample: Callable[[int, int], torch.Tensor], n: int, seed: int, rank: int, world_size: int, chunk: int = GEN_CHUNK
+    sample: Callable[[int, int], torch.Tensor],
+    n: int,
+    seed: int,
+    rank: int,
+    world_size: int,
+    chunk: int = GEN_CHUNK,
+    lockstep: bool = False,
 ):
-    """Yield this rank's chunks of n generated images; chunk k is `sample(count, seed(seed, k))` on every world size."""
+    """Yield this rank's chunks of n generated images; chunk k is `sample(count, seed(seed, k))` on every world size.
+
+    `lockstep`: every rank calls `sample` the same number of times (sharded parts gather their
+    parameters in every forward); a rank with fewer chunks draws one throwaway image per missing chunk.
+    """
     chunks = math.ceil(n / chunk)
-    for k in rank_block(chunks, rank, world_size):
+    mine = rank_block(chunks, rank, world_size)
+    for k in mine:
         count = min(chunk, n - k * chunk)
         yield sample(count, derive_seed(seed, _EVAL_STREAM, k) % (2**63))
+    if lockstep:
+        for _ in range(len(mine), len(rank_block(chunks, 0, world_size))):  # rank 0 has the most
+            sample(1, derive_seed(seed, _EVAL_STREAM, chunks) % (2**63))
 
 
 def evaluate(
@@ -126,7 +143,6 @@ def evaluate(
 ) -> dict[str, float]:
     """FID/KID of `num` generated images vs up to `num` real ones; every rank must call it (collectives)."""
     n_real = min(num, len(real_set))
-    check_split(num, n_real, world_size)
     if n_real < 2:
         raise ValueError(f"evaluation needs at least 2 real images, the held-out set has {len(real_set)}")
     if not metric.has_real:
@@ -139,7 +155,10 @@ def evaluate(
         with half_weights_autocast(modules, device):  # a LoRA run's half-precision base
             return task.sample(modules, count, seed=s, device=device, **sample_options)
 
-    for images in generated_images(sample, num, seed, rank, world_size):
+    from trainer.engine.shard import is_fsdp
+
+    lockstep = world_size > 1 and any(is_fsdp(m) for module in modules.values() for m in module.modules())
+    for images in generated_images(sample, num, seed, rank, world_size, lockstep=lockstep):
         metric.update(images.to(device), real=False)
     values = metric.compute(n_real, num)
     return {**values, "num_generated": num, "num_real": n_real}
