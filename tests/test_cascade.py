@@ -344,3 +344,47 @@ def test_digits_decoder_preset_embeds_images_with_the_shipped_cnn_and_samples_fr
     a = task.sample(modules, 2, image_embeds=e[:2], **kw)
     b = task.sample(modules, 2, image_embeds=e[2:4], **kw)
     assert a.shape == (2, 1, 32, 32) and (a - b).abs().max() > 1e-4  # the embedding steers the decoder
+
+
+@pytest.mark.slow
+def test_cascade_under_fsdp_starts_from_rank_0_weights_built_nowhere_else(tmp_path):
+    # Under 2-rank FSDP, rank 1 builds every part on the meta device and receives rank 0's values:
+    # stage 2 (trained) sharded, slices only; stage 1 (outside train.stages) whole. Both must equal what
+    # one process builds from the same seed. Stage 1 is never stepped: bit for bit. Stage 2 takes one
+    # step at lr=1e-30: Adam's first step moves a weight by lr * |m / sqrt(v)| <= lr (Kingma & Ba,
+    # sec. 2.1), and weight decay multiplies by 1 - 1e-30*wd == 1 in fp32, so two runs whose gradients
+    # differ in rounding stay within 2e-30 of each other; a wrong start would be off by ~0.1.
+    from elastic_helpers import start_torchrun
+    from test_elastic import standalone
+
+    from trainer.checkpoint.weights import read_weights
+
+    common = ["train.lr=1e-30", "train.stages=[2]", "train.max_steps=1"]
+    train(tmp_path / "one", *common, max_steps=1)
+    log = tmp_path / "fsdp.log"
+    args = [YAML, f"run.dir={tmp_path}/fsdp/run", *common, "train.parallel=fsdp"]
+    proc = start_torchrun(standalone(2, max_restarts=0), args, log, PYTHONPATH=str(REPO / "tests"))
+    assert finish(proc, log) == 0, log.read_text()[-4000:]
+    text = log.read_text()
+    assert "ranks 1-1 built them on the meta device (at most 0.00 MB allocated)" in text, text[-3000:]
+    assert "parts=stage1(kept),stage2 " in text
+
+    def weights(run: str) -> dict[str, torch.Tensor]:
+        store = CheckpointStore(f"{tmp_path}/{run}/run/checkpoints")
+        info = store.latest_valid()
+        files = info.manifest["files"]
+        assert (run == "fsdp") == ("shards.json" in files)
+        out = {}
+        for stage in ("stage1", "stage2"):
+            name = f"{stage}.model.safetensors"
+            for k, v in read_weights(store, info, name if name in files else f"{stage}.model").items():
+                out[f"{stage}.{k}"] = v
+        return out
+
+    one, fsdp = weights("one"), weights("fsdp")
+    assert one.keys() == fsdp.keys() and len(one) > 10
+    for k in one:
+        if k.startswith("stage1."):
+            assert torch.equal(fsdp[k], one[k]), k
+        else:
+            torch.testing.assert_close(fsdp[k], one[k], rtol=0, atol=2e-30, msg=k)

@@ -229,33 +229,44 @@ def test_video_maskgit_samples_gifs_named_by_caption_with_the_frames_asked_for(t
 # ---------------------------------------------------------------- distributed, exact resume
 
 
+def _files(parallel: str, *names: str) -> set[str]:
+    """Checkpoint file names of parts' states: whole files under DDP, rank 1's slices under FSDP."""
+    return {f"{n}.safetensors" if parallel == "ddp" else f"{n}.rank-00001.safetensors" for n in names}
+
+
 @pytest.mark.slow
-def test_video_tokenizer_under_torchrun_resumes_bit_identical_after_sigkill(tmp_path):
-    """Joint image+video batches (a quarter one-frame images, padded): padding and all."""
+@pytest.mark.parametrize("parallel", ["ddp", "fsdp"])
+def test_video_tokenizer_under_torchrun_resumes_bit_identical_after_sigkill(tmp_path, parallel):
+    """Joint image+video batches (a quarter one-frame images, padded): padding and all. Under FSDP both
+    parts are sharded, without the gradient penalty (refused there: a double backward)."""
     steps = 6
+    mode = ["train.parallel=fsdp", "model.grad_penalty_every=0"] if parallel == "fsdp" else ["model.grad_penalty_every=2"]
 
     def args(root):
         return tokenizer_args(
-            root, "task=probe_tasks:KillableVideoTokenizer", "model.disc_start_step=2", "model.grad_penalty_every=2",
+            root, "task=probe_tasks:KillableVideoTokenizer", "model.disc_start_step=2", *mode,
             "model.dead_code_threshold=0.5", "checkpoint.every_steps=2", "data.image_ratio=0.25", max_steps=steps,
         )  # fmt: skip
 
     a = _kill_and_compare(tmp_path, args, kill_at=3, steps=steps)
-    assert {"generator.model.safetensors", "generator.ema.safetensors", "discriminator.optimizer.safetensors",
-            "rank-00001.safetensors"} <= set(a)  # fmt: skip
+    assert _files(parallel, "generator.model", "generator.ema", "discriminator.optimizer") | {
+        "rank-00001.safetensors"} <= set(a)  # fmt: skip
 
 
 @pytest.mark.slow
-def test_video_maskgit_under_torchrun_resumes_bit_identical_after_sigkill(tmp_path, tokenizer):
+@pytest.mark.parametrize("parallel", ["ddp", "fsdp"])
+def test_video_maskgit_under_torchrun_resumes_bit_identical_after_sigkill(tmp_path, tokenizer, parallel):
+    """Under FSDP the transformer is sharded and so is the frozen video tokenizer (train.shard_frozen)."""
     steps = 5
+    mode = ["train.parallel=fsdp", "train.shard_frozen=true"] if parallel == "fsdp" else []
 
     def args(root):
         return maskgit_args(
             root, tokenizer, "task=probe_tasks:KillableVideoMaskGIT", "model.dropout=0.1", "checkpoint.every_steps=2",
-            "data.image_ratio=0.25", max_steps=steps,
+            "data.image_ratio=0.25", *mode, max_steps=steps,
         )  # fmt: skip
 
     a = _kill_and_compare(tmp_path, args, kill_at=3, steps=steps)
-    assert {"transformer.model.safetensors", "transformer.ema.safetensors"} <= set(a)
+    assert _files(parallel, "transformer.model", "transformer.ema") <= set(a)
     assert not any(n.startswith("tokenizer") for n in a)
     assert tensors(f"{tmp_path}/ref/run/checkpoints", steps).keys() == a.keys()

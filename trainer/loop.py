@@ -27,7 +27,7 @@ from trainer.engine.parts import build_parts
 from trainer.engine.preview import Previewer
 from trainer.engine.progress import TrainProgress
 from trainer.engine.report import Reporter, flat_hparams
-from trainer.engine.shard import is_fsdp, no_sync, shard_module
+from trainer.engine.shard import build_context, is_fsdp, no_sync, replicate_from_rank0, shard_from_rank0, shard_module
 from trainer.engine.step import StepRunner, check_batch_split
 from trainer.engine.validate import Validator
 from trainer.hostmem import keep_freed_memory
@@ -172,7 +172,10 @@ class Trainer:
         pinned = self.checkpoints.pinned_frozen_sources() if sources else None
         options = self.cfg.checkpoint.storage_options
         frozen = {n: load_frozen(n, s, options, (pinned or {}).get(n)) for n, s in sources.items()}
-        modules = self.task.build(frozen)
+        with build_context(self.env.rank, self.sharded):  # FSDP: parameters on meta except on rank 0
+            modules = self.task.build(frozen)
+        if self.sharded:
+            self._log_built_bytes(modules)
         trainable = [n for n in modules if n not in frozen]
         refusal = self.task.fsdp_refusal() if self.sharded else None
         if refusal:
@@ -189,10 +192,18 @@ class Trainer:
             if t.cpu_offload and self.device.type != "cuda":
                 log.warning("train.cpu_offload=true has no effect on a CPU device; parameters already live there")
 
-            def wrap(m):
-                return shard_module(m, t.precision, t.cpu_offload and self.device.type == "cuda")
+            offload = t.cpu_offload and self.device.type == "cuda"
+            for name, m in modules.items():  # parts kept whole: allocated here, values from rank 0
+                if name in frozen or name not in learns:
+                    replicate_from_rank0(m, self.device, self.env.rank, parameters=name not in frozen)
 
-            shard_frozen = wrap if t.shard_frozen else None
+            def wrap(m):
+                return shard_from_rank0(m, t.precision, offload, self.env.rank, self.device)
+
+            def shard_whole(m):
+                return shard_module(m, t.precision, offload)
+
+            shard_frozen = shard_whole if t.shard_frozen else None
         elif self.env.world_size > 1:
             wrap = self.accelerator.prepare_model
         else:
@@ -203,6 +214,20 @@ class Trainer:
                 log.warning("train.shard_frozen=true has no effect on one process; frozen parts stay whole")
         ema = set(self.task.ema_part_names(self.cfg.model_cfg))
         return build_parts(modules, trainable, frozen, learns, self.cfg, self.device, wrap, ema, shard_frozen)
+
+    def _log_built_bytes(self, modules) -> None:
+        """Say how much parameter memory each rank allocated while building (FSDP: only rank 0 should)."""
+        import torch.distributed as dist
+
+        mine = sum(p.numel() * p.element_size() for m in modules.values() for p in m.parameters() if not p.is_meta)
+        sizes = [torch.zeros(1, dtype=torch.float64, device=self.device) for _ in range(self.env.world_size)]
+        dist.all_gather(sizes, torch.tensor([float(mine)], dtype=torch.float64, device=self.device))
+        others = max(float(t) for t in sizes[1:])
+        log.info(
+            "fsdp init: rank 0 built the parts (%.2f MB of parameters); ranks 1-%d built them on the meta device "
+            "(at most %.2f MB allocated) and take their slices from rank 0",
+            float(sizes[0]) / 1e6, self.env.world_size - 1, others / 1e6,
+        )  # fmt: skip
 
     def _no_sync(self, wrapped):
         """Skip the gradient reduction of a chunk that is not the step's last (DDP or FSDP2)."""

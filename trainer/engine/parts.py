@@ -13,7 +13,7 @@ from diffusers.training_utils import EMAModel
 from torch import nn
 
 from trainer.config import Config
-from trainer.engine.shard import full_value, is_fsdp, reshard
+from trainer.engine.shard import full_value, has_meta, is_fsdp, reshard
 from trainer.optim import OptimSettings, build_ema, build_lr_schedule, build_optimizer
 from trainer.tasks.base import FrozenWeights
 from trainer.tasks.finetune import cast_frozen_base
@@ -200,7 +200,8 @@ def build_parts(
     if unknown:
         raise RuntimeError(f"task built parts {sorted(unknown)} that are neither trainable nor frozen")
     for name, module in modules.items():
-        module.to(device)
+        if not has_meta(module):  # meta: built off rank 0 under FSDP, allocated when sharded
+            module.to(device)
         if name in frozen:
             frozen_parts[name] = FrozenPart(name, module, frozen[name])
             if shard_frozen is not None:

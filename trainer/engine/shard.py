@@ -7,14 +7,22 @@ itself (what is left: stems, embeddings, the middle block). Only one unit's
 parameters are unsharded at a time, as in TorchTitan. Parameters stay fp32
 and sharded; `train.precision=bf16|fp16` sets the dtype they are gathered
 in for compute, with gradients reduced in fp32.
+
+Initialisation happens on rank 0 only: the other ranks build their parts
+with parameters on the meta device (no memory), shard them, allocate just
+their own slices, and receive those slices from rank 0's freshly built (or
+pretrained-loaded) part. So a rank never holds a whole part it will shard,
+and every rank starts from exactly the weights one process would have built
+(the same as DDP, which also starts from rank 0's weights).
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.fsdp import (
     CPUOffloadPolicy,
@@ -97,6 +105,53 @@ def no_sync(module: nn.Module) -> Iterator[None]:
         yield
     finally:
         module.set_requires_gradient_sync(True)
+
+
+def build_context(rank: int, sharded: bool) -> AbstractContextManager:
+    """Where parts are built: on ranks other than 0 of a sharded run, parameters go on the meta device
+    (accelerate's init_empty_weights; buffers stay real and small, and are overwritten from rank 0)."""
+    if not sharded or rank == 0:
+        return nullcontext()
+    from accelerate import init_empty_weights
+
+    return init_empty_weights(include_buffers=False)
+
+
+def has_meta(module: nn.Module) -> bool:
+    return any(p.is_meta for p in module.parameters())
+
+
+@torch.no_grad()
+def replicate_from_rank0(module: nn.Module, device: torch.device, rank: int, parameters: bool = True) -> None:
+    """A part kept whole on every rank (frozen, or not trained this run): ranks other than 0 allocate it
+    and take rank 0's values; `parameters=False` sends buffers only (a frozen part's weights come from
+    its file next, on every rank). Every rank must call it, in the same order."""
+    if rank != 0:
+        module.to_empty(device=device)
+    else:
+        module.to(device)  # NCCL broadcasts from device memory
+    tensors = [*(module.parameters() if parameters else ()), *module.buffers()]
+    for t in tensors:
+        dist.broadcast(t.data, src=0)
+
+
+def shard_from_rank0(module: nn.Module, precision: str, cpu_offload: bool, rank: int, device: torch.device) -> nn.Module:
+    """Shard a part built on rank 0 (and on the meta device elsewhere), then give every rank its slices of
+    rank 0's values (torch.distributed.checkpoint's broadcast_from_rank0 loader: one tensor at a time,
+    each rank keeps its shard). Buffers, which FSDP2 does not shard, are copied whole."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+    full = module.state_dict() if rank == 0 else {}
+    shard_module(module, precision, cpu_offload)
+    if rank != 0:
+        module.to_empty(device=torch.device("cpu") if cpu_offload else device)
+    options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
+    set_model_state_dict(module, full, options=options)
+    del full
+    with torch.no_grad():
+        for b in module.buffers():
+            dist.broadcast(b.data, src=0)
+    return module
 
 
 def full_value(t: torch.Tensor) -> torch.Tensor:
