@@ -2,6 +2,9 @@
 # Fresh virtualenv with the test extras, system tools the tests drive (prometheus,
 # promtool), then the whole suite. This is what CI runs (.ci/run).
 # Extra arguments go to pytest, e.g. scripts/test.sh -k checkpoint
+# Two pytest-xdist workers, one test file each at a time (module fixtures stay shared): most tests
+# wait on processes they start, so two overlap well even on 2 cores. GENTRAIN_TEST_WORKERS=0 runs
+# everything in one process.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV=${VENV:-.venv-test}
@@ -15,4 +18,4 @@ if ! command -v prometheus >/dev/null || ! command -v promtool >/dev/null; then
   DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq --no-install-recommends prometheus >/dev/null
 fi
 export PATH="$PWD/$VENV/bin:$PATH"
-exec "$VENV/bin/python" -m pytest "$@"
+exec "$VENV/bin/python" -m pytest -n "${GENTRAIN_TEST_WORKERS:-2}" --dist loadfile "$@"
