@@ -349,17 +349,36 @@ def test_digits_decoder_preset_embeds_images_with_the_shipped_cnn_and_samples_fr
 @pytest.mark.slow
 def test_cascade_under_fsdp_starts_from_rank_0_weights_built_nowhere_else(tmp_path):
     # Under 2-rank FSDP, rank 1 builds every part on the meta device and receives rank 0's values:
-    # stage 2 (trained) sharded, slices only; stage 1 (outside train.stages) whole. Both must equal what
-    # one process builds from the same seed. Stage 1 is never stepped: bit for bit. Stage 2 takes one
-    # step at lr=1e-30: Adam's first step moves a weight by lr * |m / sqrt(v)| <= lr (Kingma & Ba,
-    # sec. 2.1), and weight decay multiplies by 1 - 1e-30*wd == 1 in fp32, so two runs whose gradients
-    # differ in rounding stay within 2e-30 of each other; a wrong start would be off by ~0.1.
+    # stage 2 (trained, fine-tuned from a diffusers folder) sharded, slices only; stage 1 (outside
+    # train.stages, freshly initialised) whole. Both must equal what one process starts from. Stage 1 is
+    # never stepped: bit for bit. Stage 2 takes one step at lr=1e-30: Adam's first step moves a weight
+    # by lr * |m / sqrt(v)| <= lr (Kingma & Ba, sec. 2.1) and weight decay multiplies by
+    # 1 - 1e-30*wd == 1 in fp32, so runs whose gradients differ in rounding stay within 2e-30 of the
+    # folder and of each other; a wrong start would be off by ~0.1.
     from elastic_helpers import start_torchrun
+    from safetensors.torch import load_file
     from test_elastic import standalone
 
     from trainer.checkpoint.weights import read_weights
+    from trainer.registry import task_class
+    from trainer.tasks.base import TaskContext
+    from trainer.tasks.finetune import write_folder
 
-    common = ["train.lr=1e-30", "train.stages=[2]", "train.max_steps=1"]
+    torch.manual_seed(123)
+    source = task_class("cascade")(load_config(YAML, [], {}).model_cfg, TaskContext(8, 1, 0, 10))
+    unet, extras = source.export_unets(source.build({}))["stage2"]
+    write_folder(unet, str(tmp_path / "pretrained"), extras)
+    folder = {
+        f"stage2.unet.{k}": v for k, v in load_file(tmp_path / "pretrained/diffusion_pytorch_model.safetensors").items()
+    }
+    folder |= {
+        f"stage2.{k}": v for k, v in load_file(tmp_path / "pretrained/gentrain_conditioning.safetensors").items()
+    }
+
+    stage = "{{image_size: {size}, block_out_channels: [8, 16], norm_num_groups: 4, attention: false{more}}}"
+    stages = (f"model.stages=[{stage.format(size=4, more='')}, "
+              f"{stage.format(size=8, more=f', dropout: 0.1, pretrained: {tmp_path}/pretrained')}]")  # fmt: skip
+    common = [stages, "train.lr=1e-30", "train.stages=[2]", "train.max_steps=1"]
     train(tmp_path / "one", *common, max_steps=1)
     log = tmp_path / "fsdp.log"
     args = [YAML, f"run.dir={tmp_path}/fsdp/run", *common, "train.parallel=fsdp"]
@@ -383,8 +402,10 @@ def test_cascade_under_fsdp_starts_from_rank_0_weights_built_nowhere_else(tmp_pa
 
     one, fsdp = weights("one"), weights("fsdp")
     assert one.keys() == fsdp.keys() and len(one) > 10
+    assert {k for k in one if k.startswith("stage2.")} == folder.keys()
     for k in one:
         if k.startswith("stage1."):
             assert torch.equal(fsdp[k], one[k]), k
         else:
             torch.testing.assert_close(fsdp[k], one[k], rtol=0, atol=2e-30, msg=k)
+            torch.testing.assert_close(fsdp[k], folder[k], rtol=0, atol=2e-30, msg=k)

@@ -240,7 +240,9 @@ def test_video_tokenizer_under_torchrun_resumes_bit_identical_after_sigkill(tmp_
     """Joint image+video batches (a quarter one-frame images, padded): padding and all. Under FSDP both
     parts are sharded, without the gradient penalty (refused there: a double backward)."""
     steps = 6
-    mode = ["train.parallel=fsdp", "model.grad_penalty_every=0"] if parallel == "fsdp" else ["model.grad_penalty_every=2"]
+    mode = (
+        ["train.parallel=fsdp", "model.grad_penalty_every=0"] if parallel == "fsdp" else ["model.grad_penalty_every=2"]
+    )
 
     def args(root):
         return tokenizer_args(

@@ -135,7 +135,9 @@ def replicate_from_rank0(module: nn.Module, device: torch.device, rank: int, par
         dist.broadcast(t.data, src=0)
 
 
-def shard_from_rank0(module: nn.Module, precision: str, cpu_offload: bool, rank: int, device: torch.device) -> nn.Module:
+def shard_from_rank0(
+    module: nn.Module, precision: str, cpu_offload: bool, rank: int, device: torch.device
+) -> nn.Module:
     """Shard a part built on rank 0 (and on the meta device elsewhere), then give every rank its slices of
     rank 0's values (torch.distributed.checkpoint's broadcast_from_rank0 loader: one tensor at a time,
     each rank keeps its shard). Buffers, which FSDP2 does not shard, are copied whole."""
