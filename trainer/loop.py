@@ -213,7 +213,9 @@ class Trainer:
             if t.shard_frozen:
                 log.warning("train.shard_frozen=true has no effect on one process; frozen parts stay whole")
         ema = set(self.task.ema_part_names(self.cfg.model_cfg))
-        return build_parts(modules, trainable, frozen, learns, self.cfg, self.device, wrap, ema, shard_frozen)
+        return build_parts(
+            modules, trainable, frozen, learns, self.cfg, self.device, wrap, ema, shard_frozen, self.sharded
+        )
 
     def _log_built_bytes(self, modules) -> None:
         """Say how much parameter memory each rank allocated while building (FSDP: only rank 0 should)."""

@@ -189,18 +189,22 @@ def build_parts(
     wrap: Any,
     ema_names: set[str] | None = None,
     shard_frozen: Any = None,
+    shard_on_wrap: bool = False,
 ) -> tuple[dict[str, Part], dict[str, FrozenPart]]:
     """Parts from a task's modules; `wrap(module)` makes the DDP wrapper for the parts this run trains
     (`wrapped_names`), or shards the module in place under FSDP2 (then optimizer and EMA are built on its
     DTensors); the other parts are kept bare and untouched. `shard_frozen(module)`, if given, shards a
-    frozen part in place once its weights are loaded whole."""
+    frozen part in place once its weights are loaded whole. `shard_on_wrap`: `wrap` is FSDP's (it moves
+    the part to the device itself)."""
     parts: dict[str, Part] = {}
     frozen_parts: dict[str, FrozenPart] = {}
     unknown = set(modules) - set(trainable) - set(frozen)
     if unknown:
         raise RuntimeError(f"task built parts {sorted(unknown)} that are neither trainable nor frozen")
     for name, module in modules.items():
-        if not has_meta(module):  # meta: built off rank 0 under FSDP, allocated when sharded
+        # A part `wrap` shards stays where it was built (meta off rank 0, host memory on rank 0):
+        # fully_shard moves one unit at a time to the device, so no device ever holds it whole.
+        if not (shard_on_wrap and name in wrapped_names) and not has_meta(module):
             module.to(device)
         if name in frozen:
             frozen_parts[name] = FrozenPart(name, module, frozen[name])

@@ -143,10 +143,15 @@ def shard_from_rank0(
     each rank keeps its shard). Buffers, which FSDP2 does not shard, are copied whole."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
-    full = module.state_dict() if rank == 0 else {}
-    shard_module(module, precision, cpu_offload)
+    full = module.state_dict() if rank == 0 else {}  # rank 0: still in host memory (not moved yet)
+    shard_module(module, precision, cpu_offload)  # moves one unit at a time to the device as it shards
     if rank != 0:
         module.to_empty(device=torch.device("cpu") if cpu_offload else device)
+        if cpu_offload:  # offload keeps parameters on the host; buffers live on the device
+            for m in module.modules():
+                for key, b in m._buffers.items():
+                    if b is not None:
+                        m._buffers[key] = b.to(device)
     options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
     set_model_state_dict(module, full, options=options)
     del full
