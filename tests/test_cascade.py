@@ -5,6 +5,7 @@ flow matching and DREAM."""
 from __future__ import annotations
 
 import json
+import re
 
 import numpy as np
 import pytest
@@ -387,6 +388,8 @@ def test_cascade_under_fsdp_starts_from_rank_0_weights_built_nowhere_else(tmp_pa
     text = log.read_text()
     assert "ranks 1-1 built them on the meta device (at most 0.00 MB allocated)" in text, text[-3000:]
     assert "parts=stage1(kept),stage2 " in text
+    # Stage 1 and the buffers are written by rank 0 only; the engine checks that rank 1 holds the same.
+    assert re.search(r"fsdp init: [1-9]\d* whole tensors \(kept parts, buffers\) identical on every rank", text)
 
     def weights(run: str) -> dict[str, torch.Tensor]:
         store = CheckpointStore(f"{tmp_path}/{run}/run/checkpoints")

@@ -98,6 +98,15 @@ def test_ranks_with_fewer_generated_chunks_keep_step_with_a_sharded_sampler():
     assert [len(x) for x in generated_images(sampler(1), 40, 7, 1, 2)] == [8] and len(calls[1]) == 3
 
 
+def test_evaluation_needs_a_real_image_per_rank():
+    from trainer.config import ConfigError
+    from trainer.eval.fid import check_share
+
+    check_share(2, 2)
+    with pytest.raises(ConfigError, match="at least 3 real images"):
+        check_share(2, 3)
+
+
 @pytest.mark.slow
 def test_training_evaluates_periodically_and_eval_cli_over_2_ranks_equals_1_rank(tmp_path):
     # 48 images = 3 chunks of 16: over 2 ranks one takes two and the other one (uneven KID lists once
@@ -118,23 +127,33 @@ def test_training_evaluates_periodically_and_eval_cli_over_2_ranks_equals_1_rank
     # Same images, same statistics: the training-time evaluation saw the same EMA weights.
     assert single["fid"] == pytest.approx(during["fid"], rel=1e-6)
 
-    (root / "eval-000000002.json").unlink()
-    log = tmp_path / "eval2.log"
-    port = free_port()
     import subprocess
     import sys
 
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", "--rdzv-backend=c10d",
-         f"--rdzv-endpoint=127.0.0.1:{port}", f"--rdzv-id=eval-{port}", "--max-restarts=0",
-         "-m", "trainer", "eval", str(root), "--num-images", "48"],  # torchrun's parser refuses --num
-        stdout=open(log, "w"), stderr=subprocess.STDOUT, env=clean_env(), start_new_session=True,
-    )  # fmt: skip
-    try:
-        assert proc.wait(timeout=600) == 0, log.read_text()[-3000:]
-    finally:
-        kill_group(proc)
-    double = json.loads((root / "eval-000000002.json").read_text())
+    def two_ranks(num: int) -> dict:
+        (root / "eval-000000002.json").unlink()
+        log, port = tmp_path / f"eval2-{num}.log", free_port()
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", "--rdzv-backend=c10d",
+             f"--rdzv-endpoint=127.0.0.1:{port}", f"--rdzv-id=eval-{port}", "--max-restarts=0",
+             "-m", "trainer", "eval", str(root), "--num-images", str(num)],  # torchrun's parser refuses --num
+            stdout=open(log, "w"), stderr=subprocess.STDOUT, env=clean_env(), start_new_session=True,
+        )  # fmt: skip
+        try:
+            assert proc.wait(timeout=600) == 0, log.read_text()[-3000:]
+        finally:
+            kill_group(proc)
+        return json.loads((root / "eval-000000002.json").read_text())
+
+    double = two_ranks(48)
     assert double["world_size"] == 2 and double["num_real"] == 48
     assert double["fid"] == pytest.approx(single["fid"], rel=1e-6)
     assert double["kid"] == pytest.approx(single["kid"], rel=1e-5, abs=1e-9)
+    # 16 images = 1 chunk: rank 1 generates nothing (an empty KID share of the features' dtype).
+    (root / "eval-000000002.json").unlink()
+    assert run_cli("eval", str(root), "--num", "16").returncode == 0
+    single16 = json.loads((root / "eval-000000002.json").read_text())
+    double16 = two_ranks(16)
+    assert double16["num_generated"] == single16["num_generated"] == 16
+    assert double16["fid"] == pytest.approx(single16["fid"], rel=1e-6)
+    assert double16["kid"] == pytest.approx(single16["kid"], rel=1e-5, abs=1e-9)

@@ -27,7 +27,15 @@ from trainer.engine.parts import build_parts
 from trainer.engine.preview import Previewer
 from trainer.engine.progress import TrainProgress
 from trainer.engine.report import Reporter, flat_hparams
-from trainer.engine.shard import build_context, is_fsdp, no_sync, replicate_from_rank0, shard_from_rank0, shard_module
+from trainer.engine.shard import (
+    build_context,
+    is_fsdp,
+    no_sync,
+    replicate_from_rank0,
+    shard_from_rank0,
+    shard_module,
+    whole_tensors_agree,
+)
 from trainer.engine.step import StepRunner, check_batch_split
 from trainer.engine.validate import Validator
 from trainer.hostmem import keep_freed_memory
@@ -213,22 +221,36 @@ class Trainer:
             if t.shard_frozen:
                 log.warning("train.shard_frozen=true has no effect on one process; frozen parts stay whole")
         ema = set(self.task.ema_part_names(self.cfg.model_cfg))
-        return build_parts(
+        parts, frozen_parts = build_parts(
             modules, trainable, frozen, learns, self.cfg, self.device, wrap, ema, shard_frozen, self.sharded
         )
+        if self.sharded:
+            agree, n = whole_tensors_agree(modules.values(), self.device)
+            if not agree:
+                raise RuntimeError("FSDP start: the ranks hold different values in parts or buffers kept whole")
+            log.info("fsdp init: %d whole tensors (kept parts, buffers) identical on every rank", n)
+        return parts, frozen_parts
 
     def _log_built_bytes(self, modules) -> None:
         """Say how much parameter memory each rank allocated while building (FSDP: only rank 0 should)."""
         import torch.distributed as dist
 
-        mine = sum(p.numel() * p.element_size() for m in modules.values() for p in m.parameters() if not p.is_meta)
-        sizes = [torch.zeros(1, dtype=torch.float64, device=self.device) for _ in range(self.env.world_size)]
-        dist.all_gather(sizes, torch.tensor([float(mine)], dtype=torch.float64, device=self.device))
-        others = max(float(t) for t in sizes[1:])
+        params = [p for m in modules.values() for p in m.parameters()]
+        mine = sum(p.numel() * p.element_size() for p in params if not p.is_meta)
+        sizes = [torch.zeros(2, dtype=torch.float64, device=self.device) for _ in range(self.env.world_size)]
+        dist.all_gather(sizes, torch.tensor([float(mine), float(len(params))], dtype=torch.float64, device=self.device))
+        counts = [int(t[1]) for t in sizes]
+        if len(set(counts)) > 1:
+            raise RuntimeError(
+                f"the task's build made {counts[0]} parameters on rank 0 but {counts} across ranks: parts built with "
+                "parameters on the meta device (every rank but 0 under FSDP) lost a weight tie; tie them again after "
+                "building (e.g. in the module's forward setup) or train with train.parallel=ddp"
+            )
+        others = max(float(t[0]) for t in sizes[1:])
         log.info(
             "fsdp init: rank 0 built the parts (%.2f MB of parameters); ranks 1-%d built them on the meta device "
             "(at most %.2f MB allocated) and take their slices from rank 0",
-            float(sizes[0]) / 1e6, self.env.world_size - 1, others / 1e6,
+            float(sizes[0][0]) / 1e6, self.env.world_size - 1, others / 1e6,
         )  # fmt: skip
 
     def _no_sync(self, wrapped):

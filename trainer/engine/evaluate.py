@@ -55,9 +55,10 @@ class Evaluator:
         """Load the feature network now, so a missing one fails before training starts."""
         if self.enabled and self._metric is None:
             from trainer.eval.features import load_features
-            from trainer.eval.fid import FidKid
+            from trainer.eval.fid import FidKid, check_share
 
             e = self.cfg.eval
+            check_share(min(e.num, len(self.real_set)), self.world_size)
             net, self._about = load_features(e.features, e.features_url, self.cfg.checkpoint.storage_options)
             self._metric = FidKid(net, e.kid_subset_size, self.device)
 

@@ -139,11 +139,17 @@ def shard_from_rank0(
     module: nn.Module, precision: str, cpu_offload: bool, rank: int, device: torch.device
 ) -> nn.Module:
     """Shard a part built on rank 0 (and on the meta device elsewhere), then give every rank its slices of
-    rank 0's values (torch.distributed.checkpoint's broadcast_from_rank0 loader: one tensor at a time,
-    each rank keeps its shard). Buffers, which FSDP2 does not shard, are copied whole."""
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+    rank 0's values: one parameter at a time, broadcast whole and cut locally with the parameter's own
+    placement (`distribute_tensor` without communication), so no rank holds more than one whole
+    parameter beyond its shards. Buffers, which FSDP2 does not shard, are broadcast whole.
 
-    full = module.state_dict() if rank == 0 else {}  # rank 0: still in host memory (not moved yet)
+    By hand rather than torch.distributed.checkpoint's `set_model_state_dict(broadcast_from_rank0=True)`
+    (same scheme), which refuses a state dict on two devices: with CPU offload the sharded parameters
+    live on the host and the buffers on the GPU.
+    """
+    from torch.distributed.tensor import distribute_tensor
+
+    full = {n: p.detach() for n, p in module.named_parameters()} if rank == 0 else {}  # host memory
     shard_module(module, precision, cpu_offload)  # moves one unit at a time to the device as it shards
     if rank != 0:
         module.to_empty(device=torch.device("cpu") if cpu_offload else device)
@@ -152,13 +158,39 @@ def shard_from_rank0(
                 for key, b in m._buffers.items():
                     if b is not None:
                         m._buffers[key] = b.to(device)
-    options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
-    set_model_state_dict(module, full, options=options)
-    del full
     with torch.no_grad():
+        for name, p in module.named_parameters():
+            if rank == 0:
+                whole = full.pop(name).to(device)
+            else:
+                whole = torch.empty(p.shape, dtype=p.dtype, device=device)
+            dist.broadcast(whole, src=0)
+            if isinstance(p, DTensor):
+                whole = distribute_tensor(whole, p.device_mesh, p.placements, src_data_rank=None).to_local()
+                p.to_local().copy_(whole)
+            else:
+                p.copy_(whole)
+            del whole
         for b in module.buffers():
             dist.broadcast(b.data, src=0)
     return module
+
+
+@torch.no_grad()
+def whole_tensors_agree(modules: Iterable[nn.Module], device: torch.device) -> tuple[bool, int]:
+    """Whether every rank holds the same values in every tensor that is not sharded (whole parts, all
+    buffers): two float64 sums per tensor, all-gathered and compared exactly. (agree, tensors checked)."""
+    sums = []
+    for module in modules:
+        for t in [*module.parameters(), *module.buffers()]:
+            if isinstance(t, DTensor) or t.is_meta:
+                continue
+            v = torch.nan_to_num(t.detach().double(), nan=0.0, posinf=1e300, neginf=-1e300)
+            sums += [v.sum(), v.abs().sum()]
+    mine = torch.stack(sums).to(device) if sums else torch.zeros(0, dtype=torch.float64, device=device)
+    every = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
+    dist.all_gather(every, mine)
+    return all(torch.equal(x, every[0]) for x in every), len(sums) // 2
 
 
 def full_value(t: torch.Tensor) -> torch.Tensor:

@@ -73,9 +73,9 @@ class FidKid:
         width = self.features.num_features
         for name in ("real_features", "fake_features"):
             parts = getattr(self.kid, name)
-            if len(parts) != 1:
-                joined = torch.cat(parts) if parts else torch.zeros(0, width, device=self.kid.device)
-                setattr(self.kid, name, [joined])
+            # float64 on every rank (the feature networks return float64): the padded gather needs one dtype.
+            joined = torch.cat(parts) if parts else torch.zeros(0, width, device=self.kid.device)
+            setattr(self.kid, name, [joined.to(torch.float64)])
 
     @torch.no_grad()
     def compute(self, n_real: int, n_fake: int) -> dict[str, float]:
@@ -103,6 +103,17 @@ def real_images(real_set, n: int, rank: int, world_size: int, batch: int = 64):
         items = getter(refs) if getter else [real_set[r] for r in refs]
         b = collate(items)
         yield ((b["images"][b["valid"]] + 1) / 2).clamp(0, 1)
+
+
+def check_share(n_real: int, world_size: int) -> None:
+    """Every rank needs at least one real image (torchmetrics' FID learns its dtype from an update)."""
+    if n_real < world_size:
+        from trainer.config import ConfigError
+
+        raise ConfigError(
+            f"evaluation on {world_size} ranks needs at least {world_size} real images (one per rank); it would use "
+            f"{n_real}: raise eval.num (and the held-out split) to at least {world_size}"
+        )
 
 
 def generated_images(
@@ -143,6 +154,7 @@ def evaluate(
 ) -> dict[str, float]:
     """FID/KID of `num` generated images vs up to `num` real ones; every rank must call it (collectives)."""
     n_real = min(num, len(real_set))
+    check_share(n_real, world_size)
     if n_real < 2:
         raise ValueError(f"evaluation needs at least 2 real images, the held-out set has {len(real_set)}")
     if not metric.has_real:
