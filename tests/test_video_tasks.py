@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import copy
 
+import numpy as np
 import pytest
 import torch
 from conftest import REPO, clean_env, run_cli
@@ -224,6 +225,16 @@ def test_video_maskgit_samples_gifs_named_by_caption_with_the_frames_asked_for(t
     assert main(["sample", root, "--num", "1", "--prompt", "a one moving up", "--frames", "5", "--out", str(out)]) == 2
     err = capsys.readouterr().err
     assert "--frames 5" in err and "3-frame clips" in err
+    # --temperature reaches the token draws: the same seed and prompt at two temperatures give other clips.
+    sheets = {}
+    for temperature in ("0.05", "20"):
+        t_out = tmp_path / f"t{temperature}" / "sheet.png"
+        assert main(["sample", root, "--num", "3", "--prompt", "a two moving up", "--temperature", temperature,
+                     "--out", str(t_out)]) == 0  # fmt: skip
+        sheets[temperature] = np.asarray(Image.open(t_out))
+    assert not np.array_equal(sheets["0.05"], sheets["20"])
+    assert main(["sample", tokenizer, "--num", "1", "--temperature", "0.5", "--out", str(out)]) == 2
+    assert "--temperature applies to token models" in capsys.readouterr().err
 
 
 # ---------------------------------------------------------------- distributed, exact resume

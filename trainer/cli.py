@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import inspect
 import json
 import logging
 import os
@@ -42,6 +43,10 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--embeddings", default=None, help="image-embedding-conditioned: a .npy of (D,) or (N, D)")
     s.add_argument("--stop-at-stage", type=int, default=None, help="cascade: run stages 1..K only")
     s.add_argument("--frames", type=int, default=None, help="video models: frames per clip (default: as trained)")
+    s.add_argument(
+        "--temperature", type=float, default=None, help="token models (MaskGIT): temperature of the token draws "
+        "(default: the run's model.temperature)",
+    )  # fmt: skip
     s.add_argument("--batch-size", type=int, default=None, help="sample in chunks of this many (memory)")
     s.add_argument("--storage-options", type=json.loads, default={}, help="JSON passed to fsspec")
 
@@ -149,6 +154,13 @@ def cmd_sample(args: argparse.Namespace) -> int:
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     cfg, task, modules = load_for_inference(store, info, use_ema=not args.no_ema, device=device)
     s = cfg.sample
+    if args.temperature is not None and "temperature" not in inspect.signature(task.sample).parameters:
+        raise ConfigError(
+            f"--temperature applies to token models (MaskGIT: the temperature of its token draws); "
+            f"{info.url} is a {cfg.task!r} run"
+        )
+    if args.temperature is not None and args.temperature <= 0:
+        raise ConfigError(f"--temperature {args.temperature}: must be greater than 0")
     images = task.sample(
         modules,
         args.num,
@@ -236,6 +248,8 @@ def _conditions(args: argparse.Namespace, store, info) -> dict[str, Any]:
         out["frames"] = args.frames
     if args.batch_size is not None:
         out["batch_size"] = args.batch_size
+    if args.temperature is not None:
+        out["temperature"] = args.temperature
     return out
 
 
