@@ -13,7 +13,7 @@ from diffusers.training_utils import EMAModel
 from torch import nn
 
 from trainer.config import Config
-from trainer.engine.shard import full_value, has_meta, is_fsdp, reshard
+from trainer.engine.shard import full_value, is_fsdp, reshard
 from trainer.optim import OptimSettings, build_ema, build_lr_schedule, build_optimizer
 from trainer.tasks.base import FrozenWeights
 from trainer.tasks.finetune import cast_frozen_base
@@ -204,7 +204,7 @@ def build_parts(
     for name, module in modules.items():
         # A part `wrap` shards stays where it was built (meta off rank 0, host memory on rank 0):
         # fully_shard moves one unit at a time to the device, so no device ever holds it whole.
-        if not (shard_on_wrap and name in wrapped_names) and not has_meta(module):
+        if not (shard_on_wrap and name in wrapped_names):
             module.to(device)
         if name in frozen:
             frozen_parts[name] = FrozenPart(name, module, frozen[name])

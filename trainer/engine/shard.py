@@ -117,10 +117,6 @@ def build_context(rank: int, sharded: bool) -> AbstractContextManager:
     return init_empty_weights(include_buffers=False)
 
 
-def has_meta(module: nn.Module) -> bool:
-    return any(p.is_meta for p in module.parameters())
-
-
 @torch.no_grad()
 def replicate_from_rank0(module: nn.Module, device: torch.device, rank: int, parameters: bool = True) -> None:
     """A part kept whole on every rank (frozen, or not trained this run): ranks other than 0 allocate it
