@@ -60,18 +60,35 @@ def join_tensors(skeleton: Any, tensors: Mapping[str, torch.Tensor]) -> Any:
 
 # ------------------------------------------------------------ safetensors writer
 
-_DTYPES = {
-    torch.float64: "F64",
-    torch.float32: "F32",
-    torch.float16: "F16",
-    torch.bfloat16: "BF16",
-    torch.int64: "I64",
-    torch.int32: "I32",
-    torch.int16: "I16",
-    torch.int8: "I8",
-    torch.uint8: "U8",
-    torch.bool: "BOOL",
+# Every dtype the safetensors format defines, by its header name (safetensors' `Dtype` enum), with
+# the torch dtype it holds. One table for the writer, the readers and validation.
+SAFETENSORS_DTYPES: dict[str, torch.dtype] = {
+    "F64": torch.float64,
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "F8_E4M3": torch.float8_e4m3fn,
+    "F8_E5M2": torch.float8_e5m2,
+    "I64": torch.int64,
+    "I32": torch.int32,
+    "I16": torch.int16,
+    "I8": torch.int8,
+    "U64": torch.uint64,
+    "U32": torch.uint32,
+    "U16": torch.uint16,
+    "U8": torch.uint8,
+    "BOOL": torch.bool,
 }
+DTYPE_NAMES: dict[torch.dtype, str] = {v: k for k, v in SAFETENSORS_DTYPES.items()}
+_DTYPES = DTYPE_NAMES  # the name older modules import
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    """The torch dtype of a safetensors header dtype name; ValueError for one the format does not define."""
+    try:
+        return SAFETENSORS_DTYPES[name]
+    except (KeyError, TypeError):
+        raise ValueError(f"unknown safetensors dtype {name!r}") from None
 
 
 def _tensor_bytes(t: torch.Tensor) -> memoryview:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import logging
-import os
 import threading
 import time
 from collections.abc import Mapping
@@ -17,16 +16,24 @@ from trainer.checkpoint.state import (
     Stateful,
     capture_rank_state,
     read_frozen_records,
-    restore,
+    read_state,
     sharded_snapshot_files,
     snapshot_files,
     updated_only_in_steps,
 )
-from trainer.checkpoint.store import CheckpointCorrupt, CheckpointStore, SaveResult
+from trainer.checkpoint.store import CheckpointCorrupt, CheckpointError, CheckpointInfo, CheckpointStore, SaveResult
 from trainer.checkpoint.weights import check_pinned_inputs
 from trainer.checkpoint.writer import Checkpointer, SnapshotError
 from trainer.config import Config, ConfigError
-from trainer.elastic import EXIT_PREEMPTED, DistEnv, StopRequest, broadcast_object, gather_objects, new_gloo_group
+from trainer.elastic import (
+    EXIT_PREEMPTED,
+    DistEnv,
+    StopRequest,
+    broadcast_object,
+    exit_now,
+    gather_objects,
+    new_gloo_group,
+)
 from trainer.metrics import TrainingMetrics
 
 log = logging.getLogger("gentrain")
@@ -109,48 +116,59 @@ class CheckpointManager:
         return broadcast_object(records)
 
     def resume(self) -> str | None:
-        """Load the newest valid checkpoint every rank can load (digest-verified).
+        """Load the newest checkpoint every rank can load (digests, structure and fit checked).
 
-        Rank 0 lists the committed candidates, newest first; every rank loads
-        its share of each (all of it under DDP, its slices under FSDP) until
-        one loads on every rank. A failed load applies nothing.
+        Rank 0 walks the committed candidates lazily, newest first, and names one at a time; every rank
+        reads its share of it (all of it under DDP, its slices under FSDP) and checks it against the
+        live parts, rank 0 verifies the files no rank read, and only if all of that passed on every rank
+        is it applied, everywhere at once. Otherwise nothing is applied and the previous one is tried.
         """
         if not self.cfg.checkpoint.resume:
             return None
-        steps, recorded = None, None
-        if self.env.is_main:
-            infos = list(self.store.valid_candidates())
-            steps = [info.step for info in infos]
-            recorded = (infos[0].manifest or {}).get("inputs") or {} if infos else {}
-        steps, recorded = broadcast_object((steps, recorded))
-        # Every rank raises together (exit 2) when a pinned input (the text encoder) changed.
-        check_pinned_inputs(recorded, self.inputs, f"the run at {self.store.url}")
-        for step in steps:
+        candidates = iter(self.store.valid_candidates()) if self.env.is_main else None
+        first = True
+        while True:
+            info = next(candidates, None) if candidates is not None else None
+            inputs = (info.manifest.get("inputs") or {}) if info is not None and first else None
+            step, recorded = broadcast_object((info.step if info is not None else None, inputs))
+            if step is None:
+                return None
+            if first:  # every rank raises together (exit 2) when a pinned input (the text encoder) changed
+                check_pinned_inputs(recorded, self.inputs, f"the run at {self.store.url}")
+                first = False
             info = self.store.check(step)
-            error = None
-            try:
-                self._restore(info)
-            except ConfigError as e:  # the config, not the checkpoint, is wrong: an older one would not help
-                error = ("config", str(e))
-            except (CheckpointCorrupt, KeyError, ValueError, RuntimeError) as e:
-                error = ("corrupt", f"rank {self.env.rank}: {e}")
-            reported = [e for e in gather_objects(error) if e]
-            refused = [msg for kind, msg in reported if kind == "config"]
-            if refused:
-                raise ConfigError(refused[0])  # on every rank together (exit 2)
-            errors = [msg for _, msg in reported]
+            errors = self._load_everywhere(info)
             if not errors:
                 self.resumed_from = self.store.url_for(step)
                 return self.resumed_from
             if self.env.is_main:
                 log.warning("checkpoint %s cannot be loaded (%s); trying the previous one", info.url, "; ".join(errors))
-        return None
 
-    def _restore(self, info) -> None:
-        doc = restore(self.store, info, self.progress, self.parts, self.env.rank)
-        recorded = doc.get("frozen", {})
-        if {k: v["digest"] for k, v in recorded.items()} != {k: v["digest"] for k, v in self.frozen.items()}:
-            raise ValueError(f"its frozen parts {recorded} differ from the ones loaded now {self.frozen}")
+    def _load_everywhere(self, info: CheckpointInfo) -> list[str]:
+        """Collective: read and check `info` on every rank, apply it only if every rank and the check of
+        the files nobody read agree; the problems found (none: applied on every rank)."""
+        error, loaded = None, None
+        try:
+            loaded = read_state(self.store, info, self.progress, self.parts, self.env.rank)
+            recorded = loaded.doc.get("frozen", {})
+            if {k: v["digest"] for k, v in recorded.items()} != {k: v["digest"] for k, v in self.frozen.items()}:
+                raise CheckpointCorrupt(f"its frozen parts {recorded} differ from the ones loaded now {self.frozen}")
+        except ConfigError as e:  # the config, not the checkpoint, is wrong: an older one would not help
+            error = ("config", str(e))
+        except CheckpointError as e:
+            error = ("corrupt", f"rank {self.env.rank}: {e}")
+        reports = gather_objects((error, sorted(self.store.files_verified(info))))
+        refused = [e[1] for e, _ in reports if e and e[0] == "config"]
+        if refused:
+            raise ConfigError(refused[0])  # on every rank together (exit 2)
+        problems = [e[1] for e, _ in reports if e]
+        if not problems and self.env.is_main:
+            read_somewhere = set().union(*(set(names) for _, names in reports))
+            problems = self.store.verify(info, digests_checked=read_somewhere)
+        problems = broadcast_object(problems)
+        if not problems:
+            loaded.apply()
+        return problems
 
     # ---------------------------------------------------------------- save
 
@@ -229,8 +247,14 @@ class CheckpointManager:
         t0 = time.perf_counter()
         meta = dict(meta)
         local_index = meta.pop(_LOCAL_INDEX)
-        # Rank 0's view decides: its previous save (and commit) has finished before this one starts.
-        if broadcast_object(self.store.check(step).valid if self.env.is_main else None, group=self.group):
+        # Rank 0's view decides: its previous save (and commit) has finished before this one starts. A step
+        # dir that holds an invalid checkpoint (one resume fell back from) is cleared first, then rewritten.
+        committed = None
+        if self.env.is_main:
+            committed = self.store.committed(step) is not None
+            if not committed:
+                self.store.clear_invalid(step)
+        if broadcast_object(committed, group=self.group):
             log.info("checkpoint %s is already committed; not writing it again", self.store.url_for(step))
             return None
         return write_sharded(self.store, step, files, local_index, meta, self.env.rank, self.env.world_size,
@@ -252,18 +276,26 @@ class CheckpointManager:
             if err is not None:
                 self._count_failure(err)
 
-    def emergency_save(self, step: int, stop: StopRequest, grace_seconds: float, flush) -> int:
-        """All ranks agreed to stop: write a checkpoint within the grace period, then exit 143."""
-        left = stop.seconds_left(grace_seconds)
+    def emergency_save(self, step: int, stop: StopRequest) -> int:
+        """All ranks agreed to stop: write a checkpoint within the grace period; returns 143.
+
+        An async save still in flight goes first (it may commit in time: then it is the newest valid
+        checkpoint if this one does not make it). Both run on a helper thread so the wait ends at the
+        grace deadline whatever the store does; past it this process exits 143 at once, and a save cut
+        short has no manifest, so the newest committed checkpoint stays the newest valid one.
+        """
+        left = stop.seconds_left()
         log.warning("stop requested: writing an emergency checkpoint at step %d (%.1fs of grace left)", step, left)
         self.metrics.on_preemption()
         done = threading.Event()
-        outcome: dict[str, Any] = {}
+        outcome: dict[str, Any] = {"waiting_for": "the emergency checkpoint"}
 
         def work() -> None:
             try:
-                if self.writer is not None:
+                if self.writer is not None and self.writer.writing():
+                    outcome["waiting_for"] = "the async save in flight before it"
                     self.writer.wait()
+                    outcome["waiting_for"] = "the emergency checkpoint"
                 outcome["ok"] = self.save(step, sync=True)
             except BaseException as e:  # reported below; exit code stays 143
                 outcome["error"] = e
@@ -271,14 +303,14 @@ class CheckpointManager:
                 done.set()
 
         threading.Thread(target=work, name="gentrain-emergency-save", daemon=True).start()
-        if not done.wait(timeout=max(0.0, stop.seconds_left(grace_seconds))):
+        if not done.wait(timeout=max(0.0, stop.seconds_left())):
             log.error(
-                "emergency checkpoint did not finish within elastic.grace_seconds=%.0f; "
-                "the previous checkpoint stays valid",
-                grace_seconds,
+                "emergency checkpoint did not finish within elastic.grace_seconds=%g (still writing %s); "
+                "exiting 143, the newest committed checkpoint stays valid",
+                stop.grace_seconds,
+                outcome["waiting_for"],
             )
-            flush()
-            os._exit(EXIT_PREEMPTED)
+            exit_now(EXIT_PREEMPTED)
         if outcome.get("error") or not outcome.get("ok"):
             log.error("emergency checkpoint failed: %s; the previous checkpoint stays valid", outcome.get("error"))
         else:

@@ -44,12 +44,11 @@ from torch.distributed.checkpoint.storage import StorageReader
 from torch.distributed.tensor import DTensor
 from torch.futures import Future
 
-from trainer.checkpoint.format import _DTYPES, entry_digest, new_digest
+from trainer.checkpoint.format import _DTYPES, entry_digest, new_digest, torch_dtype
 from trainer.checkpoint.store import CheckpointCorrupt, CheckpointError, CheckpointInfo, CheckpointStore, SaveResult
 
 SHARD_INDEX = "shards.json"
 KINDS = ("model", "ema", "optimizer")
-_TORCH_DTYPES = {v: k for k, v in _DTYPES.items()}
 _READ_CHUNK = 16 << 20
 
 
@@ -148,6 +147,8 @@ def write_sharded(
     reports = gather_objects((entries, local_index, error), group=group)
     errors = [r[2] for r in reports if r[2]]
     if errors:
+        if rank == 0:  # every rank has stopped writing: free the space the failed save took
+            store.remove_uncommitted(step)
         raise CheckpointError(f"sharded save of step {step} failed, nothing committed: {'; '.join(errors)}")
     if rank != 0:
         return None
@@ -155,26 +156,21 @@ def write_sharded(
     for rank_entries, _, _ in reports:
         all_entries.update(rank_entries)
     index = merge_indexes([r[1] for r in reports])
-    all_entries.update(store.write_files(step, {SHARD_INDEX: index_file_bytes(index, world_size)}))
-    return store.commit(step, all_entries, meta, t0)
+    try:
+        all_entries.update(store.write_files(step, {SHARD_INDEX: index_file_bytes(index, world_size)}))
+        return store.commit(step, all_entries, meta, t0)
+    except BaseException:
+        store.remove_uncommitted(step)
+        raise
 
 
 # ------------------------------------------------------------------ read side
 
 
 def read_header(store: CheckpointStore, info: CheckpointInfo, name: str) -> tuple[dict[str, Any], int]:
-    """A safetensors file's header and the byte offset its data starts at (two small ranged reads)."""
-    path = store.file_path(info, name)
-    try:
-        with store.fs.open(path, "rb") as f:
-            n = int.from_bytes(f.read(8), "little")
-            header = json.loads(f.read(n))
-    except FileNotFoundError:
-        raise CheckpointCorrupt(f"{info.url}/{name} is missing") from None
-    except (ValueError, UnicodeDecodeError) as e:
-        raise CheckpointCorrupt(f"{info.url}/{name}: unreadable safetensors header ({e})") from None
-    header.pop("__metadata__", None)
-    return header, 8 + n
+    """A safetensors file's header (checked against the file's size, see trainer.checkpoint.validity) and
+    the byte offset its data starts at (two small ranged reads)."""
+    return store.read_safetensors_header(info, name)
 
 
 class ShardIndex:
@@ -259,7 +255,7 @@ class ChunkReader(StorageReader):
         md, storage = {}, {}
         for key, e in self.entries.items():
             chunks = [ChunkStorageMetadata(torch.Size(c["offsets"]), torch.Size(c["sizes"])) for c in e["chunks"]]
-            props = TensorProperties(dtype=_TORCH_DTYPES[e["dtype"]])
+            props = TensorProperties(dtype=torch_dtype(e["dtype"]))
             md[key] = TensorStorageMetadata(props, torch.Size(e["shape"]), chunks)
             for c in e["chunks"]:
                 storage[MetadataIndex(key, torch.Size(c["offsets"]))] = c["file"]
@@ -296,8 +292,15 @@ class ChunkReader(StorageReader):
             h = header.get(item.storage_index.fqn)
             if h is None:
                 raise CheckpointCorrupt(f"{self.info.url}/{name} has no tensor {item.storage_index.fqn!r}")
-            dtype = _TORCH_DTYPES[h["dtype"]]
+            dtype = torch_dtype(h["dtype"])
+            if h["dtype"] != self.entries[item.storage_index.fqn]["dtype"]:
+                raise CheckpointCorrupt(f"{self.info.url}/{name}: {item.storage_index.fqn!r} is {h['dtype']}, "
+                                        f"the index says {self.entries[item.storage_index.fqn]['dtype']}")  # fmt: skip
             shape = h["shape"]
+            if len(shape) != len(item.lengths) or any(
+                o + n > d for o, n, d in zip(item.storage_offsets, item.lengths, shape, strict=True)
+            ):
+                raise CheckpointCorrupt(f"{self.info.url}/{name}: {item.storage_index.fqn!r} is smaller than its chunk")
             start = data_start + h["data_offsets"][0]
             if shape:
                 row = math.prod(shape[1:]) * dtype.itemsize

@@ -20,14 +20,17 @@ module only decides the files. Frozen parts are not saved: their source
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Callable, Mapping
 from typing import Any, Protocol
 
 import torch
 
-from trainer.checkpoint.format import join_tensors, split_tensors
+from trainer.checkpoint.errors import CheckpointCorrupt
+from trainer.checkpoint.format import join_tensors, split_tensors, torch_dtype
 from trainer.checkpoint.sharded import ShardIndex, group_name, is_sharded, load_group, local_slices
 from trainer.checkpoint.store import CheckpointInfo, CheckpointStore, Payload
+from trainer.checkpoint.validity import tensor_refs
 from trainer.checkpoint.writer import storage_key
 from trainer.randomness import rng_state, set_rng_state
 
@@ -141,46 +144,139 @@ def read_frozen_records(store: CheckpointStore, info: CheckpointInfo) -> dict[st
     return store.read_json(info, TRAINER_JSON).get("frozen", {})
 
 
-def restore(
-    store: CheckpointStore, info: CheckpointInfo, progress: Stateful, parts: Mapping[str, Any], rank: int
-) -> dict[str, Any]:
-    """Load a checkpoint into `progress` and `parts` (digest-verified); returns trainer.json.
+class LoadedState:
+    """A checkpoint read into memory and checked against the live objects, not yet applied.
 
-    Raises CheckpointCorrupt if any file fails verification; nothing is applied
-    until every file this rank needs has been read and checked. A sharded
-    checkpoint, or a sharded part, goes through the chunk reader: this rank
-    reads only its slices, whatever the world size at save time.
+    `apply()` loads it into progress, parts and RNG; until then nothing live has changed, so a
+    checkpoint that fails on any rank (or in the check of files no rank read) applies nothing anywhere.
     """
-    doc = store.read_json(info, TRAINER_JSON)
+
+    def __init__(self, doc, states, rng, progress, parts):
+        self.doc, self._states, self._rng = doc, states, rng
+        self._progress, self._parts = progress, parts
+
+    def apply(self) -> dict[str, Any]:
+        for name, state in self._states.items():
+            self._parts[name].load_state_dict(state)
+        self._progress.load_state_dict(self.doc["progress"])
+        if self._rng is not None:
+            set_rng_state(*self._rng)
+        return self.doc
+
+
+def read_state(
+    store: CheckpointStore, info: CheckpointInfo, progress: Stateful, parts: Mapping[str, Any], rank: int
+) -> LoadedState:
+    """Read and check everything this rank needs from a checkpoint; apply nothing.
+
+    Raises CheckpointCorrupt if any file fails its digest or structure, or if the saved state does not
+    fit the live parts (shapes of weights, EMA and optimizer state; schedule keys). A sharded
+    checkpoint, or a sharded part, goes through the chunk reader: this rank reads only its slices,
+    whatever the world size at save time.
+    """
+    doc = store.read_json(info, TRAINER_JSON)  # schema-checked (trainer.checkpoint.validity)
     files = info.manifest["files"]
     index = ShardIndex(store, info) if is_sharded(info) or any(p.sharded for p in parts.values()) else None
     states = {}
     for name, part in parts.items():
         if name not in doc["parts"]:
-            raise KeyError(f"checkpoint {info.url} has no part {name!r} (it has {sorted(doc['parts'])})")
+            raise CheckpointCorrupt(f"checkpoint {info.url} has no part {name!r} (it has {sorted(doc['parts'])})")
         meta = doc["parts"][name]
         if index is not None:
             states[name] = _read_part_slices(index, name, part, meta)
-            continue
-        states[name] = {
-            "model": store.read_tensors(info, model_file(name)),
-            "ema": store.read_tensors(info, ema_file(name)) if ema_file(name) in files and meta["ema"] else None,
-            "optimizer": join_tensors(meta["optimizer"], store.read_tensors(info, optimizer_file(name))),
-            "lr_schedule": meta["lr_schedule"],
-            "scaler": meta["scaler"],
-            "ema_meta": meta["ema"],
-            "step": meta["step"],
-        }
+        else:
+            opt_tensors = store.read_tensors(info, optimizer_file(name))
+            missing = tensor_refs(meta["optimizer"]) - set(opt_tensors)
+            if missing:
+                raise CheckpointCorrupt(f"{info.url}/{optimizer_file(name)} lacks tensors {sorted(missing)[:3]}")
+            states[name] = {
+                "model": store.read_tensors(info, model_file(name)),
+                "ema": store.read_tensors(info, ema_file(name)) if ema_file(name) in files and meta["ema"] else None,
+                "optimizer": join_tensors(meta["optimizer"], opt_tensors),
+                "lr_schedule": meta["lr_schedule"],
+                "scaler": meta["scaler"],
+                "ema_meta": meta["ema"],
+                "step": meta["step"],
+            }
+        check_fits(part, states[name], f"{info.url}: part {name!r}")
     tensor_name, json_name = rank_files(rank)
     rng = None
     if tensor_name in files:
-        rng = (store.read_tensors(info, tensor_name), store.read_json(info, json_name)["rng"])
-    for name, state in states.items():
-        parts[name].load_state_dict(state)
-    progress.load_state_dict(doc["progress"])
-    if rng is not None:
-        set_rng_state(*rng)
-    return doc
+        tensors = store.read_tensors(info, tensor_name)
+        cpu = tensors.get("torch_cpu")
+        if cpu is None or cpu.dtype != torch.uint8 or cpu.ndim != 1:
+            raise CheckpointCorrupt(f"{info.url}/{tensor_name}: no CPU RNG state (a uint8 vector named torch_cpu)")
+        rng = (tensors, store.read_json(info, json_name)["rng"])
+    return LoadedState(doc, states, rng, progress, parts)
+
+
+def restore(
+    store: CheckpointStore, info: CheckpointInfo, progress: Stateful, parts: Mapping[str, Any], rank: int
+) -> dict[str, Any]:
+    """Load a checkpoint into `progress` and `parts` (digest- and structure-checked); returns trainer.json.
+    Nothing is applied unless everything this rank needs was read and checked."""
+    return read_state(store, info, progress, parts, rank).apply()
+
+
+def check_fits(part: Any, state: Mapping[str, Any], what: str) -> None:
+    """Saved state that does not fit the live part is a corrupt checkpoint (or another model's): say which
+    tensor, before anything is applied. torch checks a module's weights on load, but an EMA or optimizer
+    tensor of the wrong shape would load and fail only at the next update."""
+    live = dict(part.module.state_dict())
+    if set(state["model"]) != set(live):
+        extra, missing = sorted(set(state["model"]) - set(live)), sorted(set(live) - set(state["model"]))
+        raise CheckpointCorrupt(f"{what}: weights do not match the model (missing {missing[:3]}, extra {extra[:3]})")
+    for key, t in state["model"].items():
+        if tuple(t.shape) != tuple(live[key].shape):
+            raise CheckpointCorrupt(f"{what}: {key} has shape {list(t.shape)}, the model's is {list(live[key].shape)}")
+    if part.ema is not None and state.get("ema") is not None and state.get("ema_meta"):
+        for key, p in part.module.named_parameters():
+            t = state["ema"].get(key)
+            if t is None or tuple(t.shape) != tuple(p.shape):
+                found = "missing" if t is None else f"shape {list(t.shape)}"
+                raise CheckpointCorrupt(f"{what}: EMA weight {key} is {found}, the model's is {list(p.shape)}")
+    params = part.optimizer_params()
+    opt = state["optimizer"]
+    if not isinstance(opt.get("state"), dict) or not isinstance(opt.get("param_groups"), list):
+        raise CheckpointCorrupt(f"{what}: optimizer state lacks 'state' or 'param_groups'")
+    for idx, per_param in opt["state"].items():
+        if not isinstance(idx, int) or not 0 <= idx < len(params) or not isinstance(per_param, dict):
+            raise CheckpointCorrupt(f"{what}: optimizer state for parameter {idx!r}, the model has {len(params)}")
+        for k, v in per_param.items():
+            if isinstance(v, torch.Tensor) and v.numel() != 1 and tuple(v.shape) != tuple(params[idx].shape):
+                raise CheckpointCorrupt(
+                    f"{what}: optimizer {k} of parameter {idx} has shape {list(v.shape)}, "
+                    f"the parameter's is {list(params[idx].shape)}"
+                )
+    live_groups = part.optimizer.param_groups
+    groups = opt["param_groups"]
+    if len(groups) != len(live_groups) or any(
+        not isinstance(g, dict) or not isinstance(g.get("params"), list) or len(g["params"]) != len(live["params"])
+        for g, live in zip(groups, live_groups, strict=False)
+    ):
+        raise CheckpointCorrupt(f"{what}: optimizer parameter groups do not match the model's")
+    _check_like(state.get("lr_schedule"), part.lr_schedule.state_dict(), f"{what}: learning-rate schedule")
+    if state.get("scaler"):
+        _check_like(state["scaler"], part.scaler.state_dict(), f"{what}: loss scaler")
+    if part.ema is not None and state.get("ema_meta"):
+        live_meta = {k: v for k, v in part.ema.state_dict().items() if k != "shadow_params"}
+        _check_like(state["ema_meta"], live_meta, f"{what}: EMA settings")
+
+
+def _check_like(saved: Any, live: Mapping[str, Any], what: str) -> None:
+    """Saved JSON state of a torch/diffusers object has only keys the live object has, each of its type
+    (an int where a float is expected is fine): loading it then cannot fail half-way or set attributes."""
+    if saved is None:
+        return
+    if not isinstance(saved, dict):
+        raise CheckpointCorrupt(f"{what} state is a {type(saved).__name__}, not an object")
+    for k, v in saved.items():
+        if k not in live:
+            raise CheckpointCorrupt(f"{what} state has an unknown entry {k!r}")
+        want = live[k]
+        same = type(v) is type(want) or (isinstance(want, float) and type(v) is int) or want is None
+        if not same:
+            raise CheckpointCorrupt(f"{what} state: {k} is a {type(v).__name__}, expected {type(want).__name__}")
 
 
 def _read_part_slices(index: ShardIndex, name: str, part: Any, meta: Mapping[str, Any]) -> dict[str, Any]:
@@ -195,18 +291,29 @@ def _read_part_slices(index: ShardIndex, name: str, part: Any, meta: Mapping[str
     params = part.optimizer_params()
     opt_group = group_name(name, "optimizer")
     opt_targets = {}
-    for index_key, per_param in meta["optimizer"].get("state", {}).items():
-        param = params[int(index_key.removeprefix("__int__"))]
+    per_params = meta["optimizer"].get("state", {})
+    if not isinstance(per_params, dict):
+        raise CheckpointCorrupt(f"{index.info.url}: {opt_group} state is not keyed by parameter")
+    for index_key, per_param in per_params.items():
+        i = index_key.removeprefix("__int__")
+        if not i.isdigit() or int(i) >= len(params) or not isinstance(per_param, dict):
+            raise CheckpointCorrupt(f"{index.info.url}: {opt_group} has state for parameter {i!r} of {len(params)}")
+        param = params[int(i)]
         for value in per_param.values():
             if isinstance(value, dict) and "__tensor__" in value:
                 key = value["__tensor__"]
                 saved = index.group(opt_group)[key] if key in index.group(opt_group) else None
                 if saved is not None and list(saved["shape"]) == list(param.shape):
                     opt_targets[key] = param
-                elif saved is not None:
+                elif saved is not None and math.prod(saved["shape"]) <= 1:  # a step count
                     opt_targets[key] = torch.empty(saved["shape"], dtype=_saved_dtype(saved))
+                elif saved is not None:
+                    raise CheckpointCorrupt(
+                        f"{index.info.url}: {opt_group}:{key} has shape {saved['shape']}, its parameter's is "
+                        f"{list(param.shape)}"
+                    )
                 else:
-                    raise KeyError(f"{index.info.url}: {opt_group} has no tensor {key!r}")
+                    raise CheckpointCorrupt(f"{index.info.url}: {opt_group} has no tensor {key!r}")
     optimizer = load_group(index, opt_group, opt_targets) if opt_targets else {}
     return {
         "model": model,
@@ -220,9 +327,10 @@ def _read_part_slices(index: ShardIndex, name: str, part: Any, meta: Mapping[str
 
 
 def _saved_dtype(entry: Mapping[str, Any]) -> torch.dtype:
-    from trainer.checkpoint.format import _DTYPES
-
-    return {v: k for k, v in _DTYPES.items()}[entry["dtype"]]
+    try:
+        return torch_dtype(entry["dtype"])
+    except ValueError as e:
+        raise CheckpointCorrupt(str(e)) from None
 
 
 def _jsonable(x: Any) -> Any:

@@ -6,10 +6,16 @@ Layout (see design.md):
     <root>/step-000001200/<payload files> safetensors for tensors, JSON for the rest
     <root>/LATEST                          hint: name of the newest committed step dir
 
-A checkpoint exists if and only if its manifest exists, parses, and every file
-it lists has the listed size; its digest (blake3 for new checkpoints, sha256
-in older ones: the manifest names the algorithm) is checked when a file is
-read. Nothing here unpickles: safetensors and JSON only.
+A checkpoint is *committed* when its step dir is a real dir (not a link), its
+manifest parses against its schema and every file it lists exists with the
+listed size (`check`, no hashing); it is *valid* when, on top of that, every
+file matches its digest (blake3 for new checkpoints, sha256 in older ones)
+and its structure (safetensors headers, JSON state schemas): `verify`, with
+the rules in `trainer.checkpoint.validity`. Discovery, `verify`, resume,
+sampling, retention and the save path's "already committed?" check all use
+these two, so they agree. Nothing here unpickles: safetensors and JSON only,
+and nothing in a root is trusted: a stray file, a link or a malformed entry is
+one invalid candidate, never an error of the whole root.
 
 Limits: one committer per root (rank 0 of one job). In a sharded save every
 rank writes its own payload files (`write_files`) and rank 0 commits the
@@ -38,22 +44,25 @@ import torch
 from fsspec.implementations.local import LocalFileSystem
 from safetensors.torch import load as safetensors_load
 
+from trainer.checkpoint.errors import CheckpointCorrupt, CheckpointError
 from trainer.checkpoint.format import DIGEST, Hasher, entry_digest, fsync, new_digest, write_safetensors
+from trainer.checkpoint.validity import (
+    FORMAT_VERSION,
+    parse_manifest,
+    parse_rank_json,
+    parse_safetensors_header,
+    parse_shard_index,
+    parse_trainer_json,
+    tensor_refs,
+)
 
 log = logging.getLogger(__name__)
 
-FORMAT_VERSION = 2  # 2: blake3 digests, sharded layout; 1 (sha256, one writer) still loads
+__all__ = ["CheckpointCorrupt", "CheckpointError", "CheckpointInfo", "CheckpointStore", "FORMAT_VERSION"]
+
 MANIFEST = "manifest.json"
 LATEST = "LATEST"
 _STEP_RE = re.compile(r"^step-(\d{9,})$")
-
-
-class CheckpointError(RuntimeError):
-    """A checkpoint could not be written or read."""
-
-
-class CheckpointCorrupt(CheckpointError):
-    """A checkpoint's file does not match its manifest (size or digest)."""
 
 
 def step_dir_name(step: int) -> str:
@@ -67,6 +76,7 @@ class CheckpointInfo:
     valid: bool
     reason: str = ""
     manifest: dict[str, Any] | None = None
+    fingerprint: str = ""  # blake3 of the manifest's bytes: which commit of this step was checked
 
     @property
     def name(self) -> str:
@@ -116,6 +126,8 @@ class CheckpointStore:
         self.prune_in_background = False
         self._pruner: ThreadPoolExecutor | None = None
         self._pruning: Future | None = None
+        self._verified: set[tuple[int, str]] = set()  # (step, manifest fingerprint) found valid by `verify`
+        self._digests_ok: set[tuple[int, str, str]] = set()  # (step, fingerprint, file) whose digest matched
 
     # -- paths
     def _path(self, *parts: str) -> str:
@@ -140,12 +152,57 @@ class CheckpointStore:
     def write(self, step: int, files: Mapping[str, Payload], meta: Mapping[str, Any]) -> SaveResult:
         """Write payload files, then the manifest (commit), then LATEST, then apply retention."""
         t0 = time.perf_counter()
-        existing = self.check(step)
-        if existing.valid:
-            log.info("checkpoint %s is already committed; not writing it again", existing.url)
+        existing = self.committed(step)
+        if existing is not None:
+            log.info("checkpoint %s is already committed and valid; not writing it again", existing.url)
             return SaveResult(existing, 0.0, existing.total_bytes)
-        entries = self.write_files(step, files)
-        return self.commit(step, entries, meta, t0)
+        self.clear_invalid(step)
+        try:
+            entries = self.write_files(step, files)
+            return self.commit(step, entries, meta, t0)
+        except BaseException:
+            self.remove_uncommitted(step)  # a full disk must not stay full of a save that failed
+            raise
+
+    def committed(self, step: int) -> CheckpointInfo | None:
+        """The checkpoint of `step` if it is committed *and valid* (digests and structure; verified once
+        per process and commit); None otherwise. The save path's "already committed?" check."""
+        info = self.check(step)
+        return info if info.valid and self.is_valid(info) else None
+
+    def clear_invalid(self, step: int) -> None:
+        """Remove whatever holds `step` when it is not a valid checkpoint, so a re-save replaces it whole:
+        readers see the old (invalid) checkpoint, then none, then the new one; never a mix."""
+        if step not in self.steps():
+            return
+        info = self.check(step)
+        if info.valid and self.is_valid(info):
+            return
+        log.warning("checkpoint %s is invalid (%s); replacing it", info.url, info.reason or "see verify")
+        self._remove_step(step, committed=info.manifest is not None)
+
+    def remove_uncommitted(self, step: int) -> None:
+        """Delete the step dir of a save that failed before its manifest committed it (best effort)."""
+        try:
+            if step in self.steps() and not self.check(step).valid:
+                self._remove_step(step, committed=False)
+        except (OSError, CheckpointError) as e:
+            log.warning("could not remove the partial checkpoint %s: %s", self.url_for(step), e)
+
+    def _remove_step(self, step: int, committed: bool) -> None:
+        d = self._path(step_dir_name(step))
+        if self._is_link(d):
+            raise CheckpointError(f"{self.url_for(step)} is a symbolic link; gentrain never deletes through links")
+        if committed:
+            # Manifest first: a half-deleted checkpoint must look uncommitted, never valid.
+            try:
+                self.fs.rm_file(posixpath.join(d, MANIFEST))
+            except FileNotFoundError:
+                pass
+        try:
+            self.fs.rm(d, recursive=True)
+        except FileNotFoundError:
+            pass
 
     def write_files(self, step: int, files: Mapping[str, Payload]) -> dict[str, dict[str, Any]]:
         """Write (and on local disks fsync) payload files into the step dir; their manifest entries.
@@ -183,6 +240,7 @@ class CheckpointStore:
         info = self.check(step)
         if not info.valid:
             raise CheckpointError(f"checkpoint {info.url} did not verify after writing: {info.reason}")
+        self._verified.add((step, info.fingerprint))  # its digests were computed from the bytes written
         self._put_small(self._path(LATEST), step_dir_name(step).encode())
         total = sum(int(e["bytes"]) for e in entries.values())
         if not self.prune_in_background:
@@ -228,49 +286,63 @@ class CheckpointStore:
             return {"bytes": n, digest.algorithm: digest.hexdigest()}
 
     # -- discovery
+    def _is_link(self, path: str) -> bool:
+        """True for a symbolic link on a local disk (object stores have none)."""
+        return self._local and os.path.islink(path)
+
     def steps(self) -> list[int]:
-        """Step numbers of every step dir under the root, committed or not (one listing)."""
+        """Step numbers of every entry named like a step dir under the root (dirs, files, links; one listing)."""
         try:
             names = self.fs.ls(self.root, detail=False, refresh=True)
-        except FileNotFoundError:
+        except (FileNotFoundError, NotADirectoryError):
             return []
         out = []
         for n in names:
-            m = _STEP_RE.match(posixpath.basename(n.rstrip("/")))
+            m = _STEP_RE.match(posixpath.basename(str(n).rstrip("/")))
             if m:
                 out.append(int(m.group(1)))
         return sorted(set(out))
 
     def check(self, step: int) -> CheckpointInfo:
-        """Manifest parses and every listed file has its size (no hashing)."""
+        """Committed: a real step dir whose manifest matches its schema and lists files of the listed sizes.
+
+        Never raises for what a root holds: anything odd (a file or a link named like a step dir, an
+        unreadable or malformed manifest, a listed file that is a link or a dir) is an invalid candidate
+        whose `reason` says why. No hashing: `verify` checks digests and structure.
+        """
         d = self._path(step_dir_name(step))
         url = self.url_for(step)
+        if self._is_link(d):
+            return CheckpointInfo(url, step, False, "is a symbolic link (gentrain never follows links in a root)")
         try:
             raw = self.fs.cat_file(posixpath.join(d, MANIFEST))
         except FileNotFoundError:
             return CheckpointInfo(url, step, False, "no manifest.json (incomplete or interrupted save)")
+        except OSError as e:  # a file named like a step dir (NotADirectoryError), a dir named manifest.json, ...
+            return CheckpointInfo(url, step, False, f"manifest.json cannot be read ({type(e).__name__}: {e})")
         try:
-            manifest = json.loads(raw)
-            files = manifest["files"]
-            if int(manifest["step"]) != step:
-                raise ValueError(f"manifest says step {manifest['step']}")
-            if int(manifest.get("format_version", 0)) > FORMAT_VERSION:
-                raise ValueError(f"format_version {manifest['format_version']} is newer than this gentrain")
-        except (ValueError, KeyError, TypeError) as e:
-            return CheckpointInfo(url, step, False, f"manifest.json is unreadable: {e}")
+            manifest = parse_manifest(raw, step)
+        except CheckpointCorrupt as e:
+            return CheckpointInfo(url, step, False, str(e))
+        fingerprint = new_digest("blake3").update(raw).hexdigest()
         try:
             listing = {posixpath.basename(e["name"]): e for e in self.fs.ls(d, detail=True, refresh=True)}
-        except FileNotFoundError:
-            listing = {}
-        for name, entry in files.items():
+        except OSError as e:
+            return CheckpointInfo(url, step, False, f"cannot list the step dir ({type(e).__name__}: {e})", manifest)
+        for name, entry in manifest["files"].items():
             found = listing.get(name)
+            why = None
             if found is None:
-                return CheckpointInfo(url, step, False, f"{name} is missing", manifest)
-            if int(found.get("size") or 0) != int(entry["bytes"]):
-                return CheckpointInfo(
-                    url, step, False, f"{name} has {found.get('size')} bytes, manifest says {entry['bytes']}", manifest
-                )
-        return CheckpointInfo(url, step, True, "", manifest)
+                why = f"{name} is missing"
+            elif found.get("islink") or self._is_link(posixpath.join(d, name)):
+                why = f"{name} is a symbolic link (gentrain never follows links in a checkpoint)"
+            elif found.get("type") != "file":
+                why = f"{name} is a {found.get('type')}, not a file"
+            elif int(found.get("size") or 0) != entry["bytes"]:
+                why = f"{name} has {found.get('size')} bytes, manifest says {entry['bytes']}"
+            if why:
+                return CheckpointInfo(url, step, False, why, manifest, fingerprint)
+        return CheckpointInfo(url, step, True, "", manifest, fingerprint)
 
     def list(self) -> list[CheckpointInfo]:
         return [self.check(s) for s in self.steps()]
@@ -278,13 +350,13 @@ class CheckpointStore:
     def latest_hint(self) -> int | None:
         try:
             name = self.fs.cat_file(self._path(LATEST)).decode().strip()
-        except (FileNotFoundError, UnicodeDecodeError):
+        except (OSError, UnicodeDecodeError):  # absent, a dir, unreadable, binary: only a hint
             return None
         m = _STEP_RE.match(name)
         return int(m.group(1)) if m else None
 
-    def valid_candidates(self) -> Iterable[CheckpointInfo]:
-        """Committed checkpoints, newest first, each checked lazily.
+    def valid_candidates(self, deep: bool = False) -> Iterable[CheckpointInfo]:
+        """Committed checkpoints (`deep`: valid ones, see `verify`), newest first, each checked lazily.
 
         LATEST is read first (one GET); one listing of step dir names finds any
         newer step dir the hint does not know of (a crash between manifest and
@@ -299,20 +371,27 @@ class CheckpointStore:
             order = newer + [hint] + [s for s in order if s < hint]
         for s in order:
             info = self.check(s)
-            if info.valid:
+            problems = [info.reason] if not info.valid else (self.verify(info) if deep else [])
+            if not problems:
                 yield info
             else:
-                log.warning("skipping checkpoint %s: %s", info.url, info.reason)
+                log.warning("skipping checkpoint %s: %s", info.url, "; ".join(problems))
 
-    def latest_valid(self) -> CheckpointInfo | None:
-        return next(iter(self.valid_candidates()), None)
+    def latest_valid(self, deep: bool = False) -> CheckpointInfo | None:
+        """The newest committed checkpoint; with `deep`, the newest that also passes `verify`."""
+        return next(iter(self.valid_candidates(deep)), None)
+
+    def is_valid(self, info: CheckpointInfo) -> bool:
+        """Committed and every file verified (digest and structure); cached per step and manifest."""
+        return info.valid and ((info.step, info.fingerprint) in self._verified or not self.verify(info))
 
     # -- reading
     def file_path(self, info: CheckpointInfo, name: str) -> str:
         return self._path(info.name, name)
 
     def manifest_entry(self, info: CheckpointInfo, name: str) -> Mapping[str, Any]:
-        assert info.manifest is not None
+        if info.manifest is None:
+            raise CheckpointCorrupt(f"{info.url}: {info.reason or 'no manifest'}")
         entry = info.manifest["files"].get(name)
         if entry is None:
             raise CheckpointCorrupt(f"{info.url}: manifest lists no file {name!r}")
@@ -325,6 +404,11 @@ class CheckpointStore:
         want_algorithm, want = entry_digest(entry)
         if algorithm != want_algorithm or hexdigest != want:
             raise CheckpointCorrupt(f"{info.url}/{name}: {algorithm} {hexdigest[:12]}… does not match the manifest")
+        self._digests_ok.add((info.step, info.fingerprint, name))
+
+    def files_verified(self, info: CheckpointInfo) -> set[str]:
+        """Files of `info` this process has read through their digests (reads, `verify`, chunk reads)."""
+        return {name for step, fp, name in self._digests_ok if (step, fp) == (info.step, info.fingerprint)}
 
     def read_file(self, info: CheckpointInfo, name: str) -> bytes:
         """One payload file, checked against the manifest's size and digest."""
@@ -333,6 +417,8 @@ class CheckpointStore:
             data = self.fs.cat_file(self._path(info.name, name))
         except FileNotFoundError:
             raise CheckpointCorrupt(f"{info.url}/{name} is missing") from None
+        except IsADirectoryError:
+            raise CheckpointCorrupt(f"{info.url}/{name} is a directory") from None
         h = new_digest(algorithm)
         h.update(data)
         self.check_digest(info, name, len(data), h.hexdigest(), algorithm)
@@ -347,58 +433,150 @@ class CheckpointStore:
                 while chunk := f.read(chunk_bytes):
                     h.update(chunk)
                     n += len(chunk)
-        except FileNotFoundError:
-            raise CheckpointCorrupt(f"{info.url}/{name} is missing") from None
+        except (FileNotFoundError, IsADirectoryError):
+            raise CheckpointCorrupt(f"{info.url}/{name} is missing or not a file") from None
         self.check_digest(info, name, n, h.hexdigest(), algorithm)
 
     def read_tensors(self, info: CheckpointInfo, name: str) -> dict[str, torch.Tensor]:
-        return safetensors_load(self.read_file(info, name))
+        """A safetensors payload, digest-checked and its header checked before the library parses it."""
+        data = self.read_file(info, name)
+        parse_safetensors_header(lambda start, n: data[start : start + n], len(data), f"{info.url}/{name}")
+        return safetensors_load(data)
 
     def read_json(self, info: CheckpointInfo, name: str) -> Any:
-        return json.loads(self.read_file(info, name))
+        """A JSON payload, digest-checked and, for the state files gentrain reads, checked against its schema."""
+        return _parse_json_payload(name, self.read_file(info, name), info)
 
-    def verify(self, info: CheckpointInfo) -> list[str]:
-        """Full check of every file (size and digest, streamed); returns the problems found."""
+    def read_safetensors_header(self, info: CheckpointInfo, name: str) -> tuple[dict[str, Any], int]:
+        """A payload's safetensors header (checked) and its data offset, by ranged reads (no digest)."""
+        path = self._path(info.name, name)
+        size = int(self.manifest_entry(info, name)["bytes"])
+        what = f"{info.url}/{name}"
+        try:
+            with self.fs.open(path, "rb") as f:
+
+                def read(start: int, n: int) -> bytes:
+                    f.seek(start)
+                    return f.read(n)
+
+                return parse_safetensors_header(read, size, what)
+        except (FileNotFoundError, IsADirectoryError):
+            raise CheckpointCorrupt(f"{what} is missing or not a file") from None
+
+    def verify(self, info: CheckpointInfo, digests_checked: Iterable[str] = ()) -> list[str]:
+        """Full check: every file's size and digest (streamed) and structure (safetensors headers, JSON
+        state schemas, tensors the state refers to); the problems found, none if valid. Files named in
+        `digests_checked` were read through their digests already (a resume's reads) and are not hashed again."""
         if not info.valid:
             return [info.reason]
-        problems = []
+        problems: list[str] = []
+        parsed: dict[str, Any] = {}
+        skip = set(digests_checked)
         for name in info.manifest["files"]:
             try:
-                self.verify_file(info, name)
+                if name not in skip:
+                    self.verify_file(info, name)
+                if name.endswith(".safetensors"):
+                    parsed[name] = self.read_safetensors_header(info, name)[0]
+                elif name.endswith(".json"):
+                    parsed[name] = self.read_json(info, name)
             except CheckpointCorrupt as e:
                 problems.append(str(e))
+        if not problems:
+            problems += _cross_check(info, parsed)
+        if not problems:
+            self._verified.add((info.step, info.fingerprint))
         return problems
 
     # -- retention
     def apply_retention(self) -> list[int]:
-        """Delete checkpoints beyond `keep` newest + milestones; never the newest valid one.
+        """Delete checkpoints beyond `keep` newest valid ones + milestones; never the newest valid one.
 
-        Runs only after a newer checkpoint is committed. Uncommitted step dirs
-        older than the newest committed one are debris of interrupted saves and
-        are removed too. A failed delete is logged; the next save retries it.
+        Runs only after a newer checkpoint is committed. Only valid checkpoints count (`is_valid`:
+        digests and structure, checked once per process; the ones this process wrote are known valid),
+        newest first. Invalid or uncommitted step dirs older than the newest valid one are debris of
+        interrupted saves or corruption and are removed too. Links are never followed nor deleted. A
+        failed delete is logged; the next save retries it.
         """
-        infos = self.list()
-        valid = [i for i in infos if i.valid]
-        if not valid:
-            return []
-        newest = valid[-1].step
-        keep = {i.step for i in valid[-self.keep :]}
-        if self.keep_every_steps:
-            keep |= {i.step for i in valid if i.step % self.keep_every_steps == 0}
+        kept: list[int] = []
+        newest: int | None = None
         deleted = []
-        for info in infos:
-            if info.step in keep or info.step >= newest:
+        for step in sorted(self.steps(), reverse=True):
+            info = self.check(step)
+            if info.reason.startswith("is a symbolic link"):
+                log.warning("leaving %s alone: %s", info.url, info.reason)
                 continue
-            d = self._path(info.name)
+            valid = info.valid and self.is_valid(info)
+            if newest is None:
+                if valid:
+                    newest = step
+                    kept.append(step)
+                continue  # newer than the newest valid one: maybe a save in progress
+            milestone = valid and self.keep_every_steps and step % self.keep_every_steps == 0
+            if valid and len(kept) < self.keep:
+                kept.append(step)
+                continue
+            if milestone:
+                continue
             try:
-                if info.valid:
-                    # Manifest first: a half-deleted checkpoint must look invalid, not valid.
-                    self.fs.rm_file(posixpath.join(d, MANIFEST))
-                self.fs.rm(d, recursive=True)
-                deleted.append(info.step)
-            except (OSError, FileNotFoundError) as e:
+                self._remove_step(step, committed=info.manifest is not None)
+                deleted.append(step)
+            except (OSError, CheckpointError) as e:
                 log.warning("could not delete old checkpoint %s (will retry after the next save): %s", info.url, e)
-        return deleted
+        return sorted(deleted)
+
+
+def _parse_json_payload(name: str, raw: bytes, info: CheckpointInfo) -> Any:
+    from trainer.checkpoint.validity import _parse_json
+
+    what = f"{info.url}/{name}"
+    try:
+        if name == "trainer.json":
+            return parse_trainer_json(raw, info.step)
+        if name == "shards.json":
+            return parse_shard_index(raw, (info.manifest or {}).get("files", {}))
+        if _RANK_JSON.match(name):
+            return parse_rank_json(raw)
+        return _parse_json(raw, name)
+    except CheckpointCorrupt as e:
+        raise CheckpointCorrupt(f"{what}: {e}") from None
+
+
+def _cross_check(info: CheckpointInfo, parsed: Mapping[str, Any]) -> list[str]:
+    """Structure across files: what trainer.json and shards.json refer to exists, EMA fits its weights."""
+    problems = []
+    files = info.manifest["files"]
+    index = parsed.get("shards.json")
+    if index is not None:
+        for group, tensors in index["tensors"].items():
+            for key, t in tensors.items():
+                for c in t["chunks"]:
+                    h = (parsed.get(c["file"]) or {}).get(key)
+                    if h is None or h["dtype"] != t["dtype"] or h["shape"] != c["sizes"]:
+                        problems.append(f"{info.url}/{c['file']}: {group}:{key} does not match shards.json")
+    doc = parsed.get("trainer.json")
+    if doc is not None:
+        for part, state in doc["parts"].items():
+            refs = tensor_refs(state["optimizer"])
+            group = f"{part}.optimizer"
+            saved = set((index or {}).get("tensors", {}).get(group, {})) | set(parsed.get(f"{group}.safetensors") or {})
+            if refs - saved:
+                problems.append(f"{info.url}: {group} lacks tensors trainer.json refers to: {sorted(refs - saved)[:3]}")
+            if f"{part}.model.safetensors" not in files and f"{part}.model" not in (index or {}).get("tensors", {}):
+                problems.append(f"{info.url}: trainer.json has part {part!r}, but no weights of it are listed")
+    for name, header in parsed.items():
+        if name.endswith(".ema.safetensors"):
+            model = parsed.get(name.replace(".ema.", ".model."))
+            if model is None:
+                continue
+            for key, h in header.items():
+                if key not in model or model[key]["shape"] != h["shape"]:
+                    problems.append(f"{info.url}/{name}: {key} has no weight of shape {h['shape']} in the model")
+                    break
+    return problems
+
+
+_RANK_JSON = re.compile(r"^rank-\d{5,}\.json$")
 
 
 def resolve_checkpoint(
@@ -406,13 +584,18 @@ def resolve_checkpoint(
 ) -> tuple[CheckpointStore, CheckpointInfo | None]:
     """A URL that is either one checkpoint (step-NNN) or a root; returns its store and checkpoint.
 
-    For a root, the newest valid checkpoint; for a step dir, that one (valid or not).
+    For a root, the newest valid checkpoint (digests and structure verified: a corrupt newest one is
+    skipped with a warning); for a step dir, that one, valid or not (`reason` says why not).
     """
     url = url.rstrip("/")
     base = posixpath.basename(url)
     m = _STEP_RE.match(base)
     if m:
         store = CheckpointStore(url[: -len(base) - 1] or ".", storage_options)
-        return store, store.check(int(m.group(1)))
+        info = store.check(int(m.group(1)))
+        problems = store.verify(info) if info.valid else []
+        if problems:
+            info = CheckpointInfo(info.url, info.step, False, "; ".join(problems), info.manifest, info.fingerprint)
+        return store, info
     store = CheckpointStore(url, storage_options)
-    return store, store.latest_valid()
+    return store, store.latest_valid(deep=True)

@@ -1,0 +1,302 @@
+"""What a valid checkpoint is, decided in one place: manifest schema, payload structure, JSON state schemas.
+
+Everything in a checkpoint root can be written by anyone with write access to the bucket, so every
+byte read from it is parsed against a schema here before anything else looks at it:
+
+- `parse_manifest`: the manifest's fields and types (file names that stay inside the step dir, sizes,
+  one digest per file of a known algorithm, frozen-part and input records).
+- `parse_safetensors_header`: a safetensors header bounded by the file's size, known dtypes, shapes and
+  data offsets that tile the data exactly (what the safetensors library checks, done on a stream).
+- `parse_trainer_json`, `parse_rank_json`, `parse_shard_index`: the JSON state files.
+- `check_payload`: one file, by its role in the layout, through its digest and its structure.
+
+The store (`CheckpointStore.check` cheaply, `CheckpointStore.verify` fully), resume, sampling and the
+save path's "already committed?" check all call these, so they agree on what is valid. Every failure is
+a `CheckpointCorrupt` whose message says what was wrong; nothing here raises anything else for bad
+bytes.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from collections.abc import Callable, Mapping
+from typing import Annotated, Any
+
+from pydantic import BaseModel, ConfigDict, Field, StrictFloat, StrictInt, StrictStr, ValidationError, model_validator
+
+from trainer.checkpoint.errors import CheckpointCorrupt
+from trainer.checkpoint.format import SAFETENSORS_DTYPES
+
+FORMAT_VERSION = 2  # 2: blake3 digests, sharded layout; 1 (sha256, one writer) still loads
+MAX_HEADER_BYTES = 100 << 20  # the safetensors library's own limit on a header
+MAX_JSON_BYTES = 256 << 20  # a trainer.json / shards.json larger than this is not one gentrain wrote
+# A payload file name: one path component, no dot files, nothing a join could turn into another path.
+FILE_NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]{0,254}$")
+_HEX64 = r"^[0-9a-f]{64}$"
+
+NonNegInt = Annotated[StrictInt, Field(ge=0)]
+
+
+class _Open(BaseModel):
+    """Known fields are typed; fields a newer gentrain adds are kept (forward compatible)."""
+
+    model_config = ConfigDict(extra="allow")
+
+
+class FileEntry(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    bytes: NonNegInt
+    blake3: Annotated[StrictStr, Field(pattern=_HEX64)] | None = None
+    sha256: Annotated[StrictStr, Field(pattern=_HEX64)] | None = None
+
+    @model_validator(mode="after")
+    def _one_digest(self) -> FileEntry:
+        if (self.blake3 is None) == (self.sha256 is None):
+            raise ValueError("needs exactly one digest (blake3 or sha256)")
+        return self
+
+
+class FrozenRecord(_Open):
+    url: StrictStr
+    step: NonNegInt
+    file: StrictStr
+    digest: StrictStr
+
+
+class Manifest(_Open):
+    format_version: Annotated[StrictInt, Field(ge=1, le=FORMAT_VERSION)] = 1
+    step: NonNegInt
+    files: dict[StrictStr, FileEntry]
+    world_size: Annotated[StrictInt, Field(ge=1)] | None = None
+    time_utc: StrictStr | None = None
+    digest: StrictStr | None = None
+    task: StrictStr | None = None
+    config: dict[StrictStr, Any] | None = None
+    frozen: dict[StrictStr, FrozenRecord] = {}
+    inputs: dict[StrictStr, dict[StrictStr, Any]] = {}
+
+
+class ProgressState(_Open):
+    step: NonNegInt
+    cursor: NonNegInt
+    skipped_samples: NonNegInt = 0
+    world_size: Annotated[StrictInt, Field(ge=1)] | None = None
+    seed: StrictInt | None = None
+    order: dict[StrictStr, Any] | None = None
+    time_unix: StrictFloat | StrictInt | None = None
+
+
+class PartState(_Open):
+    step: NonNegInt
+    optimizer: dict[StrictStr, Any]
+    lr_schedule: dict[StrictStr, Any] | None = None
+    scaler: dict[StrictStr, Any] | None = None
+    ema: dict[StrictStr, Any] | None = None
+
+
+class TrainerState(_Open):
+    progress: ProgressState
+    parts: dict[StrictStr, PartState]
+    frozen: dict[StrictStr, FrozenRecord] = {}
+
+
+_MT_WORDS = 624  # the Mersenne Twister state Python's `random` and numpy's legacy RandomState keep
+
+
+class RngValues(BaseModel):
+    """Python's `random.getstate()` and numpy's `get_state()`, as `trainer.randomness.rng_state` stores them."""
+
+    model_config = ConfigDict(extra="forbid")
+    python: tuple[StrictInt, Annotated[list[Annotated[StrictInt, Field(ge=0, lt=1 << 32)]], Field(min_length=_MT_WORDS + 1, max_length=_MT_WORDS + 1)], StrictFloat | None]  # fmt: skip
+    numpy: tuple[StrictStr, Annotated[list[Annotated[StrictInt, Field(ge=0, lt=1 << 32)]], Field(min_length=_MT_WORDS, max_length=_MT_WORDS)], Annotated[StrictInt, Field(ge=0, le=_MT_WORDS)], StrictInt, StrictFloat | StrictInt]  # fmt: skip
+
+
+class RankState(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    rng: RngValues
+
+
+class Chunk(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    file: StrictStr
+    offsets: list[NonNegInt]
+    sizes: list[NonNegInt]
+
+
+class IndexedTensor(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    dtype: StrictStr
+    shape: list[NonNegInt]
+    chunks: list[Chunk]
+
+
+class ShardIndexDoc(_Open):
+    version: Annotated[StrictInt, Field(ge=1, le=1)]
+    world_size: Annotated[StrictInt, Field(ge=1)]
+    tensors: dict[StrictStr, dict[StrictStr, IndexedTensor]]
+
+
+def _first_error(e: ValidationError) -> str:
+    err = e.errors()[0]
+    where = ".".join(str(p) for p in err["loc"]) or "top level"
+    value = repr(err.get("input"))
+    if len(value) > 60:
+        value = value[:57] + "..."
+    return f"{where}: {err['msg']} (found {value})"
+
+
+def _parse_json(raw: bytes, what: str) -> Any:
+    if len(raw) > MAX_JSON_BYTES:
+        raise CheckpointCorrupt(f"{what} is {len(raw)} bytes, more than any gentrain writes")
+    try:
+        return json.loads(raw)
+    except (ValueError, RecursionError) as e:  # UnicodeDecodeError is a ValueError
+        raise CheckpointCorrupt(f"{what} is not JSON ({type(e).__name__}: {str(e)[:120]})") from None
+
+
+def _model(schema: type[BaseModel], doc: Any, what: str) -> BaseModel:
+    try:
+        return schema.model_validate(doc)
+    except ValidationError as e:
+        raise CheckpointCorrupt(f"{what} does not match its schema: {_first_error(e)}") from None
+    except RecursionError:
+        raise CheckpointCorrupt(f"{what} is nested too deeply") from None
+
+
+# ------------------------------------------------------------------ manifest
+
+
+def parse_manifest(raw: bytes, step: int) -> dict[str, Any]:
+    """The manifest as a dict, checked against its schema and the step dir it is in; CheckpointCorrupt if not."""
+    doc = _parse_json(raw, "manifest.json")
+    if not isinstance(doc, dict):
+        raise CheckpointCorrupt(f"manifest.json holds a {type(doc).__name__}, not an object")
+    _model(Manifest, doc, "manifest.json")
+    if doc["step"] != step:
+        raise CheckpointCorrupt(f"manifest.json says step {doc['step']}, but it is in the dir of step {step}")
+    for name in doc["files"]:
+        if not FILE_NAME.match(name) or name == "manifest.json" or ".." in name:
+            raise CheckpointCorrupt(f"manifest.json lists a file named {name!r}, which is not a payload file name")
+    return doc
+
+
+# ------------------------------------------------------------------ safetensors
+
+
+def parse_safetensors_header(read: Callable[[int, int], bytes], size: int, what: str) -> tuple[dict[str, Any], int]:
+    """(tensors' header entries, offset where data starts) of a safetensors file of `size` bytes.
+
+    `read(start, length)` returns bytes of the file. Checks what the safetensors library checks
+    before it trusts a header: its length fits the file, it is a JSON object of known dtypes and
+    non-negative shapes, and the data offsets tile the data section exactly, in order.
+    """
+    if size < 8:
+        raise CheckpointCorrupt(f"{what}: {size} bytes, too short for a safetensors file")
+    n = int.from_bytes(read(0, 8), "little")
+    if n > min(size - 8, MAX_HEADER_BYTES):
+        raise CheckpointCorrupt(f"{what}: safetensors header length {n} does not fit the file ({size} bytes)")
+    try:
+        header = json.loads(read(8, n))
+    except (ValueError, RecursionError) as e:
+        raise CheckpointCorrupt(f"{what}: unreadable safetensors header ({type(e).__name__})") from None
+    if not isinstance(header, dict):
+        raise CheckpointCorrupt(f"{what}: safetensors header is a {type(header).__name__}, not an object")
+    meta = header.pop("__metadata__", None)
+    if meta is not None and not (
+        isinstance(meta, dict) and all(isinstance(k, str) and isinstance(v, str) for k, v in meta.items())
+    ):
+        raise CheckpointCorrupt(f"{what}: safetensors __metadata__ must map strings to strings")
+    spans = []
+    for key, entry in header.items():
+        if not isinstance(entry, dict) or set(entry) != {"dtype", "shape", "data_offsets"}:
+            raise CheckpointCorrupt(f"{what}: tensor {key!r} has a malformed header entry")
+        dtype, shape, offsets = entry["dtype"], entry["shape"], entry["data_offsets"]
+        if dtype not in SAFETENSORS_DTYPES:
+            raise CheckpointCorrupt(f"{what}: tensor {key!r} has unknown dtype {dtype!r}")
+        if not isinstance(shape, list) or not all(type(d) is int and d >= 0 for d in shape):
+            raise CheckpointCorrupt(f"{what}: tensor {key!r} has shape {shape!r}")
+        if not (isinstance(offsets, list) and len(offsets) == 2 and all(type(o) is int for o in offsets)):
+            raise CheckpointCorrupt(f"{what}: tensor {key!r} has data_offsets {offsets!r}")
+        nbytes = math.prod(shape) * SAFETENSORS_DTYPES[dtype].itemsize
+        if offsets[1] - offsets[0] != nbytes or offsets[0] < 0:
+            raise CheckpointCorrupt(f"{what}: tensor {key!r} spans {offsets}, but {dtype}{shape} is {nbytes} bytes")
+        spans.append((offsets[0], offsets[1], key))
+    pos = 0
+    for start, stop, key in sorted(spans):
+        if start != pos:
+            raise CheckpointCorrupt(f"{what}: tensor {key!r} starts at {start}, expected {pos} (gap or overlap)")
+        pos = stop
+    if 8 + n + pos != size:
+        raise CheckpointCorrupt(f"{what}: its tensors hold {pos} bytes, the file has {size - 8 - n} after the header")
+    return header, 8 + n
+
+
+# ------------------------------------------------------------------ JSON state
+
+
+def parse_trainer_json(raw: bytes, step: int | None = None) -> dict[str, Any]:
+    """trainer.json (progress, per-part state, frozen sources), checked; CheckpointCorrupt if malformed."""
+    doc = _parse_json(raw, "trainer.json")
+    if not isinstance(doc, dict):
+        raise CheckpointCorrupt(f"trainer.json holds a {type(doc).__name__}, not an object")
+    _model(TrainerState, doc, "trainer.json")
+    if step is not None and doc["progress"]["step"] != step:
+        raise CheckpointCorrupt(f"trainer.json says step {doc['progress']['step']}, the manifest {step}")
+    for name, part in doc["parts"].items():
+        _check_skeleton(part["optimizer"], f"trainer.json parts.{name}.optimizer")
+    return doc
+
+
+def _check_skeleton(tree: Any, what: str, depth: int = 0) -> None:
+    """An optimizer skeleton: JSON values and {"__tensor__": key} references, bounded in depth."""
+    if depth > 32:
+        raise CheckpointCorrupt(f"{what} is nested too deeply")
+    if isinstance(tree, dict):
+        if "__tensor__" in tree and (set(tree) != {"__tensor__"} or not isinstance(tree["__tensor__"], str)):
+            raise CheckpointCorrupt(f"{what}: malformed tensor reference {tree!r}"[:200])
+        for k, v in tree.items():
+            if k.startswith("__int__") and not k[len("__int__") :].lstrip("-").isdigit():
+                raise CheckpointCorrupt(f"{what}: malformed integer key {k!r}")
+            _check_skeleton(v, what, depth + 1)
+    elif isinstance(tree, list):
+        for v in tree:
+            _check_skeleton(v, what, depth + 1)
+
+
+def tensor_refs(tree: Any) -> set[str]:
+    """Every tensor key an optimizer skeleton refers to."""
+    if isinstance(tree, dict):
+        if set(tree) == {"__tensor__"}:
+            return {tree["__tensor__"]}
+        return set().union(*(tensor_refs(v) for v in tree.values())) if tree else set()
+    if isinstance(tree, list):
+        return set().union(*(tensor_refs(v) for v in tree)) if tree else set()
+    return set()
+
+
+def parse_rank_json(raw: bytes) -> dict[str, Any]:
+    doc = _parse_json(raw, "rank state")
+    _model(RankState, doc, "rank state")
+    return doc
+
+
+def parse_shard_index(raw: bytes, files: Mapping[str, Any]) -> dict[str, Any]:
+    """shards.json: every chunk inside its tensor and in a file the manifest lists."""
+    doc = _parse_json(raw, "shards.json")
+    _model(ShardIndexDoc, doc, "shards.json")
+    for group, tensors in doc["tensors"].items():
+        for key, t in tensors.items():
+            if t["dtype"] not in SAFETENSORS_DTYPES:
+                raise CheckpointCorrupt(f"shards.json: {group}:{key} has unknown dtype {t['dtype']!r}")
+            for c in t["chunks"]:
+                if c["file"] not in files:
+                    raise CheckpointCorrupt(f"shards.json: {group}:{key} points to {c['file']!r}, not in the manifest")
+                if (
+                    len(c["offsets"]) != len(t["shape"])
+                    or len(c["sizes"]) != len(t["shape"])
+                    or any(o + s > d for o, s, d in zip(c["offsets"], c["sizes"], t["shape"], strict=True))
+                ):
+                    raise CheckpointCorrupt(f"shards.json: a chunk of {group}:{key} lies outside shape {t['shape']}")
+    return doc
