@@ -25,7 +25,7 @@ from trainer.elastic import EXIT_OK, DistEnv, StartupClock, StopRequest, agree_t
 from trainer.engine.evaluate import Evaluator
 from trainer.engine.parts import build_parts
 from trainer.engine.preview import Previewer
-from trainer.engine.progress import TrainProgress
+from trainer.engine.progress import TrainProgress, job_skips
 from trainer.engine.report import Reporter, flat_hparams
 from trainer.engine.shard import (
     build_context,
@@ -84,7 +84,9 @@ class Trainer:
         order: dict = {"seed": cfg.seed}
         if cfg.data.source == "shards":
             order |= {"data.shard_window": cfg.data.shard_window, "data.shuffle_block": cfg.data.shuffle_block}
-        self.progress = TrainProgress(t.batch_size, len(self.train_set), env.world_size, cfg.seed, order)
+        self.progress = TrainProgress(
+            t.batch_size, len(self.train_set), env.world_size, cfg.seed, order, cfg.data.max_skipped_fraction
+        )
         frozen_records = {n: f.record for n, f in self.frozen.items()}
         self.checkpoints.attach(self.progress, self.parts, frozen_records, self.task.inputs())
         self.step_runner = StepRunner(
@@ -127,9 +129,10 @@ class Trainer:
             batch = next(batches)
             t_data = time.perf_counter() - t0
             logs = self.step_runner.run(batch, progress.step)
-            progress.advance(batch["skipped"])
+            progress.advance(*job_skips(batch, progress, self.device))  # the job's skips, the same on every rank
             self.reporter.on_step(batch, logs, self._lr(), t_data, time.perf_counter() - t0)
             self._mark_first_step()
+            progress.check_skipped()  # exit 2 on every rank at the same step when training on unreadable data
 
             if agree_to_stop(self.stop_request.requested, self.device):
                 return self.stop_for_preemption()

@@ -144,6 +144,14 @@ class DataConfig(_Section):
     flip: bool = False
     val_fraction: float = Field(0.05, ge=0, lt=1)
     ledger: bool = Field(False, description="record consumed sample indices in run.dir/ledger")
+    # A run whose data is mostly unreadable would otherwise train on zero-weight slots and exit 0.
+    max_skipped_fraction: float = Field(
+        0.05,
+        ge=0,
+        le=1,
+        description="stop (exit 2, naming the first bad files) once more than this fraction of the samples "
+        "consumed were unreadable, counted from the 32nd skipped sample on; 0 = at the first, 1 = never",
+    )
     num_frames: int = Field(
         1, ge=1, description="video sources: frames per clip; batches are (N, T, C, H, W); image sources ignore it"
     )

@@ -80,7 +80,7 @@ def _image_dataset(cfg: Config):
     d = cfg.data
     if d.image_source == "digits":
         return DigitsDataset(d.image_size, d.channels)
-    return ImageFolderDataset(d.image_path, d.image_size, d.channels)
+    return ImageFolderDataset(d.image_path, d.image_size, d.channels, key="data.image_path")
 
 
 def joint_split(cfg: Config, clips, clip_classes: int | None):

@@ -6,12 +6,14 @@ import logging
 import os
 from importlib import resources
 from pathlib import Path
+from typing import BinaryIO, NamedTuple
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 from PIL import Image, UnidentifiedImageError
 
+from trainer.config import ConfigError
 from trainer.data.sampler import SampleRef, SampleStream
 
 log = logging.getLogger(__name__)
@@ -59,19 +61,73 @@ class DigitsDataset:
         return img, label, {"caption": digit_caption(label)}
 
 
-def scan_folder(root: str, extensions: tuple[str, ...]) -> tuple[list[Path], dict[str, int], list[int]]:
+def short_reason(why: str, path: Path | None = None) -> str:
+    """`why` for the stop message and trainer.json: `path` (named beside it) shortened to its name, and at
+    most 200 characters."""
+    if path is not None:
+        why = why.replace(str(path), path.name)
+    return why if len(why) <= 200 else why[:197] + "..."
+
+
+class FolderScan(NamedTuple):
+    files: list[Path]  # the files with the wanted extensions, sorted
+    class_index: dict[str, int]  # first-level subfolder name -> class
+    labels: list[int]  # each file's class, -1 at the top level
+    others: frozenset[Path]  # every other file (sidecars such as <stem>.npy among them)
+
+
+def scan_folder(root: str | None, extensions: tuple[str, ...], key: str = "data.path") -> FolderScan:
     """Files with `extensions` below `root` (recursive, sorted), the class index of the first-level
-    subfolder names (sorted, like torchvision's ImageFolder) and each file's label (-1 at the top level)."""
+    subfolder names (sorted, like torchvision's ImageFolder), each file's label (-1 at the top level) and
+    the other files found (one listing serves both). A `root` that holds none of them is the user's
+    mistake: ConfigError (exit 2) naming `key`, the value and what is read, never a traceback."""
+    wanted = f"a folder with {'/'.join(extensions)} files in it or below it"
+    if not root:
+        raise ConfigError(f"{key}={root!r}: empty; set it to {wanted}")
     base = Path(root)
+    if not base.exists():
+        raise ConfigError(f"{key}={root!r}: no such folder; set it to {wanted}")
     if not base.is_dir():
-        raise FileNotFoundError(f"data.path {root!r} is not a folder")
-    files = sorted(p for p in base.rglob("*") if p.is_file() and p.suffix.lower() in extensions)
+        raise ConfigError(f"{key}={root!r} is a file, not a folder; set it to {wanted} (e.g. its parent folder)")
+    try:
+        listing = sorted(p for p in base.rglob("*") if p.is_file())
+    except OSError as e:
+        raise ConfigError(f"{key}={root!r}: cannot list it ({e}); set it to {wanted} this process can read") from None
+    files = [p for p in listing if p.suffix.lower() in extensions]
     if not files:
-        raise FileNotFoundError(f"data.path {root!r} holds no {'/'.join(extensions)} files")
+        found = f"{len(listing)} other files, e.g. {listing[0].name!r}" if listing else "nothing"
+        raise ConfigError(f"{key}={root!r} holds no {'/'.join(extensions)} files ({found}); set it to {wanted}")
     parts = [p.relative_to(base).parts for p in files]
     classes = sorted({ps[0] for ps in parts if len(ps) > 1})
     class_index = {c: i for i, c in enumerate(classes)}
-    return files, class_index, [class_index[ps[0]] if len(ps) > 1 else -1 for ps in parts]
+    labels = [class_index[ps[0]] if len(ps) > 1 else -1 for ps in parts]
+    return FolderScan(files, class_index, labels, frozenset(listing) - frozenset(files))
+
+
+def read_embedding(f: BinaryIO) -> np.ndarray:
+    """A .npy embedding as float32 (its shape kept); ValueError naming the defect for anything else.
+
+    Never unpickles: the header is read first and an object dtype refused before any data is;
+    strings, structured and complex arrays, empty arrays and truncated files are refused too,
+    so a sidecar either gives numbers or is the reason its sample is skipped."""
+    try:
+        version = np.lib.format.read_magic(f)
+        if version == (1, 0):
+            shape, _, dtype = np.lib.format.read_array_header_1_0(f)
+        elif version == (2, 0):
+            shape, _, dtype = np.lib.format.read_array_header_2_0(f)
+        else:
+            raise ValueError(f".npy format {version[0]}.{version[1]} (1.0 and 2.0 are read)")
+        if dtype.hasobject:
+            raise ValueError("holds Python objects (pickled), which are never loaded")
+        if dtype.kind not in "biuf":
+            raise ValueError(f"dtype {dtype} is not a real number type")
+        if 0 in shape:
+            raise ValueError(f"empty array of shape {list(shape)}")
+        f.seek(0)
+        return np.asarray(np.lib.format.read_array(f, allow_pickle=False), dtype=np.float32)
+    except EOFError as e:
+        raise ValueError(f"truncated ({e})") from None
 
 
 class ImageFolderDataset:
@@ -80,20 +136,52 @@ class ImageFolderDataset:
     Labels come from the first-level subfolder names when there are any
     (sorted, like torchvision's ImageFolder), else -1. A `.txt` beside an
     image (same stem) is its caption; a `.npy` beside it is its image
-    embedding (`image_embed`, a 1-D float vector). Files that cannot be
-    decoded are skipped at load time: the batch is one sample short, the skip
-    is counted by the loop and each bad file is logged once per process.
+    embedding (`image_embed`, a 1-D float vector). Every embedding must have
+    as many values as the first well-formed sidecar in file order (one
+    header read at start-up, the same in every process, so the choice never
+    depends on which sample a worker loads first). Files that cannot be used
+    (an undecodable image, an unreadable caption, a sidecar that is
+    truncated, pickled, not numeric or of another length) are skipped at load
+    time: the slot stays zeros with valid=False, the loop counts it against
+    `data.max_skipped_fraction` and each bad file is logged once per process.
     """
 
-    def __init__(self, root: str, image_size: int, channels: int = 3):
-        self.files, self.class_index, self.labels = scan_folder(root, IMAGE_EXTENSIONS)
+    def __init__(self, root: str, image_size: int, channels: int = 3, key: str = "data.path"):
+        scan = scan_folder(root, IMAGE_EXTENSIONS, key)
+        self.files, self.class_index, self.labels = scan.files, scan.class_index, scan.labels
         self.num_classes = len(self.class_index) or None
         self.image_size = image_size
         self.channels = channels
-        self._reported: set[str] = set()
+        self.has_npy = [p.with_suffix(".npy") in scan.others for p in self.files]
+        self.has_txt = [p.with_suffix(".txt") in scan.others for p in self.files]
+        self.embed_size, self.embed_source = self._first_embedding_size()
+        self._skips: dict[str, str] = {}  # path -> why it was skipped (this process)
 
     def __len__(self) -> int:
         return len(self.files)
+
+    def _first_embedding_size(self) -> tuple[int | None, str | None]:
+        """(values, file name) of the first well-formed .npy sidecar in file order, else (None, None)."""
+        for path, has in zip(self.files, self.has_npy, strict=True):
+            if has:
+                npy = path.with_suffix(".npy")
+                try:
+                    with open(npy, "rb") as f:
+                        return read_embedding(f).size, npy.name
+                except (OSError, ValueError):
+                    continue  # skipped (and reported) when its own sample is loaded
+        return None, None
+
+    def skip_reason(self, index: int) -> str:
+        """Why sample `index` was skipped in this process: "path (reason)"."""
+        path = str(self.files[index])
+        return f"{path} ({self._skips.get(path, 'unreadable')})"
+
+    def _skip(self, path: Path, what: str, why: str) -> None:
+        """Remember why `path` is skipped and log it, once per process."""
+        if str(path) not in self._skips:
+            self._skips[str(path)] = f"{what}: {short_reason(why, path)}"
+            log.warning("skipping %s %s (pid %d): %s", what, path, os.getpid(), why)
 
     def load(self, index: int, aug_seed: int, flip: bool) -> tuple[torch.Tensor, int] | None:
         path = self.files[index]
@@ -101,32 +189,43 @@ class ImageFolderDataset:
             with Image.open(path) as im:
                 x = image_to_tensor(im, self.image_size, self.channels)
         except (OSError, UnidentifiedImageError, ValueError, Image.DecompressionBombError) as e:
-            if str(path) not in self._reported:
-                self._reported.add(str(path))
-                log.warning("skipping unreadable image %s (pid %d): %s", path, os.getpid(), e)
+            self._skip(path, "unreadable image", str(e))
             return None
         if flip and aug_seed & 1:
             x = x.flip(-1)
-        extras = self._extras(path)
+        extras = self._extras(index)
         if extras is None:
             return None
         return (x.contiguous(), self.labels[index], extras) if extras else (x.contiguous(), self.labels[index])
 
-    def _extras(self, path: Path) -> dict | None:
-        """Caption from `<stem>.txt`, image embedding from `<stem>.npy`, when they exist."""
+    def _extras(self, index: int) -> dict | None:
+        """Caption from `<stem>.txt`, image embedding from `<stem>.npy`, when they exist; None: unusable."""
+        path = self.files[index]
         extras: dict = {}
-        txt, npy = path.with_suffix(".txt"), path.with_suffix(".npy")
-        try:
-            if txt.is_file():
+        if self.has_txt[index]:
+            txt = path.with_suffix(".txt")
+            try:
                 extras["caption"] = txt.read_text(encoding="utf-8").strip()
-            if npy.is_file():
-                embed = np.load(npy, allow_pickle=False)
-                extras["image_embed"] = torch.from_numpy(np.asarray(embed, dtype=np.float32).reshape(-1))
-        except (OSError, ValueError, UnicodeDecodeError) as e:
-            if str(path) not in self._reported:
-                self._reported.add(str(path))
-                log.warning("skipping %s: unreadable caption or embedding beside it (pid %d): %s", path, os.getpid(), e)
-            return None
+            except (OSError, UnicodeDecodeError) as e:
+                self._skip(path, "image with an unreadable caption", f"{txt.name}: {e}")
+                return None
+        if self.has_npy[index]:
+            npy = path.with_suffix(".npy")
+            try:
+                with open(npy, "rb") as f:
+                    embed = read_embedding(f).reshape(-1)
+            except (OSError, ValueError) as e:
+                self._skip(path, "image with an unusable embedding", f"{npy.name}: {e}")
+                return None
+            if embed.size != self.embed_size:
+                self._skip(
+                    path,
+                    "image with an unusable embedding",
+                    f"{npy.name} has {embed.size} values, but the first sidecar ({self.embed_source}) has "
+                    f"{self.embed_size}; every embedding needs the same length",
+                )
+                return None
+            extras["image_embed"] = torch.from_numpy(embed)
         return extras
 
 
@@ -165,18 +264,32 @@ class Subset:
     def __getitem__(self, ref: SampleRef):
         """(image, label, dataset index, position, valid, extras). A source's `load` returns
         (image, label) or (image, label, extras): extras maps a field name to a per-sample value,
-        `"caption"` a str, anything else an array/tensor of a fixed shape (e.g. `"image_embed"`)."""
+        `"caption"` a str, anything else an array/tensor of a fixed shape (e.g. `"image_embed"`).
+        It returns None for a sample it cannot use, and says why through `skip_reason(index)`."""
         index = int(self.indices[ref.index])
         item = self.dataset.load(index, ref.aug_seed, self.flip)
         if item is None:
-            return torch.zeros(self.image_shape), -1, index, ref.position, False, missing_extras(self.image_shape)
+            reason = self.dataset.skip_reason(index) if hasattr(self.dataset, "skip_reason") else f"sample {index}"
+            return skipped_item(self.image_shape, index, ref.position, reason)
         image, label, *rest = item
         return image, label, index, ref.position, True, (rest[0] if rest else {})
 
 
-def missing_extras(shape: tuple[int, ...]) -> dict:
-    """Extras of an unreadable sample: a clip slot has 0 real frames, so `extras["frames"]` always exists."""
-    return {"frames": torch.tensor(0, dtype=torch.int64)} if len(shape) == 4 else {}
+SKIP_REASON = "skip_reason"  # the extras key of a skipped slot: "file (why)", gathered by `collate`
+
+
+def missing_extras(shape: tuple[int, ...], reason: str | None = None) -> dict:
+    """Extras of an unreadable sample: a clip slot has 0 real frames, so `extras["frames"]` always exists;
+    `reason` ("file (why)") travels to the loop, which names the first bad files when it stops a run."""
+    extras: dict = {"frames": torch.tensor(0, dtype=torch.int64)} if len(shape) == 4 else {}
+    if reason is not None:
+        extras[SKIP_REASON] = reason
+    return extras
+
+
+def skipped_item(shape: tuple[int, ...], index: int, position: int, reason: str) -> tuple:
+    """The slot of a sample that cannot be used: zeros, label -1, valid=False."""
+    return torch.zeros(shape), -1, index, position, False, missing_extras(shape, reason)
 
 
 def _stack(tensors: list[torch.Tensor]) -> torch.Tensor:
@@ -195,9 +308,15 @@ def collate(items: list) -> dict:
 
     Keeping their slots (instead of dropping them) keeps every chunk non-empty
     and the same size on every rank, so DDP's collectives never disagree; the
-    loss gives those slots zero weight and the loop counts them as skipped.
+    loss gives those slots zero weight and the loop counts them as skipped
+    (`skipped`, with each one's "file (why)" in `skipped_files`). A sample
+    whose extras cannot be stacked with the batch's (an embedding of another
+    length) becomes such a slot too, so one bad sidecar never stops a run.
     """
+    stats = getattr(items, "stats", None)
+    items = _fit_extras(list(items))
     valid = torch.tensor([it[4] for it in items], dtype=torch.bool)
+    extras = [it[5] if len(it) > 5 else {} for it in items]
     out = {
         "images": _stack([it[0] for it in items]),
         "labels": torch.tensor([it[1] for it in items], dtype=torch.int64),
@@ -205,9 +324,11 @@ def collate(items: list) -> dict:
         "positions": [it[3] for it in items],
         "valid": valid,
         "skipped": int((~valid).sum()),
+        "skipped_files": [
+            str(e.get(SKIP_REASON, f"sample {it[2]}")) for it, e in zip(items, extras, strict=True) if not it[4]
+        ],
     }
-    extras = [it[5] if len(it) > 5 else {} for it in items]
-    keys = sorted({k for e in extras for k in e})
+    keys = sorted({k for e in extras for k in e} - {SKIP_REASON})
     if "caption" in keys:
         # Unreadable samples and samples without a caption get "" (the unconditional prompt).
         out["captions"] = [str(e.get("caption", "")) for e in extras]
@@ -218,7 +339,6 @@ def collate(items: list) -> dict:
         tensors[k] = torch.stack([torch.as_tensor(e[k]) if k in e else like for e in extras])
     if tensors:
         out["extras"] = tensors
-    stats = getattr(items, "stats", None)
     if stats is not None:  # a shard source: what this step's reads cost, and shards that failed
         out["io"] = {
             "data_bytes": stats.data_bytes,
@@ -228,3 +348,23 @@ def collate(items: list) -> dict:
             "failed_shards": list(stats.failed_shards),
         }
     return out
+
+
+def _fit_extras(items: list) -> list:
+    """Items whose extra tensors have another shape than most of the batch's valid items (the first
+    seen on a tie) become skipped slots, so `torch.stack` below cannot fail. Sources check their own
+    files first (the image folder against its first sidecar); this covers every source."""
+    extras = [it[5] if len(it) > 5 and it[4] else {} for it in items]
+    for key in sorted({k for e in extras for k in e if k not in ("caption", SKIP_REASON)}):
+        shapes = [tuple(torch.as_tensor(e[key]).shape) if key in e else None for e in extras]
+        seen = [s for s in shapes if s is not None]
+        if len(set(seen)) < 2:
+            continue
+        common = max(dict.fromkeys(seen), key=seen.count)  # dict keeps first-seen order: ties go to the first
+        for i, shape in enumerate(shapes):
+            if shape is not None and shape != common:
+                image, _, index, position, *_ = items[i]
+                why = f"{key} of shape {list(shape)} where the batch's others are {list(common)}"
+                items[i] = skipped_item(tuple(image.shape), index, position, f"sample {index} ({why})")
+                extras[i] = {}
+    return items

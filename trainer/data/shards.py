@@ -52,7 +52,7 @@ import torch
 from PIL import Image, UnidentifiedImageError
 
 from trainer.config import ConfigError
-from trainer.data.datasets import IMAGE_EXTENSIONS, image_to_tensor, missing_extras
+from trainer.data.datasets import IMAGE_EXTENSIONS, image_to_tensor, read_embedding, short_reason, skipped_item
 from trainer.data.sampler import SampleRef, SampleStream
 from trainer.data.video import VIDEO_EXTENSIONS, decode_clip, frames_extra
 from trainer.randomness import derive_seed
@@ -359,8 +359,11 @@ def decode_sample(
     for name, raw in members.items():
         if name == "npy" or name.endswith(".npy"):
             stem = name[: -len(".npy")] if name.endswith(".npy") else name
-            arr = np.load(io.BytesIO(raw), allow_pickle=False)
-            extras[_EMBED_NAMES.get(stem, stem.replace(".", "_"))] = torch.from_numpy(np.asarray(arr, np.float32))
+            try:
+                arr = read_embedding(io.BytesIO(raw))
+            except ValueError as e:
+                raise ValueError(f"member {name}: {e}") from None
+            extras[_EMBED_NAMES.get(stem, stem.replace(".", "_"))] = torch.from_numpy(arr)
     return x, label, extras
 
 
@@ -418,7 +421,8 @@ class ShardSet:
         self._pid = None
         self._indexes: OrderedDict[int, np.ndarray] = OrderedDict()
         self._dead_until: dict[int, float] = {}
-        self._reported: set[str] = set()
+        self._skips: dict[str, str] = {}  # "url#member" -> why that sample was skipped (this process)
+        self._shard_errors: dict[int, str] = {}  # shard -> why it was last skipped whole (this process)
 
     def __getstate__(self):
         state = dict(self.__dict__)
@@ -453,6 +457,9 @@ class ShardSet:
     def _shard_failed(self, shard: int, why: BaseException, stats: FetchStats) -> None:
         url = self.shards.urls[shard]
         self._dead_until[shard] = time.monotonic() + _DEAD_SECONDS
+        self._shard_errors[shard] = short_reason(
+            f"shard unreadable after {self.retries} retries: {type(why).__name__}: {why}"
+        )
         stats.failed_shards.append(url)
         log.warning(
             "skipping shard %s after %d retries (pid %d): %s: %s",
@@ -545,10 +552,15 @@ class ShardSet:
                 )  # fmt: skip
             except (OSError, ValueError, KeyError, tarfile.TarError, UnidentifiedImageError, Image.DecompressionBombError) as e:  # fmt: skip
                 where = f"{self.shards.urls[shard]}#{member}"
-                if where not in self._reported:
-                    self._reported.add(where)
+                if where not in self._skips:
+                    self._skips[where] = f"corrupt sample: {short_reason(str(e))}"
                     log.warning("skipping corrupt sample %s (pid %d): %s", where, os.getpid(), e)
         return out
+
+    def skip_reason(self, shard: int, member: int) -> str:
+        """Why (shard, member) came back as None in this process: "url#member (reason)"."""
+        where = f"{self.shards.urls[shard]}#{member}"
+        return f"{where} ({self._skips.get(where) or self._shard_errors.get(shard) or 'unreadable'})"
 
     def _fetch(self, ranges: list[tuple[int, int, int, int]], stats: FetchStats) -> list[bytes | None]:
         """All ranges concurrently, neighbours merged; failures retried with backoff, then the shard is skipped.
@@ -671,9 +683,8 @@ class ShardSplit:
         for (shard, member), ref, item in zip(where, refs, loaded, strict=True):
             gid = self.shardset.global_id(shard, member)
             if item is None:
-                items.append(
-                    (torch.zeros(self.image_shape), -1, gid, ref.position, False, missing_extras(self.image_shape))
-                )
+                reason = self.shardset.skip_reason(shard, member)
+                items.append(skipped_item(self.image_shape, gid, ref.position, reason))
             else:
                 items.append((item[0], item[1], gid, ref.position, True, item[2]))
         items.stats = stats

@@ -10,7 +10,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from trainer.data.datasets import DIGIT_WORDS, image_to_tensor, load_digits_arrays, scan_folder
+from trainer.data.datasets import DIGIT_WORDS, image_to_tensor, load_digits_arrays, scan_folder, short_reason
 
 log = logging.getLogger(__name__)
 
@@ -139,20 +139,26 @@ class VideoFolderDataset:
     """
 
     def __init__(self, root: str, image_size: int, channels: int, num_frames: int, frame_stride: int):
-        self.files, self.class_index, self.labels = scan_folder(root, VIDEO_EXTENSIONS)
+        scan = scan_folder(root, VIDEO_EXTENSIONS, "data.path")
+        self.files, self.class_index, self.labels = scan.files, scan.class_index, scan.labels
         self.num_classes = len(self.class_index) or None
         self.image_size = image_size
         self.channels = channels
         self.num_frames = num_frames
         self.frame_stride = frame_stride
-        self._reported: set[str] = set()
+        self._skips: dict[str, str] = {}  # path -> why it was skipped (this process)
 
     def __len__(self) -> int:
         return len(self.files)
 
+    def skip_reason(self, index: int) -> str:
+        """Why sample `index` was skipped in this process: "path (reason)"."""
+        path = str(self.files[index])
+        return f"{path} ({self._skips.get(path, 'unreadable clip')})"
+
     def _skip(self, path: Path, why: str) -> None:
-        if str(path) not in self._reported:
-            self._reported.add(str(path))
+        if str(path) not in self._skips:
+            self._skips[str(path)] = short_reason(why, path)
             log.warning("skipping clip %s (pid %d): %s", path, os.getpid(), why)
 
     def load(self, index: int, aug_seed: int, flip: bool) -> tuple[torch.Tensor, int, dict] | None:

@@ -1,23 +1,48 @@
-"""Training progress: the global step and the data position, saved with every checkpoint."""
+"""Training progress: the global step, the data position and the skipped samples, saved with every checkpoint."""
 
 from __future__ import annotations
 
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
+
+import torch
+import torch.distributed as dist
 
 from trainer.config import ConfigError
 
+# The skip limit acts only from this many skipped samples on: fewer cannot tell a data set that is
+# mostly unreadable from a healthy one that met a bad file or two early (one bad file in the first
+# batch of 8 is 12% of what was consumed). With a true bad rate of half the limit, 32 skips where
+# about 16 are expected is a 1-in-10,000 chance, so a run under its limit is practically never
+# stopped; a data set that is all unreadable is stopped after 32 samples of nothing.
+MIN_SKIPPED_TO_STOP = 32
+# How many skipped files (the first ones, each with its reason) are remembered and named in the stop message.
+MAX_SKIPPED_FILES = 5
+
 
 class TrainProgress:
-    """Step count, global data cursor (samples consumed) and skipped-sample count.
+    """Step count, global data cursor (samples consumed) and skipped-sample count, all over every rank.
 
     The cursor is the whole data position (see trainer.data.sampler): it moves
     only when an optimizer step completes, so prefetched batches never count.
+    `skipped_samples` counts the samples of the whole job that could not be
+    read (every rank adds the same total: see `job_skips`), and
+    `skipped_files` keeps the first few of them with their reasons, so the
+    stop message still names them after a resume.
+
+    `max_skipped_fraction` (`data.max_skipped_fraction`) stops a run training
+    on nothing: see `check_skipped`.
     """
 
     def __init__(
-        self, batch_size: int, epoch_size: int, world_size: int, seed: int, order: Mapping[str, Any] | None = None
+        self,
+        batch_size: int,
+        epoch_size: int,
+        world_size: int,
+        seed: int,
+        order: Mapping[str, Any] | None = None,
+        max_skipped_fraction: float = 1.0,
     ):
         self.batch_size = batch_size
         # The config keys the sample order is a function of (besides the cursor): a resume under other
@@ -26,9 +51,11 @@ class TrainProgress:
         self.epoch_size = epoch_size
         self.world_size = world_size
         self.seed = seed
+        self.max_skipped_fraction = max_skipped_fraction
         self.step = 0
         self.cursor = 0
         self.skipped_samples = 0
+        self.skipped_files: list[str] = []
         self.saved_world_size: int | None = None
         self.saved_time: float | None = None
 
@@ -36,10 +63,41 @@ class TrainProgress:
     def epoch(self) -> int:
         return self.cursor // self.epoch_size
 
-    def advance(self, skipped: int) -> None:
+    @property
+    def wants_skipped_files(self) -> bool:
+        """Whether the names of newly skipped samples are still worth gathering (the list is not full)."""
+        return len(self.skipped_files) < MAX_SKIPPED_FILES
+
+    def advance(self, skipped: int, skipped_files: Sequence[str] = ()) -> None:
+        """One optimizer step done: `skipped` samples of the job's batch were unreadable (`skipped_files` why)."""
         self.step += 1
         self.cursor += self.batch_size
         self.skipped_samples += skipped
+        for name in skipped_files:
+            if self.wants_skipped_files and name not in self.skipped_files:
+                self.skipped_files.append(name)
+
+    def check_skipped(self) -> None:
+        """Stop (ConfigError: exit 2, never retried) when the run is training on unreadable data.
+
+        The rule: more than `max_skipped_fraction` of the samples consumed so
+        far (`cursor`, since the first step, across resumes) were skipped, and
+        at least `MIN_SKIPPED_TO_STOP` were (too few to tell bad data from bad
+        luck otherwise). 0 stops at the first skipped sample; 1 never stops.
+        Every rank holds the same counts, so every rank stops at the same step.
+        """
+        limit = self.max_skipped_fraction
+        if self.skipped_samples <= limit * self.cursor:
+            return
+        if limit > 0 and self.skipped_samples < MIN_SKIPPED_TO_STOP:
+            return
+        first = "; ".join(self.skipped_files) or "(not recorded)"
+        raise ConfigError(
+            f"data.max_skipped_fraction={limit}: {self.skipped_samples} of the {self.cursor} samples consumed by "
+            f"step {self.step} ({self.skipped_samples / max(self.cursor, 1):.1%}) could not be read, more than the "
+            f"limit allows, so the run is training on little or nothing; the first unreadable ones: {first}. Fix "
+            "or remove those files and resume, or raise data.max_skipped_fraction (1 = never stop)"
+        )
 
     def state_dict(self) -> dict[str, Any]:
         return {
@@ -47,6 +105,7 @@ class TrainProgress:
             "cursor": self.cursor,
             "epoch": self.epoch,
             "skipped_samples": self.skipped_samples,
+            "skipped_files": list(self.skipped_files),
             "world_size": self.world_size,
             "seed": self.seed,
             "order": self.order,
@@ -67,5 +126,32 @@ class TrainProgress:
         self.step = int(state["step"])
         self.cursor = int(state["cursor"])
         self.skipped_samples = int(state.get("skipped_samples", 0))
+        # Only informative (named in the stop message): absent in older checkpoints, and anything but a
+        # list of strings is dropped rather than trusted.
+        files = state.get("skipped_files")
+        files = files if isinstance(files, list) else []
+        self.skipped_files = [f for f in files if isinstance(f, str)][:MAX_SKIPPED_FILES]
         self.saved_world_size = state.get("world_size")
         self.saved_time = state.get("time_unix")
+
+
+def job_skips(batch: Mapping[str, Any], progress: TrainProgress, device: torch.device) -> tuple[int, list[str]]:
+    """(skipped samples of this step over every rank, the names of the new ones when still wanted).
+
+    One all-reduce of an int per step; the names are all-gathered only at a
+    step where some rank skipped and the progress still records names. Both
+    conditions are the same on every rank (the total and the list are), so
+    every rank enters the same collectives. One process: no collective.
+    """
+    skipped = int(batch["skipped"])
+    files = list(batch.get("skipped_files", ()))
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return skipped, files
+    total = torch.tensor([skipped], dtype=torch.int64, device=device)
+    dist.all_reduce(total)
+    skipped = int(total.item())
+    if skipped == 0 or not progress.wants_skipped_files:
+        return skipped, []
+    gathered: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, files[:MAX_SKIPPED_FILES])
+    return skipped, [name for names in gathered for name in names]
