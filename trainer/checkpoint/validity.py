@@ -36,7 +36,7 @@ MAX_JSON_BYTES = 256 << 20  # a trainer.json / shards.json larger than this is n
 FILE_NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]{0,254}$")
 _HEX64 = r"^[0-9a-f]{64}$"
 
-NonNegInt = Annotated[StrictInt, Field(ge=0)]
+NonNegInt = Annotated[StrictInt, Field(ge=0, lt=1 << 63)]  # counters and sizes: int64 at most
 
 
 class _Open(BaseModel):
@@ -82,6 +82,7 @@ class ProgressState(_Open):
     step: NonNegInt
     cursor: NonNegInt
     skipped_samples: NonNegInt = 0
+    skipped_files: list[StrictStr] = []
     world_size: Annotated[StrictInt, Field(ge=1)] | None = None
     seed: StrictInt | None = None
     order: dict[StrictStr, Any] | None = None
