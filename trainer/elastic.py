@@ -5,10 +5,14 @@ from __future__ import annotations
 import logging
 import os
 import signal
+import socket
 import sys
+import threading
 import time
-from collections.abc import Mapping
+import traceback
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from typing import Any, NoReturn
 
 import torch
 import torch.distributed as dist
@@ -60,38 +64,194 @@ class DistEnv:
 
 
 class StopRequest:
-    """SIGTERM/SIGINT set a flag; the loop stops at the end of the current optimizer step.
+    """SIGTERM/SIGINT: stop at the end of the current optimizer step, and be gone within `grace_seconds`.
 
-    The handler does nothing else: the loop agrees on the stop with every rank
-    (see `agree_to_stop`) so no rank leaves while others wait in a collective.
-    A second signal exits at once with 143 (the last committed checkpoint
-    stays valid, since a checkpoint only exists once its manifest is written).
+    The Python handler only sets a flag; the loop agrees on the stop with every
+    rank (see `agree_to_stop`) so no rank leaves while others wait in a
+    collective, then writes an emergency checkpoint. The grace period is kept
+    by a thread of its own, `gentrain-stop-deadline`, that learns of the signal
+    through `signal.set_wakeup_fd`: the C-level handler writes the signal's
+    number there at once, while Python handlers run only when the main thread
+    gets back to bytecode. So the deadline holds whatever the main thread waits
+    on: a collective whose peer waits for a stalled store, the next save
+    waiting for the one in flight, a fence, pruning, the interpreter's exit
+    joining a blocked writer thread. When it runs out the process exits 143 at
+    once; the newest committed checkpoint stays valid (a save cut short has no
+    manifest, and retention deletes a manifest first). A second signal exits
+    at once too.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, grace_seconds: float = 25.0, rank: int | None = None) -> None:
+        self.grace_seconds = grace_seconds
+        self.rank = rank  # named in the deadline's message when there are several
         self.signum: int | None = None
         self.received_at: float | None = None
+        self._signals = 0
+        self._lock = threading.Lock()
+        self._wakeup: tuple[socket.socket, socket.socket] | None = None
+        self._previous: dict[int, Any] = {}
+        self._previous_wakeup_fd = -1
 
     def install(self) -> None:
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            signal.signal(sig, self._handle)
+        """Handle SIGTERM/SIGINT (main thread only) and start the deadline thread."""
+        for sig in _STOP_SIGNALS:
+            self._previous[sig] = signal.signal(sig, self._handle)
+        reader, writer = socket.socketpair()
+        writer.setblocking(False)  # set_wakeup_fd requires it: the C handler must never block
+        self._previous_wakeup_fd = signal.set_wakeup_fd(writer.fileno(), warn_on_full_buffer=False)
+        self._wakeup = (reader, writer)
+        threading.Thread(target=self._keep_deadline, args=(reader,), name="gentrain-stop-deadline", daemon=True).start()
+
+    def uninstall(self) -> None:
+        """Give the signals back (a run that finished); the deadline thread ends."""
+        if self._wakeup is None:
+            return
+        signal.set_wakeup_fd(self._previous_wakeup_fd)
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+        reader, writer = self._wakeup
+        self._wakeup = None
+        try:
+            writer.send(bytes([_QUIT]))
+        except OSError:
+            pass
+        writer.close()
 
     def _handle(self, signum: int, frame) -> None:
-        if self.signum is not None:
-            sys.stderr.write(f"gentrain: second signal {signal.Signals(signum).name}, exiting now\n")
-            sys.stderr.flush()
-            os._exit(EXIT_PREEMPTED)
-        self.signum = signum
-        self.received_at = time.monotonic()
+        if self._wakeup is None:  # no deadline thread to count signals (install() not called)
+            self._count(signum)
+        self._mark(signum)
+
+    def _mark(self, signum: int) -> None:
+        with self._lock:
+            if self.signum is None:
+                self.signum = signum
+                self.received_at = time.monotonic()
+
+    def _count(self, signum: int) -> None:
+        """Count a stop signal; the second one exits at once."""
+        self._signals += 1
+        if self._signals >= 2:
+            _say(f"second signal {signal.Signals(signum).name}, exiting now")
+            exit_now(EXIT_PREEMPTED)
+
+    def _keep_deadline(self, reader: socket.socket) -> None:
+        while True:
+            left = self.seconds_left()
+            reader.settimeout(None if self.received_at is None else max(left, 0.001))
+            try:
+                data = reader.recv(64)
+            except TimeoutError:
+                self._deadline_passed()
+            except OSError:
+                return
+            if not data or _QUIT in data:
+                reader.close()
+                return
+            for signum in data:
+                if signum in _STOP_SIGNALS:
+                    self._mark(signum)
+                    self._count(signum)
+
+    def _deadline_passed(self) -> None:
+        name = signal.Signals(self.signum).name if self.signum else "the stop signal"
+        who = f"[rank {self.rank}] " if self.rank is not None else ""
+        _say(
+            f"{who}elastic.grace_seconds={self.grace_seconds:g} ran out after {name} while the main "
+            f"thread was in {_main_thread_location()}; exiting 143 (the newest committed checkpoint stays valid: "
+            "a save cut short has no manifest)"
+        )
+        exit_now(EXIT_PREEMPTED)
 
     @property
     def requested(self) -> bool:
         return self.signum is not None
 
-    def seconds_left(self, grace_seconds: float) -> float:
+    def seconds_left(self) -> float:
+        """Seconds of the grace period left (all of it before a signal)."""
         if self.received_at is None:
-            return grace_seconds
-        return grace_seconds - (time.monotonic() - self.received_at)
+            return self.grace_seconds
+        return self.grace_seconds - (time.monotonic() - self.received_at)
+
+
+_STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+_QUIT = 0  # not a signal number: tells the deadline thread to end
+
+
+def _say(message: str) -> None:
+    """A line on stderr without the logging module: its handler lock may be held by the blocked main thread."""
+    try:
+        os.write(2, f"gentrain: {message}\n".encode())
+    except OSError:
+        pass
+
+
+def _main_thread_location() -> str:
+    """Where the main thread waits: its innermost gentrain frame (file:line function), for the log."""
+    frame = sys._current_frames().get(threading.main_thread().ident or -1)
+    if frame is None:
+        return "an unknown place"
+    stack = traceback.extract_stack(frame)
+    package = os.path.dirname(os.path.abspath(__file__))
+    ours = [f for f in stack if f.filename.startswith(package + os.sep)] or stack
+    f = ours[-1]
+    return f"{os.path.relpath(f.filename, os.path.dirname(package))}:{f.lineno} {f.name}()"
+
+
+def flush_logs(timeout_seconds: float = 0.5) -> None:
+    """Flush every logging handler and the standard streams, skipping a handler whose lock stays busy."""
+    for h in logging.getLogger().handlers:
+        lock = getattr(h, "lock", None)
+        if lock is not None and not lock.acquire(timeout=timeout_seconds):
+            continue
+        try:
+            h.flush()
+        except Exception:  # noqa: BLE001 - a closed or broken stream must not stop the exit
+            pass
+        finally:
+            if lock is not None:
+                lock.release()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except Exception:  # noqa: BLE001
+            pass
+
+
+def exit_now(code: int) -> NoReturn:
+    """Flush the logs, then leave without the interpreter's shutdown.
+
+    The shutdown joins every executor thread (a checkpoint writer blocked on a
+    stalled store would hold the exit as long as the store stalls) and runs
+    process-group destructors that may wait for peers. After a stop, what the
+    run had to keep is committed or will never be: nothing there is worth more
+    than the grace period.
+    """
+    flush_logs()
+    os._exit(code)
+
+
+def run_within(seconds: float, work: Callable[[], object], what: str) -> bool:
+    """Run `work` on a daemon thread and wait at most `seconds`; False (logged) if it had not finished.
+
+    For clean-up on the way out after a stop: what did not finish is left to
+    the process's exit (an unfinished prune is redone by the next run's retention).
+    """
+    done = threading.Event()
+
+    def run() -> None:
+        try:
+            work()
+        except Exception as e:  # noqa: BLE001 - clean-up on the way out: say it, keep leaving
+            log.warning("%s failed: %s", what, e)
+        finally:
+            done.set()
+
+    threading.Thread(target=run, name=f"gentrain-{what.replace(' ', '-')}", daemon=True).start()
+    if done.wait(timeout=max(0.0, seconds)):
+        return True
+    log.warning("%s did not finish within the %.1fs of grace left; exiting without waiting for it", what, seconds)
+    return False
 
 
 def process_start_time() -> float:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import logging
 import time
+from typing import NoReturn
 
 import torch
 from accelerate import Accelerator
@@ -21,7 +22,17 @@ from trainer.checkpoint.manager import CheckpointManager
 from trainer.checkpoint.weights import load_frozen
 from trainer.config import Config, ConfigError
 from trainer.data import build_splits, build_train_loader, is_video
-from trainer.elastic import EXIT_OK, DistEnv, StartupClock, StopRequest, agree_to_stop, barrier, init_process_group
+from trainer.elastic import (
+    EXIT_OK,
+    DistEnv,
+    StartupClock,
+    StopRequest,
+    agree_to_stop,
+    barrier,
+    exit_now,
+    init_process_group,
+    run_within,
+)
 from trainer.engine.evaluate import Evaluator
 from trainer.engine.parts import build_parts
 from trainer.engine.preview import Previewer
@@ -56,7 +67,7 @@ class Trainer:
         self.clock.mark("imports")
         self.cfg = cfg
         self.env = env = env or DistEnv.from_environ()
-        self.stop_request = StopRequest()
+        self.stop_request = StopRequest(cfg.elastic.grace_seconds, env.rank if env.world_size > 1 else None)
         t = cfg.train
         check_batch_split(t.batch_size, env.world_size, t.grad_accum)  # fail before any set-up
         if t.threads:
@@ -148,14 +159,20 @@ class Trainer:
         self.evaluator.maybe_run(progress.step, last=True)
         self.previewer.maybe_run(progress.step, last=True)
         self.close()
+        self.stop_request.uninstall()
         return EXIT_OK
 
-    def stop_for_preemption(self) -> int:
-        code = self.checkpoints.emergency_save(
-            self.progress.step, self.stop_request, self.cfg.elastic.grace_seconds, self._flush_logs
-        )
-        self.close()
-        return code
+    def stop_for_preemption(self) -> NoReturn:
+        """Emergency checkpoint, clean-up, exit 143: all within elastic.grace_seconds of the signal.
+
+        Every wait here ends at the grace deadline: the emergency save's (see `emergency_save`), the
+        clean-up's (pruning, trackers, the metrics linger, the closing barrier), and the interpreter's
+        exit, which is skipped (see `exit_now`); StopRequest's deadline thread bounds the rest.
+        """
+        stop = self.stop_request
+        code = self.checkpoints.emergency_save(self.progress.step, stop)
+        run_within(stop.seconds_left(), self.close, "closing the run")
+        exit_now(code)
 
     # ------------------------------------------------------------------ set-up
 
@@ -297,10 +314,6 @@ class Trainer:
                 "resuming a %s-rank checkpoint on %d ranks: same data cursor, reduction order changes",
                 saved, self.env.world_size,
             )  # fmt: skip
-
-    def _flush_logs(self) -> None:
-        for h in logging.getLogger().handlers:
-            h.flush()
 
     def close(self) -> None:
         self.checkpoints.close()
