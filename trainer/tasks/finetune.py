@@ -23,9 +23,11 @@ reads back.
 from __future__ import annotations
 
 import copy
+import importlib.util
 import json
 import logging
 import posixpath
+import sys
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -199,6 +201,8 @@ def load_weights(module: nn.Module, tensors: Mapping[str, torch.Tensor], key: st
 
 def apply_lora(unet: nn.Module, settings: LoraSettings, key: str) -> int:
     """Wrap the target layers with LoRA adapters (everything else frozen); returns the adapter parameter count."""
+    if importlib.util.find_spec("peft") is None:  # the `lora` extra: a run without LoRA never needs it
+        raise ConfigError(f"{key} needs peft: pip install 'gentrain[lora]'")
     from peft import inject_adapter_in_model
 
     try:
@@ -210,9 +214,10 @@ def apply_lora(unet: nn.Module, settings: LoraSettings, key: str) -> int:
 
 
 def has_lora(module: nn.Module) -> bool:
-    from peft.tuners.tuners_utils import BaseTunerLayer
-
-    return any(isinstance(m, BaseTunerLayer) for m in module.modules())
+    """True if peft put adapters on `module`. Never imports peft (the `lora` extra): only `apply_lora` puts
+    adapters on a module and it imports peft first, so while peft is not imported no module has any."""
+    tuners = sys.modules.get("peft.tuners.tuners_utils")
+    return tuners is not None and any(isinstance(m, tuners.BaseTunerLayer) for m in module.modules())
 
 
 def cast_frozen_base(module: nn.Module, precision: str) -> None:
@@ -249,10 +254,10 @@ def lora_state_dict(unet: nn.Module) -> dict[str, torch.Tensor]:
 
 def merged_state_dict(unet: nn.Module) -> dict[str, torch.Tensor]:
     """The plain UNet's weights with the adapters merged in by peft (W + scale * B @ A, in fp32)."""
+    if not has_lora(unet):  # before peft's import: exporting a UNet without adapters must not need the extra
+        return {k: v.detach().contiguous().clone() for k, v in unet.state_dict().items()}
     from peft.tuners.tuners_utils import BaseTunerLayer
 
-    if not has_lora(unet):
-        return {k: v.detach().contiguous().clone() for k, v in unet.state_dict().items()}
     work = copy.deepcopy(unet).float()
     for m in work.modules():
         if isinstance(m, BaseTunerLayer):
