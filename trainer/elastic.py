@@ -157,9 +157,9 @@ class StopRequest:
         name = signal.Signals(self.signum).name if self.signum else "the stop signal"
         who = f"[rank {self.rank}] " if self.rank is not None else ""
         _say(
-            f"{who}elastic.grace_seconds={self.grace_seconds:g} ran out after {name} while the main "
-            f"thread was in {_main_thread_location()}; exiting 143 (the newest committed checkpoint stays valid: "
-            "a save cut short has no manifest)"
+            f"{who}the stop did not finish within elastic.grace_seconds={self.grace_seconds:g} of {name} (the main "
+            f"thread was in {_main_thread_location()}); exiting 143, the newest committed checkpoint stays valid "
+            "(a save cut short has no manifest)"
         )
         exit_now(EXIT_PREEMPTED)
 
