@@ -8,9 +8,11 @@ overrides the optimizer settings of one part (e.g. a discriminator's lr and beta
 from __future__ import annotations
 
 import os
-from typing import Any, Literal
+import re
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, PrivateAttr, field_validator, model_validator
+from pydantic_core import PydanticCustomError
 
 DEFAULT_PRESET = "digits-ddpm"
 
@@ -23,6 +25,21 @@ class _Section(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
 
 
+def _check_betas(betas: tuple[float, float]) -> tuple[float, float]:
+    # torch.optim.AdamW raises a bare ValueError (a traceback, exit 1) for these; refuse them as config.
+    if not all(0.0 <= b < 1.0 for b in betas):
+        raise PydanticCustomError(
+            "betas_range", "each of AdamW's two betas must be in [0, 1), e.g. [0.9, 0.999] (decays of its averages)"
+        )
+    return betas
+
+
+# AdamW's (beta1, beta2): the decays of its running averages of the gradient and its square.
+Betas = Annotated[tuple[float, float], AfterValidator(_check_betas)]
+# Optimizer numbers torch takes as they are: NaN or infinity would reach the weights, so they are refused here.
+Finite = Annotated[float, Field(allow_inf_nan=False)]
+
+
 class RunConfig(_Section):
     dir: str | None = Field(None, description="local folder for logs and grids; default runs/<name>")
 
@@ -32,12 +49,12 @@ class TrainConfig(_Section):
     batch_size: int = Field(64, ge=1, description="global batch over all ranks and accumulation")
     grad_accum: int = Field(1, ge=1)
     micro_batch_size: int | None = Field(None, ge=1, description="largest chunk per forward")
-    lr: float = Field(2e-4, gt=0)
+    lr: Finite = Field(2e-4, gt=0)
     warmup_steps: int = Field(0, ge=0)
     lr_schedule: Literal["cosine", "constant"] = "cosine"
-    weight_decay: float = Field(0.0, ge=0)
-    betas: tuple[float, float] = (0.9, 0.999)
-    max_grad_norm: float | None = Field(1.0, gt=0)
+    weight_decay: Finite = Field(0.0, ge=0)
+    betas: Betas = (0.9, 0.999)
+    max_grad_norm: Finite | None = Field(1.0, gt=0)
     precision: Literal["no", "fp16", "bf16"] = "no"
     log_every_steps: int = Field(50, ge=1)
     val_every_steps: int = Field(0, ge=0, description="0 = no validation")
@@ -216,22 +233,27 @@ class EvalConfig(_Section):
 class OptimConfig(_Section):
     """Per-part overrides of the `train.*` optimizer settings; unset keys inherit them."""
 
-    lr: float | None = Field(None, gt=0)
-    betas: tuple[float, float] | None = None
-    weight_decay: float | None = Field(None, ge=0)
-    eps: float | None = Field(None, gt=0)
+    lr: Finite | None = Field(None, gt=0)
+    betas: Betas | None = None
+    weight_decay: Finite | None = Field(None, ge=0)
+    eps: Finite | None = Field(None, gt=0)
     warmup_steps: int | None = Field(None, ge=0)
     lr_schedule: Literal["cosine", "constant"] | None = None
-    max_grad_norm: float | None = Field(None, gt=0)
+    max_grad_norm: Finite | None = Field(None, gt=0)
     max_steps: int | None = Field(
         None, ge=1, description="the part stops learning at this many of its own steps (and its schedule ends there)"
     )
 
 
+# A built-in task's name, or the import path of a task class (trainer.registry resolves both).
+_TASK_NAME = re.compile(r"[a-z][a-z0-9-]*|[A-Za-z_]\w*(\.[A-Za-z_]\w*)*:[A-Za-z_]\w*")
+
+
 class Config(_Section):
     name: str = DEFAULT_PRESET
     task: str = "ddpm"
-    seed: int = 0
+    # torch.manual_seed's range: a seed outside it fails deep in torch at the first step.
+    seed: int = Field(0, ge=-(2**63), le=2**64 - 1)
     run: RunConfig = Field(default_factory=RunConfig)
     train: TrainConfig = Field(default_factory=TrainConfig)
     ema: EmaConfig = Field(default_factory=EmaConfig)
@@ -246,6 +268,15 @@ class Config(_Section):
     # Validated by the task's own schema (trainer.registry); the typed object is `model_cfg`.
     model: dict[str, Any] = Field(default_factory=dict)
     _model_cfg: Any = PrivateAttr(default=None)
+
+    @field_validator("task")
+    @classmethod
+    def _task_names_a_task(cls, task: str) -> str:
+        if not _TASK_NAME.fullmatch(task):
+            raise PydanticCustomError(
+                "task_name", "a built-in task name (e.g. ddpm, vqgan) or an import path package.module:ClassName"
+            )
+        return task
 
     @property
     def model_cfg(self) -> Any:
