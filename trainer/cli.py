@@ -11,9 +11,16 @@ import sys
 from typing import Any
 
 from trainer.config import ConfigError, load_config, preset_names, preset_summary, split_preset
+from trainer.config.redact import RedactingFilter
 from trainer.elastic import EXIT_INVALID_CHECKPOINT, EXIT_OK, EXIT_USAGE, DistEnv
 
 log = logging.getLogger("gentrain")
+
+
+_TASK_HELP = (
+    "the task the checkpoint was trained with (default: the checkpoint's); needed when that is an import "
+    "path (module:Class), which gentrain imports only when you name it yourself"
+)
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -49,6 +56,7 @@ def _parser() -> argparse.ArgumentParser:
     )  # fmt: skip
     s.add_argument("--batch-size", type=int, default=None, help="sample in chunks of this many (memory)")
     s.add_argument("--storage-options", type=json.loads, default={}, help="JSON passed to fsspec")
+    s.add_argument("--task", default=None, metavar="TASK", help=_TASK_HELP)
 
     e = sub.add_parser("eval", help="FID/KID of a checkpoint's samples vs held-out images; writes eval-<step>.json")
     e.add_argument("checkpoint", help="a checkpoint (…/step-000001200) or a checkpoint root (newest valid)")
@@ -64,7 +72,14 @@ def _parser() -> argparse.ArgumentParser:
     e.add_argument("--features-url", default=None, help="features=inception: path/URL of the Inception weights")
     e.add_argument("--steps", type=int, default=None, help="inference steps (default: eval/sample settings)")
     e.add_argument("--no-ema", action="store_true", help="use the raw weights instead of the EMA weights")
-    e.add_argument("--storage-options", type=json.loads, default={}, help="JSON passed to fsspec")
+    e.add_argument(
+        "--storage-options", type=json.loads, default={}, help="JSON passed to fsspec (checkpoints, and data too)"
+    )
+    e.add_argument(
+        "--data-storage-options", type=json.loads, default=None,
+        help="JSON passed to fsspec for the data when it needs other options than --storage-options",
+    )  # fmt: skip
+    e.add_argument("--task", default=None, metavar="TASK", help=_TASK_HELP)
 
     c = sub.add_parser("checkpoints", help="list, verify or consolidate checkpoints")
     csub = c.add_subparsers(dest="action", required=True)
@@ -88,6 +103,7 @@ def _parser() -> argparse.ArgumentParser:
     ce.add_argument("out", help="folder (any fsspec URL): OUT/<part>/ and, for LoRA parts, OUT/<part>-lora/")
     ce.add_argument("--no-ema", action="store_true", help="export the raw weights instead of the EMA weights")
     ce.add_argument("--storage-options", type=json.loads, default={}, help="JSON passed to fsspec for both")
+    ce.add_argument("--task", default=None, metavar="TASK", help=_TASK_HELP)
 
     d = sub.add_parser("data", help="pack image folders into WebDataset shards, index shards made elsewhere")
     dsub = d.add_subparsers(dest="action", required=True)
@@ -111,6 +127,10 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
+# Every log line passes through it: URL credentials and the secrets of the run's config never reach a log.
+_REDACT = RedactingFilter()
+
+
 def _setup_logging(env: DistEnv) -> None:
     level = logging.INFO if env.rank == 0 else logging.WARNING
     prefix = f"[rank {env.rank}] " if env.world_size > 1 else ""
@@ -122,6 +142,9 @@ def _setup_logging(env: DistEnv) -> None:
     )
     for noisy in ("fsspec", "s3fs", "gcsfs", "aiobotocore", "botocore", "urllib3", "PIL", "matplotlib"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
+    for handler in logging.getLogger().handlers:
+        if _REDACT not in handler.filters:
+            handler.addFilter(_REDACT)
 
 
 def cmd_train(args: argparse.Namespace) -> int:
@@ -129,6 +152,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     _setup_logging(env)
     # argparse puts the first word in `config` even when it is a key=value override.
     cfg = load_config(*split_preset([a for a in [args.config, *args.overrides] if a]))
+    _REDACT.add_secrets(cfg.to_dict())
     # Before anything imports prometheus_client (see trainer.metrics).
     from trainer.metrics import configure_multiprocess_dir
 
@@ -146,13 +170,14 @@ def cmd_sample(args: argparse.Namespace) -> int:
     from trainer.checkpoint.weights import load_for_inference
     from trainer.media import contact_sheet, save_gif, save_grid, save_media, slugify
 
+    _REDACT.add_secrets({"storage_options": args.storage_options})
     store, info = resolve_checkpoint(args.checkpoint, args.storage_options)
     if info is None or not info.valid:
         why = info.reason if info else "no valid checkpoint under this root"
         print(f"gentrain: cannot sample from {args.checkpoint}: {why}", file=sys.stderr)
         return EXIT_INVALID_CHECKPOINT
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    cfg, task, modules = load_for_inference(store, info, use_ema=not args.no_ema, device=device)
+    cfg, task, modules = load_for_inference(store, info, not args.no_ema, device, task_name=args.task)
     s = cfg.sample
     if args.temperature is not None and "temperature" not in inspect.signature(task.sample).parameters:
         raise ConfigError(
@@ -196,13 +221,16 @@ def cmd_eval(args: argparse.Namespace) -> int:
     from trainer.eval.features import load_features
     from trainer.eval.fid import FidKid, evaluate, sample_options, write_result
 
+    _REDACT.add_secrets({"storage_options": args.storage_options, "data": args.data_storage_options})
     store, info = resolve_checkpoint(args.checkpoint, args.storage_options)
     if info is None or not info.valid:
         why = info.reason if info else "no valid checkpoint under this root"
         print(f"gentrain: cannot evaluate {args.checkpoint}: {why}", file=sys.stderr)
         return EXIT_INVALID_CHECKPOINT
     device = torch.device(f"cuda:{env.local_rank}" if torch.cuda.is_available() else "cpu")
-    cfg, task, modules = load_for_inference(store, info, use_ema=not args.no_ema, device=device)
+    cfg, task, modules = load_for_inference(store, info, not args.no_ema, device, task_name=args.task)
+    if args.data_storage_options is not None:
+        cfg.data.storage_options = args.data_storage_options
     for key, value in (("num", args.num), ("features", args.features), ("features_url", args.features_url),
                        ("inference_steps", args.steps)):  # fmt: skip
         if value is not None:
@@ -322,7 +350,7 @@ def _export(args: argparse.Namespace, store, info) -> int:
     if not info.valid:
         print(f"INVALID: {info.url}: {info.reason}", file=sys.stderr)
         return EXIT_INVALID_CHECKPOINT
-    _, task, modules = load_for_inference(store, info, use_ema=not args.no_ema, device=torch.device("cpu"))
+    _, task, modules = load_for_inference(store, info, not args.no_ema, torch.device("cpu"), task_name=args.task)
     out = args.out.rstrip("/")
     for part, (unet, extras) in task.export_unets(modules).items():
         for url in write_folder(unet, f"{out}/{part}", extras, args.storage_options):

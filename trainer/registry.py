@@ -5,6 +5,11 @@ A built-in task `foo-bar` lives in `trainer/tasks/foo_bar.py`, which sets
 outside this package is named by its import path, `package.module:ClassName`
 (the module must be importable in every worker). Config validation goes
 through here, so `trainer.config` never imports a task module at import time.
+
+Importing a module runs its code, so an import path is taken only from the
+user: their config or `--task`. A config read from storage (a checkpoint's
+manifest, a frozen part's source run) passes `check_stored_task` first: it
+may name a built-in task, or the import path the user named themselves.
 """
 
 from __future__ import annotations
@@ -27,6 +32,38 @@ def builtin_tasks() -> list[str]:
     return sorted(
         f.name[:-3].replace("_", "-") for f in files if f.name.endswith(".py") and f.name[:-3] not in _NOT_TASKS
     )
+
+
+def is_import_path(name: object) -> bool:
+    """True for a task named by import path (`package.module:ClassName`), which importing would run."""
+    return isinstance(name, str) and ":" in name
+
+
+def check_stored_task(stored: object, given: str | None, where: str, flag: str | None = "--task") -> None:
+    """Refuse (exit 2) a task read from storage that would import code the user did not name.
+
+    `stored` is the task in a config read from `where` (a checkpoint); `given` the task the user named
+    with `flag` (None: not named). A built-in task is fine when the user named none; an import path only
+    when the user named the same one; a task the user named must always match. With `flag` None there is
+    no way to name one (a frozen part's source run): only built-in tasks pass.
+    """
+    if given is not None:
+        if stored != given:
+            raise ConfigError(
+                f"{flag} {given} but {where} was trained with task = {stored!r}: they must be the same. "
+                f"Pass {flag} {stored} if you trust that task, or use a checkpoint of a run of {given}."
+            )
+        return
+    if is_import_path(stored):
+        trust = (
+            f"If you trust that module, pass {flag} {stored}."
+            if flag
+            else f"Only built-in tasks ({', '.join(builtin_tasks())}) are imported from there."
+        )
+        raise ConfigError(
+            f"{where} names task = {stored!r}, an import path: importing it would run code the checkpoint "
+            f"chose, so gentrain imports a task module only when you name it yourself. {trust}"
+        )
 
 
 def task_class(name: str) -> type[Task]:

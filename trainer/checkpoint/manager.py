@@ -177,7 +177,11 @@ class CheckpointManager:
             self.save(step)
 
     def _meta(self) -> dict[str, Any]:
-        return {
+        """What the manifest says about the run, credentials redacted: a checkpoint root is read by more
+        people than the keys that wrote it, and a resume takes its storage options from its own config."""
+        from trainer.config.redact import redact
+
+        meta = {
             "world_size": self.env.world_size,
             "parallel": self.cfg.train.parallel,
             "gentrain_version": __version__,
@@ -187,6 +191,7 @@ class CheckpointManager:
             "frozen": dict(self.frozen),
             "inputs": dict(self.inputs),
         }
+        return redact(meta)
 
     def save(self, step: int, sync: bool = False, final: bool = False) -> bool:
         """Collective: every rank contributes its own state. False if it failed."""

@@ -138,10 +138,15 @@ class CheckpointStore:
 
     # -- writing
     def _put_small(self, path: str, data: bytes) -> None:
-        """Write a small file so that readers see the old or the new content, never half."""
+        """Write a small file so that readers see the old or the new content, never half.
+
+        On a local disk it gets no world access (0o640, or stricter under the umask) before a byte is written.
+        """
         if self._local:
             tmp = f"{path}.tmp-{threading.get_ident()}"
-            with open(tmp, "wb") as f:
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o640)
+            os.fchmod(fd, os.fstat(fd).st_mode & 0o770)  # a leftover tmp file keeps its old mode otherwise
+            with os.fdopen(fd, "wb") as f:
                 f.write(data)
                 fsync(f)
             os.replace(tmp, path)
@@ -274,7 +279,17 @@ class CheckpointStore:
             self._pruner = None
 
     def _write_payload(self, d: str, name: str, payload: Payload) -> dict[str, Any]:
-        with self.fs.open(posixpath.join(d, name), "wb") as f, Hasher() as digest:
+        path = posixpath.join(d, name)
+        if self._local:
+            # No world access on local disks, set before a byte is written: files 0o640 in a 0o750 step dir
+            # (or stricter under the umask). A checkpoint holds the run's weights and settings.
+            os.chmod(d, os.stat(d).st_mode & 0o770)
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o640)
+            os.fchmod(fd, os.fstat(fd).st_mode & 0o770)  # a file already there keeps its old mode otherwise
+            opened = os.fdopen(fd, "wb")
+        else:
+            opened = self.fs.open(path, "wb")
+        with opened as f, Hasher() as digest:
             if isinstance(payload, bytes | bytearray):
                 digest.update(memoryview(payload))
                 f.write(payload)

@@ -20,8 +20,10 @@ from trainer.checkpoint.format import entry_digest, new_digest
 from trainer.checkpoint.sharded import ShardIndex, files_of_group, group_name, load_group
 from trainer.checkpoint.state import TRAINER_JSON
 from trainer.checkpoint.store import CheckpointInfo, CheckpointStore, resolve_checkpoint
-from trainer.config import ConfigError
-from trainer.tasks.base import FrozenSource, FrozenWeights
+from trainer.config import ConfigError, config_from_dict
+from trainer.config.redact import redact
+from trainer.registry import check_stored_task, task_class
+from trainer.tasks.base import FrozenSource, FrozenWeights, TaskContext
 
 log = logging.getLogger(__name__)
 
@@ -74,12 +76,27 @@ def _dtype(name: str) -> torch.dtype:
     return {v: k for k, v in _DTYPES.items()}[name]
 
 
-def _load(store: CheckpointStore, info: CheckpointInfo, source: FrozenSource) -> FrozenWeights:
-    from trainer.config import config_from_dict
+def config_of(info: CheckpointInfo, task: str | None = None, flag: str | None = "--task") -> Any:
+    """The resolved config of a checkpoint's manifest; its task is imported only if it is a built-in or the
+    user named the same one (`task`, given with `flag`; see `trainer.registry.check_stored_task`).
 
+    The manifest is whatever the store holds: anyone who can write there chooses it, so it must never
+    choose which code runs. Its storage options are redacted (see `trainer.config.redact`): callers use
+    the user's own.
+    """
+    tree = info.manifest.get("config")
+    if not isinstance(tree, dict):
+        raise ConfigError(f"checkpoint {info.url}: its manifest holds no config (a mapping) to build the model from")
+    check_stored_task(tree.get("task"), task, f"checkpoint {info.url}", flag)
+    return config_from_dict(tree)
+
+
+def _load(store: CheckpointStore, info: CheckpointInfo, source: FrozenSource) -> FrozenWeights:
     name = weights_file(info, source.part, source.use_ema)
     record = {"url": info.url, "step": info.step, "file": name, "digest": file_digest(info, name)}
-    return FrozenWeights(config_from_dict(info.manifest["config"]), read_weights(store, info, name), record)
+    # A frozen part's source run is named by a URL, not by the user's config: only built-in tasks.
+    config = config_of(info, flag=None)
+    return FrozenWeights(config, read_weights(store, info, name), record)
 
 
 def _resolve(url: str, storage_options: Mapping[str, Any]) -> tuple[CheckpointStore, CheckpointInfo | None]:
@@ -140,25 +157,30 @@ def check_pinned_inputs(recorded: Mapping[str, Any], current: Mapping[str, Any],
 
 
 def load_for_inference(
-    store: CheckpointStore, info: CheckpointInfo, use_ema: bool, device: Any
+    store: CheckpointStore, info: CheckpointInfo, use_ema: bool, device: Any, task_name: str | None = None
 ) -> tuple[Any, Any, dict[str, Any]]:
     """(config, task, modules in eval mode) of a checkpoint, EMA weights by default; frozen parts from
-    the sources the run recorded (digest-checked)."""
-    from trainer.config import config_from_dict
-    from trainer.registry import task_class
-    from trainer.tasks.base import TaskContext
+    the sources the run recorded (digest-checked).
 
-    cfg = config_from_dict(info.manifest["config"])
+    `task_name` is the task the user named (`--task`): needed, and compared, when the checkpoint names its
+    task by import path. Every store (frozen sources, the text encoder, the data) is opened with the
+    storage options the user gave for this checkpoint's store (`store.storage_options`), never with the
+    manifest's: those are redacted, and a manifest must not choose where credentials go.
+    """
     from trainer.data import is_video
 
+    cfg = config_of(info, task_name)
+    options = dict(store.storage_options)
+    cfg.checkpoint.storage_options = options
+    cfg.data.storage_options = dict(options)
     # The checkpoint holds every weight: pretrained folders are not read again.
     frames = cfg.data.num_frames if is_video(cfg) else 1
-    ctx = TaskContext(cfg.data.image_size, cfg.data.channels, cfg.seed, None, cfg.checkpoint.storage_options,
+    ctx = TaskContext(cfg.data.image_size, cfg.data.channels, cfg.seed, None, options,
                       num_frames=frames, load_pretrained=False)  # fmt: skip
     task = task_class(cfg.task)(cfg.model_cfg, ctx)
     records = info.manifest.get("frozen") or {}
     frozen = {
-        name: load_frozen(name, source, store.storage_options, records.get(name))
+        name: load_frozen(name, source, options, records.get(name))
         for name, source in task.frozen_sources().items()
     }
     modules = task.build(frozen)
@@ -188,7 +210,8 @@ def consolidate(
             if (kind == "ema") == (".ema" in name):
                 files[f"{group_name(part, kind)}.safetensors"] = read_weights(store, info, name)
     skip = {"format_version", "step", "time_utc", "digest", "files"}
-    meta = {k: v for k, v in info.manifest.items() if k not in skip}
+    # Redacted again: a manifest written before redaction existed still holds its run's credentials.
+    meta = redact({k: v for k, v in info.manifest.items() if k not in skip})
     meta["consolidated_from"] = info.url
     meta["world_size"] = 1
     return Store(out_url, storage_options).write(info.step, files, meta)

@@ -11,6 +11,7 @@ from typing import Any
 
 import torch
 
+from trainer.config.redact import redact
 from trainer.engine.progress import TrainProgress
 from trainer.metrics import TrainingMetrics
 
@@ -18,9 +19,13 @@ log = logging.getLogger("gentrain")
 
 
 def flat_hparams(tree: dict, prefix: str = "") -> dict[str, Any]:
-    """{"train": {"lr": 1e-3}} -> {"train.lr": 1e-3}; trackers take scalars and strings only."""
+    """{"train": {"lr": 1e-3}} -> {"train.lr": 1e-3}; trackers take scalars and strings only.
+
+    Credentials are redacted first (storage options, credential-named keys, URL passwords): a tracker's
+    hparams end up in TensorBoard event files and on W&B's servers.
+    """
     out: dict[str, Any] = {}
-    for k, v in tree.items():
+    for k, v in redact(tree).items():
         key = f"{prefix}{k}"
         if isinstance(v, dict) and v:
             out.update(flat_hparams(v, key + "."))

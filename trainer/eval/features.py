@@ -10,6 +10,7 @@ names the network and its digest.
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import posixpath
@@ -64,13 +65,24 @@ class CNNFeatures(nn.Module):
 
 
 class _InceptionFeatures(nn.Module):
-    """torchmetrics' FID Inception (torch-fidelity's port) on [0, 1] images of any channel count."""
+    """torchmetrics' FID Inception (torch-fidelity's port) on [0, 1] images of any channel count.
 
-    def __init__(self, weights_path: str):
+    torch-fidelity's constructor insists on loading a weights file itself, with
+    `torch.load(path, weights_only=False)` (0.4.0; plain `torch.load` before),
+    which unpickles whatever the file holds. So it never sees the user's file:
+    gentrain loads that with `weights_only=True` (or as safetensors) and hands
+    the constructor a file it wrote itself from those tensors alone, in a private
+    temporary folder removed right after.
+    """
+
+    def __init__(self, state: dict[str, torch.Tensor]):
         super().__init__()
         from torchmetrics.image.fid import NoTrainInceptionV3
 
-        self.net = NoTrainInceptionV3("inception-v3-compat", ["2048"], feature_extractor_weights_path=weights_path)
+        with tempfile.TemporaryDirectory(prefix="gentrain-inception-") as tmp:  # mode 0o700
+            path = os.path.join(tmp, INCEPTION_FILE)
+            torch.save(state, path)
+            self.net = NoTrainInceptionV3("inception-v3-compat", ["2048"], feature_extractor_weights_path=path)
         self.num_features = 2048
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -147,7 +159,6 @@ def _user_net(url: str, storage_options: dict | None) -> tuple[nn.Module, dict]:
 
 def _inception(url: str | None, storage_options: dict | None) -> tuple[nn.Module, dict]:
     import blake3
-    import fsspec
 
     if not url:
         raise ConfigError(
@@ -155,6 +166,9 @@ def _inception(url: str | None, storage_options: dict | None) -> tuple[nn.Module
             "Inception weights torch-fidelity uses); they are not downloaded at run time. Or use eval.features=digits, "
             "or eval.every_steps=0 to train without evaluation"
         )
+    raw = _read_weights_file(url, storage_options)
+    # The weights are read (and a pickle refused) before anything else: a bad file is the first thing to fix.
+    state = inception_state_dict(raw, url)
     try:
         import torch_fidelity  # noqa: F401
     except ImportError:
@@ -162,15 +176,40 @@ def _inception(url: str | None, storage_options: dict | None) -> tuple[nn.Module
             "eval.features=inception needs the torch-fidelity package for the network code "
             "(pip install torch-fidelity); its weights still come from eval.features_url"
         ) from None
-    fs, path = fsspec.core.url_to_fs(url, **(storage_options or {}))
-    if not fs.exists(path):
-        raise ConfigError(f"eval.features_url={url!r} does not exist (expected {INCEPTION_FILE})")
-    from fsspec.implementations.local import LocalFileSystem
+    net = _InceptionFeatures(state)
+    return net, {"features": "inception", "digest": blake3.blake3(raw).hexdigest(), "feature_dim": 2048}
 
-    local = path if isinstance(fs, LocalFileSystem) else None
-    if local is None:
-        local = os.path.join(tempfile.mkdtemp(prefix="gentrain-inception-"), INCEPTION_FILE)
-        fs.get_file(path, local)
-    with open(local, "rb") as f:
-        digest = blake3.blake3(f.read()).hexdigest()
-    return _InceptionFeatures(local), {"features": "inception", "digest": digest, "feature_dim": 2048}
+
+def _read_weights_file(url: str, storage_options: dict | None) -> bytes:
+    import fsspec
+
+    try:
+        fs, path = fsspec.core.url_to_fs(url, **(storage_options or {}))
+        return fs.cat_file(path)
+    except (FileNotFoundError, IsADirectoryError):
+        raise ConfigError(f"eval.features_url={url!r} does not exist (expected {INCEPTION_FILE})") from None
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"eval.features_url={url!r} cannot be read: {e}") from None
+
+
+def inception_state_dict(raw: bytes, url: str) -> dict[str, torch.Tensor]:
+    """The tensors of an Inception weights file: safetensors, or a PyTorch file loaded with
+    `weights_only=True` whatever the torch version, so a pickle that would run code is refused (exit 2)."""
+    from safetensors.torch import load as load_safetensors
+
+    if raw[8:9] == b"{":  # a safetensors file: 8-byte header length, then the JSON header
+        try:
+            return load_safetensors(raw)
+        except Exception as e:  # noqa: BLE001 - any failure to parse is "not a weights file"; said below
+            raise ConfigError(f"eval.features_url={url!r}: not a readable safetensors file ({e})") from None
+    try:
+        state = torch.load(io.BytesIO(raw), map_location="cpu", weights_only=True)
+    except Exception as e:  # noqa: BLE001 - the unpickler raises many types for a hostile or broken file
+        raise ConfigError(
+            f"eval.features_url={url!r} is not a plain weights file: torch.load(weights_only=True) refused it "
+            f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}). gentrain never unpickles "
+            f"anything else; use {INCEPTION_FILE} as torch-fidelity publishes it, or its tensors as safetensors"
+        ) from None
+    if not isinstance(state, dict) or not all(isinstance(k, str) and torch.is_tensor(v) for k, v in state.items()):
+        raise ConfigError(f"eval.features_url={url!r}: holds {type(state).__name__}, not a state dict of tensors")
+    return state
