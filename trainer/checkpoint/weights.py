@@ -20,7 +20,7 @@ from trainer.checkpoint.format import entry_digest, new_digest
 from trainer.checkpoint.sharded import ShardIndex, files_of_group, group_name, load_group
 from trainer.checkpoint.state import TRAINER_JSON
 from trainer.checkpoint.store import CheckpointInfo, CheckpointStore, resolve_checkpoint
-from trainer.config import ConfigError, config_from_dict
+from trainer.config import Config, ConfigError, config_from_dict
 from trainer.config.redact import redact
 from trainer.registry import check_stored_task, task_class
 from trainer.tasks.base import FrozenSource, FrozenWeights, TaskContext
@@ -87,7 +87,8 @@ def config_of(info: CheckpointInfo, task: str | None = None, flag: str | None = 
     tree = info.manifest.get("config")
     if not isinstance(tree, dict):
         raise ConfigError(f"checkpoint {info.url}: its manifest holds no config (a mapping) to build the model from")
-    check_stored_task(tree.get("task"), task, f"checkpoint {info.url}", flag)
+    stored = tree.get("task", Config.model_fields["task"].default)
+    check_stored_task(stored, task, f"checkpoint {info.url}", flag)
     return config_from_dict(tree)
 
 
@@ -180,8 +181,7 @@ def load_for_inference(
     task = task_class(cfg.task)(cfg.model_cfg, ctx)
     records = info.manifest.get("frozen") or {}
     frozen = {
-        name: load_frozen(name, source, options, records.get(name))
-        for name, source in task.frozen_sources().items()
+        name: load_frozen(name, source, options, records.get(name)) for name, source in task.frozen_sources().items()
     }
     modules = task.build(frozen)
     check_pinned_inputs(info.manifest.get("inputs") or {}, task.inputs(), f"checkpoint {info.url}")
