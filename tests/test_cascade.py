@@ -147,7 +147,8 @@ def test_two_stages_under_torchrun_resume_bit_identical_after_sigkill_and_sample
         assert_same(a[name], b[name], name)
 
     out = tmp_path / "grid.png"
-    r = run_cli("sample", f"{tmp_path}/killed/run/checkpoints", "--num", "4", "--out", str(out), env=ENV)
+    r = run_cli("sample", f"{tmp_path}/killed/run/checkpoints", "--num", "4", "--out", str(out),
+                "--task", "cascade_probe:KillableCascadeTask", env=ENV)
     assert r.returncode == 0, r.stderr[-3000:]
     assert out.exists()
 

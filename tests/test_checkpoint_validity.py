@@ -134,6 +134,17 @@ def _header_not_json(root):
     replace_file(root, 4, "unet.model.safetensors", bytes(data))
 
 
+def _header_dtype_list(root):
+    """Found by the fuzz suite: a dtype that is a JSON list made the header check raise TypeError."""
+    data = (step_dir(root, 4) / "unet.model.safetensors").read_bytes()
+    n = int.from_bytes(data[:8], "little")
+    header = json.loads(data[8 : 8 + n])
+    key = next(k for k in header if k != "__metadata__")
+    header[key]["dtype"] = ["F32"]
+    raw = json.dumps(header).encode()
+    replace_file(root, 4, "unet.model.safetensors", len(raw).to_bytes(8, "little") + raw + data[8 + n :])
+
+
 def _progress(edit):
     def tamper(root):
         edit_json(root, 4, "trainer.json", lambda d: {**d, "progress": edit(d["progress"])})
@@ -153,6 +164,7 @@ def _ema_wrong_shape(root):
 PAYLOADS = {
     "safetensors-header-2^62": _header_too_long,
     "safetensors-header-not-json": _header_not_json,
+    "safetensors-dtype-list": _header_dtype_list,
     "trainer-json-list": lambda root: edit_json(root, 4, "trainer.json", lambda d: [d]),
     "step-null": _progress(lambda p: {**p, "step": None}),
     "cursor-negative": _progress(lambda p: {**p, "cursor": -64}),

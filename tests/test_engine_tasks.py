@@ -72,7 +72,7 @@ def test_two_phases_per_part_optimizers_and_a_frozen_encoder_kept_out_of_checkpo
     assert (tmp_path / "run" / "samples" / "step-000000006-reconstruction.png").exists()
 
     out = tmp_path / "s.png"
-    r = run_cli("sample", root, "--num", "3", "--out", str(out), env=ENV)
+    r = run_cli("sample", root, "--num", "3", "--out", str(out), "--task", "probe_tasks:GanProbeTask", env=ENV)
     assert r.returncode == 0, r.stderr[-3000:]
     assert out.exists()
 

@@ -141,14 +141,16 @@ def test_exported_lora_loads_back_in_diffusers_and_samples_like_the_merged_model
     url, _ = lora_runs["straight"]
     out = tmp_path / "export"
     opts = json.dumps(options)
-    assert cli_main(["checkpoints", "export", url, str(out), "--storage-options", opts]) == 0
+    assert cli_main(["checkpoints", "export", url, str(out), "--storage-options", opts,
+                     "--task", "cascade_probe:KillableCascadeTask"]) == 0
     assert (out / "stage2-lora" / "pytorch_lora_weights.safetensors").exists()
     assert not (out / "stage1-lora").exists()
     fs, _ = fsspec.core.url_to_fs(bucket, **options)
     fs.get(f"{base_folders}/stage2/", str(tmp_path / "base2"), recursive=True)
 
     store = CheckpointStore(url, options)
-    _, task, modules = load_for_inference(store, store.check(6), use_ema=True, device=CPU)
+    _, task, modules = load_for_inference(
+        store, store.check(6), use_ema=True, device=CPU, task_name="cascade_probe:KillableCascadeTask")
     kw = dict(seed=0, device=CPU, labels=torch.tensor([1, 7, 3]), inference_steps=3, guidance_scale=2.0)
 
     def sample_with(unet: torch.nn.Module) -> torch.Tensor:

@@ -99,12 +99,13 @@ def test_causal_tokenizer_shapes_and_a_one_frame_clip_tokenizes_like_the_image(q
     one = model.encode_indices(image)
     assert one.shape == (3, 1, 2, 2) and model.decode_indices(one).shape == (3, 1, 1, 8, 8)
     # Causality: slice 0 is the first frame alone, whatever follows it (latents and codes), and frame 0
-    # decodes from slice 0 alone.
+    # decodes from slice 0 alone. Latents agree up to float rounding only: a longer clip runs the same
+    # math through matmuls of another shape, and BLAS may block (and so sum) them differently.
     assert torch.equal(idx[:, :1], one)
-    assert torch.equal(model.encode(video)[:, :4], model.encode(image))
+    torch.testing.assert_close(model.encode(video)[:, :4], model.encode(image), rtol=1e-5, atol=1e-5)
     other = torch.cat([image, torch.rand(3, 4, 1, 8, 8)], dim=1)
     assert torch.equal(model.encode_indices(other)[:, 0], one[:, 0])
-    assert torch.equal(model.decode_indices(idx)[:, :1], model.decode_indices(one))
+    torch.testing.assert_close(model.decode_indices(idx)[:, :1], model.decode_indices(one), rtol=1e-5, atol=1e-5)
     if context == "patch":  # a code sees its own patch only: changing one patch changes that token's latent alone
         changed = video.clone()
         changed[:, 3:5, :, 4:, :4] = torch.rand(3, 2, 1, 4, 4)  # frames 3-4 (slice 2), bottom-left patch (1, 0)

@@ -302,7 +302,9 @@ def cmd_checkpoints(args: argparse.Namespace) -> int:
         hint = store.latest_hint()
         print(f"{'step':>10}  {'time (UTC)':<25}  {'size':>9}  status")
         for i in infos:
-            status = "valid" if i.valid else f"INVALID: {i.reason}"
+            # The same check as `verify` (digests and structure, streamed), so the two always agree.
+            problems = [i.reason] if not i.valid else store.verify(i)
+            status = "valid" if not problems else f"INVALID: {'; '.join(problems)}"
             if i.step == hint:
                 status += " (LATEST)"
             print(f"{i.step:>10}  {i.time_utc or '-':<25}  {_human_bytes(i.total_bytes):>9}  {status}")

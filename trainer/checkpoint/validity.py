@@ -214,7 +214,7 @@ def parse_safetensors_header(read: Callable[[int, int], bytes], size: int, what:
         if not isinstance(entry, dict) or set(entry) != {"dtype", "shape", "data_offsets"}:
             raise CheckpointCorrupt(f"{what}: tensor {key!r} has a malformed header entry")
         dtype, shape, offsets = entry["dtype"], entry["shape"], entry["data_offsets"]
-        if dtype not in SAFETENSORS_DTYPES:
+        if not isinstance(dtype, str) or dtype not in SAFETENSORS_DTYPES:
             raise CheckpointCorrupt(f"{what}: tensor {key!r} has unknown dtype {dtype!r}")
         if not isinstance(shape, list) or not all(type(d) is int and d >= 0 for d in shape):
             raise CheckpointCorrupt(f"{what}: tensor {key!r} has shape {shape!r}")
