@@ -147,8 +147,17 @@ def test_two_stages_under_torchrun_resume_bit_identical_after_sigkill_and_sample
         assert_same(a[name], b[name], name)
 
     out = tmp_path / "grid.png"
-    r = run_cli("sample", f"{tmp_path}/killed/run/checkpoints", "--num", "4", "--out", str(out),
-                "--task", "cascade_probe:KillableCascadeTask", env=ENV)
+    r = run_cli(
+        "sample",
+        f"{tmp_path}/killed/run/checkpoints",
+        "--num",
+        "4",
+        "--out",
+        str(out),
+        "--task",
+        "cascade_probe:KillableCascadeTask",
+        env=ENV,
+    )
     assert r.returncode == 0, r.stderr[-3000:]
     assert out.exists()
 
@@ -362,9 +371,9 @@ def test_cascade_under_fsdp_starts_from_rank_0_weights_built_nowhere_else(tmp_pa
     from test_elastic import standalone
 
     from trainer.checkpoint.weights import read_weights
+    from trainer.models.finetune import write_folder
     from trainer.registry import task_class
     from trainer.tasks.base import TaskContext
-    from trainer.tasks.finetune import write_folder
 
     torch.manual_seed(123)
     source = task_class("cascade")(load_config(YAML, [], {}).model_cfg, TaskContext(8, 1, 0, 10))

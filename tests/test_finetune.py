@@ -51,7 +51,7 @@ def s3(s3_server):
 @pytest.fixture(scope="module")
 def base_folders(s3):
     """Both stages of a freshly built cascade written as diffusers folders straight to the S3 server."""
-    from trainer.tasks.finetune import write_folder
+    from trainer.models.finetune import write_folder
 
     bucket, options = s3
     cfg = load_config(YAML, [], {})
@@ -141,8 +141,21 @@ def test_exported_lora_loads_back_in_diffusers_and_samples_like_the_merged_model
     url, _ = lora_runs["straight"]
     out = tmp_path / "export"
     opts = json.dumps(options)
-    assert cli_main(["checkpoints", "export", url, str(out), "--storage-options", opts,
-                     "--task", "cascade_probe:KillableCascadeTask"]) == 0
+    assert (
+        cli_main(
+            [
+                "checkpoints",
+                "export",
+                url,
+                str(out),
+                "--storage-options",
+                opts,
+                "--task",
+                "cascade_probe:KillableCascadeTask",
+            ]
+        )
+        == 0
+    )
     assert (out / "stage2-lora" / "pytorch_lora_weights.safetensors").exists()
     assert not (out / "stage1-lora").exists()
     fs, _ = fsspec.core.url_to_fs(bucket, **options)
@@ -150,7 +163,8 @@ def test_exported_lora_loads_back_in_diffusers_and_samples_like_the_merged_model
 
     store = CheckpointStore(url, options)
     _, task, modules = load_for_inference(
-        store, store.check(6), use_ema=True, device=CPU, task_name="cascade_probe:KillableCascadeTask")
+        store, store.check(6), use_ema=True, device=CPU, task_name="cascade_probe:KillableCascadeTask"
+    )
     kw = dict(seed=0, device=CPU, labels=torch.tensor([1, 7, 3]), inference_steps=3, guidance_scale=2.0)
 
     def sample_with(unet: torch.nn.Module) -> torch.Tensor:
@@ -183,7 +197,7 @@ def test_ddpm_unet_starts_from_a_folder_with_lora_and_half_precision_base(tmp_pa
     from diffusers import UNet2DModel
     from peft import LoraConfig, inject_adapter_in_model, set_peft_model_state_dict
 
-    from trainer.tasks.finetune import cast_frozen_base, half_weights_autocast, write_folder
+    from trainer.models.finetune import cast_frozen_base, half_weights_autocast, write_folder
 
     def task(*overrides: str):
         cfg = load_config("digits-ddpm", ["model.block_out_channels=[8,16]", "model.norm_num_groups=4",

@@ -352,7 +352,7 @@ def test_token_cache_is_keyed_by_tokenizer_digest_and_changes_nothing(tmp_path, 
 def test_perceptual_loss_needs_user_given_vgg_weights(tmp_path):
     from safetensors.torch import save_file
 
-    from trainer.tasks.perceptual import vgg16_features
+    from trainer.models.perceptual import vgg16_features
 
     missing = tmp_path / "nope.safetensors"
     r = run_cli("train", *vqgan_args(tmp_path / "a", f"model.perceptual.url={missing}", max_steps=1))

@@ -347,7 +347,7 @@ def _export(args: argparse.Namespace, store, info) -> int:
     import torch
 
     from trainer.checkpoint.weights import load_for_inference
-    from trainer.tasks.finetune import write_folder
+    from trainer.models.finetune import write_folder
 
     if not info.valid:
         print(f"INVALID: {info.url}: {info.reason}", file=sys.stderr)

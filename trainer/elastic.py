@@ -17,12 +17,9 @@ from typing import Any, NoReturn
 import torch
 import torch.distributed as dist
 
-log = logging.getLogger(__name__)
+from trainer.errors import EXIT_INVALID_CHECKPOINT, EXIT_OK, EXIT_PREEMPTED, EXIT_USAGE  # noqa: F401 (re-exported)
 
-EXIT_OK = 0
-EXIT_INVALID_CHECKPOINT = 1
-EXIT_USAGE = 2
-EXIT_PREEMPTED = 143  # 128 + SIGTERM, what Kubernetes and torchrun expect from a stopped worker
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)

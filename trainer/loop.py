@@ -51,10 +51,10 @@ from trainer.engine.step import StepRunner, check_batch_split
 from trainer.engine.validate import Validator
 from trainer.hostmem import keep_freed_memory
 from trainer.metrics import TrainingMetrics
+from trainer.models.finetune import has_lora
 from trainer.randomness import seed_everything
 from trainer.registry import task_class
 from trainer.tasks.base import TaskContext
-from trainer.tasks.finetune import has_lora
 
 log = logging.getLogger("gentrain")
 
@@ -214,7 +214,7 @@ class Trainer:
                 "mix a half-precision frozen base with fp32 adapters); use train.parallel=ddp: the adapters are small"
             )
         # Only parts this run trains are wrapped (a cascade stage outside train.stages is not).
-        learns = set(self.task.parts_trained())
+        learns = set(self.task.learning_parts())
         t = self.cfg.train
         if self.sharded:
             if t.cpu_offload and self.device.type != "cuda":
@@ -280,7 +280,7 @@ class Trainer:
     # ------------------------------------------------------------------ small things
 
     def _lr(self) -> float:
-        learning = [p for p in self.parts.values() if p.trained] or list(self.parts.values())
+        learning = [p for p in self.parts.values() if p.learning] or list(self.parts.values())
         return learning[0].lr
 
     def _mark_first_step(self) -> None:
@@ -301,7 +301,7 @@ class Trainer:
             "restart=%d parallel=%s batch=%d (per rank %d, chunk %d) train_samples=%d resumed_from=%s step=%d cursor=%d "
             "checkpoints=%s",
             __version__, self.cfg.task, self.cfg.name, n_params / 1e6, n_train / 1e6, n_frozen / 1e6,
-            ",".join([*(n if p.trained else f"{n}(kept)" for n, p in self.parts.items()),
+            ",".join([*(n if p.learning else f"{n}(kept)" for n, p in self.parts.items()),
                       *(f"{n}(frozen{', sharded' if is_fsdp(f.module) else ''})" for n, f in self.frozen.items())]), self.device, self.env.world_size,
             self.env.restart_count, t.parallel if self.env.world_size > 1 else "none", t.batch_size,
             self.step_runner.rank_batch, self.step_runner.chunk_size,

@@ -14,11 +14,9 @@ from typing import Annotated, Any, Literal
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, PrivateAttr, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
+from trainer.errors import ConfigError  # noqa: F401 (re-exported: load.py and the registry import it from here)
+
 DEFAULT_PRESET = "digits-ddpm"
-
-
-class ConfigError(ValueError):
-    """A user error in the config; the CLI prints it and exits 2."""
 
 
 class _Section(BaseModel):

@@ -14,9 +14,9 @@ from torch import nn
 
 from trainer.config import Config
 from trainer.engine.shard import full_value, is_fsdp, reshard
+from trainer.models.finetune import cast_frozen_base
 from trainer.optim import OptimSettings, build_ema, build_lr_schedule, build_optimizer
 from trainer.tasks.base import FrozenWeights
-from trainer.tasks.finetune import cast_frozen_base
 
 log = logging.getLogger(__name__)
 
@@ -43,7 +43,7 @@ class Part:
         scaler: torch.amp.GradScaler,
         ema: EMAModel | None,
         settings: OptimSettings,
-        trained: bool = True,
+        learning: bool = True,
     ):
         self.name = name
         self.module = module
@@ -57,7 +57,7 @@ class Part:
         self.settings = settings
         # False for a part this run keeps as it is (a cascade stage outside train.stages): never
         # wrapped, stepped or zeroed, so its weights, EMA and optimizer state stay bit-identical.
-        self.trained = trained
+        self.learning = learning
         # The parameters the task left trainable (all of them, or only the LoRA adapters); the
         # engine toggles exactly these, never the frozen base weights of an adapted model.
         self.params = [p for p in module.parameters() if p.requires_grad]
@@ -68,7 +68,7 @@ class Part:
 
     def learns_now(self) -> bool:
         """True while this run trains the part and it has not reached its own max steps."""
-        return self.trained and self.step < self.settings.max_steps
+        return self.learning and self.step < self.settings.max_steps
 
     def set_learning(self, on: bool) -> None:
         for p in self.params:
@@ -183,7 +183,7 @@ def build_parts(
     modules: Mapping[str, nn.Module],
     trainable: list[str],
     frozen: Mapping[str, FrozenWeights],
-    wrapped_names: set[str],
+    learning: set[str],
     cfg: Config,
     device: torch.device,
     wrap: Any,
@@ -192,7 +192,7 @@ def build_parts(
     shard_on_wrap: bool = False,
 ) -> tuple[dict[str, Part], dict[str, FrozenPart]]:
     """Parts from a task's modules; `wrap(module)` makes the DDP wrapper for the parts this run trains
-    (`wrapped_names`), or shards the module in place under FSDP2 (then optimizer and EMA are built on its
+    (`learning`), or shards the module in place under FSDP2 (then optimizer and EMA are built on its
     DTensors); the other parts are kept bare and untouched. `shard_frozen(module)`, if given, shards a
     frozen part in place once its weights are loaded whole. `shard_on_wrap`: `wrap` is FSDP's (it moves
     the part to the device itself)."""
@@ -204,7 +204,7 @@ def build_parts(
     for name, module in modules.items():
         # A part `wrap` shards stays where it was built (meta off rank 0, host memory on rank 0):
         # fully_shard moves one unit at a time to the device, so no device ever holds it whole.
-        if not (shard_on_wrap and name in wrapped_names):
+        if not (shard_on_wrap and name in learning):
             module.to(device)
         if name in frozen:
             frozen_parts[name] = FrozenPart(name, module, frozen[name])
@@ -212,7 +212,7 @@ def build_parts(
                 shard_frozen(module)
             continue
         cast_frozen_base(module, cfg.train.precision)  # LoRA: half-precision base, fp32 adapters
-        wrapped = wrap(module) if name in wrapped_names else module
+        wrapped = wrap(module) if name in learning else module
         optimizer = build_optimizer(module, cfg, name)
         fp16 = cfg.train.precision == "fp16"
         if is_fsdp(module):
@@ -231,7 +231,7 @@ def build_parts(
             scaler=scaler,
             ema=build_ema(module, cfg) if ema_names is None or name in ema_names else None,
             settings=OptimSettings.for_part(cfg, name),
-            trained=name in wrapped_names,
+            learning=name in learning,
         )
     return parts, frozen_parts
 
@@ -248,6 +248,12 @@ class ModuleView(Mapping):
         if name in self._parts:
             part = self._parts[name]
             return part.wrapped if name in self._learning else part.module
+        return self._frozen[name].module
+
+    def bare(self, name: str) -> nn.Module:
+        """The part's own module, never its DDP wrapper (parameters to differentiate against, attributes)."""
+        if name in self._parts:
+            return self._parts[name].module
         return self._frozen[name].module
 
     def __iter__(self) -> Iterator[str]:

@@ -14,8 +14,8 @@ from trainer.data import collate, validation_refs
 from trainer.engine.parts import FrozenPart, Part, bare_modules, ema_swapped, eval_mode
 from trainer.engine.step import to_device
 from trainer.media import save_media
+from trainer.models.finetune import half_weights_autocast
 from trainer.tasks.base import Batch, PreviewContext, Task
-from trainer.tasks.finetune import half_weights_autocast
 
 log = logging.getLogger("gentrain")
 

@@ -161,7 +161,7 @@ def evaluate(
         for images in real_images(real_set, n_real, rank, world_size):
             metric.update(images.to(device), real=True)
         metric.has_real = True
-    from trainer.tasks.finetune import half_weights_autocast
+    from trainer.models.finetune import half_weights_autocast
 
     def sample(count: int, s: int) -> torch.Tensor:
         with half_weights_autocast(modules, device):  # a LoRA run's half-precision base

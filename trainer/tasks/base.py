@@ -161,7 +161,7 @@ class Task:
         """Why this configuration cannot train under train.parallel=fsdp (None: it can)."""
         return None
 
-    def parts_trained(self) -> list[str]:
+    def learning_parts(self) -> list[str]:
         """The trainable parts this run optimizes (and wraps in DDP); the others keep their state untouched.
 
         Default: all of them. A cascade narrows it with `train.stages`; other tasks refuse that key.

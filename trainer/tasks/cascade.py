@@ -55,6 +55,7 @@ from torch import nn
 
 from trainer.conditioning.text import TextEncoder, TextEncoderConfig
 from trainer.config import ConfigError
+from trainer.models.finetune import EXTRAS_NAME, load_weights, prepare_unet
 from trainer.randomness import per_sample_rand, per_sample_randint, per_sample_randn, sample_generators
 from trainer.tasks.base import Batch, Loss, Phase, PreviewContext, StepInfo, Task, TaskContext
 from trainer.tasks.ddpm import (
@@ -65,7 +66,6 @@ from trainer.tasks.ddpm import (
     noise_scheduler_for,
     unet_block_types,
 )
-from trainer.tasks.finetune import EXTRAS_NAME, load_weights, prepare_unet
 
 log = logging.getLogger(__name__)
 
@@ -314,7 +314,7 @@ class CascadeTask(Task):
     def trainable_part_names(cls, model_cfg: CascadeConfig) -> list[str]:
         return [f"stage{k}" for k in range(1, len(model_cfg.stages) + 1)]
 
-    def parts_trained(self) -> list[str]:
+    def learning_parts(self) -> list[str]:
         stages = self.ctx.stages or range(1, len(self.cfg.stages) + 1)
         return [f"stage{k}" for k in sorted(stages)]
 
@@ -357,7 +357,7 @@ class CascadeTask(Task):
         }
 
     def phases(self, step: int, part_steps: Mapping[str, int]) -> list[Phase]:
-        return [Phase(name, name) for name in self.parts_trained()]
+        return [Phase(name, name) for name in self.learning_parts()]
 
     # ---- conditions
     def conditions(

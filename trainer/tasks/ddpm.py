@@ -12,6 +12,7 @@ from diffusers.training_utils import compute_snr
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 from torch import nn
 
+from trainer.models.finetune import FinetuneFields, prepare_unet
 from trainer.randomness import (
     per_sample_rand,
     per_sample_randint,
@@ -19,7 +20,6 @@ from trainer.randomness import (
     sample_generators,
 )
 from trainer.tasks.base import Batch, Loss, Phase, StepInfo, Task, TaskContext
-from trainer.tasks.finetune import FinetuneFields, prepare_unet
 
 
 class UNetShapeConfig(BaseModel):

@@ -335,7 +335,7 @@ class VQGANTask(Task):
             )
         self.perceptual = None
         if model_cfg.perceptual is not None and model_cfg.perceptual.weight > 0:
-            from trainer.tasks.perceptual import VGGPerceptual
+            from trainer.models.perceptual import VGGPerceptual
 
             self.perceptual = VGGPerceptual.from_url(model_cfg.perceptual.url, ctx.storage_options)
 
