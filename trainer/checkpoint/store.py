@@ -39,7 +39,6 @@ from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from typing import Any
 
-import fsspec
 import torch
 from fsspec.implementations.local import LocalFileSystem
 from safetensors.torch import load as safetensors_load
@@ -55,6 +54,7 @@ from trainer.checkpoint.validity import (
     parse_trainer_json,
     tensor_refs,
 )
+from trainer.storage import filesystem
 
 log = logging.getLogger(__name__)
 
@@ -116,7 +116,7 @@ class CheckpointStore:
     ):
         self.url = url.rstrip("/")
         self.storage_options = dict(storage_options or {})
-        self.fs, self.root = fsspec.core.url_to_fs(self.url, **self.storage_options)
+        self.fs, self.root = filesystem(self.url, self.storage_options)
         self.root = self.root.rstrip("/")
         self.keep = keep
         self.keep_every_steps = keep_every_steps
