@@ -9,7 +9,6 @@ describes the bytes that were written), then uploads the shard, its
 from __future__ import annotations
 
 import glob
-import json
 import logging
 import os
 import posixpath
@@ -20,20 +19,20 @@ from pathlib import Path
 import numpy as np
 from PIL import Image
 
-from trainer.config import ConfigError
 from trainer.data.datasets import IMAGE_EXTENSIONS
-from trainer.data.shards import (
+from trainer.data.shards.index import (
     SHARDLIST_NAME,
     expand_urls,
     filesystem,
     index_json,
     index_url,
-    scan_tar,
     shard_list_json,
     strip_protocol,
     url_dir,
 )
+from trainer.data.shards.tar import scan_tar
 from trainer.data.video import VIDEO_EXTENSIONS, ClipError, decode_clip
+from trainer.errors import ConfigError
 
 log = logging.getLogger(__name__)
 
@@ -206,7 +205,3 @@ def index_shards(pattern: str, storage_options: dict | None = None, progress: bo
         list_url = posixpath.join(folders.pop(), SHARDLIST_NAME)
         fs.pipe_file(strip_protocol(fs, list_url), shard_list_json(entries, None, max_cls + 1 or None))
     return summary
-
-
-def summary_json(summary: PackSummary) -> str:
-    return json.dumps(summary.__dict__)

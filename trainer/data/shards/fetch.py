@@ -1,0 +1,268 @@
+"""Random access to a shard list's samples through byte ranges: index cache, merged range requests, retries,
+and a timer that skips a shard for a while after it failed every retry.
+
+Why byte ranges from an index (and not streaming whole shards, or a local
+shard cache): the data position is one global cursor and rank r of W reads
+its slice of every step's batch, so a rank uses about 1/W of every shard it
+touches. Streaming shards would fetch W times the bytes it uses (or force a
+shard-per-rank split that changes the sample order with the world size); a
+local cache needs the disk for every shard a window touches. With the byte
+offset of every sample (one integer per sample, see `trainer.data.shards.index`),
+a rank fetches exactly the tar bytes of its own samples, one range request per
+run of neighbouring samples, all of a step's requests concurrently (fsspec
+`cat_ranges`).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import tarfile
+import time
+from collections import OrderedDict
+from dataclasses import dataclass, field
+
+import numpy as np
+from PIL import Image, UnidentifiedImageError
+
+from trainer.data.datasets import short_reason
+from trainer.data.shards.decode import decode_sample
+from trainer.data.shards.index import ShardList, filesystem, index_url, parse_index, strip_protocol
+from trainer.data.shards.tar import parse_sample
+
+log = logging.getLogger(__name__)
+
+# A shard that failed every retry is skipped for this long before it is tried again.
+_DEAD_SECONDS = 300.0
+
+
+@dataclass
+class FetchStats:
+    """What one batch cost: bytes fetched (data and index), tar bytes of the samples used, failed shards."""
+
+    data_bytes: int = 0
+    index_bytes: int = 0
+    used_bytes: int = 0
+    requests: int = 0  # range requests sent (merged neighbours count once; retries not counted)
+    failed_shards: list[str] = field(default_factory=list)
+
+
+class ShardSet:
+    """Random access to the samples of a shard list by (shard, member number), through byte ranges.
+
+    Holds no open connection across fork: the filesystem is created lazily
+    in each process (DataLoader workers included). Each process keeps the
+    indexes of the shards it touched recently (`index_cache` shards).
+    Unreachable shards are retried `retries` times with exponential backoff,
+    then skipped for a while; their samples come back as None (counted by
+    the loop as skipped samples) and their URLs in `FetchStats.failed_shards`.
+    """
+
+    def __init__(
+        self,
+        shards: ShardList,
+        storage_options: dict | None,
+        image_size: int,
+        channels: int,
+        retries: int = 3,
+        backoff_seconds: float = 0.2,
+        index_cache: int = 64,
+        num_frames: int = 1,
+        frame_stride: int = 1,
+        merge_gap: int = 0,
+    ):
+        self.shards = shards
+        self.num_frames = num_frames  # > 1: samples are clips
+        self.frame_stride = frame_stride
+        self.storage_options = dict(storage_options or {})
+        self.image_size = image_size
+        self.channels = channels
+        self.retries = retries
+        self.backoff_seconds = backoff_seconds
+        self.index_cache = max(1, index_cache)
+        self.merge_gap = merge_gap
+        self.num_classes = shards.num_classes
+        self.starts = np.concatenate([[0], np.cumsum(shards.counts)]).astype(np.int64)
+        self._fs = None
+        self._pid = None
+        self._indexes: OrderedDict[int, np.ndarray] = OrderedDict()
+        self._dead_until: dict[int, float] = {}
+        self._skips: dict[str, str] = {}  # "url#member" -> why that sample was skipped (this process)
+        self._shard_errors: dict[int, str] = {}  # shard -> why it was last skipped whole (this process)
+
+    def __getstate__(self):
+        state = dict(self.__dict__)
+        state.update(_fs=None, _pid=None, _indexes=OrderedDict())
+        return state
+
+    def __len__(self) -> int:
+        return int(self.starts[-1])
+
+    @property
+    def fs(self):
+        if self._fs is None or self._pid != os.getpid():
+            self._fs = filesystem(self.shards.urls[0], self.storage_options)
+            self._pid = os.getpid()
+        return self._fs
+
+    def global_id(self, shard: int, member: int) -> int:
+        return int(self.starts[shard] + member)
+
+    def _shard_failed(self, shard: int, why: BaseException, stats: FetchStats) -> None:
+        url = self.shards.urls[shard]
+        self._dead_until[shard] = time.monotonic() + _DEAD_SECONDS
+        self._shard_errors[shard] = short_reason(
+            f"shard unreadable after {self.retries} retries: {type(why).__name__}: {why}"
+        )
+        stats.failed_shards.append(url)
+        log.warning(
+            "skipping shard %s after %d retries (pid %d): %s: %s",
+            url, self.retries, os.getpid(), type(why).__name__, why,
+        )  # fmt: skip
+
+    def _alive(self, shard: int) -> bool:
+        until = self._dead_until.get(shard)
+        return until is None or time.monotonic() >= until
+
+    def indexes(self, shards: list[int], stats: FetchStats) -> dict[int, np.ndarray | None]:
+        """The offsets of each shard (None: unreachable), the ones not cached fetched with concurrent requests."""
+        out: dict[int, np.ndarray | None] = {}
+        todo = []
+        for shard in dict.fromkeys(shards):
+            if shard in self._indexes:
+                self._indexes.move_to_end(shard)
+                out[shard] = self._indexes[shard]
+            elif self._alive(shard):
+                todo.append(shard)
+            else:
+                out[shard] = None
+        paths = {shard: strip_protocol(self.fs, index_url(self.shards.urls[shard])) for shard in todo}
+        err: dict[int, BaseException] = {}
+        for attempt in range(self.retries + 1):
+            if not todo:
+                break
+            if attempt:
+                time.sleep(self.backoff_seconds * 2 ** (attempt - 1))
+            try:
+                # start=0 everywhere a whole small file is read (indexes, shard lists): a plain cat makes
+                # s3fs send a HEAD first (to split large objects into parts), a second request per file.
+                got = self.fs.cat([paths[s] for s in todo], on_error="return", start=0)
+                got = [got.get(paths[s], FileNotFoundError(paths[s])) for s in todo]
+            except Exception as e:  # noqa: BLE001 - a failure of the whole call: retry all
+                got = [e] * len(todo)
+            failed = []
+            for shard, blob in zip(todo, got, strict=True):
+                if isinstance(blob, BaseException):
+                    err[shard] = blob
+                    failed.append(shard)
+                    continue
+                stats.index_bytes += len(blob)
+                out[shard] = self._parsed_index(shard, blob, stats)
+            todo = failed
+        for shard in todo:
+            self._shard_failed(shard, err[shard], stats)
+            out[shard] = None
+        return out
+
+    def _parsed_index(self, shard: int, blob: bytes, stats: FetchStats) -> np.ndarray | None:
+        url = index_url(self.shards.urls[shard])
+        try:
+            offsets = parse_index(blob, url)
+        except (ValueError, KeyError) as e:
+            self._shard_failed(shard, e, stats)
+            return None
+        if len(offsets) - 1 != self.shards.counts[shard]:
+            self._shard_failed(
+                shard, ValueError(f"index has {len(offsets) - 1} samples, shard list says {self.shards.counts[shard]}"),
+                stats,
+            )  # fmt: skip
+            return None
+        self._indexes[shard] = offsets
+        while len(self._indexes) > self.index_cache:
+            self._indexes.popitem(last=False)
+        return offsets
+
+    def load_many(self, wanted: list[tuple[int, int, int, bool]], stats: FetchStats) -> list:
+        """(shard, member, aug_seed, flip) -> (image, label, extras) or None, fetching all ranges at once."""
+        out: list = [None] * len(wanted)
+        ranges: list[tuple[int, int, int, int]] = []  # (slot, shard, start, end)
+        indexes = self.indexes([w[0] for w in wanted], stats)
+        for slot, (shard, member, _, _) in enumerate(wanted):
+            offsets = indexes[shard]
+            if offsets is not None:
+                ranges.append((slot, shard, int(offsets[member]), int(offsets[member + 1])))
+        blobs = self._fetch(ranges, stats)
+        for (slot, shard, start, end), blob in zip(ranges, blobs, strict=True):
+            if blob is None:
+                continue
+            stats.used_bytes += end - start
+            _, member, aug_seed, flip = wanted[slot]
+            try:
+                if len(blob) != end - start:
+                    raise ValueError(f"short read: {len(blob)} of {end - start} bytes")
+                out[slot] = decode_sample(
+                    parse_sample(blob), self.image_size, self.channels, flip, aug_seed, self.num_frames,
+                    self.frame_stride,
+                )  # fmt: skip
+            except (OSError, ValueError, KeyError, tarfile.TarError, UnidentifiedImageError, Image.DecompressionBombError) as e:  # fmt: skip
+                where = f"{self.shards.urls[shard]}#{member}"
+                if where not in self._skips:
+                    self._skips[where] = f"corrupt sample: {short_reason(str(e))}"
+                    log.warning("skipping corrupt sample %s (pid %d): %s", where, os.getpid(), e)
+        return out
+
+    def skip_reason(self, shard: int, member: int) -> str:
+        """Why (shard, member) came back as None in this process: "url#member (reason)"."""
+        where = f"{self.shards.urls[shard]}#{member}"
+        return f"{where} ({self._skips.get(where) or self._shard_errors.get(shard) or 'unreadable'})"
+
+    def _fetch(self, ranges: list[tuple[int, int, int, int]], stats: FetchStats) -> list[bytes | None]:
+        """All ranges concurrently, neighbours merged; failures retried with backoff, then the shard is skipped.
+
+        Ranges of one shard that touch (or lie within `merge_gap` bytes of
+        each other) become one request: request count, not bytes, is what a
+        store's per-request latency and rate limits charge for. With
+        `merge_gap` = 0 nothing but the samples' own bytes is fetched.
+        """
+        blobs: list[bytes | None] = [None] * len(ranges)
+        # requests: [shard, start, end, [range numbers]]
+        requests: list[list] = []
+        for i in sorted(range(len(ranges)), key=lambda i: (ranges[i][1], ranges[i][2])):
+            _, shard, start, end = ranges[i]
+            if not self._alive(shard):
+                continue
+            last = requests[-1] if requests else None
+            if last is not None and last[0] == shard and start - last[2] <= self.merge_gap:
+                last[2] = max(last[2], end)
+                last[3].append(i)
+            else:
+                requests.append([shard, start, end, [i]])
+        todo = list(range(len(requests)))
+        err: dict[int, BaseException] = {}
+        for attempt in range(self.retries + 1):
+            if not todo:
+                break
+            if attempt:
+                time.sleep(self.backoff_seconds * 2 ** (attempt - 1))
+            reqs = [requests[j] for j in todo]
+            paths = [strip_protocol(self.fs, self.shards.urls[r[0]]) for r in reqs]
+            try:
+                got = self.fs.cat_ranges(paths, [r[1] for r in reqs], [r[2] for r in reqs], on_error="return")
+            except Exception as e:  # noqa: BLE001 - a failure of the whole call: retry all
+                got = [e] * len(todo)
+            failed = []
+            for j, g in zip(todo, got, strict=True):
+                shard, start, _, members = requests[j]
+                if isinstance(g, BaseException):
+                    err[shard] = g
+                    failed.append(j)
+                    continue
+                stats.data_bytes += len(g)
+                view = memoryview(g)
+                for i in members:  # a short read leaves the later samples short; load_many reports them
+                    blobs[i] = bytes(view[ranges[i][2] - start : ranges[i][3] - start])
+            todo = failed
+        for shard in sorted({requests[j][0] for j in todo}):
+            self._shard_failed(shard, err[shard], stats)
+        stats.requests += len(requests)
+        return blobs
