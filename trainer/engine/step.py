@@ -27,10 +27,8 @@ import torch
 
 from trainer.config import Config, ConfigError
 from trainer.engine.parts import FrozenPart, ModuleView, Part
-from trainer.randomness import derive_seed
+from trainer.randomness import Stream, stream_seed
 from trainer.tasks.base import Batch, Phase, StepInfo, Task
-
-_STREAM_GLOBAL = 3
 
 
 def autocast(device: torch.device, precision: str):
@@ -54,7 +52,7 @@ def check_batch_split(batch_size: int, world_size: int, grad_accum: int) -> int:
 
 def reseed_global_rng(seed: int, step: int, rank: int, chunk: int) -> None:
     """Counter-based global RNG: torch (CPU and CUDA), numpy and random as a function of the position."""
-    s = derive_seed(seed, _STREAM_GLOBAL, step, rank, chunk)
+    s = stream_seed(seed, Stream.STEP_GLOBAL, step, rank, chunk)
     torch.manual_seed(s)
     if chunk == 0:
         np.random.seed(s % (1 << 32))

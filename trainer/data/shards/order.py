@@ -7,10 +7,7 @@ from collections import OrderedDict
 import numpy as np
 
 from trainer.data.sampler import SampleStream
-from trainer.randomness import derive_seed
-
-_STREAM_SHARDS = 3
-_STREAM_WINDOW = 4
+from trainer.randomness import Stream, stream_seed
 
 
 class ShardStream(SampleStream):
@@ -43,7 +40,8 @@ class ShardStream(SampleStream):
     def _layout(self, epoch: int) -> tuple[np.ndarray, np.ndarray]:
         """(shard order, cumulative samples at each window start) of an epoch."""
         if self._epoch_layout is None or self._epoch_layout[0] != epoch:
-            order = np.random.default_rng(derive_seed(self.seed, _STREAM_SHARDS, epoch)).permutation(len(self.counts))
+            rng = np.random.default_rng(stream_seed(self.seed, Stream.SHARD_ORDER, epoch))
+            order = rng.permutation(len(self.counts))
             sizes = [int(self.counts[order[w : w + self.window]].sum()) for w in range(0, len(order), self.window)]
             self._epoch_layout = (epoch, order, np.concatenate([[0], np.cumsum(sizes)]))
         return self._epoch_layout[1], self._epoch_layout[2]
@@ -53,7 +51,7 @@ class ShardStream(SampleStream):
         if key not in self._windows:
             order, _ = self._layout(epoch)
             shards = order[w * self.window : (w + 1) * self.window]
-            rng = np.random.default_rng(derive_seed(self.seed, _STREAM_WINDOW, epoch, w))
+            rng = np.random.default_rng(stream_seed(self.seed, Stream.SHARD_WINDOW, epoch, w))
             if self.block == 1:
                 ids = np.concatenate([np.arange(self.starts[s], self.starts[s + 1]) for s in shards])
                 self._windows[key] = ids[rng.permutation(len(ids))]
