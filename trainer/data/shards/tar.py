@@ -69,6 +69,7 @@ def parse_sample(blob: bytes) -> dict[str, bytes]:
     members: dict[str, bytes] = {}
     key = None
     pos, n = 0, len(blob)
+    header = b""
     while pos + _BLOCK <= n:
         header = blob[pos : pos + _BLOCK]
         if header == _ZERO_BLOCK:
@@ -96,6 +97,8 @@ def parse_sample(blob: bytes) -> dict[str, bytes]:
             raise ValueError(f"members of two samples in one index entry ({key!r}, {k!r})")
         key = k
         members[ext.lower()] = blob[start : start + size]
+    if header != _ZERO_BLOCK and pos < n:  # bytes left that cannot hold a header: cut inside one
+        raise ValueError(f"truncated header at byte {pos}: {n - pos} of {_BLOCK} bytes")
     return members
 
 
