@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import re
 import threading
 import time
 from collections.abc import Mapping
@@ -24,7 +25,8 @@ from trainer.checkpoint.state import (
 from trainer.checkpoint.store import CheckpointCorrupt, CheckpointError, CheckpointInfo, CheckpointStore, SaveResult
 from trainer.checkpoint.weights import check_pinned_inputs
 from trainer.checkpoint.writer import Checkpointer, SnapshotError
-from trainer.config import Config, ConfigError
+from trainer.config import Config
+from trainer.config.redact import REDACTED, redact
 from trainer.elastic import (
     EXIT_PREEMPTED,
     DistEnv,
@@ -34,6 +36,8 @@ from trainer.elastic import (
     gather_objects,
     new_gloo_group,
 )
+from trainer.engine.runtime import Runtime, parallel_mode
+from trainer.errors import ConfigError
 from trainer.metrics import TrainingMetrics
 
 log = logging.getLogger("gentrain")
@@ -54,20 +58,26 @@ class CheckpointManager:
     the final save raises (so the job is retried rather than losing it).
     """
 
-    def __init__(self, cfg: Config, env: DistEnv, metrics: TrainingMetrics):
+    def __init__(self, cfg: Config, runtime: Runtime | DistEnv, metrics: TrainingMetrics):
         c = cfg.checkpoint
         self.cfg = cfg
-        self.env = env
+        if isinstance(runtime, Runtime):
+            self.env, self.sharded = runtime.env, runtime.sharded
+        else:  # a bare DistEnv (tests/reshard_roundtrip.py): the layout the Trainer's runtime would have
+            self.env, self.sharded = runtime, parallel_mode(cfg.train.parallel, runtime.world_size) == "fsdp"
+        env = self.env
         self.metrics = metrics
         self.store = CheckpointStore(cfg.checkpoint_url, c.storage_options, c.keep, c.keep_every_steps)
         self.store.prune_in_background = True  # the training thread does not wait for deletes
-        self.sharded = cfg.train.parallel == "fsdp" and env.world_size > 1
         self.group = new_gloo_group(cfg.elastic.collective_timeout_seconds) if self.sharded else None
         if self.sharded:
             self.writer = Checkpointer(
-                self.store, c.async_, on_done=metrics.on_checkpoint_done, write=self._write_sharded,
+                self.store,
+                c.async_,
+                on_done=metrics.on_checkpoint_done,
+                write=self._write_sharded,
                 on_copy_failure=lambda step, meta, e: self._write_sharded(step, {}, meta, failed=repr(e)),
-            )  # fmt: skip
+            )
         else:
             self.writer = (
                 Checkpointer(self.store, c.async_, on_done=metrics.on_checkpoint_done) if env.is_main else None
@@ -91,18 +101,24 @@ class CheckpointManager:
         """The state a checkpoint holds: progress, trainable parts, frozen parts' source records, and the
         task's other inputs (pretrained folders, text encoder: URL and digest, see Task.inputs).
 
-        Every part waits on `fence()` before it changes its weights, optimizer state or EMA, so a
-        background save can copy them while the next forward and backward run."""
-        self.progress, self.parts, self.frozen = progress, parts, frozen
+        The frozen records are kept as they are written (trainer.json, manifest): credentials in their
+        URLs redacted. A resume compares them by digest, which redaction leaves alone.
+
+        The parts are built with `fence` as theirs (see build_parts): they wait on it before they change
+        their weights, optimizer state or EMA, so a background save can copy them while the next
+        forward and backward run."""
+        self.progress, self.parts = progress, parts
+        self.frozen = {name: redact(record) for name, record in frozen.items()}
         self.inputs = dict(inputs or {})
-        for part in parts.values():
-            if hasattr(part, "fence"):
-                part.fence = self.fence
 
     # ---------------------------------------------------------------- resume
 
-    def pinned_frozen_sources(self) -> dict[str, dict[str, Any]] | None:
-        """Frozen-part records of the checkpoint a resume would start from (None on a fresh start)."""
+    def pinned_frozen_sources(self, source_urls: Mapping[str, str]) -> dict[str, dict[str, Any]] | None:
+        """Frozen-part records of the checkpoint a resume would start from (None on a fresh start).
+
+        A record's URL is stored with its credentials redacted; where the part's URL in this run's
+        config (`source_urls`) names the same scheme and host, its credentials are put back, so the
+        pinned step can still be opened when the source run has moved on."""
         if not self.cfg.checkpoint.resume:
             return None
         records = None
@@ -113,7 +129,13 @@ class CheckpointManager:
                     records = read_frozen_records(self.store, info)
                 except CheckpointCorrupt as e:
                     log.warning("checkpoint %s: %s", info.url, e)
-        return broadcast_object(records)
+        records = broadcast_object(records)
+        if records is None:
+            return None
+        return {
+            name: _with_credentials(record, source_urls.get(name)) if isinstance(record, dict) else record
+            for name, record in records.items()
+        }
 
     def resume(self) -> str | None:
         """Load the newest checkpoint every rank can load (digests, structure and fit checked).
@@ -150,7 +172,8 @@ class CheckpointManager:
         error, loaded = None, None
         try:
             loaded = read_state(self.store, info, self.progress, self.parts, self.env.rank)
-            recorded = loaded.doc.get("frozen", {})
+            # By digest: the URL may differ (stored redacted, or the source run moved on with the same weights).
+            recorded = redact(loaded.doc.get("frozen", {}))
             if {k: v["digest"] for k, v in recorded.items()} != {k: v["digest"] for k, v in self.frozen.items()}:
                 raise CheckpointCorrupt(f"its frozen parts {recorded} differ from the ones loaded now {self.frozen}")
         except ConfigError as e:  # the config, not the checkpoint, is wrong: an older one would not help
@@ -179,8 +202,6 @@ class CheckpointManager:
     def _meta(self) -> dict[str, Any]:
         """What the manifest says about the run, credentials redacted: a checkpoint root is read by more
         people than the keys that wrote it, and a resume takes its storage options from its own config."""
-        from trainer.config.redact import redact
-
         meta = {
             "world_size": self.env.world_size,
             "parallel": self.cfg.train.parallel,
@@ -262,8 +283,18 @@ class CheckpointManager:
         if broadcast_object(committed, group=self.group):
             log.info("checkpoint %s is already committed; not writing it again", self.store.url_for(step))
             return None
-        return write_sharded(self.store, step, files, local_index, meta, self.env.rank, self.env.world_size,
-                             self.group, t0, failed=failed)  # fmt: skip
+        return write_sharded(
+            self.store,
+            step,
+            files,
+            local_index,
+            meta,
+            rank=self.env.rank,
+            world_size=self.env.world_size,
+            group=self.group,
+            t0=t0,
+            failed=failed,
+        )
 
     def _count_failure(self, err: BaseException) -> None:
         self.failures += 1
@@ -326,3 +357,20 @@ class CheckpointManager:
         if self.writer is not None:
             self.writer.close()
             self.report_background_failure()
+
+
+# scheme://[userinfo@]host at the start of a URL (userinfo as trainer.config.redact finds it).
+_ORIGIN = re.compile(r"^(?P<scheme>[A-Za-z][A-Za-z0-9+.\-]*://)(?:(?P<userinfo>[^/@\s'\"]+)@)?(?P<host>[^/?#@]*)")
+
+
+def _with_credentials(record: dict[str, Any], source_url: str | None) -> dict[str, Any]:
+    """`record` with the redacted user info of its URL replaced by `source_url`'s (same scheme and host;
+    none if `source_url` has none)."""
+    url = record.get("url")
+    stored = _ORIGIN.match(url) if isinstance(url, str) else None
+    given = _ORIGIN.match(source_url) if source_url else None
+    if stored is None or given is None or stored["userinfo"] != REDACTED:
+        return record
+    if (stored["scheme"], stored["host"]) != (given["scheme"], given["host"]):
+        return record
+    return {**record, "url": given.group(0) + url[stored.end() :]}

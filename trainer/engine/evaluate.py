@@ -5,12 +5,16 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Mapping
-
-import torch
+from typing import TYPE_CHECKING
 
 from trainer.config import Config
 from trainer.engine.parts import FrozenPart, Part, bare_modules, ema_swapped, eval_mode
+from trainer.eval.features import load_features
+from trainer.eval.fid import FidKid, check_share, evaluate, sample_options, write_result
 from trainer.tasks.base import Task
+
+if TYPE_CHECKING:
+    from trainer.engine.runtime import Runtime
 
 log = logging.getLogger("gentrain")
 
@@ -28,11 +32,10 @@ class Evaluator:
         task: Task,
         parts: Mapping[str, Part],
         frozen: Mapping[str, FrozenPart],
-        cfg: Config,
         real_set,
-        rank: int,
-        world_size: int,
-        device: torch.device,
+        *,
+        runtime: Runtime,
+        cfg: Config,
         report: Callable[[int, dict[str, float]], None],
     ):
         self.task = task
@@ -40,9 +43,9 @@ class Evaluator:
         self.modules = bare_modules(parts, frozen)
         self.cfg = cfg
         self.real_set = real_set
-        self.rank = rank
-        self.world_size = world_size
-        self.device = device
+        self.rank = runtime.rank
+        self.world_size = runtime.world_size
+        self.device = runtime.device
         self.report = report
         self._metric = None
         self._about: dict = {}
@@ -54,9 +57,6 @@ class Evaluator:
     def prepare(self) -> None:
         """Load the feature network now, so a missing one fails before training starts."""
         if self.enabled and self._metric is None:
-            from trainer.eval.features import load_features
-            from trainer.eval.fid import FidKid, check_share
-
             e = self.cfg.eval
             check_share(min(e.num, len(self.real_set)), self.world_size)
             net, self._about = load_features(e.features, e.features_url, self.cfg.checkpoint.storage_options)
@@ -68,18 +68,24 @@ class Evaluator:
         return self.run(step)
 
     def run(self, step: int) -> dict[str, float]:
-        from trainer.eval.fid import evaluate, sample_options, write_result
-
         self.prepare()
         t0 = time.perf_counter()
         with ema_swapped(self.parts, self.cfg.sample.use_ema), eval_mode(self.modules):
             values = evaluate(
-                self.task, self.modules, self._metric, self.real_set, self.cfg.eval.num, self.cfg.seed,
-                sample_options(self.cfg), self.rank, self.world_size, self.device,
-            )  # fmt: skip
+                self.task,
+                self.modules,
+                metric=self._metric,
+                real_set=self.real_set,
+                num=self.cfg.eval.num,
+                seed=self.cfg.seed,
+                sample_options=sample_options(self.cfg),
+                rank=self.rank,
+                world_size=self.world_size,
+                device=self.device,
+            )
         if self.rank == 0:
-            result = {"step": step, "world_size": self.world_size, **values, **self._about,
-                      "seconds": round(time.perf_counter() - t0, 3)}  # fmt: skip
+            seconds = round(time.perf_counter() - t0, 3)
+            result = {"step": step, "world_size": self.world_size, **values, **self._about, "seconds": seconds}
             write_result(self.cfg.checkpoint_url, self.cfg.checkpoint.storage_options, step, result)
         self.report(step, values)
         return values

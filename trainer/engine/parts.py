@@ -4,16 +4,19 @@ frozen ones (weights from another run, never optimized or saved). Built from a t
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Collection, Iterator, Mapping
 from contextlib import contextmanager
 from typing import Any
 
 import torch
 from diffusers.training_utils import EMAModel
 from torch import nn
+from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 
 from trainer.config import Config
 from trainer.engine.shard import full_value, is_fsdp, reshard
+from trainer.engine.wrap import Wrapping
+from trainer.errors import ConfigError
 from trainer.models.finetune import cast_frozen_base
 from trainer.optim import OptimSettings, build_ema, build_lr_schedule, build_optimizer
 from trainer.tasks.base import FrozenWeights
@@ -44,6 +47,7 @@ class Part:
         ema: EMAModel | None,
         settings: OptimSettings,
         learning: bool = True,
+        fence: Callable[[], None] | None = None,
     ):
         self.name = name
         self.module = module
@@ -62,9 +66,9 @@ class Part:
         # engine toggles exactly these, never the frozen base weights of an adapted model.
         self.params = [p for p in module.parameters() if p.requires_grad]
         self.step = 0
-        # Set by the checkpoint manager: returns once a background save has copied this part's
-        # weights, optimizer state and EMA (see trainer.checkpoint.writer); called before changing them.
-        self.fence: Callable[[], None] = _no_fence
+        # The checkpoint manager's: returns once a background save has copied this part's weights,
+        # optimizer state and EMA (see trainer.checkpoint.writer); called before changing them.
+        self.fence: Callable[[], None] = fence or _no_fence
 
     def learns_now(self) -> bool:
         """True while this run trains the part and it has not reached its own max steps."""
@@ -169,8 +173,6 @@ class FrozenPart:
         self.record = weights.record
         missing, unexpected = module.load_state_dict(weights.tensors, strict=False)
         if missing or unexpected:
-            from trainer.config import ConfigError
-
             raise ConfigError(
                 f"frozen part {name!r} from {weights.record['url']}: its weights do not fit the model this task "
                 f"builds (missing {missing[:5]}, unexpected {unexpected[:5]}). Is the URL a run of the right task?"
@@ -181,43 +183,39 @@ class FrozenPart:
 
 def build_parts(
     modules: Mapping[str, nn.Module],
-    trainable: list[str],
+    *,
     frozen: Mapping[str, FrozenWeights],
-    learning: set[str],
+    learning: Collection[str],
     cfg: Config,
     device: torch.device,
-    wrap: Any,
-    ema_names: set[str] | None = None,
-    shard_frozen: Any = None,
-    shard_on_wrap: bool = False,
+    wrapping: Wrapping,
+    ema_names: Collection[str] | None = None,
+    fence: Callable[[], None] | None = None,
 ) -> tuple[dict[str, Part], dict[str, FrozenPart]]:
-    """Parts from a task's modules; `wrap(module)` makes the DDP wrapper for the parts this run trains
-    (`learning`), or shards the module in place under FSDP2 (then optimizer and EMA are built on its
-    DTensors); the other parts are kept bare and untouched. `shard_frozen(module)`, if given, shards a
-    frozen part in place once its weights are loaded whole. `shard_on_wrap`: `wrap` is FSDP's (it moves
-    the part to the device itself)."""
+    """Parts from a task's modules: the `frozen` ones (loaded from their weights), the others trainable.
+
+    `wrapping.wrap(module)` makes the DDP wrapper for the parts this run trains (`learning`), or shards
+    the module in place under FSDP2 (then optimizer and EMA are built on its DTensors); the other parts
+    are kept bare and untouched. `wrapping.shard_frozen(module)` shards a frozen part in place once its
+    weights are loaded whole (FSDP with train.shard_frozen). A part keeps an EMA when named in
+    `ema_names` (default: every trainable part). `fence`: what each part waits on before it changes its
+    state (the checkpoint manager's, see `Part.fence`)."""
     parts: dict[str, Part] = {}
     frozen_parts: dict[str, FrozenPart] = {}
-    unknown = set(modules) - set(trainable) - set(frozen)
-    if unknown:
-        raise RuntimeError(f"task built parts {sorted(unknown)} that are neither trainable nor frozen")
     for name, module in modules.items():
         # A part `wrap` shards stays where it was built (meta off rank 0, host memory on rank 0):
         # fully_shard moves one unit at a time to the device, so no device ever holds it whole.
-        if not (shard_on_wrap and name in learning):
+        if not (wrapping.shards_on_wrap and name in learning):
             module.to(device)
         if name in frozen:
             frozen_parts[name] = FrozenPart(name, module, frozen[name])
-            if shard_frozen is not None:
-                shard_frozen(module)
+            wrapping.shard_frozen(module)
             continue
         cast_frozen_base(module, cfg.train.precision)  # LoRA: half-precision base, fp32 adapters
-        wrapped = wrap(module) if name in learning else module
+        wrapped = wrapping.wrap(module) if name in learning else module
         optimizer = build_optimizer(module, cfg, name)
         fp16 = cfg.train.precision == "fp16"
         if is_fsdp(module):
-            from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
-
             # Its inf/nan check is all-reduced: every rank skips an overflowing step together.
             scaler = ShardedGradScaler(device.type, enabled=fp16)
         else:
@@ -232,6 +230,7 @@ def build_parts(
             ema=build_ema(module, cfg) if ema_names is None or name in ema_names else None,
             settings=OptimSettings.for_part(cfg, name),
             learning=name in learning,
+            fence=fence,
         )
     return parts, frozen_parts
 

@@ -6,6 +6,7 @@ import logging
 import os
 import time
 from collections.abc import Callable, Mapping
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -16,6 +17,9 @@ from trainer.engine.step import to_device
 from trainer.media import save_media
 from trainer.models.finetune import half_weights_autocast
 from trainer.tasks.base import Batch, PreviewContext, Task
+
+if TYPE_CHECKING:
+    from trainer.engine.runtime import Runtime
 
 log = logging.getLogger("gentrain")
 
@@ -34,28 +38,26 @@ class Previewer:
         task: Task,
         parts: Mapping[str, Part],
         frozen: Mapping[str, FrozenPart],
-        cfg: SampleConfig,
         held_out,
-        seed: int,
+        *,
+        runtime: Runtime,
+        cfg: SampleConfig,
         run_dir: str,
-        is_main: bool,
-        device: torch.device,
         report: Callable[[int, dict[str, torch.Tensor]], None],
-        collective: bool = False,
     ):
         self.task = task
         self.parts = parts
         self.modules = bare_modules(parts, frozen)
         self.cfg = cfg
         self.held_out = held_out
-        self.seed = seed
+        self.seed = runtime.seed
         self.dir = os.path.join(run_dir, "samples")
-        self.is_main = is_main
-        self.device = device
+        self.is_main = runtime.is_main
+        self.device = runtime.device
         self.report = report
         # Sharded parts need every rank in each forward: all ranks compute the (identical) previews,
         # rank 0 writes them.
-        self.collective = collective
+        self.collective = runtime.sharded
         self._batch: Batch | None = None
 
     def maybe_run(self, step: int, last: bool = False) -> list[str]:

@@ -9,7 +9,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from trainer.config import ConfigError
+from trainer.errors import ConfigError
 
 # The skip limit acts only from this many skipped samples on: fewer cannot tell a data set that is
 # mostly unreadable from a healthy one that met a bad file or two early (one bad file in the first
@@ -115,8 +115,8 @@ class TrainProgress:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         saved = state.get("order")  # absent in checkpoints written before it was recorded
         if saved is not None:
-            changed = [f"{k}={self.order.get(k)!r} (the checkpoint's: {v!r})" for k, v in saved.items()
-                       if self.order.get(k, v) != v]  # fmt: skip
+            differ = [k for k, v in saved.items() if self.order.get(k, v) != v]
+            changed = [f"{k}={self.order.get(k)!r} (the checkpoint's: {saved[k]!r})" for k in differ]
             if changed:
                 raise ConfigError(
                     "the data order changed since the checkpoint, so resuming would repeat and skip samples of "

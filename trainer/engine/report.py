@@ -2,20 +2,68 @@
 
 from __future__ import annotations
 
+import importlib
 import json
 import logging
 import math
 import os
 import sys
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
+from accelerate.tracking import get_available_trackers
 
 from trainer.config.redact import redact
 from trainer.engine.progress import TrainProgress
+from trainer.errors import ConfigError
 from trainer.metrics import TrainingMetrics
 
+if TYPE_CHECKING:
+    from trainer.config.schema import LogConfig
+    from trainer.engine.runtime import Runtime
+
 log = logging.getLogger("gentrain")
+
+# Tracker -> (the modules accelerate's tracker writes through, any one will do; the gentrain extra).
+_TRACKERS = {
+    "tensorboard": (("torch.utils.tensorboard", "tensorboardX"), "tensorboard"),
+    "wandb": (("wandb",), "wandb"),
+}
+
+
+def tracker_names(log_cfg: LogConfig) -> list[str]:
+    """The trackers `log.*` turns on; a ConfigError (exit 2) naming the extra when one cannot be imported.
+
+    accelerate drops a tracker whose package it does not find (a debug line, nothing else), so a run asked
+    for TensorBoard would train for days without writing a curve. Importing is the check that counts: a
+    package that is found but broken (a wrong version, a missing dependency) fails here, not mid-run.
+    """
+    names = [n for n, on in (("tensorboard", log_cfg.tensorboard), ("wandb", log_cfg.wandb)) if on]
+    for name in names:
+        modules, extra = _TRACKERS[name]
+        errors = []
+        for module in modules:
+            try:
+                importlib.import_module(module)
+                break
+            except ImportError as e:
+                errors.append(f"{module}: {' '.join(str(e).split())}")
+        else:
+            raise ConfigError(
+                f"log.{name}=true needs the {name} package, which cannot be imported ({'; '.join(errors)}); "
+                f"pip install 'gentrain[{extra}]', or set log.{name}=false"
+            )
+        _check_accelerate_sees(name, extra)
+    return names
+
+
+def _check_accelerate_sees(name: str, extra: str) -> None:
+    """accelerate also wants the package's installed metadata: without it the tracker is dropped silently."""
+    if name not in {str(t) for t in get_available_trackers()}:
+        raise ConfigError(
+            f"log.{name}=true: the {name} package imports, but accelerate does not find it installed (no package "
+            f"metadata), so it would log nothing; pip install 'gentrain[{extra}]', or set log.{name}=false"
+        )
 
 
 def flat_hparams(tree: dict, prefix: str = "") -> dict[str, Any]:
@@ -47,29 +95,27 @@ class Reporter:
 
     def __init__(
         self,
-        accelerator,
+        *,
+        runtime: Runtime,
         metrics: TrainingMetrics,
         progress: TrainProgress,
         max_steps: int,
         log_every_steps: int,
         name: str,
         run_dir: str,
-        rank: int,
-        world_size: int,
-        restart_count: int,
         ledger: bool,
     ):
-        self.accelerator = accelerator
+        self.accelerator = runtime.accelerator
         self.metrics = metrics
         self.progress = progress
         self.max_steps = max_steps
         self.log_every_steps = log_every_steps
         self.name = name
         self.run_dir = run_dir
-        self.rank = rank
-        self.world_size = world_size
-        self.restart_count = restart_count
-        self.is_main = rank == 0
+        self.rank = runtime.rank
+        self.world_size = runtime.world_size
+        self.restart_count = runtime.env.restart_count
+        self.is_main = runtime.is_main
         self._ledger = None
         self._ledger_enabled = ledger
         self._bar = None

@@ -151,6 +151,7 @@ def shard_from_rank0(
         module.to_empty(device=torch.device("cpu") if cpu_offload else device)
         if cpu_offload:  # offload keeps parameters on the host; buffers live on the device
             for m in module.modules():
+                # Private API (tests/test_private_apis.py::test_module_buffers_dict): no public call moves buffers only
                 for key, b in m._buffers.items():
                     if b is not None:
                         m._buffers[key] = b.to(device)

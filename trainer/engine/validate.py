@@ -4,14 +4,19 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Mapping
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 
 from trainer.data import collate, validation_refs
+from trainer.elastic import gather_objects
 from trainer.engine.parts import FrozenPart, Part, bare_modules, eval_mode
 from trainer.engine.step import autocast, reseed_global_rng, to_device
 from trainer.tasks.base import Task
+
+if TYPE_CHECKING:
+    from trainer.engine.runtime import Runtime
 
 log = logging.getLogger("gentrain")
 
@@ -32,16 +37,12 @@ class Validator:
         parts: Mapping[str, Part],
         frozen: Mapping[str, FrozenPart],
         val_set,
+        *,
+        runtime: Runtime,
         every_steps: int,
         batches: int,
         chunk_size: int,
-        precision: str,
-        seed: int,
-        rank: int,
-        world_size: int,
-        device: torch.device,
         report: Callable[[int, dict[str, float]], None],
-        collective: bool = False,
     ):
         self.task = task
         self.modules = bare_modules(parts, frozen)
@@ -49,14 +50,14 @@ class Validator:
         self.every_steps = every_steps
         self.batches = batches
         self.chunk_size = max(1, chunk_size)
-        self.precision = precision
-        self.seed = seed
-        self.rank = rank
-        self.world_size = world_size
-        self.device = device
+        self.precision = runtime.precision
+        self.seed = runtime.seed
+        self.rank = runtime.rank
+        self.world_size = runtime.world_size
+        self.device = runtime.device
         self.report = report
         # Sharded parts: every rank must run the same number of forwards (each one gathers parameters).
-        self.collective = collective
+        self.collective = runtime.sharded
 
     @property
     def enabled(self) -> bool:
@@ -113,6 +114,4 @@ def _first_ref(val_set):
 def _agree_on_names(names: list[str], world_size: int) -> list[str]:
     if world_size == 1:
         return names
-    from trainer.elastic import gather_objects
-
     return sorted({n for rank_names in gather_objects(names) for n in rank_names})
