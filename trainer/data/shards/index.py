@@ -23,6 +23,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from trainer import storage
 from trainer.errors import ConfigError
 
 INDEX_FORMAT = "gentrain-tar-index/1"
@@ -56,10 +57,8 @@ def _join(base: str, rel: str) -> str:
 
 
 def filesystem(url: str, storage_options: dict | None):
-    import fsspec
-
-    fs, _ = fsspec.core.url_to_fs(url, **(storage_options or {}))
-    return fs
+    """The fsspec filesystem of `url` (a missing s3fs/gcsfs is a ConfigError naming the extra)."""
+    return storage.filesystem(url, storage_options)[0]
 
 
 def strip_protocol(fs, url: str) -> str:
