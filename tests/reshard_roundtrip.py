@@ -11,8 +11,9 @@ from __future__ import annotations
 import sys
 
 from trainer.checkpoint.manager import CheckpointManager
-from trainer.config import load_config, split_preset
+from trainer.config import split_preset
 from trainer.loop import Trainer
+from trainer.registry import load_config
 
 
 def main() -> None:

@@ -73,8 +73,8 @@ def test_a_data_path_without_images_exits_2_naming_the_key_the_value_and_the_ext
 
 
 def test_an_image_path_without_images_names_data_image_path(tmp_path):
-    from trainer.config import load_config
     from trainer.data import build_splits
+    from trainer.registry import load_config
 
     overrides = ["data.image_ratio=0.25", "data.image_source=folder", f"data.image_path={tmp_path / 'nothing'}"]
     cfg = load_config("moving-digits", overrides, environ={})

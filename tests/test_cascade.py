@@ -17,7 +17,8 @@ from test_elastic import finish, standalone
 
 from trainer.checkpoint import CheckpointStore
 from trainer.checkpoint.weights import load_for_inference
-from trainer.config import ConfigError, load_config
+from trainer.errors import ConfigError
+from trainer.registry import load_config
 
 YAML = str(REPO / "tests" / "cascade.yaml")
 ENV = clean_env(PYTHONPATH=str(REPO / "tests"))

@@ -5,7 +5,9 @@ from __future__ import annotations
 import pytest
 from conftest import clean_env, run_cli
 
-from trainer.config import ConfigError, load_config, parse_overrides
+from trainer.config import parse_overrides
+from trainer.errors import ConfigError
+from trainer.registry import load_config
 
 
 def test_no_preset_means_digits_ddpm():

@@ -19,8 +19,10 @@ from conftest import run_cli
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from trainer.config import Config, ConfigError, config_from_dict, load_config
+from trainer.config import Config
 from trainer.config.load import MAX_DEPTH
+from trainer.errors import ConfigError
+from trainer.registry import config_from_dict, load_config
 
 DEEP = 20_000
 

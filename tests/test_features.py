@@ -7,9 +7,9 @@ import torch
 from conftest import run_cli, tiny
 from PIL import Image
 
-from trainer.config import load_config
 from trainer.elastic import DistEnv
 from trainer.loop import Trainer
+from trainer.registry import load_config
 
 
 def test_class_conditional_v_prediction_with_guidance(tmp_path):

@@ -15,8 +15,8 @@ from safetensors.torch import load as load_safetensors
 from trainer.checkpoint import CheckpointStore
 from trainer.checkpoint.weights import load_for_inference
 from trainer.cli import main as cli_main
-from trainer.config import ConfigError, load_config
-from trainer.registry import task_class
+from trainer.errors import ConfigError
+from trainer.registry import load_config, task_class
 from trainer.tasks.base import TaskContext
 
 YAML = str(REPO / "tests" / "cascade.yaml")

@@ -8,8 +8,8 @@ import pytest
 import torch
 from torch import nn
 
-from trainer.config import load_config
 from trainer.optim import build_lr_schedule, build_optimizer, param_groups
+from trainer.registry import load_config
 
 
 def test_no_weight_decay_on_biases_and_norms():

@@ -19,10 +19,11 @@ import torch
 from conftest import REPO, clean_env, run_cli, tiny
 
 from trainer.checkpoint.weights import load_frozen
-from trainer.config import ConfigError, config_from_dict, load_config
 from trainer.config.redact import REDACTED, RedactingFilter, is_credential_key, redact, redact_text
 from trainer.engine.report import flat_hparams
+from trainer.errors import ConfigError
 from trainer.eval.features import load_features
+from trainer.registry import config_from_dict, load_config
 from trainer.tasks.base import FrozenSource
 
 EVIL_TASK = "evilmod:X"

@@ -12,11 +12,13 @@ import torch
 from conftest import REPO, clean_env, run_cli
 from PIL import Image
 
-from trainer.config import ConfigError, DataConfig, load_config
+from trainer.config import DataConfig
 from trainer.data import build_splits, build_train_loader
 from trainer.data.datasets import DIGIT_WORDS, image_to_tensor
 from trainer.data.sampler import SampleRef, SampleStream
 from trainer.data.video import DIRECTIONS, MovingDigitsDataset, VideoFolderDataset
+from trainer.errors import ConfigError
+from trainer.registry import load_config
 
 PROBE_ENV = {"PYTHONPATH": str(REPO / "tests")}
 CLIP_PROBE = str(REPO / "tests" / "video_probe.yaml")

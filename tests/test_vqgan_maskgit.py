@@ -17,7 +17,8 @@ from PIL import Image
 from test_elastic import finish, standalone
 
 from trainer.checkpoint import CheckpointStore
-from trainer.tasks.vqgan import VQAutoencoder, VQGANConfig, adaptive_weight
+from trainer.models.gan import adaptive_weight
+from trainer.tasks.vqgan import VQAutoencoder, VQGANConfig
 
 ENV = clean_env(PYTHONPATH=str(REPO / "tests"))
 

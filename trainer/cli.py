@@ -1,4 +1,8 @@
-"""Command line: argument parsing and dispatch only (`gentrain ...` and `python -m trainer ...`)."""
+"""Command line: argument parsing and dispatch only (`gentrain ...` and `python -m trainer ...`).
+
+Only what parsing and the config need is imported at the top (no torch): `gentrain presets`, `--help`
+and config errors answer at once. Each command imports the layers it runs inside its function.
+"""
 
 from __future__ import annotations
 
@@ -10,9 +14,10 @@ import os
 import sys
 from typing import Any
 
-from trainer.config import ConfigError, load_config, preset_names, preset_summary, split_preset
+from trainer.config import preset_names, preset_summary, split_preset
 from trainer.config.redact import RedactingFilter
-from trainer.elastic import EXIT_INVALID_CHECKPOINT, EXIT_OK, EXIT_USAGE, DistEnv
+from trainer.errors import EXIT_INVALID_CHECKPOINT, EXIT_OK, EXIT_USAGE, ConfigError
+from trainer.registry import load_config
 
 log = logging.getLogger("gentrain")
 
@@ -20,6 +25,10 @@ log = logging.getLogger("gentrain")
 _TASK_HELP = (
     "the task the checkpoint was trained with (default: the checkpoint's); needed when that is an import "
     "path (module:Class), which gentrain imports only when you name it yourself"
+)
+_TEXT_ENCODER_HELP = (
+    "the text encoder (folder or URL) the checkpoint was trained with; needed when that is not the packaged "
+    "all-MiniLM-L6-v2: loading an encoder folder runs code it names, so gentrain loads one only when you name it"
 )
 
 
@@ -57,6 +66,7 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--batch-size", type=int, default=None, help="sample in chunks of this many (memory)")
     s.add_argument("--storage-options", type=json.loads, default={}, help="JSON passed to fsspec")
     s.add_argument("--task", default=None, metavar="TASK", help=_TASK_HELP)
+    s.add_argument("--text-encoder", default=None, metavar="PATH_OR_URL", help=_TEXT_ENCODER_HELP)
 
     e = sub.add_parser("eval", help="FID/KID of a checkpoint's samples vs held-out images; writes eval-<step>.json")
     e.add_argument("checkpoint", help="a checkpoint (…/step-000001200) or a checkpoint root (newest valid)")
@@ -80,6 +90,7 @@ def _parser() -> argparse.ArgumentParser:
         help="JSON passed to fsspec for the data when it needs other options than --storage-options",
     )  # fmt: skip
     e.add_argument("--task", default=None, metavar="TASK", help=_TASK_HELP)
+    e.add_argument("--text-encoder", default=None, metavar="PATH_OR_URL", help=_TEXT_ENCODER_HELP)
 
     c = sub.add_parser("checkpoints", help="list, verify or consolidate checkpoints")
     csub = c.add_subparsers(dest="action", required=True)
@@ -104,6 +115,7 @@ def _parser() -> argparse.ArgumentParser:
     ce.add_argument("--no-ema", action="store_true", help="export the raw weights instead of the EMA weights")
     ce.add_argument("--storage-options", type=json.loads, default={}, help="JSON passed to fsspec for both")
     ce.add_argument("--task", default=None, metavar="TASK", help=_TASK_HELP)
+    ce.add_argument("--text-encoder", default=None, metavar="PATH_OR_URL", help=_TEXT_ENCODER_HELP)
 
     d = sub.add_parser("data", help="pack image folders into WebDataset shards, index shards made elsewhere")
     dsub = d.add_subparsers(dest="action", required=True)
@@ -131,9 +143,9 @@ def _parser() -> argparse.ArgumentParser:
 _REDACT = RedactingFilter()
 
 
-def _setup_logging(env: DistEnv) -> None:
-    level = logging.INFO if env.rank == 0 else logging.WARNING
-    prefix = f"[rank {env.rank}] " if env.world_size > 1 else ""
+def _setup_logging(rank: int = 0, world_size: int = 1) -> None:
+    level = logging.INFO if rank == 0 else logging.WARNING
+    prefix = f"[rank {rank}] " if world_size > 1 else ""
     logging.basicConfig(
         level=level,
         format=f"%(asctime)s %(levelname)s {prefix}%(message)s",
@@ -147,9 +159,23 @@ def _setup_logging(env: DistEnv) -> None:
             handler.addFilter(_REDACT)
 
 
+def _load_for_inference(args: argparse.Namespace, store, info, device) -> tuple[Any, Any, dict[str, Any]]:
+    """(config, task, modules) of a checkpoint; the task and the text encoder its manifest names are loaded
+    only when built in (packaged) or named by the user (--task, --text-encoder): either would run code."""
+    # Imports torch: only commands that load a checkpoint get here.
+    from trainer.checkpoint.weights import config_of, load_for_inference
+    from trainer.conditioning.text import check_stored_encoders
+
+    where = f"checkpoint {info.url}"
+    check_stored_encoders(config_of(info, args.task).model_cfg, args.text_encoder, where)
+    return load_for_inference(store, info, not args.no_ema, device, task_name=args.task)
+
+
 def cmd_train(args: argparse.Namespace) -> int:
+    from trainer.elastic import DistEnv  # imports torch: training needs it anyway
+
     env = DistEnv.from_environ()
-    _setup_logging(env)
+    _setup_logging(env.rank, env.world_size)
     # argparse puts the first word in `config` even when it is a key=value override.
     cfg = load_config(*split_preset([a for a in [args.config, *args.overrides] if a]))
     _REDACT.add_secrets(cfg.to_dict())
@@ -157,17 +183,17 @@ def cmd_train(args: argparse.Namespace) -> int:
     from trainer.metrics import configure_multiprocess_dir
 
     configure_multiprocess_dir(env, cfg.metrics.port > 0)
-    from trainer.loop import Trainer
+    from trainer.loop import Trainer  # torch and the whole engine: after the config checked out
 
     return Trainer(cfg, env).fit()
 
 
 def cmd_sample(args: argparse.Namespace) -> int:
-    _setup_logging(DistEnv())
+    _setup_logging()
     import torch
 
+    # torch-heavy layers, imported by the commands that use them (see the module doc)
     from trainer.checkpoint import resolve_checkpoint
-    from trainer.checkpoint.weights import load_for_inference
     from trainer.media import contact_sheet, save_gif, save_grid, save_media, slugify
 
     _REDACT.add_secrets({"storage_options": args.storage_options})
@@ -177,7 +203,7 @@ def cmd_sample(args: argparse.Namespace) -> int:
         print(f"gentrain: cannot sample from {args.checkpoint}: {why}", file=sys.stderr)
         return EXIT_INVALID_CHECKPOINT
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    cfg, task, modules = load_for_inference(store, info, not args.no_ema, device, task_name=args.task)
+    cfg, task, modules = _load_for_inference(args, store, info, device)
     s = cfg.sample
     if args.temperature is not None and "temperature" not in inspect.signature(task.sample).parameters:
         raise ConfigError(
@@ -210,16 +236,17 @@ def cmd_sample(args: argparse.Namespace) -> int:
 
 def cmd_eval(args: argparse.Namespace) -> int:
     """Single process, or every rank of a torchrun job (generation and features split, statistics gathered)."""
-    env = DistEnv.from_environ()
-    _setup_logging(env)
     import torch
 
+    # torch-heavy layers, imported by the commands that use them (see the module doc)
     from trainer.checkpoint import resolve_checkpoint
-    from trainer.checkpoint.weights import load_for_inference
     from trainer.data import build_splits
-    from trainer.elastic import init_process_group
+    from trainer.elastic import DistEnv, init_process_group
     from trainer.eval.features import load_features
     from trainer.eval.fid import FidKid, evaluate, sample_options, write_result
+
+    env = DistEnv.from_environ()
+    _setup_logging(env.rank, env.world_size)
 
     _REDACT.add_secrets({"storage_options": args.storage_options, "data": args.data_storage_options})
     store, info = resolve_checkpoint(args.checkpoint, args.storage_options)
@@ -228,7 +255,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
         print(f"gentrain: cannot evaluate {args.checkpoint}: {why}", file=sys.stderr)
         return EXIT_INVALID_CHECKPOINT
     device = torch.device(f"cuda:{env.local_rank}" if torch.cuda.is_available() else "cpu")
-    cfg, task, modules = load_for_inference(store, info, not args.no_ema, device, task_name=args.task)
+    cfg, task, modules = _load_for_inference(args, store, info, device)
     if args.data_storage_options is not None:
         cfg.data.storage_options = args.data_storage_options
     for key, value in (("num", args.num), ("features", args.features), ("features_url", args.features_url),
@@ -255,7 +282,7 @@ def _conditions(args: argparse.Namespace, store, info) -> dict[str, Any]:
     import numpy as np
     import torch
 
-    from trainer.checkpoint.state import TRAINER_JSON
+    from trainer.checkpoint.state import TRAINER_JSON  # torch-heavy (see the module doc)
 
     out: dict[str, Any] = {}
     if TRAINER_JSON in info.manifest["files"]:  # a consolidated checkpoint has weights only
@@ -290,8 +317,8 @@ def _human_bytes(n: int) -> str:
 
 
 def cmd_checkpoints(args: argparse.Namespace) -> int:
-    _setup_logging(DistEnv())
-    from trainer.checkpoint import CheckpointStore, resolve_checkpoint
+    _setup_logging()
+    from trainer.checkpoint import CheckpointStore, resolve_checkpoint  # torch-heavy (see the module doc)
 
     if args.action == "list":
         store = CheckpointStore(args.root, args.storage_options)
@@ -317,7 +344,7 @@ def cmd_checkpoints(args: argparse.Namespace) -> int:
     if args.action == "export":
         return _export(args, store, info)
     if args.action == "consolidate":
-        from trainer.checkpoint.weights import consolidate
+        from trainer.checkpoint.weights import consolidate  # torch-heavy (see the module doc)
 
         if not info.valid:
             print(f"INVALID: {info.url}: {info.reason}", file=sys.stderr)
@@ -346,13 +373,12 @@ def cmd_checkpoints(args: argparse.Namespace) -> int:
 def _export(args: argparse.Namespace, store, info) -> int:
     import torch
 
-    from trainer.checkpoint.weights import load_for_inference
-    from trainer.models.finetune import write_folder
+    from trainer.models.finetune import write_folder  # torch-heavy (see the module doc)
 
     if not info.valid:
         print(f"INVALID: {info.url}: {info.reason}", file=sys.stderr)
         return EXIT_INVALID_CHECKPOINT
-    _, task, modules = load_for_inference(store, info, not args.no_ema, torch.device("cpu"), task_name=args.task)
+    _, task, modules = _load_for_inference(args, store, info, torch.device("cpu"))
     out = args.out.rstrip("/")
     for part, (unet, extras) in task.export_unets(modules).items():
         for url in write_folder(unet, f"{out}/{part}", extras, args.storage_options):
@@ -362,8 +388,8 @@ def _export(args: argparse.Namespace, store, info) -> int:
 
 
 def cmd_data(args: argparse.Namespace) -> int:
-    _setup_logging(DistEnv())
-    from trainer.data.pack import index_shards, pack_folder
+    _setup_logging()
+    from trainer.data.pack import index_shards, pack_folder  # torch-heavy (see the module doc)
 
     progress = sys.stderr.isatty()
     if args.action == "pack":
@@ -383,8 +409,8 @@ def cmd_presets(args: argparse.Namespace) -> int:
 
 
 def cmd_launch(argv: list[str]) -> int:
-    _setup_logging(DistEnv())
-    from trainer.launch import launch
+    _setup_logging()
+    from trainer.launch import launch  # torch-heavy (see the module doc)
 
     return launch(argv)
 

@@ -1,10 +1,17 @@
-"""Task name -> task class, without importing torch until a task is asked for.
+"""Task name -> task class, and a config's `model.*` resolved against its task, without importing torch
+until a task is asked for.
 
 A built-in task `foo-bar` lives in `trainer/tasks/foo_bar.py`, which sets
-`TASK = FooBarTask`: adding a task is one new file (plus a preset). A task
+`TASK = FooBarTask`: adding a task is one new file (plus a preset). Only the
+modules of `trainer/tasks/` that set `TASK` are tasks (read from their source,
+nothing imported); the others (`base.py`, shared code) are not offered. A task
 outside this package is named by its import path, `package.module:ClassName`
-(the module must be importable in every worker). Config validation goes
-through here, so `trainer.config` never imports a task module at import time.
+(the module must be importable in every worker).
+
+The config layer (`trainer.config`) knows nothing of tasks: `load_config` and
+`config_from_dict` here read and validate a config there, then validate
+`model.*` against the task's schema (`resolve_model`) and hand the typed result
+to `Config.set_model_cfg`.
 
 Importing a module runs its code, so an import path is taken only from the
 user: their config or `--task`. A config read from storage (a checkpoint's
@@ -14,24 +21,43 @@ may name a built-in task, or the import path the user named themselves.
 
 from __future__ import annotations
 
+import ast
+import functools
 import importlib
+from collections.abc import Iterable, Mapping
 from importlib import resources
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
-from trainer.config.schema import ConfigError
+from pydantic import BaseModel
+
+from trainer.config.load import Sources, parse_config, read_layers, validate_model
+from trainer.config.schema import Config
+from trainer.errors import ConfigError
 
 if TYPE_CHECKING:
     from trainer.tasks.base import Task
 
-_NOT_TASKS = {"__init__", "base"}
+
+def _sets_task(source: str) -> bool:
+    """True when a module's source assigns `TASK` at its top level (what makes it a task module)."""
+    for node in ast.parse(source).body:
+        targets = (
+            node.targets if isinstance(node, ast.Assign) else [node.target] if isinstance(node, ast.AnnAssign) else []
+        )
+        if any(isinstance(t, ast.Name) and t.id == "TASK" for t in targets):
+            return True
+    return False
+
+
+@functools.cache
+def _task_modules() -> tuple[str, ...]:
+    files = resources.files("trainer.tasks").iterdir()
+    return tuple(sorted(f.name[:-3] for f in files if f.name.endswith(".py") and _sets_task(f.read_text("utf-8"))))
 
 
 def builtin_tasks() -> list[str]:
-    """Names of the tasks shipped in trainer/tasks/ (from file names; nothing is imported)."""
-    files = resources.files("trainer.tasks").iterdir()
-    return sorted(
-        f.name[:-3].replace("_", "-") for f in files if f.name.endswith(".py") and f.name[:-3] not in _NOT_TASKS
-    )
+    """Names of the tasks shipped in trainer/tasks/: the modules that set `TASK` (parsed, never imported)."""
+    return [m.replace("_", "-") for m in _task_modules()]
 
 
 def is_import_path(name: object) -> bool:
@@ -83,3 +109,39 @@ def task_class(name: str) -> type[Task]:
     if cls is None:
         raise ConfigError(f"task = {name!r}: module {module_name!r} has no {attr!r}")
     return cls
+
+
+def resolve_model(cfg: Config, sources: Sources | None = None) -> BaseModel:
+    """`cfg.model` validated against its task's schema, and `optim.*` against the task's parts: the typed
+    model config (for `Config.set_model_cfg`). `sources` let messages show values as the user typed them."""
+    cls = task_class(cfg.task)
+    schema = getattr(cls, "ModelConfig", None)
+    is_schema = isinstance(schema, type) and issubclass(schema, BaseModel)
+    if not (isinstance(cls, type) and is_schema and callable(getattr(cls, "trainable_part_names", None))):
+        raise ConfigError(f"task = {cfg.task!r}: that is not a gentrain task class (one with a ModelConfig schema)")
+    typed = validate_model(schema, cfg.model, sources)
+    parts = cls.trainable_part_names(typed)
+    unknown = sorted(set(cfg.optim) - set(parts))
+    if unknown:
+        raise ConfigError(
+            f"optim.{unknown[0]}: task {cfg.task!r} has no trainable part {unknown[0]!r}; "
+            f"its parts are: {', '.join(parts)} (e.g. optim.{parts[-1]}.lr=1e-4)"
+        )
+    return typed
+
+
+def config_from_dict(tree: dict[str, Any], sources: Sources | None = None) -> Config:
+    """A config tree (a checkpoint manifest's, or the merged layers'), validated and resolved like a loaded one."""
+    cfg = parse_config(tree, sources)
+    cfg.set_model_cfg(resolve_model(cfg, sources))
+    return cfg
+
+
+def load_config(
+    preset_or_yaml: str | None = None,
+    overrides: Iterable[str] = (),
+    environ: Mapping[str, str] | None = None,
+) -> Config:
+    """The run's config from all four layers (preset or YAML, environment, key=value), validated, task model
+    included (see `trainer.config.load` for precedence and messages)."""
+    return config_from_dict(*read_layers(preset_or_yaml, overrides, environ))

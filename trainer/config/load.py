@@ -21,6 +21,10 @@ How values are read, and why:
 - A section (`train`, `optim.<part>`, ...) is a mapping of keys: a layer that
   sets it to a value is refused instead of replacing the section a lower layer
   filled in.
+
+This module knows nothing of tasks: `model.*` is checked against the task's own
+schema by `trainer.registry` (`resolve_model`, `load_config`), which finds the
+task; `validate_model` here does the checking, given the schema.
 """
 
 from __future__ import annotations
@@ -40,7 +44,8 @@ from typing import Annotated, Any, Literal, Union
 import yaml
 from pydantic import BaseModel, ValidationError
 
-from trainer.config.schema import DEFAULT_PRESET, Config, ConfigError
+from trainer.config.schema import DEFAULT_PRESET, Config
+from trainer.errors import ConfigError
 
 ENV_PREFIX = "GENTRAIN_"
 
@@ -672,46 +677,32 @@ def split_preset(args: list[str]) -> tuple[str | None, list[str]]:
     return None, list(args)
 
 
-def resolve(cfg: Config, sources: Sources | None = None) -> Config:
-    """Validate `model.*` against the task's schema and `optim.*` against its parts (once, typed)."""
-    from trainer.registry import task_class  # no torch until a task module is imported
-
-    cls = task_class(cfg.task)
-    model_schema = getattr(cls, "ModelConfig", None)
-    if not (isinstance(cls, type) and _is_model(model_schema) and callable(getattr(cls, "trainable_part_names", None))):
-        raise ConfigError(f"task = {cfg.task!r}: that is not a gentrain task class (one with a ModelConfig schema)")
-    model = _as_typed_where_text(dict(cfg.model), model_schema, sources or {}, prefix=("model",))
-    typed = validate_section(model_schema, model, prefix="model", sources=sources)
-    parts = cls.trainable_part_names(typed)
-    unknown = sorted(set(cfg.optim) - set(parts))
-    if unknown:
-        raise ConfigError(
-            f"optim.{unknown[0]}: task {cfg.task!r} has no trainable part {unknown[0]!r}; "
-            f"its parts are: {', '.join(parts)} (e.g. optim.{parts[-1]}.lr=1e-4)"
-        )
-    cfg.model = typed.model_dump(mode="json")
-    cfg._model_cfg = typed
-    return cfg
+def validate_model(schema: type[BaseModel], model: dict[str, Any], sources: Sources | None = None) -> BaseModel:
+    """`model.*` validated against a task's schema (the registry finds it): string fields get the text as
+    typed, and errors name keys as `model.<key>` with values as the user typed them."""
+    model = _as_typed_where_text(dict(model), schema, sources or {}, prefix=("model",))
+    return validate_section(schema, model, prefix="model", sources=sources)
 
 
-def config_from_dict(tree: dict[str, Any], sources: Sources | None = None) -> Config:
-    """A config tree (a checkpoint manifest's, or the merged layers'), validated and resolved like a loaded one."""
+def parse_config(tree: dict[str, Any], sources: Sources | None = None) -> Config:
+    """A config tree validated against the schema; `model.*` is left to the task's own schema
+    (`trainer.registry.resolve_model`, which `trainer.registry.config_from_dict` applies)."""
     _check_nesting(tree, "config")
     if sources:
         tree = _as_typed_where_text(tree, Config, sources)
-    return resolve(validate_section(Config, tree, sources=sources), sources)
+    return validate_section(Config, tree, sources=sources)
 
 
-def load_config(
+def read_layers(
     preset_or_yaml: str | None = None,
     overrides: Iterable[str] = (),
     environ: Mapping[str, str] | None = None,
-) -> Config:
-    """Build the run's config from all four layers and validate it, task model included."""
+) -> tuple[dict[str, Any], Sources]:
+    """The four layers merged into one tree, with what the user typed where (for `parse_config`)."""
     environ = os.environ if environ is None else environ
     tree: dict[str, Any] = {}
     sources: Sources = {}
     for layer, found in (_base_layer(preset_or_yaml), _env_layer(environ), _override_layer(overrides)):
         tree = deep_merge(tree, layer, sources, found)
         sources.update(found)
-    return config_from_dict(tree, sources)
+    return tree, sources

@@ -1,8 +1,9 @@
-"""The config schema: one pydantic section per concern. No torch here (tasks import this module).
+"""The config schema: one pydantic section per concern. No torch here, and nothing of gentrain's tasks.
 
 `model.*` is validated by the task's own schema, found through `trainer.registry`
-by task name, so the schema of a task lives next to the task. `optim.<part>.*`
-overrides the optimizer settings of one part (e.g. a discriminator's lr and betas).
+by task name, so the schema of a task lives next to the task; the registry hands
+the typed result to `Config.set_model_cfg`. `optim.<part>.*` overrides the
+optimizer settings of one part (e.g. a discriminator's lr and betas).
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from typing import Annotated, Any, Literal
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, PrivateAttr, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
-from trainer.errors import ConfigError  # noqa: F401 (re-exported: load.py and the registry import it from here)
+from trainer.errors import ConfigError  # noqa: F401 (re-exported: older code imports it from trainer.config)
 
 DEFAULT_PRESET = "digits-ddpm"
 
@@ -265,7 +266,7 @@ class Config(_Section):
     optim: dict[str, OptimConfig] = Field(default_factory=dict, description="per-part optimizer overrides")
     # Validated by the task's own schema (trainer.registry); the typed object is `model_cfg`.
     model: dict[str, Any] = Field(default_factory=dict)
-    _model_cfg: Any = PrivateAttr(default=None)
+    _model_cfg: BaseModel | None = PrivateAttr(default=None)
 
     @field_validator("task")
     @classmethod
@@ -276,11 +277,17 @@ class Config(_Section):
             )
         return task
 
+    def set_model_cfg(self, typed: BaseModel) -> None:
+        """Take the task's typed `model.*` (from `trainer.registry.resolve_model`): `model` becomes its JSON
+        form, so the config saved in checkpoints holds every default the task filled in."""
+        self.model = typed.model_dump(mode="json")
+        self._model_cfg = typed
+
     @property
     def model_cfg(self) -> Any:
-        """The task's typed `model.*` section (set by `trainer.config.load_config` / `resolve`)."""
+        """The task's typed `model.*` section (see `set_model_cfg`)."""
         if self._model_cfg is None:
-            raise RuntimeError("config was not resolved against its task; use trainer.config.load_config")
+            raise RuntimeError("config was not resolved against its task; use trainer.registry.load_config")
         return self._model_cfg
 
     @property

@@ -5,9 +5,13 @@ from __future__ import annotations
 import numpy as np
 from torch.utils.data import DataLoader
 
-from trainer.config import Config, ConfigError
+from trainer.config import Config
 from trainer.data.datasets import DigitsDataset, ImageFolderDataset, Subset, collate
+from trainer.data.joint import JointSet
 from trainer.data.sampler import SampleRef, SampleStream, StepBatchSampler
+from trainer.data.shards import ShardSet, ShardSplit, load_shard_list
+from trainer.data.video import MovingDigitsDataset, VideoFolderDataset
+from trainer.errors import ConfigError
 
 __all__ = [
     "build_splits",
@@ -44,12 +48,8 @@ def build_dataset(cfg: Config):
     if d.source == "digits":
         return DigitsDataset(d.image_size, d.channels)
     if d.source == "moving-digits":
-        from trainer.data.video import MovingDigitsDataset
-
         return MovingDigitsDataset(d.image_size, d.channels, d.num_frames, d.path_jitter)
     if d.source == "video":
-        from trainer.data.video import VideoFolderDataset
-
         return VideoFolderDataset(d.path, d.image_size, d.channels, d.num_frames, d.frame_stride)
     return ImageFolderDataset(d.path, d.image_size, d.channels)
 
@@ -87,8 +87,6 @@ def joint_split(cfg: Config, clips, clip_classes: int | None):
     """(joint image+video training set, number of classes): the clip training split plus the image source's
     training split (the same held-out fraction as any image set; validation stays on clips). Image labels
     follow the clip classes, so class conditioning tells "a seven" from "a seven moving left"."""
-    from trainer.data.joint import JointSet
-
     d = cfg.data
     image_ds = _image_dataset(cfg)
     images, _, image_classes = split(image_ds, d.val_fraction, d.flip, (d.channels, d.image_size, d.image_size))
@@ -100,8 +98,6 @@ def joint_split(cfg: Config, clips, clip_classes: int | None):
 
 def build_shard_splits(cfg: Config):
     """Shard source: train and validation `ShardSplit`s (by `data.val_urls`, else `data.val_fraction` per shard)."""
-    from trainer.data.shards import ShardSet, ShardSplit, load_shard_list
-
     d = cfg.data
     shape = sample_shape(cfg)
     frames = d.num_frames if is_video(cfg) else 1

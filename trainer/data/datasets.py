@@ -13,8 +13,8 @@ import torch
 import torch.nn.functional as F
 from PIL import Image, UnidentifiedImageError
 
-from trainer.config import ConfigError
 from trainer.data.sampler import SampleRef, SampleStream
+from trainer.errors import ConfigError
 
 log = logging.getLogger(__name__)
 

@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from trainer.config import ConfigError
+from trainer.errors import ConfigError
 
 INCEPTION_FILE = "pt_inception-2015-12-05-6726825d.pth"
 ARCHITECTURE = "gentrain-cnn"

@@ -36,7 +36,8 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 from torch import nn
 
-from trainer.config import ConfigError
+from trainer.checkpoint.format import new_digest
+from trainer.errors import ConfigError
 
 log = logging.getLogger(__name__)
 
@@ -116,8 +117,6 @@ def read_folder(url: str, key: str, storage_options: Mapping[str, Any] | None = 
     """config.json and the weights of a diffusers-format folder (plus gentrain's conditioning file when present)."""
     import fsspec
     from safetensors.torch import load as load_safetensors
-
-    from trainer.checkpoint.format import new_digest
 
     try:
         fs, root = fsspec.core.url_to_fs(url, **dict(storage_options or {}))

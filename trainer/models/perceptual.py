@@ -16,8 +16,11 @@ from typing import Any
 
 import fsspec
 import torch
+from pydantic import BaseModel, ConfigDict, Field
 from safetensors.torch import load as load_safetensors
 from torch import nn
+
+from trainer.errors import ConfigError
 
 # torchvision's vgg16 "D" configuration; "M" is a 2x2 max pool.
 _VGG16 = [64, 64, "M", 128, 128, "M", 256, 256, 256, "M", 512, 512, 512, "M", 512, 512, 512]
@@ -25,6 +28,15 @@ _VGG16 = [64, 64, "M", 128, 128, "M", 256, 256, 256, "M", 512, 512, 512, "M", 51
 _TAPS = (3, 8, 15, 22, 29)
 _MEAN = (0.485, 0.456, 0.406)
 _STD = (0.229, 0.224, 0.225)
+
+
+class PerceptualConfig(BaseModel):
+    """`model.perceptual.*` of a tokenizer: where the VGG16 weights are, and the loss's weight."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    url: str = Field(description="VGG16 feature weights (torchvision `features.*` keys) as safetensors; path or URL")
+    weight: float = Field(1.0, ge=0)
 
 
 def vgg16_features() -> nn.Sequential:
@@ -52,8 +64,6 @@ class VGGPerceptual(nn.Module):
 
     @classmethod
     def from_url(cls, url: str, storage_options: Mapping[str, Any] | None = None) -> VGGPerceptual:
-        from trainer.config import ConfigError
-
         try:
             with fsspec.open(url, "rb", **dict(storage_options or {})) as f:
                 raw = f.read()

@@ -18,7 +18,11 @@ A task
 Inside `forward` and `loss`, `modules[name]` is the DDP-wrapped part when
 that part learns in the current phase, else the bare module with gradients
 off: a discriminator called in the generator phase costs no all-reduce and
-leaves no unused parameters.
+leaves no unused parameters. For the part's own module (its attributes, a
+parameter to differentiate against) a task calls `bare(modules, name)`, the
+same call wherever `modules` comes from. What a task needs of the other
+processes (do any of them still need to encode?) it asks `ctx.services` by
+intent (`trainer.engine.services`); it never sees a rank.
 """
 
 from __future__ import annotations
@@ -31,6 +35,9 @@ from typing import Any, ClassVar
 import torch
 from pydantic import BaseModel
 from torch import nn
+
+from trainer.engine.services import ProcessServices, process_services
+from trainer.errors import ConfigError
 
 
 @dataclass
@@ -112,6 +119,15 @@ class TaskContext:
     # False where a checkpoint's weights replace whatever `build` loads (sampling): pretrained folders
     # (`model.pretrained`) are then not read at all.
     load_pretrained: bool = True
+    # Collectives a task asks for by intent (see trainer.engine.services); answered from the process at call time.
+    services: ProcessServices = field(default_factory=process_services)
+
+
+def bare(modules: Mapping[str, nn.Module], name: str) -> nn.Module:
+    """Part `name`'s own module, never a DDP wrapper: during training `modules` is the engine's view
+    (`bare(name)`), while sampling and validation hand over a plain mapping of bare modules."""
+    own = getattr(modules, "bare", None)
+    return own(name) if own is not None else modules[name]
 
 
 @dataclass
@@ -167,8 +183,6 @@ class Task:
         Default: all of them. A cascade narrows it with `train.stages`; other tasks refuse that key.
         """
         if self.ctx.stages is not None:
-            from trainer.config import ConfigError
-
             raise ConfigError(
                 f"train.stages={self.ctx.stages}: only cascade tasks have stages; remove train.stages "
                 f"(this task trains {', '.join(self.trainable_part_names(self.cfg))} together)"
@@ -188,8 +202,6 @@ class Task:
     def export_unets(self, modules: Mapping[str, nn.Module]) -> dict[str, tuple[nn.Module, dict[str, torch.Tensor]]]:
         """Diffusers UNets to export (`gentrain checkpoints export`), by part: (the UNet, extra tensors that
         belong with it). Tasks without one refuse."""
-        from trainer.config import ConfigError
-
         raise ConfigError(f"{type(self).__name__} has no diffusers UNet to export")
 
     def build(self, frozen: Mapping[str, FrozenWeights]) -> dict[str, nn.Module]:

@@ -53,8 +53,9 @@ from diffusers.training_utils import (
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 from torch import nn
 
+from trainer.conditioning.image import ImageEncoder
 from trainer.conditioning.text import TextEncoder, TextEncoderConfig
-from trainer.config import ConfigError
+from trainer.errors import ConfigError
 from trainer.models.finetune import EXTRAS_NAME, load_weights, prepare_unet
 from trainer.randomness import per_sample_rand, per_sample_randint, per_sample_randn, sample_generators
 from trainer.tasks.base import Batch, Loss, Phase, PreviewContext, StepInfo, Task, TaskContext
@@ -292,8 +293,6 @@ class CascadeTask(Task):
         self._inputs: dict[str, dict] = {}
         self.image_encoder = None
         if c.image_encoder is not None:
-            from trainer.conditioning.image import ImageEncoder
-
             self.image_encoder = ImageEncoder(c.image_encoder)
             if c.image_embed_dim != self.image_encoder.dim:
                 raise ConfigError(

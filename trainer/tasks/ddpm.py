@@ -12,6 +12,7 @@ from diffusers.training_utils import compute_snr
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 from torch import nn
 
+from trainer.errors import ConfigError
 from trainer.models.finetune import FinetuneFields, prepare_unet
 from trainer.randomness import (
     per_sample_rand,
@@ -134,8 +135,6 @@ class DDPMTask(Task):
         self.image_size = ctx.image_size
         self.channels = ctx.channels
         if c.num_classes and ctx.num_classes and c.num_classes != ctx.num_classes:
-            from trainer.config import ConfigError
-
             raise ConfigError(f"model.num_classes={c.num_classes} but the dataset has {ctx.num_classes} classes")
         self.noise_scheduler = noise_scheduler_for(c)
         self._inputs: dict[str, dict] = {}
@@ -217,8 +216,6 @@ class DDPMTask(Task):
     ) -> torch.Tensor:
         asked = [k for k in ("prompts", "image_embeds", "stop_at_stage", "frames") if unused.get(k) is not None]
         if asked or (labels is not None and not self.conditional):
-            from trainer.config import ConfigError
-
             what = ", ".join(asked) or "labels (--class)"
             raise ConfigError(
                 f"this DDPM model takes no {what}: it is {'class-conditional' if self.conditional else 'unconditional'}"

@@ -19,7 +19,7 @@ from __future__ import annotations
 import logging
 import math
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
 from typing import Any, Literal
 
@@ -30,10 +30,13 @@ import torch.nn.functional as F
 from pydantic import BaseModel, ConfigDict, Field
 from torch import nn
 
-from trainer.conditioning.text import TextEncoderConfig
-from trainer.engine.shard import is_fsdp
+from trainer.conditioning.text import TextEncoder, TextEncoderConfig
+from trainer.errors import ConfigError
 from trainer.randomness import per_sample_rand, sample_generators
+from trainer.registry import task_class
 from trainer.tasks.base import Batch, FrozenSource, Loss, Phase, PreviewContext, StepInfo, Task, TaskContext
+from trainer.tasks.video_tokenizer import VideoTokenizerTask
+from trainer.tasks.vqgan import VQGANTask, tokenizer_geometry
 
 log = logging.getLogger(__name__)
 
@@ -96,19 +99,18 @@ class TokenCache:
         data = image.detach().to("cpu", torch.float32).contiguous().numpy().tobytes()
         return os.path.join(self.dir, blake3.blake3(data).hexdigest()[:32] + ".npy")
 
-    def tokens(self, images: torch.Tensor, encode, collective: bool = False) -> torch.Tensor:
-        """`collective`: the tokenizer is sharded (train.shard_frozen), so each encode is a series of
-        all-gathers every rank must join; a rank whose images are all cached encodes one anyway (and
-        drops the result) when another rank has misses, or the ranks would wait on each other forever."""
+    def tokens(
+        self, images: torch.Tensor, encode, any_rank: Callable[[bool, torch.device], bool] | None = None
+    ) -> torch.Tensor:
+        """`any_rank` (`TaskContext.services.any_rank`): given when `encode` is a collective every rank must
+        join (a sharded tokenizer, train.shard_frozen); a rank whose images are all cached encodes one
+        anyway (and drops the result) when another rank has misses, or the ranks would wait on each other
+        forever."""
         paths = [self._path(x) for x in images]
         found = [np.load(p) if os.path.exists(p) else None for p in paths]
         todo = [i for i, t in enumerate(found) if t is None]
-        if collective:
-            import torch.distributed as dist
-
-            anyone = torch.tensor([1 if todo else 0], device=images.device)
-            dist.all_reduce(anyone, op=dist.ReduceOp.MAX)
-            if anyone.item() and not todo:
+        if any_rank is not None:  # every rank asks, misses or not: the question is itself a collective
+            if any_rank(bool(todo), images.device) and not todo:
                 encode(images[:1])
                 if not self.kept_in_step:
                     log.info("token cache: encoding a cached image to join the sharded tokenizer's all-gathers "
@@ -238,8 +240,6 @@ def check_tokenizer_geometry(
     """The transformer's vocabulary, image size and channels against the tokenizer run's (`geometry`:
     its codebook size and token grid side); the expected `model.codebook_size` / `model.latent_size`
     when set. Returns (codebook size, token grid side)."""
-    from trainer.config import ConfigError
-
     num_codes, tok_grid = geometry
     if c.codebook_size is not None and c.codebook_size != num_codes:
         raise ConfigError(
@@ -274,16 +274,12 @@ class MaskGITTask(Task):
     def __init__(self, model_cfg: MaskGITConfig, ctx: TaskContext):
         super().__init__(model_cfg, ctx)
         if model_cfg.num_classes and ctx.num_classes and model_cfg.num_classes != ctx.num_classes:
-            from trainer.config import ConfigError
-
             raise ConfigError(f"model.num_classes={model_cfg.num_classes} but the dataset has {ctx.num_classes}")
         self.num_codes = 0
         self.grid = 0
         self.cache: TokenCache | None = None
         self.text = None
         if model_cfg.text is not None:
-            from trainer.conditioning.text import TextEncoder
-
             self.text = TextEncoder(model_cfg.text, ctx.storage_options)
 
     @classmethod
@@ -295,8 +291,6 @@ class MaskGITTask(Task):
         return {"tokenizer": FrozenSource(t.url, part="generator", use_ema=t.use_ema)}
 
     def build(self, frozen) -> dict[str, nn.Module]:
-        from trainer.registry import task_class
-
         source = frozen["tokenizer"].config
         tok_task = task_class(source.task)
         self.num_codes, self.grid = self._check_tokenizer(tok_task, source, frozen["tokenizer"].record["url"])
@@ -313,10 +307,6 @@ class MaskGITTask(Task):
 
     def _check_tokenizer(self, tok_task: type, source: Any, url: str) -> tuple[int, int]:
         """(codebook size, token grid side) of the tokenizer run `source`; ConfigError on any mismatch."""
-        from trainer.config import ConfigError
-        from trainer.tasks.video_tokenizer import VideoTokenizerTask
-        from trainer.tasks.vqgan import VQGANTask, tokenizer_geometry
-
         if not issubclass(tok_task, VQGANTask) or issubclass(tok_task, VideoTokenizerTask):
             raise ConfigError(f"model.tokenizer.url={url}: a {source.task!r} run, not a vqgan tokenizer")
         return check_tokenizer_geometry(self.cfg, self.ctx, source, url, tokenizer_geometry(source))
@@ -324,8 +314,6 @@ class MaskGITTask(Task):
     def token_layout(self, frames: int | None = None) -> tuple[int, ...]:
         """Shape of one sample's token grid; images take no `frames`."""
         if frames is not None:
-            from trainer.config import ConfigError
-
             raise ConfigError("--frames: this MaskGIT makes images, not videos")
         return (self.grid, self.grid)
 
@@ -344,8 +332,6 @@ class MaskGITTask(Task):
         cond = Condition(labels=labels if self.cfg.num_classes is not None else None, drop=drop)
         if self.text is not None:
             if captions is None:
-                from trainer.config import ConfigError
-
                 raise ConfigError("model.text is set but the data has no captions (.txt beside images, or shards' txt)")
             emb = self.text.encode(captions, device)
             cond.text, cond.text_mask = emb.tokens, emb.mask.bool()
@@ -358,7 +344,9 @@ class MaskGITTask(Task):
 
         if self.cache is None:
             return {"tokens": encode(batch.images)}
-        return {"tokens": self.cache.tokens(batch.images, encode, collective=is_fsdp(modules["tokenizer"]))}
+        services = self.ctx.services
+        together = services.calls_are_collective(modules["tokenizer"])
+        return {"tokens": self.cache.tokens(batch.images, encode, services.any_rank if together else None)}
 
     def token_mask(self, batch: Batch, tokens: torch.Tensor) -> torch.Tensor | None:
         """(N, L) True for real tokens, None when all are (images; videos without padding frames)."""
@@ -440,8 +428,6 @@ class MaskGITTask(Task):
         layout = self.token_layout(frames)
         length = math.prod(layout)
         tokens = torch.full((num, length), self.num_codes, dtype=torch.long)
-        from trainer.config import ConfigError
-
         if labels is not None and self.cfg.num_classes is None:
             raise ConfigError("--class: this MaskGIT is not class-conditional (model.num_classes is not set)")
         if prompts is not None and self.text is None:

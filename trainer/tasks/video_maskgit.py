@@ -23,9 +23,11 @@ import torch
 from pydantic import ConfigDict, Field
 from torch import nn
 
+from trainer.errors import ConfigError
 from trainer.tasks.base import Batch, TaskContext
 from trainer.tasks.maskgit import MaskGITConfig, MaskGITTask, check_tokenizer_geometry
-from trainer.tasks.video_tokenizer import real_tokens
+from trainer.tasks.video_tokenizer import VideoTokenizerTask, check_frames, real_tokens
+from trainer.tasks.vqgan import tokenizer_geometry
 
 
 class VideoMaskGITConfig(MaskGITConfig):
@@ -44,10 +46,6 @@ class VideoMaskGITTask(MaskGITTask):
         self.temporal_patch = 1
 
     def _check_tokenizer(self, tok_task: type, source: Any, url: str) -> tuple[int, int]:
-        from trainer.config import ConfigError
-        from trainer.tasks.video_tokenizer import VideoTokenizerTask, check_frames
-        from trainer.tasks.vqgan import tokenizer_geometry
-
         if not issubclass(tok_task, VideoTokenizerTask):
             raise ConfigError(f"model.tokenizer.url={url}: a {source.task!r} run, not a video-tokenizer run")
         geometry = check_tokenizer_geometry(self.cfg, self.ctx, source, url, tokenizer_geometry(source))
@@ -70,7 +68,7 @@ class VideoMaskGITTask(MaskGITTask):
     def _tokenizer_context(self, source: Any) -> TaskContext:
         """The tokenizer is built as its own run built it (its clip length, not this run's)."""
         d = source.data
-        return TaskContext(d.image_size, d.channels, source.seed, num_frames=d.num_frames)
+        return TaskContext(d.image_size, d.channels, source.seed, num_frames=d.num_frames, services=self.ctx.services)
 
     def token_layout(self, frames: int | None = None) -> tuple[int, ...]:
         """(slices, h, w) for `frames` frames (default: the trained clip length); frames off the
@@ -79,8 +77,6 @@ class VideoMaskGITTask(MaskGITTask):
         if frames is None:
             frames = trained
         if frames < 1 or frames > trained:
-            from trainer.config import ConfigError
-
             raise ConfigError(
                 f"--frames {frames}: this model was trained on {trained}-frame clips (data.num_frames); "
                 f"ask for 1 to {trained} frames"

@@ -10,10 +10,11 @@ tokenizes exactly like that image alone, and the decoder (mirrored: temporal
 then spatial transformer, per-slice pixel projections, a shared per-frame
 convolution) reconstructs frame t from slices up to t's.
 
-Training is the VQ-GAN task's (`trainer.tasks.vqgan`): the same quantizers,
-reconstruction/perceptual/hinge losses with the adaptive weight, LeCAM and
-gradient penalty, a discriminator with its own optimizer from
-`model.disc_start_step` on, EMA on the generator only. The discriminator is
+Training is the VQ-GAN task's (`trainer.tasks.vqgan`): the same quantizers
+(`trainer.models.quantize`), reconstruction/perceptual/hinge losses with the
+adaptive weight, LeCAM and gradient penalty (`trainer.models.gan`), a
+discriminator with its own optimizer from `model.disc_start_step` on, EMA on
+the generator only. The discriminator is
 the 2D PatchGAN applied per frame, each sample's logit the mean over its real
 frames: images in joint image+video training are one-frame clips that a 3D
 discriminator could not judge, temporal coherence is already forced by the
@@ -37,14 +38,11 @@ import torch
 from pydantic import ConfigDict, Field, model_validator
 from torch import nn
 
+from trainer.errors import ConfigError
+from trainer.models.gan import AdversarialConfig, PatchDiscriminator
+from trainer.models.quantize import CodebookConfig, QuantizedAutoencoder
 from trainer.tasks.base import Batch, TaskContext
-from trainer.tasks.vqgan import (
-    AdversarialConfig,
-    CodebookConfig,
-    PatchDiscriminator,
-    QuantizedAutoencoder,
-    VQGANTask,
-)
+from trainer.tasks.vqgan import VQGANTask
 
 
 class VideoTokenizerConfig(CodebookConfig, AdversarialConfig):
@@ -83,8 +81,6 @@ class VideoTokenizerConfig(CodebookConfig, AdversarialConfig):
 def check_frames(frames: int, temporal_patch: int, key: str = "data.num_frames") -> None:
     """Clips are 1 + k * temporal_patch frames long: refuse others with the nearest valid counts."""
     if frames < 1 or (frames - 1) % temporal_patch:
-        from trainer.config import ConfigError
-
         lower = 1 + (frames - 1) // temporal_patch * temporal_patch if frames > 1 else 1
         raise ConfigError(
             f"{key}={frames}: the causal tokenizer takes the first frame alone and then groups of "
@@ -255,8 +251,6 @@ class VideoTokenizerTask(VQGANTask):
     cfg: VideoTokenizerConfig
 
     def __init__(self, model_cfg: VideoTokenizerConfig, ctx: TaskContext):
-        from trainer.config import ConfigError
-
         if ctx.image_size % model_cfg.patch_size:
             raise ConfigError(
                 f"data.image_size={ctx.image_size} is not divisible by model.patch_size={model_cfg.patch_size}"
@@ -273,8 +267,6 @@ class VideoTokenizerTask(VQGANTask):
 
     def forward(self, modules, batch: Batch, step: int) -> dict[str, Any]:
         if batch.images.ndim != 5:
-            from trainer.config import ConfigError
-
             raise ConfigError(
                 "task=video-tokenizer needs clips (N, T, C, H, W): use a video data.source (moving-digits, video); "
                 "images join as one-frame clips through data.image_ratio"

@@ -12,95 +12,35 @@ detached reconstructions. Only the generator has an EMA.
 
 MaskGIT uses the trained generator as a frozen tokenizer through
 `VQAutoencoder.encode_indices` / `decode_indices` and
-`tokenizer_geometry(config)`. The video tokenizer (`video_tokenizer.py`)
-shares the config sections (`CodebookConfig`, `AdversarialConfig`), the
-quantizer (`QuantizedAutoencoder`), the discriminator and the losses: they
-are computed per frame and averaged over each sample's real frames.
+`tokenizer_geometry(config)`. The quantizers (`trainer.models.quantize`) and
+the GAN machinery (`trainer.models.gan`: discriminator, losses computed per
+frame and averaged over each sample's real frames) are shared with the video
+tokenizer (`video_tokenizer.py`), which trains like this task.
 """
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping
-from typing import Any, Literal
+from typing import Any
 
 import torch
-import torch.nn.functional as F
 from diffusers.models.autoencoders.vae import Decoder, Encoder
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import ConfigDict, Field, model_validator
 from torch import nn
-from vector_quantize_pytorch import FSQ, LFQ, VectorQuantize
 
-from trainer.tasks.base import Batch, Loss, Phase, PreviewContext, StepInfo, Task, TaskContext
-
-
-class PerceptualConfig(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
-    url: str = Field(description="VGG16 feature weights (torchvision `features.*` keys) as safetensors; path or URL")
-    weight: float = Field(1.0, ge=0)
-
-
-class CodebookConfig(BaseModel):
-    """`model.*` keys of a quantizer (shared by the image and the video tokenizer)."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    quantizer: Literal["vq", "fsq", "lfq"] = "vq"
-    codebook_size: int = Field(256, ge=2, description="vq and lfq (lfq: a power of two); fsq: product of fsq_levels")
-    codebook_dim: int = Field(16, ge=1, description="vq: code vector width")
-    fsq_levels: list[int] = Field(default=[8, 6, 5], min_length=1)
-    commitment_weight: float = Field(0.25, ge=0)
-    codebook_decay: float = Field(0.8, gt=0, lt=1, description="vq: EMA decay of the codebook")
-    dead_code_threshold: float = Field(
-        0.0, ge=0, description="vq: restart codes whose EMA usage falls below this (0 = off)"
-    )
-    lfq_entropy_weight: float = Field(0.1, ge=0)
-    usage_window: int = Field(100, ge=1, description="training forwards over which codebook usage is measured")
-
-    @model_validator(mode="after")
-    def _check_codebook(self) -> CodebookConfig:
-        if self.quantizer == "lfq" and self.codebook_size & (self.codebook_size - 1):
-            raise ValueError(f"model.codebook_size={self.codebook_size}: lfq needs a power of two (e.g. 256, 1024)")
-        if self.quantizer == "fsq" and any(level < 3 for level in self.fsq_levels):
-            raise ValueError(f"model.fsq_levels={self.fsq_levels}: every level must be >= 3")
-        return self
-
-    @property
-    def num_codes(self) -> int:
-        return math.prod(self.fsq_levels) if self.quantizer == "fsq" else self.codebook_size
-
-    @property
-    def latent_channels(self) -> int:
-        if self.quantizer == "fsq":
-            return len(self.fsq_levels)
-        if self.quantizer == "lfq":
-            return int(math.log2(self.codebook_size))
-        return self.codebook_dim
-
-
-class AdversarialConfig(BaseModel):
-    """`model.*` keys of a tokenizer's losses: reconstruction, perceptual, hinge GAN with its regularizers."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    l1_weight: float = Field(1.0, ge=0)
-    l2_weight: float = Field(0.0, ge=0)
-    perceptual: PerceptualConfig | None = None
-    adv_weight: float = Field(0.1, ge=0, description="generator's hinge adversarial weight (times the adaptive one)")
-    adaptive_weight: bool = Field(
-        True, description="Esser et al.: scale adv by |grad rec| / |grad adv| at the last layer"
-    )
-    adaptive_weight_max: float = Field(1e4, gt=0)
-    disc_start_step: int = Field(2000, ge=0, description="global step from which the discriminator trains and is used")
-    disc_channels: int = Field(32, ge=1)
-    disc_layers: int = Field(2, ge=1)
-    grad_penalty_every: int = Field(
-        0, ge=0, description="gradient penalty on the discriminator's own steps 0, k, 2k, ..."
-    )
-    grad_penalty_weight: float = Field(10.0, ge=0)
-    lecam_weight: float = Field(0.0, ge=0, description="LeCAM regularizer (Tseng et al. 2021); 0 = off")
-    lecam_decay: float = Field(0.999, gt=0, lt=1)
+from trainer.errors import ConfigError
+from trainer.models.gan import (
+    AdversarialConfig,
+    AdversarialLosses,
+    PatchDiscriminator,
+    adaptive_weight,  # noqa: F401 (bench/vqgan.py imports it from here)
+    frames,
+    hinge_d,  # noqa: F401 (bench/vqgan.py imports it from here)
+    per_sample,
+)
+from trainer.models.perceptual import VGGPerceptual
+from trainer.models.quantize import CodebookConfig, QuantizedAutoencoder
+from trainer.tasks.base import Batch, Loss, Phase, PreviewContext, StepInfo, Task, TaskContext, bare
 
 
 class VQGANConfig(CodebookConfig, AdversarialConfig):
@@ -130,82 +70,6 @@ def tokenizer_geometry(cfg: Any) -> tuple[int, int]:
     """(codebook size, latent grid side) of a VQ-GAN run's config (a trainer.config.Config)."""
     m: VQGANConfig = cfg.model_cfg
     return m.num_codes, cfg.data.image_size // m.downsample
-
-
-class QuantizedAutoencoder(nn.Module):
-    """What every tokenizer shares: a quantizer from vector-quantize-pytorch (VQ with an EMA codebook, FSQ
-    or LFQ), codebook usage over the last training forwards, and code lookup for decoding.
-
-    `channel_first`: latents are image maps (N, C, h, w) (VQ-GAN); else token sequences (N, L, C) (video).
-    """
-
-    cfg: CodebookConfig
-    # What a MaskGIT calls on its frozen tokenizer: under train.shard_frozen these gather the weights (FSDP2).
-    fsdp_forward_methods = ("encode_indices", "decode_indices")
-
-    def _init_quantizer(self, cfg: CodebookConfig, channel_first: bool) -> None:
-        latent = cfg.latent_channels
-        self.channel_first = channel_first
-        if cfg.quantizer == "vq":
-            # Commitment is computed per sample by the callers (the library returns a batch mean).
-            self.quantizer = VectorQuantize(
-                dim=latent,
-                codebook_size=cfg.codebook_size,
-                decay=cfg.codebook_decay,
-                commitment_weight=0.0,
-                threshold_ema_dead_code=cfg.dead_code_threshold,
-                accept_image_fmap=channel_first,
-            )
-        elif cfg.quantizer == "fsq":
-            self.quantizer = FSQ(levels=list(cfg.fsq_levels), dim=latent, channel_first=channel_first)
-        else:
-            self.quantizer = LFQ(
-                dim=latent,
-                codebook_size=cfg.codebook_size,
-                entropy_loss_weight=cfg.lfq_entropy_weight,
-                commitment_loss_weight=0.0,
-                channel_first=channel_first,
-            )
-        # Which codes were used in each of the last `usage_window` training forwards (a ring).
-        self.register_buffer("recent_codes", torch.zeros(cfg.usage_window, cfg.num_codes, dtype=torch.bool))
-        self.register_buffer("recent_pos", torch.zeros((), dtype=torch.long))
-
-    @property
-    def last_layer(self) -> torch.Tensor:
-        """The weight the adaptive GAN weight differentiates against."""
-        raise NotImplementedError
-
-    def quantize(
-        self, z: torch.Tensor, mask: torch.Tensor | None = None
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(quantized like z, indices, auxiliary loss scalar). `mask` (N, L) (sequences only): False tokens
-        are padding, left out of the VQ codebook's EMA update and LFQ's entropy loss."""
-        if self.cfg.quantizer == "vq":
-            q, idx, _ = self.quantizer(z, mask=mask) if mask is not None else self.quantizer(z)
-            return q, idx, z.new_zeros(())
-        if self.cfg.quantizer == "fsq":
-            q, idx = self.quantizer(z)
-            return q, idx, z.new_zeros(())
-        q, idx, aux = self.quantizer(z, mask=mask) if mask is not None else self.quantizer(z)
-        return q, idx, aux
-
-    @torch.no_grad()
-    def _record_usage(self, idx: torch.Tensor, mask: torch.Tensor | None = None) -> None:
-        used = torch.zeros(self.cfg.num_codes, dtype=torch.bool, device=idx.device)
-        used[idx[mask] if mask is not None else idx.flatten()] = True
-        self.recent_codes[self.recent_pos % self.cfg.usage_window] = used
-        self.recent_pos += 1
-
-    def codebook_usage(self) -> torch.Tensor:
-        """Fraction of the codebook used over the last `usage_window` training forwards (rows not yet
-        written are all False, so no slicing and no device sync on the training step)."""
-        return self.recent_codes.any(0).float().mean()
-
-    def lookup_codes(self, idx: torch.Tensor) -> torch.Tensor:
-        """Code indices -> quantized latents: (N, C, h, w) for image maps, (N, L, C) for sequences."""
-        if self.cfg.quantizer == "vq":
-            return self.quantizer.get_output_from_indices(idx)  # the quantizer's own layout
-        return self.quantizer.indices_to_codes(idx)
 
 
 class VQAutoencoder(QuantizedAutoencoder):
@@ -266,47 +130,6 @@ class VQAutoencoder(QuantizedAutoencoder):
         return self.decoder(self.post_quant_conv(q.to(self.post_quant_conv.weight.dtype))).clamp(-1, 1)
 
 
-class PatchDiscriminator(nn.Module):
-    """PatchGAN (Isola et al. 2017; taming-transformers' NLayerDiscriminator) with GroupNorm instead of
-    BatchNorm: no running statistics to keep in sync across ranks, and a per-sample gradient penalty stays
-    per sample. Written here because no maintained library ships a PatchGAN without torchvision."""
-
-    def __init__(self, channels: int, width: int, layers: int, lecam_decay: float):
-        super().__init__()
-        mods: list[nn.Module] = [nn.Conv2d(channels, width, 4, 2, 1), nn.LeakyReLU(0.2)]
-        c = width
-        for i in range(1, layers + 1):
-            out = width * min(2**i, 8)
-            stride = 2 if i < layers else 1
-            mods += [nn.Conv2d(c, out, 4, stride, 1), nn.GroupNorm(min(8, out), out), nn.LeakyReLU(0.2)]
-            c = out
-        mods.append(nn.Conv2d(c, 1, 3, 1, 1))
-        self.net = nn.Sequential(*mods)
-        self.lecam_decay = lecam_decay
-        # LeCAM anchors: EMAs of the mean logits on real and on generated images.
-        self.register_buffer("ema_real", torch.zeros(()))
-        self.register_buffer("ema_fake", torch.zeros(()))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """Per-sample mean patch logit (N,)."""
-        return self.net(x).flatten(1).mean(1)
-
-
-def hinge_d(real: torch.Tensor, fake: torch.Tensor) -> torch.Tensor:
-    return F.relu(1 - real) + F.relu(1 + fake)
-
-
-def adaptive_weight(rec: torch.Tensor, adv: torch.Tensor, layer: torch.Tensor, max_weight: float) -> torch.Tensor:
-    """Esser et al. (2021) eq. 7: ||grad_L rec|| / (||grad_L adv|| + 1e-4) at the decoder's last layer L."""
-    g_rec = torch.autograd.grad(rec, layer, retain_graph=True)[0]
-    g_adv = torch.autograd.grad(adv, layer, retain_graph=True)[0]
-    return (g_rec.norm() / (g_adv.norm() + 1e-4)).clamp(0.0, max_weight).detach()
-
-
-def _bare(module: nn.Module) -> nn.Module:
-    return getattr(module, "module", module)
-
-
 class VQGANTask(Task):
     ModelConfig = VQGANConfig
     cfg: VQGANConfig
@@ -326,18 +149,15 @@ class VQGANTask(Task):
 
     def __init__(self, model_cfg: VQGANConfig, ctx: TaskContext):
         super().__init__(model_cfg, ctx)
-        from trainer.config import ConfigError
-
         if ctx.image_size % model_cfg.downsample:
             raise ConfigError(
                 f"data.image_size={ctx.image_size} is not divisible by the autoencoder's downsampling factor "
                 f"{model_cfg.downsample} (2 ** (len(model.block_out_channels) - 1))"
             )
-        self.perceptual = None
+        perceptual = None
         if model_cfg.perceptual is not None and model_cfg.perceptual.weight > 0:
-            from trainer.models.perceptual import VGGPerceptual
-
-            self.perceptual = VGGPerceptual.from_url(model_cfg.perceptual.url, ctx.storage_options)
+            perceptual = VGGPerceptual.from_url(model_cfg.perceptual.url, ctx.storage_options)
+        self.losses = AdversarialLosses(model_cfg, perceptual)
 
     @classmethod
     def trainable_part_names(cls, model_cfg: VQGANConfig) -> list[str]:
@@ -363,92 +183,35 @@ class VQGANTask(Task):
     def forward(self, modules, batch: Batch, step: int) -> dict[str, Any]:
         return modules["generator"](batch.images)
 
-    # Losses and metrics are computed per frame and averaged over each sample's real frames, so the video
-    # tokenizer (N, T, C, H, W) with padding frames shares them; an image is one frame of weight 1.
+    # Losses and metrics are computed per frame and averaged over each sample's real frames (trainer.models.gan),
+    # so the video tokenizer (N, T, C, H, W) with padding frames shares them; an image is one frame of weight 1.
     def frame_weights(self, batch: Batch) -> torch.Tensor:
         """(N, T) weight of each frame in losses and metrics: 1 for real frames, 0 for padding."""
         return torch.ones(len(batch), 1, device=batch.images.device)
 
-    @staticmethod
-    def _frames(x: torch.Tensor) -> torch.Tensor:
-        """(N, C, H, W) or (N, T, C, H, W) -> frames (N*T, C, H, W)."""
-        return x.flatten(0, 1) if x.ndim == 5 else x
-
-    @staticmethod
-    def _per_sample(per_frame: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        """Per-frame values (N*T,) -> the mean over each sample's real frames (N,)."""
-        return (per_frame.view(weights.shape) * weights).sum(1) / weights.sum(1).clamp(min=1)
-
-    def _reconstruction_loss(self, recon: torch.Tensor, real: torch.Tensor) -> dict[str, torch.Tensor]:
-        """Per-frame terms of frames (M, C, H, W)."""
-        c = self.cfg
-        diff = recon.float() - real.float()
-        terms = {}
-        if c.l1_weight:
-            terms["l1"] = diff.abs().mean(dim=(1, 2, 3))
-        if c.l2_weight:
-            terms["l2"] = diff.pow(2).mean(dim=(1, 2, 3))
-        rec = sum((getattr(c, f"{k}_weight") * v for k, v in terms.items()), torch.zeros_like(diff[:, 0, 0, 0]))
-        if self.perceptual is not None:
-            self.perceptual.to(real.device)
-            terms["perceptual"] = self.perceptual(recon.float(), real.float())
-            rec = rec + c.perceptual.weight * terms["perceptual"]
-        terms["rec"] = rec
-        return terms
-
     def loss(self, phase: Phase, modules, batch: Batch, outputs, info: StepInfo) -> Loss:
         c = self.cfg
         weights = self.frame_weights(batch)
-        recon, real, valid = self._frames(outputs["reconstruction"]), self._frames(batch.images), batch.valid
-
-        def per_sample(per_frame: torch.Tensor) -> torch.Tensor:
-            return self._per_sample(per_frame, weights)
-
+        recon, real, valid = frames(outputs["reconstruction"]), frames(batch.images), batch.valid
         if phase.part == "generator":
-            terms = {k: per_sample(v) for k, v in self._reconstruction_loss(recon, real).items()}
+            terms = {k: per_sample(v, weights) for k, v in self.losses.reconstruction(recon, real).items()}
             total = terms["rec"] + c.commitment_weight * outputs["commitment"] + outputs["aux"]
+            generator = bare(modules, "generator")
             if info.step >= c.disc_start_step and c.adv_weight > 0:
-                adv = per_sample(-modules["discriminator"](recon).float())
-                weight = torch.tensor(c.adv_weight, device=recon.device)
-                if c.adaptive_weight:
-                    n = valid.sum().clamp(min=1)
-                    layer = _bare(modules["generator"]).last_layer
-                    weight = weight * adaptive_weight(
-                        (terms["rec"] * valid).sum() / n, (adv * valid).sum() / n, layer, c.adaptive_weight_max
-                    )
+                adv, weight = self.losses.adversarial(
+                    modules["discriminator"], recon, terms["rec"], weights, valid, generator.last_layer
+                )
                 total = total + weight * adv
                 terms["adv"] = adv
                 terms["adv_weight"] = weight.detach()
             terms["commitment"] = outputs["commitment"]
-            generator = _bare(modules["generator"])
             terms.update(self._code_stats(outputs["indices"], generator, outputs.get("token_mask")))
             return Loss(total, {k: v.detach() for k, v in terms.items()})
 
         # discriminator phase: reconstructions arrive detached
-        disc = modules["discriminator"]
-        real_in = real.detach().requires_grad_(self._penalize(info))
-        d_real_frames, d_fake_frames = disc(real_in).float(), disc(recon).float()
-        total = per_sample(hinge_d(d_real_frames, d_fake_frames))
-        d_real, d_fake = per_sample(d_real_frames), per_sample(d_fake_frames)
-        terms = {"hinge": total.detach(), "real_logit": d_real.detach(), "fake_logit": d_fake.detach()}
-        if c.lecam_weight > 0:
-            bare = _bare(disc)
-            lecam = per_sample(
-                F.relu(d_real_frames - bare.ema_fake).pow(2) + F.relu(bare.ema_real - d_fake_frames).pow(2)
-            )
-            total = total + c.lecam_weight * lecam
-            terms["lecam"] = lecam.detach()
-            with torch.no_grad():
-                n = valid.sum().clamp(min=1)
-                bare.ema_real.lerp_((d_real * valid).sum() / n, 1 - bare.lecam_decay)
-                bare.ema_fake.lerp_((d_fake * valid).sum() / n, 1 - bare.lecam_decay)
-        if real_in.requires_grad:
-            # Gradient penalty on real frames (the seed's apply_grad_penalty_every): per frame
-            # (||grad_x D(x)|| - 1)^2, differentiated again for the discriminator's update.
-            (grad,) = torch.autograd.grad(d_real_frames.sum(), real_in, create_graph=True)
-            gp = per_sample((grad.flatten(1).norm(dim=1) - 1).pow(2))
-            total = total + c.grad_penalty_weight * gp
-            terms["grad_penalty"] = gp.detach()
+        total, terms = self.losses.discriminator(
+            modules["discriminator"], bare(modules, "discriminator"), real, recon, weights, valid, self._penalize(info)
+        )
         return Loss(total, terms)
 
     def _penalize(self, info: StepInfo) -> bool:
@@ -467,9 +230,8 @@ class VQGANTask(Task):
         }
 
     def validate(self, modules, batch: Batch) -> dict[str, torch.Tensor]:
-        recon = self._frames(self.forward(modules, batch, -1)["reconstruction"]).float().clamp(-1, 1)
-        mse = self._per_sample((recon - self._frames(batch.images).float()).pow(2).mean(dim=(1, 2, 3)),
-                               self.frame_weights(batch))  # fmt: skip
+        recon = frames(self.forward(modules, batch, -1)["reconstruction"]).float().clamp(-1, 1)
+        mse = per_sample((recon - frames(batch.images).float()).pow(2).mean(dim=(1, 2, 3)), self.frame_weights(batch))
         # Images span [-1, 1]: peak-to-peak 2, so PSNR = 10 log10(4 / MSE).
         return {"mse": mse, "psnr": 10 * torch.log10(4.0 / mse.clamp(min=1e-10))}
 
