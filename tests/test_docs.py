@@ -1,0 +1,148 @@
+"""The user guide builds, the README stays a short front page, and the contract names what the code has.
+
+`mkdocs build --strict` fails on a broken link or anchor and on a page left out of the nav
+(mkdocs.yml's `validation`), so a page that moves or a heading that is renamed fails here, not on
+a reader. The contract (docs/contract.md) is checked against the code it describes: every config
+key of the core schema and of each built-in task's model schema, and every command and flag of
+the command line, must be named there.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import subprocess
+import sys
+import typing
+
+from conftest import REPO, clean_env
+from pydantic import BaseModel
+
+from trainer.cli import _parser
+from trainer.config.schema import Config
+from trainer.registry import builtin_tasks, task_class
+
+README_MAX_LINES = 200
+CONTRACT = REPO / "docs" / "contract.md"
+# [text](target) and ![alt](target); a target ends at whitespace or the closing parenthesis.
+_LINK = re.compile(r"!?\[[^\]]*\]\(([^)\s]+)(?:\s+\"[^\"]*\")?\)")
+
+
+def test_the_site_builds_strict_and_offline(tmp_path):
+    # The venv's own mkdocs; strict: true in mkdocs.yml. Only offline plugins are configured (search).
+    r = subprocess.run(
+        [sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(tmp_path / "site")],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=clean_env(NO_MKDOCS_2_WARNING="1"),
+    )
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    assert (tmp_path / "site" / "contract" / "index.html").is_file()
+
+
+def test_readme_is_short_and_links_only_to_files_that_exist():
+    text = (REPO / "README.md").read_text()
+    lines = text.count("\n") + (not text.endswith("\n"))
+    assert lines <= README_MAX_LINES, f"README.md has {lines} lines; move reference material into docs/"
+    broken = []
+    for target in _LINK.findall(text):
+        if re.match(r"^[a-z][a-z0-9+.-]*:", target) or target.startswith("#"):
+            continue  # a URL or an anchor of the README itself
+        path = target.split("#", 1)[0]
+        if not (REPO / path).exists():
+            broken.append(target)
+    assert not broken, f"README.md links to files that do not exist: {broken}"
+
+
+def test_readme_keeps_the_two_commands_ci_and_the_demo_run():
+    text = (REPO / "README.md").read_text()
+    assert "bash scripts/demo.sh" in text
+    assert "bash scripts/test.sh" in text  # .ci/run runs it verbatim
+
+
+# ---------------------------------------------------------------- the contract names what the code has
+
+
+def _models_in(annotation) -> list[type[BaseModel]]:
+    found = []
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        found.append(annotation)
+    for arg in typing.get_args(annotation):
+        found += _models_in(arg)
+    return found
+
+
+def _keys(model: type[BaseModel], prefix: str = "") -> list[str]:
+    """Every key of a schema as the contract spells it: `a.b`, `model.stages[i].x`, `optim.<part>.x`."""
+    out = []
+    for name, field in model.model_fields.items():
+        key = f"{prefix}{field.alias or name}"
+        out.append(key)
+        subs = _models_in(field.annotation)
+        if subs:
+            origin = typing.get_origin(field.annotation)
+            if origin is list:
+                out += _keys(subs[0], f"{key}[i].")
+            elif origin is dict:
+                out += _keys(subs[0], f"{key}.<part>.")
+            else:
+                out += _keys(subs[0], f"{key}.")
+    return out
+
+
+def _section(text: str, heading: str) -> str:
+    """The contract's text under a `### heading`, up to the next heading of level 2 or 3."""
+    m = re.search(rf"^### {re.escape(heading)}\n(.*?)(?=^#{{2,3}} )", text, re.S | re.M)
+    assert m, f"docs/contract.md has no '### {heading}' section"
+    return m.group(1)
+
+
+def test_the_contract_names_every_config_key_of_the_core_schema():
+    core = _section(CONTRACT.read_text(), "Config keys")
+    sections = {k for k, f in Config.model_fields.items() if _models_in(f.annotation) and "." not in k}
+    missing = [k for k in _keys(Config) if k not in sections and f"`{k}`" not in core]
+    assert not missing, f"docs/contract.md (Config keys) does not name: {missing}"
+
+
+def test_the_contract_names_every_model_key_of_every_built_in_task():
+    text = CONTRACT.read_text()
+    missing = {}
+    for task in builtin_tasks():
+        table = _section(text, task)
+        gone = [k for k in _keys(task_class(task).ModelConfig, "model.") if f"`{k}`" not in table]
+        if gone:
+            missing[task] = gone
+    assert not missing, f"docs/contract.md does not name these model keys, by task: {missing}"
+
+
+def _commands(parser: argparse.ArgumentParser, words: tuple[str, ...] = ()):
+    """(command words, option strings) of every (sub)command."""
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for name, sub in action.choices.items():
+                yield from _commands(sub, (*words, name))
+    if words:
+        yield words, [s for a in parser._actions for s in a.option_strings if s not in ("-h", "--help")]
+
+
+def test_the_contract_names_every_command_and_flag():
+    cli = CONTRACT.read_text().split("## Command line", 1)[1].split("\n## ", 1)[0]
+    missing = []
+    for words, flags in _commands(_parser()):
+        if len(words) == 1 and words[0] in ("checkpoints", "data"):
+            continue  # only their subcommands run
+        line = next((ln for ln in cli.splitlines() if ln.startswith(f"gentrain {' '.join(words)} ")), None)
+        if line is None and f"gentrain {' '.join(words)}\n" not in cli:
+            missing.append(f"gentrain {' '.join(words)}")
+            continue
+        # A command's flags may wrap onto the lines after it, up to the next command.
+        block = cli.split(f"gentrain {' '.join(words)}", 1)[1].split("\ngentrain ", 1)[0]
+        missing += [f"gentrain {' '.join(words)} {f}" for f in flags if not re.search(rf"{re.escape(f)}\b", block)]
+    assert not missing, f"docs/contract.md (Command line) does not name: {missing}"
+
+
+def test_no_page_refers_to_a_file_outside_the_repository():
+    for page in [REPO / "README.md", *(REPO / "docs").rglob("*.md")]:
+        assert "../shared/" not in page.read_text(), f"{page} refers to a file outside the repository"
