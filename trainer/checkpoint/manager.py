@@ -65,7 +65,6 @@ class CheckpointManager:
             self.env, self.sharded = runtime.env, runtime.sharded
         else:  # a bare DistEnv (tests/reshard_roundtrip.py): the layout the Trainer's runtime would have
             self.env, self.sharded = runtime, parallel_mode(cfg.train.parallel, runtime.world_size) == "fsdp"
-        env = self.env
         self.metrics = metrics
         self.store = CheckpointStore(cfg.checkpoint_url, c.storage_options, c.keep, c.keep_every_steps)
         self.store.prune_in_background = True  # the training thread does not wait for deletes
@@ -80,7 +79,7 @@ class CheckpointManager:
             )
         else:
             self.writer = (
-                Checkpointer(self.store, c.async_, on_done=metrics.on_checkpoint_done) if env.is_main else None
+                Checkpointer(self.store, c.async_, on_done=metrics.on_checkpoint_done) if self.env.is_main else None
             )
         self.every_steps = c.every_steps
         self.failures = 0
