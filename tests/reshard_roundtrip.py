@@ -22,7 +22,7 @@ def main() -> None:
     trainer = Trainer(cfg)
     assert trainer.checkpoints.resume() is not None, "nothing to resume from"
     out_cfg = load_config(*split_preset([*args, f"checkpoint.url={out_url}"]))
-    out = CheckpointManager(out_cfg, trainer.env, trainer.metrics)
+    out = CheckpointManager(out_cfg, trainer.runtime, trainer.metrics)
     out.attach(trainer.progress, trainer.parts, {n: f.record for n, f in trainer.frozen.items()})
     assert out.save(trainer.progress.step, sync=True, final=True)
     out.close()

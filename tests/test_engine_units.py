@@ -94,9 +94,7 @@ def make_runner(cfg, parts, *, runtime=None, wrapping=None, task=None) -> StepRu
         parts=parts,
         frozen={},
         cfg=cfg,
-        rank=runtime.rank,
-        world_size=runtime.world_size,
-        device=runtime.device,
+        runtime=runtime,
         no_sync=wrapping.no_sync,
     )
 

@@ -99,9 +99,7 @@ class Trainer:
             parts=self.parts,
             frozen=self.frozen,
             cfg=cfg,
-            rank=env.rank,
-            world_size=env.world_size,
-            device=runtime.device,
+            runtime=runtime,
             no_sync=self.wrapping.no_sync,
         )
         self.reporter = Reporter(

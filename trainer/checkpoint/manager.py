@@ -29,14 +29,13 @@ from trainer.config import Config
 from trainer.config.redact import REDACTED, redact
 from trainer.elastic import (
     EXIT_PREEMPTED,
-    DistEnv,
     StopRequest,
     broadcast_object,
     exit_now,
     gather_objects,
     new_gloo_group,
 )
-from trainer.engine.runtime import Runtime, parallel_mode
+from trainer.engine.runtime import Runtime
 from trainer.errors import ConfigError
 from trainer.metrics import TrainingMetrics
 
@@ -58,13 +57,10 @@ class CheckpointManager:
     the final save raises (so the job is retried rather than losing it).
     """
 
-    def __init__(self, cfg: Config, runtime: Runtime | DistEnv, metrics: TrainingMetrics):
+    def __init__(self, cfg: Config, runtime: Runtime, metrics: TrainingMetrics):
         c = cfg.checkpoint
         self.cfg = cfg
-        if isinstance(runtime, Runtime):
-            self.env, self.sharded = runtime.env, runtime.sharded
-        else:  # a bare DistEnv (tests/reshard_roundtrip.py): the layout the Trainer's runtime would have
-            self.env, self.sharded = runtime, parallel_mode(cfg.train.parallel, runtime.world_size) == "fsdp"
+        self.env, self.sharded = runtime.env, runtime.sharded
         self.metrics = metrics
         self.store = CheckpointStore(cfg.checkpoint_url, c.storage_options, c.keep, c.keep_every_steps)
         self.store.prune_in_background = True  # the training thread does not wait for deletes

@@ -25,8 +25,10 @@ from typing import Any
 import numpy as np
 import torch
 
-from trainer.config import Config, ConfigError
+from trainer.config import Config
 from trainer.engine.parts import FrozenPart, ModuleView, Part
+from trainer.engine.runtime import Runtime
+from trainer.errors import ConfigError
 from trainer.randomness import Stream, stream_seed
 from trainer.tasks.base import Batch, Phase, StepInfo, Task
 
@@ -86,22 +88,21 @@ class StepRunner:
 
     def __init__(
         self,
+        *,
         task: Task,
         parts: Mapping[str, Part],
         frozen: Mapping[str, FrozenPart],
         cfg: Config,
-        rank: int,
-        world_size: int,
-        device: torch.device,
+        runtime: Runtime,
         no_sync: Any,
     ):
         self.task = task
         self.parts = parts
         self.frozen = frozen
         self.cfg = cfg
-        self.rank = rank
-        self.world_size = world_size
-        self.device = device
+        self.rank = runtime.rank
+        self.world_size = world_size = runtime.world_size
+        self.device = runtime.device
         self.no_sync = no_sync
         t = cfg.train
         self.chunk_size = check_batch_split(t.batch_size, world_size, t.grad_accum)
