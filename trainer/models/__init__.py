@@ -1,1 +1,2 @@
-"""Model pieces shared by tasks that are not tasks themselves (pretrained and LoRA loading, the perceptual network, ...)."""
+"""Model pieces shared by tasks that are not tasks themselves: pretrained and LoRA loading (finetune), the
+perceptual network (perceptual), the tokenizers' quantizers (quantize) and their GAN machinery (gan)."""
