@@ -22,9 +22,7 @@ import torch
 
 from trainer.data.sampler import SampleRef, SampleStream
 from trainer.data.video import frames_extra
-from trainer.randomness import derive_seed
-
-_STREAM_IMAGES = 5  # the image stream's seed, independent of the clip stream's
+from trainer.randomness import Stream, stream_seed
 
 
 def image_slots_before(position: int, ratio: Fraction) -> int:
@@ -82,7 +80,7 @@ class JointSet:
         return len(self.clips) + len(self.images)
 
     def make_stream(self, seed: int) -> JointStream:
-        images = self.images.make_stream(derive_seed(seed, _STREAM_IMAGES))
+        images = self.images.make_stream(stream_seed(seed, Stream.JOINT_IMAGES))
         return JointStream(self.clips.make_stream(seed), images, self.ratio, seed)
 
     def _as_clip(self, item: tuple) -> tuple:

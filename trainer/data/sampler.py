@@ -17,10 +17,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from trainer.randomness import derive_seed
-
-_STREAM_DATA = 1
-_STREAM_AUG = 2
+from trainer.randomness import Stream, stream_seed
 
 
 @dataclass(frozen=True)
@@ -43,7 +40,7 @@ class SampleStream:
 
     def permutation(self, epoch: int) -> np.ndarray:
         if epoch != self._epoch:
-            rng = np.random.default_rng(derive_seed(self.seed, _STREAM_DATA, epoch))
+            rng = np.random.default_rng(stream_seed(self.seed, Stream.DATA_ORDER, epoch))
             self._perm = rng.permutation(self.num_samples)
             self._epoch = epoch
         assert self._perm is not None
@@ -62,7 +59,7 @@ class SampleStream:
         start = rank * per_rank
         refs = []
         for i, (epoch, index) in enumerate(self.take(cursor + start, per_rank)):
-            aug = derive_seed(self.seed, _STREAM_AUG, epoch, index)
+            aug = stream_seed(self.seed, Stream.AUGMENT, epoch, index)
             refs.append(SampleRef(index=index, position=start + i, aug_seed=aug))
         return refs
 

@@ -57,7 +57,7 @@ from trainer.conditioning.image import ImageEncoder
 from trainer.conditioning.text import TextEncoder, TextEncoderConfig
 from trainer.errors import ConfigError
 from trainer.models.finetune import EXTRAS_NAME, load_weights, prepare_unet
-from trainer.randomness import per_sample_rand, per_sample_randint, per_sample_randn, sample_generators
+from trainer.randomness import Stream, per_sample_rand, per_sample_randint, per_sample_randn, sample_generators
 from trainer.tasks.base import Batch, Loss, Phase, PreviewContext, StepInfo, Task, TaskContext
 from trainer.tasks.ddpm import (
     NoiseConfig,
@@ -70,7 +70,6 @@ from trainer.tasks.ddpm import (
 
 log = logging.getLogger(__name__)
 
-_STREAM = 100  # stage k draws from stream 100 + k: independent of other stages and of DDPM's stream 0
 _AUG_TIMESTEPS = 1000  # the noise-augmentation schedule (cosine), shared by all stages
 
 
@@ -421,7 +420,7 @@ class CascadeTask(Task):
         s = self.cfg.stages[k - 1]
         x0 = resize(batch.images, s.image_size)
         n, device = x0.shape[0], x0.device
-        gens = sample_generators(self.seed, step, batch.positions, stream=_STREAM + k)
+        gens = sample_generators(self.seed, step, batch.positions, Stream.CASCADE_STAGE, substream=k)
         noise = per_sample_randn(gens, x0.shape[1:]).to(device, x0.dtype)
         sched = self.schedulers[k - 1]
         if s.prediction_type == "flow":
@@ -544,7 +543,7 @@ class CascadeTask(Task):
         position), so chunking a large grid into batches does not change which noise a sample gets."""
         s = self.cfg.stages[k - 1]
         n = len(positions)
-        gens = sample_generators(seed, 0, positions, stream=_STREAM + k)
+        gens = sample_generators(seed, 0, positions, Stream.CASCADE_STAGE, substream=k)
         x = per_sample_randn(gens, (self.channels, s.image_size, s.image_size)).to(device)
         cond = dict(cond)
         if low is not None:

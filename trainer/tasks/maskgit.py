@@ -32,7 +32,7 @@ from torch import nn
 
 from trainer.conditioning.text import TextEncoder, TextEncoderConfig
 from trainer.errors import ConfigError
-from trainer.randomness import per_sample_rand, sample_generators
+from trainer.randomness import Stream, per_sample_rand, sample_generators
 from trainer.registry import task_class
 from trainer.tasks.base import Batch, FrozenSource, Loss, Phase, PreviewContext, StepInfo, Task, TaskContext
 from trainer.tasks.video_tokenizer import VideoTokenizerTask
@@ -358,7 +358,7 @@ class MaskGITTask(Task):
         """Per-sample cosine-scheduled masks over the real tokens, drawn from (seed, step, position): exact
         on resume."""
         n, length = tokens.shape
-        gens = sample_generators(self.seed, step, positions, stream=1)
+        gens = sample_generators(self.seed, step, positions, Stream.MASKGIT)
         r = per_sample_rand(gens)
         drop = per_sample_rand(gens) < self.cfg.cond_drop_prob
         scores = torch.stack([torch.rand(length, generator=g) for g in gens])
