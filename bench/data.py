@@ -122,9 +122,9 @@ def make_digits_folder(root: Path) -> int:
 
 def train_rate(overrides: list[str], workdir: str, steps: int, warmup: int) -> float:
     """Train steps/s of the digits-ddpm model over `steps` steps after `warmup` steps, in this process."""
-    from trainer.config import load_config
     from trainer.elastic import DistEnv
     from trainer.loop import Trainer
+    from trainer.registry import load_config
 
     cfg = load_config(
         "digits-ddpm",
@@ -214,8 +214,8 @@ def main() -> None:
 
 def pipeline_section(server, tmp: Path, args) -> dict:
     """Images/s per rank of each source's loader at 1 and 2 ranks, requests, bytes and CPU per image."""
-    from trainer.config import load_config
     from trainer.data.pack import pack_folder
+    from trainer.registry import load_config
 
     src = tmp / "src"
     make_folder(src, args.images, args.size)

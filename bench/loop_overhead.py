@@ -40,11 +40,10 @@ keep_freed_memory()
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-from trainer.config import load_config  # noqa: E402
 from trainer.data.datasets import DigitsDataset  # noqa: E402
 from trainer.loop import Trainer  # noqa: E402
 from trainer.optim import build_lr_schedule, build_optimizer  # noqa: E402
-from trainer.registry import task_class  # noqa: E402
+from trainer.registry import load_config, task_class  # noqa: E402
 from trainer.tasks.base import TaskContext  # noqa: E402
 
 COMMON = [

@@ -25,14 +25,13 @@ import time
 import numpy as np
 import torch
 
-from trainer.config import load_config
 from trainer.data.datasets import DigitsDataset
 from trainer.elastic import DistEnv
 from trainer.loop import Trainer
+from trainer.models.gan import adaptive_weight, hinge_d
 from trainer.optim import build_lr_schedule, build_optimizer
-from trainer.registry import task_class
+from trainer.registry import load_config, task_class
 from trainer.tasks.base import TaskContext
-from trainer.tasks.vqgan import adaptive_weight, hinge_d
 
 COMMON = [
     "ema.enabled=false",

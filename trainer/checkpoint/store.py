@@ -47,6 +47,7 @@ from trainer.checkpoint.errors import CheckpointCorrupt, CheckpointError
 from trainer.checkpoint.format import DIGEST, Hasher, entry_digest, fsync, new_digest, write_safetensors
 from trainer.checkpoint.validity import (
     FORMAT_VERSION,
+    parse_json,
     parse_manifest,
     parse_rank_json,
     parse_safetensors_header,
@@ -542,8 +543,6 @@ class CheckpointStore:
 
 
 def _parse_json_payload(name: str, raw: bytes, info: CheckpointInfo) -> Any:
-    from trainer.checkpoint.validity import _parse_json
-
     what = f"{info.url}/{name}"
     try:
         if name == "trainer.json":
@@ -552,7 +551,7 @@ def _parse_json_payload(name: str, raw: bytes, info: CheckpointInfo) -> Any:
             return parse_shard_index(raw, (info.manifest or {}).get("files", {}))
         if _RANK_JSON.match(name):
             return parse_rank_json(raw)
-        return _parse_json(raw, name)
+        return parse_json(raw, name)
     except CheckpointCorrupt as e:
         raise CheckpointCorrupt(f"{what}: {e}") from None
 

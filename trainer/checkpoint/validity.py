@@ -148,7 +148,7 @@ def _first_error(e: ValidationError) -> str:
     return f"{where}: {err['msg']} (found {value})"
 
 
-def _parse_json(raw: bytes, what: str) -> Any:
+def parse_json(raw: bytes, what: str) -> Any:
     if len(raw) > MAX_JSON_BYTES:
         raise CheckpointCorrupt(f"{what} is {len(raw)} bytes, more than any gentrain writes")
     try:
@@ -171,7 +171,7 @@ def _model(schema: type[BaseModel], doc: Any, what: str) -> BaseModel:
 
 def parse_manifest(raw: bytes, step: int) -> dict[str, Any]:
     """The manifest as a dict, checked against its schema and the step dir it is in; CheckpointCorrupt if not."""
-    doc = _parse_json(raw, "manifest.json")
+    doc = parse_json(raw, "manifest.json")
     if not isinstance(doc, dict):
         raise CheckpointCorrupt(f"manifest.json holds a {type(doc).__name__}, not an object")
     _model(Manifest, doc, "manifest.json")
@@ -239,7 +239,7 @@ def parse_safetensors_header(read: Callable[[int, int], bytes], size: int, what:
 
 def parse_trainer_json(raw: bytes, step: int | None = None) -> dict[str, Any]:
     """trainer.json (progress, per-part state, frozen sources), checked; CheckpointCorrupt if malformed."""
-    doc = _parse_json(raw, "trainer.json")
+    doc = parse_json(raw, "trainer.json")
     if not isinstance(doc, dict):
         raise CheckpointCorrupt(f"trainer.json holds a {type(doc).__name__}, not an object")
     _model(TrainerState, doc, "trainer.json")
@@ -278,14 +278,14 @@ def tensor_refs(tree: Any) -> set[str]:
 
 
 def parse_rank_json(raw: bytes) -> dict[str, Any]:
-    doc = _parse_json(raw, "rank state")
+    doc = parse_json(raw, "rank state")
     _model(RankState, doc, "rank state")
     return doc
 
 
 def parse_shard_index(raw: bytes, files: Mapping[str, Any]) -> dict[str, Any]:
     """shards.json: every chunk inside its tensor and in a file the manifest lists."""
-    doc = _parse_json(raw, "shards.json")
+    doc = parse_json(raw, "shards.json")
     _model(ShardIndexDoc, doc, "shards.json")
     for group, tensors in doc["tensors"].items():
         for key, t in tensors.items():

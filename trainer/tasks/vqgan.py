@@ -33,9 +33,7 @@ from trainer.models.gan import (
     AdversarialConfig,
     AdversarialLosses,
     PatchDiscriminator,
-    adaptive_weight,  # noqa: F401 (bench/vqgan.py imports it from here)
     frames,
-    hinge_d,  # noqa: F401 (bench/vqgan.py imports it from here)
     per_sample,
 )
 from trainer.models.perceptual import VGGPerceptual
