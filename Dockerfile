@@ -7,6 +7,10 @@ FROM python:3.11-slim-bookworm
 # PyPI's Linux x86_64 wheel of torch 2.13.0 is the CUDA 13.0 build: the CUDA runtime,
 # cuDNN and NCCL come as nvidia-* wheels, so only the node's driver (>= 580) is needed.
 ARG TORCH_VERSION=2.13.0
+# Another CUDA build of the same torch release, for nodes with an older driver: its PyTorch
+# wheel index, e.g. --build-arg TORCH_INDEX_URL=https://download.pytorch.org/whl/cu126 (CUDA
+# 12.6, driver >= 525.60.13; k8s/README.md lists each build's driver). Empty: PyPI.
+ARG TORCH_INDEX_URL=
 
 ENV PYTHONDONTWRITEBYTECODE=1 \
     PYTHONUNBUFFERED=1 \
@@ -19,11 +23,16 @@ ENV PYTHONDONTWRITEBYTECODE=1 \
 
 WORKDIR /opt/gentrain
 
-# torch in a layer of its own: the biggest one, rebuilt only when TORCH_VERSION changes.
-RUN pip install --no-cache-dir "torch==${TORCH_VERSION}"
+# torch in a layer of its own: the biggest one, rebuilt only when TORCH_VERSION or
+# TORCH_INDEX_URL change. The index replaces PyPI for this step only (PIP_INDEX_URL is pip's
+# --index-url, not --extra-index-url): torch and its nvidia-* wheels all come from it, never
+# PyPI's CUDA 13 build of the same version.
+RUN if [ -n "${TORCH_INDEX_URL}" ]; then export PIP_INDEX_URL="${TORCH_INDEX_URL}"; fi \
+    && pip install --no-cache-dir "torch==${TORCH_VERSION}"
 
 # Dependencies in their own layer: rebuilt only when pyproject.toml or constraints.txt change.
-# torch is already installed at TORCH_VERSION (it satisfies torch>=2.4 and stays as it is).
+# torch is already installed at TORCH_VERSION (it satisfies torch>=2.4 and stays as it is;
+# torch==2.13.0 also matches an index's local version such as 2.13.0+cu126).
 COPY pyproject.toml constraints.txt README.md ./
 RUN mkdir -p trainer/presets trainer/data \
     && touch trainer/__init__.py \

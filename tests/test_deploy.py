@@ -3,6 +3,7 @@ hadolint, a manifest-driven local run, and `torchx run -s local_cwd` end to end.
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
@@ -19,6 +20,8 @@ from helpers import kill_group, wait_for_log
 BIN = Path(sys.executable).parent
 GOLDEN = REPO / "tests" / "golden"
 OVERLAYS = ["base", "jobset", "volcano", "kueue", "monitoring", "overlays/cpu-smoke", "overlays/gpu"]
+OVERLAYS += ["jobset-gpu", "kueue-gpu", "priority"]
+GPU_OVERLAYS = ["overlays/gpu", "jobset-gpu", "kueue-gpu"]
 
 
 def tool(name: str) -> str:
@@ -28,10 +31,21 @@ def tool(name: str) -> str:
     return str(path)
 
 
-def kustomize(overlay: str) -> list[dict]:
-    out = subprocess.run([tool("kubectl"), "kustomize", str(REPO / "k8s" / overlay)], capture_output=True, text=True)
+def kustomize(overlay: str | Path) -> list[dict]:
+    """Render k8s/<overlay>, or a kustomization folder given as a Path."""
+    path = overlay if isinstance(overlay, Path) else REPO / "k8s" / overlay
+    out = subprocess.run([tool("kubectl"), "kustomize", str(path)], capture_output=True, text=True)
     assert out.returncode == 0, out.stderr
     return [d for d in yaml.safe_load_all(out.stdout) if d]
+
+
+def user_overlay(tmp_path: Path, **kustomization) -> Path:
+    """A kustomization outside the repo, as a user's own overlay would be; K8S in its values is the
+    relative path to k8s/ (kustomize takes no absolute paths)."""
+    k8s = os.path.relpath(REPO / "k8s", tmp_path)
+    text = yaml.safe_dump(kustomization).replace("K8S", k8s)
+    (tmp_path / "kustomization.yaml").write_text(text)
+    return tmp_path
 
 
 def validate(docs: list[dict], tmp_path: Path, name: str) -> str:
@@ -321,8 +335,9 @@ def test_job_policies(overlay):
     check_pod_policies(spec["template"]["spec"])
 
 
-def test_jobset_preemption_recipe():
-    js = workload("jobset")
+@pytest.mark.parametrize("overlay", ["jobset", "kueue", "jobset-gpu", "kueue-gpu"])
+def test_jobset_preemption_recipe(overlay):
+    js = workload(overlay)
     fp = js["spec"]["failurePolicy"]
     child = job_spec(js)
     rules = child["podFailurePolicy"]["rules"]
@@ -351,6 +366,12 @@ def test_kueue_overlay_queues_the_jobset_and_its_quota_admits_it():
     assert lq["spec"]["clusterQueue"] == cq["metadata"]["name"]
     assert "namespace" not in lq["metadata"] and "namespace" not in js["metadata"]  # same namespace
     assert workload("jobset")["spec"] == js["spec"]  # the same JobSet and preemption recipe, only labeled
+    check_quota_admits(docs)
+
+
+def check_quota_admits(docs: list[dict]) -> None:
+    by_kind = {d["kind"]: d for d in docs}
+    js, cq = by_kind["JobSet"], by_kind["ClusterQueue"]
     flavors = {d["metadata"]["name"] for d in docs if d["kind"] == "ResourceFlavor"}
     # Gang admission: the quota must hold every pod of the JobSet at once, in resources it covers.
     child = job_spec(js)
@@ -405,6 +426,202 @@ def test_dockerfile_passes_hadolint():
     text = (REPO / "Dockerfile").read_text()
     assert "EXPOSE 29500 9090" in text and re.search(r"^USER 1000", text, re.M)
     assert text.index("COPY pyproject.toml") < text.index("COPY trainer")  # deps cached before code
+
+
+# ---------------------------------------------------------------- GPU overlays, priorities, components
+
+CRD_SCHEMAS = json.loads((REPO / "tests" / "k8s-crd-schemas.json").read_text())
+# Custom resources checked elsewhere or not at all: the Prometheus Operator's (rules: promtool in
+# test_monitoring.py) and Volcano's Queue.
+UNCHECKED_GROUPS = {"monitoring.coreos.com", "scheduling.volcano.sh"}
+
+
+def api_group(doc: dict) -> str:
+    return doc["apiVersion"].rpartition("/")[0]
+
+
+def crd_errors(doc: dict, api_version: str | None = None) -> list[str]:
+    import jsonschema
+
+    schema = CRD_SCHEMAS[f"{api_version or doc['apiVersion']}/{doc['kind']}"]
+    return [
+        f"{'.'.join(map(str, e.absolute_path))}: {e.message}"
+        for e in jsonschema.Draft7Validator(schema).iter_errors(doc)
+    ]
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_every_overlay_validates_its_other_kinds_against_their_schemas(overlay, tmp_path):
+    """What test_every_overlay_renders_and_core_kinds_validate_strictly leaves out: other built-in API groups
+    (PriorityClass) strictly with kubernetes-validate, custom resources against their CRDs' schemas."""
+    builtin, custom = [], []
+    for d in kustomize(overlay):
+        group = api_group(d)
+        if "." not in group or group.endswith(".k8s.io"):
+            builtin.append(d)
+        elif group not in UNCHECKED_GROUPS:
+            custom.append(d)
+    if builtin:
+        out = validate(builtin, tmp_path, "builtin")
+        assert "Couldn't find schema" not in out
+    for d in custom:
+        assert not crd_errors(d), (d["kind"], crd_errors(d))
+        if d["apiVersion"] == "kueue.x-k8s.io/v1beta1":
+            # v1beta1 is deprecated since Kueue 0.16: the same fields hold under v1beta2, so moving is a rename.
+            assert not crd_errors(d, "kueue.x-k8s.io/v1beta2"), (d["kind"], crd_errors(d, "kueue.x-k8s.io/v1beta2"))
+
+
+def test_overlay_crd_schemas_reject_unknown_fields():
+    docs = {d["kind"]: d for d in kustomize("kueue-gpu")}
+    js = json.loads(json.dumps(docs["JobSet"]))
+    js["spec"]["replicatedJobs"][0]["replica"] = 1
+    assert any("'replica' was unexpected" in e for e in crd_errors(js))
+    topo = json.loads(json.dumps(docs["Topology"]))
+    topo["spec"]["levels"][0] = {"nodelabel": "rack"}
+    assert crd_errors(topo)
+    wpc = json.loads(json.dumps(docs["WorkloadPriorityClass"]))
+    wpc["spec"] = {"value": 1}  # value is top-level
+    assert any("'spec' was unexpected" in e for e in crd_errors(wpc))
+
+
+def pod_spec(doc: dict) -> dict:
+    return job_spec(doc)["template"]["spec"]
+
+
+@pytest.mark.parametrize("overlay", GPU_OVERLAYS)
+def test_gpu_overlays_request_gpus_with_nccl_settings_and_a_memory_backed_dev_shm(overlay):
+    docs = kustomize(overlay)
+    job = next(d for d in docs if d["kind"] in ("Job", "JobSet"))
+    spec, pod = job_spec(job), pod_spec(job)
+    check_pod_policies(pod)
+    (c,) = pod["containers"]
+    gpus = c["resources"]["limits"]["nvidia.com/gpu"]
+    assert int(gpus) >= 1 and c["resources"]["requests"]["nvidia.com/gpu"] == gpus  # extended resources: equal
+    args = dict(a.split("=", 1) for a in c["args"][: c["args"].index("--")])
+    assert args["--nproc-per-node"] == gpus  # one process per GPU
+    assert int(args["--nnodes"].split(":")[-1]) == spec["parallelism"] == spec["completions"]
+    env = {e["name"]: e.get("value") for e in c["env"]}
+    assert env["NCCL_DEBUG"] == "WARN" and env["NCCL_SOCKET_IFNAME"]
+    (shm,) = [v for v in pod["volumes"] if v["name"] == "dshm"]
+    assert shm["emptyDir"]["medium"] == "Memory" and quantity(shm["emptyDir"]["sizeLimit"]) >= 16 * 2**30
+    assert {"name": "dshm", "mountPath": "/dev/shm"} in c["volumeMounts"]
+    # The shared memory counts against the container's memory limit: it must fit with room to spare.
+    assert quantity(shm["emptyDir"]["sizeLimit"]) < quantity(c["resources"]["limits"]["memory"]) / 2
+    assert (
+        pod["nodeSelector"]
+        and {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"} in pod["tolerations"]
+    )
+    # The PriorityClass the pods name comes with the overlay (a missing one makes pod creation fail).
+    classes = {d["metadata"]["name"]: d for d in docs if d["kind"] == "PriorityClass"}
+    assert pod["priorityClassName"] in classes
+    assert classes[pod["priorityClassName"]]["globalDefault"] is False
+
+
+def test_the_gpu_jobset_is_placed_alone_in_one_topology_domain():
+    js = workload("jobset-gpu")
+    assert js["metadata"]["annotations"]["alpha.jobset.sigs.k8s.io/exclusive-topology"]
+    assert len(js["spec"]["replicatedJobs"]) == 1  # one child Job, so the whole run lands in one domain
+    # Only the GPU settings differ from ../jobset: the preemption recipe and the rest of the pod stay.
+    cpu = workload("jobset")
+    assert js["spec"]["failurePolicy"] == cpu["spec"]["failurePolicy"]
+    assert job_spec(js)["podFailurePolicy"] == job_spec(cpu)["podFailurePolicy"]
+    assert pod_spec(js)["securityContext"] == pod_spec(cpu)["securityContext"]
+
+
+@pytest.mark.parametrize(
+    ("overlay", "priority"), [("kueue", "gentrain-experiment"), ("kueue-gpu", "gentrain-production")]
+)
+def test_the_kueue_workload_carries_a_workload_priority_class(overlay, priority):
+    docs = kustomize(overlay)
+    js = next(d for d in docs if d["kind"] == "JobSet")
+    classes = {d["metadata"]["name"]: d["value"] for d in docs if d["kind"] == "WorkloadPriorityClass"}
+    assert js["metadata"]["labels"]["kueue.x-k8s.io/priority-class"] == priority
+    assert priority in classes  # a label naming a missing class stops Kueue from creating the workload
+    (cq,) = [d for d in docs if d["kind"] == "ClusterQueue"]
+    assert cq["spec"]["preemption"]["withinClusterQueue"] == "LowerPriority"
+    assert classes["gentrain-production"] > classes["gentrain-experiment"]  # production may preempt experiments
+
+
+def test_the_kueue_gpu_overlay_uses_topology_aware_scheduling_and_its_quota_admits_it():
+    docs = kustomize("kueue-gpu")
+    by_kind = {d["kind"]: d for d in docs}
+    js, flavor, topology = by_kind["JobSet"], by_kind["ResourceFlavor"], by_kind["Topology"]
+    check_quota_admits(docs)
+    assert (
+        workload("kueue")["metadata"]["labels"]["kueue.x-k8s.io/queue-name"]
+        == (js["metadata"]["labels"]["kueue.x-k8s.io/queue-name"])
+    )
+    # The CEL rules the schema file does not check: a TAS flavor needs node labels; hostname is the last level.
+    assert flavor["spec"]["topologyName"] == topology["metadata"]["name"] and flavor["spec"]["nodeLabels"]
+    levels = [level["nodeLabel"] for level in topology["spec"]["levels"]]
+    assert len(set(levels)) == len(levels) and levels[-1] == "kubernetes.io/hostname"
+    annotations = job_spec(js)["template"]["metadata"]["annotations"]
+    assert annotations["kueue.x-k8s.io/podset-required-topology"] in levels
+    # The flavor's node labels agree with the pods' own node selector (Kueue adds them to it).
+    assert flavor["spec"]["nodeLabels"].items() <= pod_spec(js)["nodeSelector"].items()
+    # TAS and JobSet's exclusive placement would both steer the pods: only one of them is used.
+    assert "alpha.jobset.sigs.k8s.io/exclusive-topology" not in js["metadata"].get("annotations", {})
+
+
+def test_podmonitor_release_label_defaults_to_kube_prometheus_stack_and_can_be_set(tmp_path):
+    labelled = ("PodMonitor", "PrometheusRule")
+    docs = kustomize("monitoring")
+    assert {d["metadata"]["labels"]["release"] for d in docs if d["kind"] in labelled} == {"kube-prometheus-stack"}
+    assert "gentrain-monitoring-values" not in {d["metadata"]["name"] for d in docs}  # local-config: never applied
+    overlay = user_overlay(
+        tmp_path,
+        resources=["K8S/monitoring"],
+        components=["K8S/components/prometheus-release"],
+        configMapGenerator=[
+            {"name": "gentrain-monitoring-values", "behavior": "merge", "literals": ["prometheusRelease=prom-ops"]}
+        ],
+    )
+    docs = kustomize(overlay)
+    assert {d["metadata"]["labels"]["release"] for d in docs if d["kind"] in labelled} == {"prom-ops"}
+    assert len([d for d in docs if d["kind"] in labelled]) == 2
+    assert "gentrain-monitoring-values" not in {d["metadata"]["name"] for d in docs}
+
+
+@pytest.mark.parametrize("overlay", ["overlays/gpu", "kueue-gpu"])
+def test_the_image_pull_secret_component_adds_image_pull_secrets(overlay, tmp_path):
+    def service_account(docs):
+        (sa,) = [d for d in docs if d["kind"] == "ServiceAccount"]
+        return sa
+
+    assert "imagePullSecrets" not in service_account(kustomize(overlay))
+    docs = kustomize(
+        user_overlay(tmp_path, resources=[f"K8S/{overlay}"], components=["K8S/components/image-pull-secret"])
+    )
+    sa = service_account(docs)
+    assert sa["imagePullSecrets"] == [{"name": "gentrain-registry"}]
+    # Kubernetes adds the ServiceAccount's pull secrets to the pods that run as it: these do.
+    job = next(d for d in docs if d["kind"] in ("Job", "JobSet"))
+    assert pod_spec(job)["serviceAccountName"] == sa["metadata"]["name"]
+    validate([sa], tmp_path, "serviceaccount")
+
+
+def test_dockerfile_gpu_build_takes_torch_from_another_index_only_when_asked(tmp_path):
+    """The TORCH_INDEX_URL build argument: empty (the default) installs PyPI's torch; a URL becomes pip's
+    index for the torch step only. The step's shell command runs here with a pip that records its call."""
+    text = (REPO / "Dockerfile").read_text()
+    assert re.search(r"^ARG TORCH_INDEX_URL=$", text, re.M)
+    lines = re.sub(r"\\\n", " ", text).splitlines()
+    (step,) = [line[4:] for line in lines if line.startswith("RUN ") and "TORCH_INDEX_URL" in line]
+    assert step.index("TORCH_INDEX_URL") < step.index('pip install --no-cache-dir "torch==${TORCH_VERSION}"')
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "pip").write_text('#!/bin/sh\nprintf "%s\\n" "index=${PIP_INDEX_URL:-}" "$@" > "$PIP_LOG"\n')
+    (bin_dir / "pip").chmod(0o755)
+
+    def run_step(index_url: str) -> list[str]:
+        env = {"PATH": f"{bin_dir}:/usr/bin:/bin", "PIP_LOG": str(tmp_path / "pip.log")}
+        env.update(TORCH_VERSION="2.13.0", TORCH_INDEX_URL=index_url)
+        subprocess.run(["/bin/sh", "-c", step], env=env, check=True)  # the shell docker's RUN uses
+        return (tmp_path / "pip.log").read_text().splitlines()
+
+    assert run_step("") == ["index=", "install", "--no-cache-dir", "torch==2.13.0"]
+    cu126 = "https://download.pytorch.org/whl/cu126"
+    assert run_step(cu126) == [f"index={cu126}", "install", "--no-cache-dir", "torch==2.13.0"]
 
 
 # ---------------------------------------------------------------- manifest-driven local run
