@@ -12,6 +12,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import jsonschema  # comes with kubernetes-validate (test extra)
 import pytest
 import yaml
 from conftest import REPO, clean_env, free_port, run_cli, tiny
@@ -441,8 +442,6 @@ def api_group(doc: dict) -> str:
 
 
 def crd_errors(doc: dict, api_version: str | None = None) -> list[str]:
-    import jsonschema
-
     schema = CRD_SCHEMAS[f"{api_version or doc['apiVersion']}/{doc['kind']}"]
     return [
         f"{'.'.join(map(str, e.absolute_path))}: {e.message}"
@@ -547,10 +546,8 @@ def test_the_kueue_gpu_overlay_uses_topology_aware_scheduling_and_its_quota_admi
     by_kind = {d["kind"]: d for d in docs}
     js, flavor, topology = by_kind["JobSet"], by_kind["ResourceFlavor"], by_kind["Topology"]
     check_quota_admits(docs)
-    assert (
-        workload("kueue")["metadata"]["labels"]["kueue.x-k8s.io/queue-name"]
-        == (js["metadata"]["labels"]["kueue.x-k8s.io/queue-name"])
-    )
+    queue = "kueue.x-k8s.io/queue-name"
+    assert js["metadata"]["labels"][queue] == workload("kueue")["metadata"]["labels"][queue]
     # The CEL rules the schema file does not check: a TAS flavor needs node labels; hostname is the last level.
     assert flavor["spec"]["topologyName"] == topology["metadata"]["name"] and flavor["spec"]["nodeLabels"]
     levels = [level["nodeLabel"] for level in topology["spec"]["levels"]]
