@@ -1,0 +1,387 @@
+"""The diffusion core (issue 25, trainer/diffusion): objectives reproduce today's ddpm and cascade losses and
+samplers to the bit on the same generators, backbones build tiny and refuse conditioning they cannot use,
+and the objectives refuse DREAM where the cascade does. Tiny models, no subprocesses."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+from pydantic import ValidationError
+
+from trainer.diffusion import (
+    EDM,
+    OBJECTIVES,
+    Backbone,
+    DiTBackbone,
+    Guidance,
+    ObjectiveConfig,
+    RectifiedFlow,
+    UNetBackbone,
+    UNetBackboneConfig,
+    VPrediction,
+    build_backbone,
+    build_objective,
+    cfg_batch,
+    cfg_combine,
+    check_num_classes,
+    default_labels,
+    labels_or_null,
+)
+from trainer.diffusion.objectives import EDMConfig
+from trainer.errors import ConfigError
+from trainer.randomness import Stream, per_sample_rand, per_sample_randn, sample_generators
+from trainer.tasks.base import Batch, Phase, StepInfo, TaskContext
+from trainer.tasks.cascade import CascadeConfig, CascadeTask, StageConfig
+from trainer.tasks.cascade import EDMConfig as StageEDMConfig
+from trainer.tasks.ddpm import DDPMTask, DiffusionModelConfig, NoiseConfig
+
+CPU = torch.device("cpu")
+SEED, STEP, CLASSES = 7, 3, 10
+TINY_UNET = {"block_out_channels": [8, 16], "norm_num_groups": 4}
+
+
+def _batch(channels: int = 1, size: int = 8) -> Batch:
+    g = torch.Generator().manual_seed(0)
+    images = torch.rand((4, channels, size, size), generator=g) * 2 - 1
+    return Batch(images, torch.tensor([3, -1, 0, 9]), torch.arange(4), positions=[5, 6, 7, 8])
+
+
+def _unet_fn(unet):
+    """The ddpm task's call of its UNet, as a core network."""
+    return lambda x, t, cond: unet(x, t, class_labels=cond.get("labels")).sample
+
+
+def _stage_fn(net):
+    """The cascade's call of a StageNet, as a core network."""
+    return lambda x, t, cond: net(x, t, cond).sample
+
+
+def _assert_same_loss(mine, today):
+    assert torch.equal(mine.per_sample, today.per_sample), (mine.per_sample, today.per_sample)
+    assert mine.terms.keys() == today.terms.keys()
+    for k in today.terms:
+        assert torch.equal(mine.terms[k], today.terms[k]), k
+
+
+# ---------------------------------------------------------------- config names, defaults and checks
+
+
+def _same_fields(ours, theirs, names):
+    for name in names:
+        a, b = ours.model_fields[name], theirs.model_fields[name]
+        assert (a.default, a.description, a.metadata) == (b.default, b.description, b.metadata), name
+        if name != "edm":
+            assert a.annotation == b.annotation, name
+
+
+def test_objective_keys_have_the_cascade_stage_names_defaults_and_constraints():
+    _same_fields(ObjectiveConfig, StageConfig, [n for n in ObjectiveConfig.model_fields if n != "edm"])
+    _same_fields(EDMConfig, StageEDMConfig, list(StageEDMConfig.model_fields))
+    assert set(EDMConfig.model_fields) == set(StageEDMConfig.model_fields)
+    # DDPM's keys are a subset (its prediction_type is narrower: epsilon or v).
+    shared = {"num_train_timesteps", "beta_schedule", "snr_gamma"}
+    _same_fields(ObjectiveConfig, NoiseConfig, shared)
+    assert (
+        ObjectiveConfig.model_fields["prediction_type"].default == NoiseConfig.model_fields["prediction_type"].default
+    )
+
+
+# ---------------------------------------------------------------- (1) training losses, bit for bit
+
+
+@pytest.mark.parametrize("snr_gamma", [5.0, None], ids=["min-snr", "plain"])
+@pytest.mark.parametrize("prediction_type", ["epsilon", "v_prediction"])
+def test_epsilon_and_v_losses_equal_the_ddpm_task(prediction_type, snr_gamma):
+    cfg = DiffusionModelConfig(prediction_type=prediction_type, snr_gamma=snr_gamma, num_classes=CLASSES, **TINY_UNET)
+    task = DDPMTask(cfg, TaskContext(8, 1, SEED, num_classes=CLASSES))
+    torch.manual_seed(0)
+    unet = task.build({})["unet"]
+    torch.manual_seed(0)
+    net = build_backbone({"kind": "unet", **TINY_UNET}, 8, 1, CLASSES)
+    # The unet backbone builds the ddpm task's UNet: the same weights from the same seed.
+    theirs, ours = unet.state_dict(), net.model.state_dict()
+    assert theirs.keys() == ours.keys() and all(torch.equal(theirs[k], ours[k]) for k in theirs)
+
+    batch = _batch()
+    today = task.loss(Phase("unet", "unet"), {"unet": unet}, batch, None, StepInfo(STEP))
+
+    objective = build_objective(cfg)
+    x0 = batch.images
+    gens = sample_generators(SEED, STEP, batch.positions)
+    noise = per_sample_randn(gens, x0.shape[1:]).to(x0.device, x0.dtype)
+    draw = objective.draw(gens, len(batch), x0.device, x0.dtype)
+    drop = per_sample_rand(gens) < cfg.cond_drop_prob
+    labels = labels_or_null(batch.labels, drop, CLASSES)
+    _assert_same_loss(objective.loss(net, x0, noise, draw, {"labels": labels}), today)
+    assert objective.name == prediction_type
+
+
+CASCADE_OBJECTIVES = [
+    ({"prediction_type": "epsilon"}, "epsilon"),
+    ({"prediction_type": "v_prediction", "snr_gamma": 2.0}, "v"),
+    ({"prediction_type": "epsilon", "dream": True, "dream_detail_preservation": 0.8}, "dream"),
+    ({"prediction_type": "flow"}, "flow-logit-normal"),
+    ({"prediction_type": "flow", "weighting_scheme": "mode", "mode_scale": 0.9}, "flow-mode"),
+    ({"prediction_type": "flow", "weighting_scheme": "cosmap"}, "flow-cosmap"),
+    ({"prediction_type": "flow", "weighting_scheme": "sigma_sqrt", "logit_std": 0.5}, "flow-sigma-sqrt"),
+    ({"prediction_type": "edm"}, "edm"),
+    ({"prediction_type": "edm", "edm": {"p_mean": -0.5, "sigma_data": 0.6}}, "edm-constants"),
+]
+
+
+def _cascade(stage: dict) -> tuple[CascadeTask, StageConfig]:
+    s = StageConfig(image_size=8, **TINY_UNET, **stage)
+    return CascadeTask(CascadeConfig(stages=[s], num_classes=CLASSES), TaskContext(8, 1, SEED, CLASSES)), s
+
+
+@pytest.mark.parametrize("stage", [s for s, _ in CASCADE_OBJECTIVES], ids=[i for _, i in CASCADE_OBJECTIVES])
+def test_every_objective_loss_equals_the_cascade_stage_loss(stage):
+    task, s = _cascade(stage)
+    torch.manual_seed(0)
+    net = task.build({})["stage1"]
+    batch = _batch()
+    today = task.stage_loss(1, net, batch, STEP)
+
+    # The objective from the stage config itself and from the core's own config of the same keys.
+    own = ObjectiveConfig(**{k: v for k, v in s.model_dump().items() if k in ObjectiveConfig.model_fields})
+    for objective in (build_objective(s), build_objective(own)):
+        x0 = batch.images
+        gens = sample_generators(SEED, STEP, batch.positions, Stream.CASCADE_STAGE, substream=1)
+        noise = per_sample_randn(gens, x0.shape[1:]).to(x0.device, x0.dtype)
+        draw = objective.draw(gens, len(batch), x0.device, x0.dtype)
+        drop = per_sample_rand(gens) < task.cfg.cond_drop_prob
+        cond = {"labels": labels_or_null(batch.labels, drop, CLASSES)}
+        assert torch.equal(cond["labels"], task.conditions(4, CPU, drop, batch.labels)["labels"])
+        _assert_same_loss(objective.loss(_stage_fn(net), x0, noise, draw, cond), today)
+
+
+# ---------------------------------------------------------------- (2) samplers, bit for bit
+
+
+@pytest.mark.parametrize("scale", [1.0, 2.5], ids=["unguided", "cfg"])
+@pytest.mark.parametrize("kind", ["ddim", "dpm"])
+@pytest.mark.parametrize("prediction_type", ["epsilon", "v_prediction"])
+def test_denoise_equals_ddpm_sample(prediction_type, kind, scale):
+    cfg = DiffusionModelConfig(prediction_type=prediction_type, num_classes=CLASSES, **TINY_UNET)
+    task = DDPMTask(cfg, TaskContext(8, 1, SEED, num_classes=CLASSES))
+    torch.manual_seed(0)
+    unet = task.build({})["unet"].eval()
+    today = task.sample({"unet": unet}, 4, 11, CPU, inference_steps=3, scheduler=kind, guidance_scale=scale)
+
+    x = torch.randn((4, 1, 8, 8), generator=torch.Generator().manual_seed(11))
+    labels = default_labels(4, CLASSES)
+    guidance = Guidance({"labels": labels}, {"labels": torch.full_like(labels, CLASSES)}, scale)
+    out = build_objective(cfg).denoise(_unet_fn(unet), x, 3, kind, guidance)
+    assert torch.equal(((out.float().clamp(-1, 1) + 1) / 2).cpu(), today)
+
+
+@pytest.mark.parametrize("kind", ["ddim", "dpm"])
+@pytest.mark.parametrize("prediction_type", ["epsilon", "v_prediction", "flow", "edm"])
+def test_denoise_equals_the_cascade_stage_sampler(prediction_type, kind):
+    task, s = _cascade({"prediction_type": prediction_type})
+    torch.manual_seed(0)
+    net = task.build({})["stage1"].eval()
+    labels = default_labels(4, CLASSES)
+    cond = task.conditions(4, CPU, torch.zeros(4, dtype=torch.bool), labels)
+    with torch.no_grad():
+        today = task._run_stage(1, net, None, cond, range(4), 11, CPU, inference_steps=3, scheduler=kind,
+                                guidance_scale=3.0)  # fmt: skip
+
+    gens = sample_generators(11, 0, range(4), Stream.CASCADE_STAGE, substream=1)
+    x = per_sample_randn(gens, (1, 8, 8))
+    guidance = Guidance(cond, {"labels": torch.full_like(labels, CLASSES)}, 3.0)
+    assert torch.equal(build_objective(s).denoise(_stage_fn(net), x, 3, kind, guidance), today)
+
+
+def test_each_objective_names_its_inference_scheduler_as_today():
+    names = {
+        (name, kind): type(cls(ObjectiveConfig(prediction_type=name)).inference_scheduler(kind)).__name__
+        for name, cls in OBJECTIVES.items()
+        for kind in ("ddim", "dpm")
+    }
+    assert names == {
+        ("epsilon", "ddim"): "DDIMScheduler",
+        ("epsilon", "dpm"): "DPMSolverMultistepScheduler",
+        ("v_prediction", "ddim"): "DDIMScheduler",
+        ("v_prediction", "dpm"): "DPMSolverMultistepScheduler",
+        ("flow", "ddim"): "FlowMatchEulerDiscreteScheduler",
+        ("flow", "dpm"): "FlowMatchEulerDiscreteScheduler",
+        ("edm", "ddim"): "EDMEulerScheduler",
+        ("edm", "dpm"): "EDMDPMSolverMultistepScheduler",
+    }
+    with pytest.raises(ConfigError, match="sample.scheduler='euler'"):
+        build_objective(ObjectiveConfig()).inference_scheduler("euler")
+
+
+# ---------------------------------------------------------------- (3) backbones
+
+TINY_TRANSFORMER = {"num_layers": 2, "num_attention_heads": 2, "attention_head_dim": 12}
+BACKBONE_CASES = {
+    "unet": ({"kind": "unet", **TINY_UNET}, CLASSES, {"labels"}),
+    "unet-uncond": ({"kind": "unet", **TINY_UNET}, None, set()),
+    "unet-captions": ({"kind": "unet", **TINY_UNET, "caption_channels": 12}, CLASSES, {"labels", "captions", "caption_mask"}),
+    "dit": ({"kind": "dit", **TINY_TRANSFORMER}, CLASSES, {"labels"}),
+    "dit-uncond": ({"kind": "dit", **TINY_TRANSFORMER}, None, set()),
+    "pixart": ({"kind": "pixart", **TINY_TRANSFORMER, "caption_channels": 12}, None, {"captions", "caption_mask"}),
+    "pixart-sizes": (
+        {"kind": "pixart", **TINY_TRANSFORMER, "caption_channels": 12, "use_additional_conditions": True, "pixel_scale": 8},
+        None,
+        {"captions", "caption_mask", "resolution", "aspect_ratio"},
+    ),
+    "mmdit": ({"kind": "mmdit", **TINY_TRANSFORMER, "caption_channels": 12, "pooled_channels": 6}, None, {"captions", "pooled"}),
+}  # fmt: skip
+UNITS = {"unet": "DownBlock2D", "dit": "BasicTransformerBlock", "pixart": "BasicTransformerBlock",
+         "mmdit": "JointTransformerBlock"}  # fmt: skip
+
+
+def _conditions(accepts, n: int = 4) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(1)
+    every = {
+        "labels": torch.tensor([0, 3, 9, CLASSES])[:n],
+        "captions": torch.randn((n, 5, 12), generator=g),
+        "caption_mask": torch.tensor([[1, 1, 1, 0, 0]] * n),
+        "pooled": torch.randn((n, 6), generator=g),
+        "resolution": torch.tensor([[64.0, 64.0]] * n),
+        "aspect_ratio": torch.ones(n, 1),
+    }
+    return {k: v for k, v in every.items() if k in accepts}
+
+
+@pytest.mark.parametrize("case", list(BACKBONE_CASES))
+def test_each_backbone_builds_tiny_runs_with_its_conditioning_and_refuses_the_rest(case):
+    cfg, classes, accepts = BACKBONE_CASES[case]
+    torch.manual_seed(0)
+    net = build_backbone(cfg, 8, 3, classes)
+    assert isinstance(net, Backbone) and net.accepts == accepts and net.kind == cfg["kind"]
+    assert UNITS[net.kind] in net.fsdp_unit_classes and net.fsdp_units
+    x = torch.randn(4, 3, 8, 8)
+    cond = _conditions(accepts)
+    assert net(x, torch.tensor([1, 10, 100, 999]), cond).shape == x.shape
+    assert net(x, torch.tensor(500), cond).shape == x.shape  # a sampler's scalar timestep
+    assert torch.equal(net(x, torch.tensor(7), cond), net.call(net.model, x, torch.tensor(7), cond))
+    for extra in {"labels", "captions", "pooled"} - accepts:
+        with pytest.raises(ConfigError, match=f"the {net.kind} backbone takes .*cannot use {extra}"):
+            net(x, torch.tensor(1), {**cond, extra: _conditions({extra}).get(extra, torch.zeros(4))})
+    for needed in net.requires:
+        with pytest.raises(ConfigError, match=f"the {net.kind} backbone needs {needed}"):
+            net(x, torch.tensor(1), {k: v for k, v in cond.items() if k != needed})
+
+
+@pytest.mark.parametrize("objective", list(OBJECTIVES))
+@pytest.mark.parametrize("case", ["unet", "dit", "pixart", "mmdit"])
+def test_every_objective_trains_and_samples_every_backbone(objective, case):
+    cfg, classes, accepts = BACKBONE_CASES[case]
+    torch.manual_seed(0)
+    net = build_backbone(cfg, 8, 3, classes)
+    obj = build_objective(ObjectiveConfig(prediction_type=objective))
+    x0 = torch.rand(4, 3, 8, 8) * 2 - 1
+    gens = sample_generators(SEED, STEP, range(4))
+    noise = per_sample_randn(gens, x0.shape[1:])
+    cond = _conditions(accepts)
+    loss = obj.loss(net, x0, noise, obj.draw(gens, 4, CPU, x0.dtype), cond)
+    loss.per_sample.mean().backward()
+    assert loss.per_sample.shape == (4,) and torch.isfinite(loss.per_sample).all()
+    assert all(p.grad is not None for p in net.parameters() if p.requires_grad)
+    uncond = {k: torch.zeros_like(v) for k, v in cond.items() if k != "labels"}
+    if "labels" in cond:
+        uncond["labels"] = torch.full((4,), CLASSES)
+    out = obj.denoise(net.eval(), noise, 2, "dpm", Guidance(cond, uncond, 2.0))
+    assert out.shape == x0.shape and torch.isfinite(out).all()
+
+
+def test_dit_leaves_label_dropout_to_gentrain():
+    """diffusers' DiT drops labels in train mode with the global RNG; the core draws dropout per sample itself
+    and passes the null class, so a training forward neither consumes the global RNG nor varies with it."""
+    torch.manual_seed(0)
+    net = build_backbone({"kind": "dit", **TINY_TRANSFORMER}, 8, 3, CLASSES).train()
+    assert isinstance(net, DiTBackbone)
+    x, t, cond = torch.randn(4, 3, 8, 8), torch.tensor([1, 2, 3, 4]), {"labels": torch.tensor([0, 1, 2, CLASSES])}
+    state = torch.get_rng_state()
+    first = net(x, t, cond)
+    assert torch.equal(torch.get_rng_state(), state)
+    torch.manual_seed(123)
+    assert torch.equal(net(x, t, cond), first)
+    null = net.model.transformer_blocks[0].norm1.emb.class_embedder.embedding_table
+    assert null.num_embeddings == CLASSES + 1
+
+
+def test_backbone_geometry_and_conditioning_refusals():
+    with pytest.raises(ConfigError, match="patch_size=3 does not divide the dit backbone's input size 8"):
+        build_backbone({"kind": "dit", **TINY_TRANSFORMER, "patch_size": 3}, 8, 3, CLASSES)
+    with pytest.raises(ConfigError, match="pixart backbone is conditioned on captions, not class labels"):
+        build_backbone({"kind": "pixart", **TINY_TRANSFORMER, "caption_channels": 12}, 8, 3, CLASSES)
+    with pytest.raises(ConfigError, match="mmdit backbone is conditioned on captions"):
+        build_backbone({"kind": "mmdit", **TINY_TRANSFORMER, "caption_channels": 4, "pooled_channels": 4}, 8, 3, 5)
+    with pytest.raises(ConfigError, match="width divisible by 3: .* = 16"):
+        build_backbone({"kind": "pixart", "num_attention_heads": 2, "attention_head_dim": 8, "caption_channels": 4,
+                        "use_additional_conditions": True}, 8, 3)  # fmt: skip
+    with pytest.raises(ValidationError, match="divisible by model.backbone.norm_num_groups=3"):
+        build_backbone({"kind": "unet", "block_out_channels": [8, 16], "norm_num_groups": 3}, 8, 3)
+    with pytest.raises(ValidationError, match="'unet', 'dit', 'pixart', 'mmdit'"):
+        build_backbone({"kind": "vit"}, 8, 3)
+    net = UNetBackbone.build(UNetBackboneConfig(), 8, 1, None)
+    assert net.accepts == frozenset() and net.model.config.num_class_embeds is None
+
+
+# ---------------------------------------------------------------- (4) refusals
+
+
+@pytest.mark.parametrize("prediction_type", ["v_prediction", "flow", "edm"])
+def test_dream_is_refused_for_every_objective_but_epsilon(prediction_type):
+    # As a config: the cascade's message, word for word (load_config turns it into exit 2).
+    with pytest.raises(ValidationError, match=f"dream=true needs prediction_type=epsilon .*got {prediction_type}"):
+        ObjectiveConfig(prediction_type=prediction_type, dream=True)
+    with pytest.raises(ValidationError, match=f"dream=true needs prediction_type=epsilon .*got {prediction_type}"):
+        StageConfig(image_size=8, prediction_type=prediction_type, dream=True)
+    # Built from any config that slipped past validation: a ConfigError naming the objective.
+    unchecked = ObjectiveConfig.model_construct(prediction_type=prediction_type, dream=True)
+    with pytest.raises(ConfigError, match=f"not to prediction_type={prediction_type}"):
+        build_objective(unchecked)
+    with pytest.raises(ConfigError, match=f"not to prediction_type={prediction_type}"):
+        OBJECTIVES[prediction_type](SimpleNamespace(dream=True))
+    assert build_objective(ObjectiveConfig(dream=True)).supports_dream
+
+
+@pytest.mark.parametrize("cls", [RectifiedFlow, EDM])
+def test_snr_gamma_is_ignored_by_flow_and_edm_as_the_cascade_does(cls):
+    """The cascade never refused snr_gamma for flow or EDM (its default, 5.0, is on for every stage), so the
+    core keeps ignoring it there rather than refusing configs that train today."""
+    net = build_backbone({"kind": "unet", **TINY_UNET}, 8, 1)
+    x0 = _batch().images
+    losses = []
+    for gamma in (5.0, None):
+        obj = cls(ObjectiveConfig(prediction_type=cls.name, snr_gamma=gamma))
+        gens = sample_generators(SEED, STEP, range(4))
+        noise = per_sample_randn(gens, x0.shape[1:])
+        losses.append(obj.loss(net, x0, noise, obj.draw(gens, 4, CPU, x0.dtype)).per_sample)
+    assert torch.equal(*losses) and not cls.uses_snr_gamma and VPrediction.uses_snr_gamma
+
+
+def test_unknown_prediction_type_is_refused():
+    with pytest.raises(ConfigError, match="prediction_type='x0': choose one of epsilon, v_prediction, flow, edm"):
+        build_objective(SimpleNamespace(prediction_type="x0"))
+
+
+# ---------------------------------------------------------------- guidance helpers
+
+
+def test_guidance_helpers():
+    assert default_labels(7, 3).tolist() == [0, 1, 2, 0, 1, 2, 0]
+    labels = torch.tensor([4, -1, 2])
+    assert labels_or_null(labels, torch.tensor([False, False, True]), 5).tolist() == [4, 5, 5]
+    both = cfg_batch({"labels": torch.tensor([1, 2]), "lowres": torch.ones(2, 1)}, {"labels": torch.tensor([9, 9])})
+    assert both["labels"].tolist() == [1, 2, 9, 9] and both["lowres"].shape == (4, 1)  # unguided entry shared
+    assert cfg_combine(torch.tensor([3.0, 1.0]), 2.0).tolist() == [5.0]  # 1 + 2 * (3 - 1)
+    calls = []
+    g = Guidance({"labels": torch.tensor([1])}, {"labels": torch.tensor([0])}, 1.0)
+    g.predictor(lambda x, t, c: calls.append(len(x)) or x)(torch.zeros(1), 0)
+    assert not g.active and calls == [1]  # scale 1: one plain forward
+    check_num_classes(10, 10)
+    check_num_classes(10, None)
+    with pytest.raises(ConfigError) as mine:
+        check_num_classes(10, 5)
+    with pytest.raises(ConfigError) as today:
+        DDPMTask(DiffusionModelConfig(num_classes=10), TaskContext(8, 1, 0, num_classes=5))
+    assert str(mine.value) == str(today.value)

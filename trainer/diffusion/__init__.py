@@ -1,0 +1,99 @@
+"""The diffusion core: objective x backbone x pixel-or-latent space.
+
+A diffusion model here is three independent choices:
+
+- an **objective** (`objectives.py`, from `prediction_type` and its keys): epsilon, v-prediction,
+  rectified flow or EDM. It owns the training draw (timesteps or sigmas) from the per-sample generators,
+  the noisy input and preconditioning, the target and loss weight (min-SNR, SD3 weighting, EDM lambda,
+  DREAM), the inference scheduler and the sampler loop (`denoise`);
+- a **backbone** (`backbones.py`, from `model.backbone.*`): unet, dit, pixart or mmdit, one call
+  `forward(x, t, cond)` whatever the architecture, declaring which conditions it accepts;
+- a **space**: the objective and backbone see tensors (N, C, H, W) and do not know whether they are
+  pixels or an autoencoder's latents; the task encodes before training and decodes after sampling.
+
+Conditioning (class labels, captions, pooled embeddings) reaches the backbone as a mapping; classifier-free
+guidance and the class-label helpers are in `guidance.py`. A task composes the three:
+
+    objective = build_objective(cfg)
+    net = build_backbone(cfg.backbone, sample_size, channels, num_classes)
+    gens = sample_generators(seed, step, positions, stream)
+    noise = per_sample_randn(gens, x0.shape[1:])      # the sample's noise first, then its level
+    loss = objective.loss(net, x0, noise, objective.draw(gens, n, device, dtype), cond)
+    x = objective.denoise(net, noise, steps, "ddim", Guidance(cond, uncond, scale))
+"""
+
+from trainer.diffusion.backbones import (
+    BACKBONES,
+    Backbone,
+    BackboneConfig,
+    DiTBackbone,
+    DiTBackboneConfig,
+    MMDiTBackbone,
+    MMDiTBackboneConfig,
+    PixArtBackbone,
+    PixArtBackboneConfig,
+    UNetBackbone,
+    UNetBackboneConfig,
+    build_backbone,
+    parse_backbone,
+)
+from trainer.diffusion.guidance import (
+    Guidance,
+    cfg_batch,
+    cfg_combine,
+    check_num_classes,
+    default_labels,
+    labels_or_null,
+)
+from trainer.diffusion.objectives import (
+    EDM,
+    OBJECTIVES,
+    SAMPLERS,
+    Draw,
+    EDMConfig,
+    Epsilon,
+    NetFn,
+    Objective,
+    ObjectiveConfig,
+    RectifiedFlow,
+    VPrediction,
+    build_objective,
+    edm_loss_weight,
+    min_snr_weights,
+)
+
+__all__ = [
+    "BACKBONES",
+    "EDM",
+    "OBJECTIVES",
+    "SAMPLERS",
+    "Backbone",
+    "BackboneConfig",
+    "DiTBackbone",
+    "DiTBackboneConfig",
+    "Draw",
+    "EDMConfig",
+    "Epsilon",
+    "Guidance",
+    "MMDiTBackbone",
+    "MMDiTBackboneConfig",
+    "NetFn",
+    "Objective",
+    "ObjectiveConfig",
+    "PixArtBackbone",
+    "PixArtBackboneConfig",
+    "RectifiedFlow",
+    "UNetBackbone",
+    "UNetBackboneConfig",
+    "VPrediction",
+    "build_backbone",
+    "build_objective",
+    "cfg_batch",
+    "cfg_combine",
+    "check_num_classes",
+    "default_labels",
+    "edm_loss_weight",
+    "labels_or_null",
+    "min_snr_weights",
+    "parse_backbone",
+]

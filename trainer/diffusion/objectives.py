@@ -1,0 +1,346 @@
+"""Diffusion objectives: what a network is trained to predict and how its samples are drawn.
+
+Each objective owns its training scheduler, its per-sample training draw (timesteps or sigmas), the
+noisy input and its preconditioning, the target, the loss weight, the inference scheduler and the
+sampler loop. They are diffusers' own functions arranged per objective (nothing re-derived):
+
+- `Epsilon` and `VPrediction`: DDPM noise schedule (DDPMScheduler), min-SNR-gamma weighting
+  (Hang et al. 2023); DREAM (arXiv:2312.00210) for epsilon, as diffusers implements it;
+- `RectifiedFlow`: SD3's timestep densities and loss weights (diffusers' `training_utils`) and the
+  flow-matching Euler sampler;
+- `EDM`: the elucidated preconditioning (Karras et al. 2022) of diffusers' EDM schedulers, whose
+  `precondition_*` functions serve training and sampling alike.
+
+The random calls of `draw` are exactly those the ddpm and cascade tasks make, in the same order, on
+the same per-sample generators (trainer/randomness.py), so a task moved onto an objective draws the
+same numbers and computes the same loss to the bit.
+
+A network is any callable `net_fn(x, t, cond) -> Tensor` (a `trainer.diffusion.backbones.Backbone`,
+or an adapter around a task's own module).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from types import SimpleNamespace
+from typing import Any, ClassVar, Literal
+
+import torch
+import torch.nn.functional as F
+from diffusers import (
+    DDIMScheduler,
+    DDPMScheduler,
+    DPMSolverMultistepScheduler,
+    EDMDPMSolverMultistepScheduler,
+    EDMEulerScheduler,
+    FlowMatchEulerDiscreteScheduler,
+)
+from diffusers.training_utils import (
+    compute_density_for_timestep_sampling,
+    compute_dream_and_update_latents,
+    compute_loss_weighting_for_sd3,
+    compute_snr,
+)
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from trainer.diffusion.guidance import Guidance
+from trainer.errors import ConfigError
+from trainer.randomness import per_sample_randint, per_sample_randn
+from trainer.tasks.base import Loss
+
+Tensor = torch.Tensor
+NetFn = Callable[[Tensor, Tensor, Mapping[str, Tensor]], Tensor]
+"""A network as an objective calls it: (noisy input, what it is told of the noise level, conditions) -> output."""
+
+SAMPLERS = ("ddim", "dpm")  # `sample.scheduler`
+
+
+class EDMConfig(BaseModel):
+    """`edm.*`: the elucidated preconditioning's constants (Karras et al. 2022, arXiv:2206.00364, table 1),
+    the defaults of the paper and of imagen-pytorch's ElucidatedImagen."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    sigma_data: float = Field(0.5, gt=0, description="standard deviation of the data (images in [-1, 1])")
+    p_mean: float = Field(-1.2, description="training: ln(sigma) ~ N(p_mean, p_std^2)")
+    p_std: float = Field(1.2, gt=0)
+    sigma_min: float = Field(0.002, gt=0, description="sampling: the schedule's ends")
+    sigma_max: float = Field(80.0, gt=0)
+    rho: float = Field(7.0, gt=0, description="sampling: Karras schedule curvature")
+
+
+class ObjectiveConfig(BaseModel):
+    """The objective's keys, with the names, defaults and checks of the cascade's stages (`model.stages[i]`)
+    and DDPM's `model.*` today, so either config can be read as one."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    prediction_type: Literal["epsilon", "v_prediction", "flow", "edm"] = "epsilon"
+    num_train_timesteps: int = Field(1000, ge=2)
+    beta_schedule: Literal["linear", "scaled_linear", "squaredcos_cap_v2"] = "squaredcos_cap_v2"
+    snr_gamma: float | None = Field(5.0, gt=0, description="min-SNR-gamma weighting; null = off")
+    edm: EDMConfig = Field(default_factory=EDMConfig, description="prediction_type=edm: its constants")
+    dream: bool = Field(False, description="DREAM (arXiv:2312.00210), epsilon prediction only")
+    dream_detail_preservation: float = Field(1.0, gt=0)
+    weighting_scheme: Literal["logit_normal", "mode", "sigma_sqrt", "cosmap", "none"] = Field(
+        "logit_normal", description="flow: SD3's timestep density and loss weighting"
+    )
+    logit_mean: float = 0.0
+    logit_std: float = Field(1.0, gt=0)
+    mode_scale: float = 1.29
+
+    @model_validator(mode="after")
+    def _dream_needs_epsilon(self) -> ObjectiveConfig:
+        # The cascade's message, word for word: configs refused today are refused the same way.
+        if self.dream and self.prediction_type != "epsilon":
+            raise ValueError(
+                f"dream=true needs prediction_type=epsilon (diffusers implements DREAM for epsilon only), "
+                f"got {self.prediction_type}"
+            )
+        return self
+
+
+@dataclass(frozen=True)
+class Draw:
+    """One step's per-sample training draw: `t`, what the network is told of the noise level (N,), and
+    `sigma`, the noise level itself (flow: the noise's share in [0, 1]; EDM: its standard deviation)."""
+
+    t: Tensor
+    sigma: Tensor | None = None
+
+
+def edm_loss_weight(sigma: Tensor, sigma_data: float) -> Tensor:
+    """lambda(sigma) = (sigma^2 + sigma_data^2) / (sigma * sigma_data)^2 (EDM eq. 8, table 1): with it the
+    effective target of the network output has unit variance at every noise level."""
+    return (sigma**2 + sigma_data**2) / (sigma * sigma_data) ** 2
+
+
+def min_snr_weights(snr: Tensor, gamma: float, prediction_type: str) -> Tensor:
+    """Per-sample loss weights of min-SNR-gamma (Hang et al. 2023, arXiv:2303.09556): min(SNR, gamma) / SNR
+    for epsilon targets, min(SNR, gamma) / (SNR + 1) for v targets, as in diffusers' training scripts."""
+    clipped = torch.clamp(snr, max=gamma)
+    if prediction_type == "epsilon":
+        return clipped / snr
+    return clipped / (snr + 1)
+
+
+def _per_sample_mse(pred: Tensor, target: Tensor) -> Tensor:
+    return F.mse_loss(pred.float(), target.float(), reduction="none").mean(dim=tuple(range(1, pred.ndim)))
+
+
+def _column(v: Tensor, like: Tensor) -> Tensor:
+    """(N,) -> (N, 1, ..., 1), broadcastable against `like`."""
+    return v.view(like.shape[0], *([1] * (like.ndim - 1)))
+
+
+class Objective:
+    """One training objective (see the module doc). Built from any config that carries the fields of
+    `ObjectiveConfig` (an `ObjectiveConfig`, a cascade stage, DDPM's model config); absent fields take
+    `ObjectiveConfig`'s defaults."""
+
+    name: ClassVar[str]  # the `prediction_type` that selects it
+    supports_dream: ClassVar[bool] = False
+    # min-SNR weighting applies to epsilon and v only; flow and EDM ignore `snr_gamma`, as the cascade
+    # always has (its default is 5.0, so refusing it there would refuse configs that train today).
+    uses_snr_gamma: ClassVar[bool] = False
+
+    def __init__(self, cfg: Any):
+        self.cfg = cfg
+        if self._field("dream") and not self.supports_dream:
+            raise ConfigError(
+                f"dream=true: DREAM applies to the epsilon objective only (diffusers implements it for epsilon), "
+                f"not to prediction_type={self.name}; remove dream or use prediction_type=epsilon"
+            )
+        self.train_scheduler = self._train_scheduler()
+
+    def _field(self, name: str) -> Any:
+        if hasattr(self.cfg, name):
+            return getattr(self.cfg, name)
+        f = ObjectiveConfig.model_fields[name]
+        return f.default_factory() if f.default_factory is not None else f.default
+
+    # ---- subclasses
+    def _train_scheduler(self):
+        raise NotImplementedError
+
+    def draw(self, gens: Sequence[torch.Generator], n: int, device: torch.device, dtype: torch.dtype) -> Draw:
+        """The per-sample training draw, one value per generator (drawn after the sample's noise)."""
+        raise NotImplementedError
+
+    def loss(
+        self, net_fn: NetFn, x0: Tensor, noise: Tensor, draw: Draw, cond: Mapping[str, Tensor] | None = None
+    ) -> Loss:
+        """Per-sample weighted loss of `net_fn` on clean `x0` noised with `noise` at `draw`; `mse` is the
+        unweighted error (logged)."""
+        raise NotImplementedError
+
+    def _inference_scheduler(self, kind: str):
+        raise NotImplementedError
+
+    # ---- shared
+    def inference_scheduler(self, kind: str):
+        """The sampler for `sample.scheduler` (ddim | dpm), with the training schedule's settings."""
+        if kind not in SAMPLERS:
+            raise ConfigError(f"sample.scheduler={kind!r}: choose one of {', '.join(SAMPLERS)}")
+        return self._inference_scheduler(kind)
+
+    @torch.no_grad()
+    def denoise(
+        self, net_fn: NetFn, x: Tensor, steps: int, kind: str = "ddim", guidance: Guidance | None = None
+    ) -> Tensor:
+        """Turn unit-variance noise `x` into samples in `steps` sampler steps (classifier-free guided when
+        `guidance` says so); returns the raw result (images in about [-1, 1], not clamped)."""
+        sched = self.inference_scheduler(kind)
+        sched.set_timesteps(steps)
+        # Not every sampler scales its start or its inputs (flow matching does neither).
+        x = x * getattr(sched, "init_noise_sigma", 1.0)
+        predict = (guidance or Guidance({})).predictor(net_fn)
+        for t in sched.timesteps:
+            model_in = sched.scale_model_input(x, t) if hasattr(sched, "scale_model_input") else x
+            x = sched.step(predict(model_in, t), t, x).prev_sample
+        return x
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}()"
+
+
+class _DDPMObjective(Objective):
+    """Epsilon and v: the DDPM noise schedule, integer timesteps, min-SNR weighting."""
+
+    uses_snr_gamma = True
+
+    def _train_scheduler(self) -> DDPMScheduler:
+        return DDPMScheduler(
+            num_train_timesteps=self._field("num_train_timesteps"),
+            beta_schedule=self._field("beta_schedule"),
+            prediction_type=self.name,
+        )
+
+    def _inference_scheduler(self, kind: str):
+        cls = {"ddim": DDIMScheduler, "dpm": DPMSolverMultistepScheduler}[kind]
+        return cls.from_config(self.train_scheduler.config)
+
+    def draw(self, gens, n, device, dtype) -> Draw:
+        return Draw(per_sample_randint(gens, self.train_scheduler.config.num_train_timesteps).to(device))
+
+    def target(self, x0: Tensor, noise: Tensor, t: Tensor) -> Tensor:
+        raise NotImplementedError
+
+    def loss(self, net_fn, x0, noise, draw, cond=None) -> Loss:
+        cond = cond if cond is not None else {}
+        sched, t = self.train_scheduler, draw.t
+        noisy = sched.add_noise(x0, noise, t)
+        target = self.target(x0, noise, t)
+        if self._field("dream"):
+
+            def unet(x, tt, c):  # diffusers' helper calls `unet(noisy, t, encoder_hidden_states).sample`
+                return SimpleNamespace(sample=net_fn(x, tt, c))
+
+            noisy, target = compute_dream_and_update_latents(
+                unet, sched, t, noise, noisy, target, cond, self._field("dream_detail_preservation")
+            )
+        mse = _per_sample_mse(net_fn(noisy, t, cond), target)
+        gamma = self._field("snr_gamma")
+        if gamma is None:
+            return Loss(mse, {"mse": mse.detach()})
+        weight = min_snr_weights(compute_snr(sched, t), gamma, self.name)
+        return Loss(mse * weight, {"mse": mse.detach()})
+
+
+class Epsilon(_DDPMObjective):
+    """Predict the noise (Ho et al. 2020)."""
+
+    name = "epsilon"
+    supports_dream = True
+
+    def target(self, x0, noise, t):
+        return noise
+
+
+class VPrediction(_DDPMObjective):
+    """Predict v = alpha_t * noise - sigma_t * x0 (Salimans & Ho 2022)."""
+
+    name = "v_prediction"
+
+    def target(self, x0, noise, t):
+        return self.train_scheduler.get_velocity(x0, noise, t)
+
+
+class RectifiedFlow(Objective):
+    """Rectified flow as in SD3 (Esser et al. 2024): x_sigma = (1 - sigma) x0 + sigma noise, target
+    noise - x0, timesteps from `weighting_scheme`'s density, loss weighted by it; flow-matching Euler sampler."""
+
+    name = "flow"
+
+    def _train_scheduler(self) -> FlowMatchEulerDiscreteScheduler:
+        return FlowMatchEulerDiscreteScheduler(num_train_timesteps=self._field("num_train_timesteps"))
+
+    def _inference_scheduler(self, kind: str):
+        # One sampler whatever `kind` asks, as the cascade samples flow stages today.
+        return FlowMatchEulerDiscreteScheduler.from_config(self.train_scheduler.config)
+
+    def draw(self, gens, n, device, dtype) -> Draw:
+        sched = self.train_scheduler
+        scheme = self._field("weighting_scheme")
+        mean, std, mode_scale = self._field("logit_mean"), self._field("logit_std"), self._field("mode_scale")
+        u = torch.cat(
+            [compute_density_for_timestep_sampling(scheme, 1, mean, std, mode_scale, generator=g) for g in gens]
+        )
+        steps = sched.config.num_train_timesteps
+        index = (u * steps).long().clamp(max=steps - 1)
+        return Draw(sched.timesteps[index].to(device), sched.sigmas[index].to(device, dtype))
+
+    def loss(self, net_fn, x0, noise, draw, cond=None) -> Loss:
+        cond = cond if cond is not None else {}
+        sigma = _column(draw.sigma, x0)
+        noisy = (1.0 - sigma) * x0 + sigma * noise
+        pred = net_fn(noisy, draw.t, cond)
+        weight = compute_loss_weighting_for_sd3(self._field("weighting_scheme"), sigma).view(x0.shape[0])
+        mse = _per_sample_mse(pred, noise - x0)
+        return Loss(mse * weight, {"mse": mse.detach()})
+
+
+class EDM(Objective):
+    """The elucidated preconditioning (Karras et al. 2022): lognormal training sigmas, c_skip/c_out/c_in/c_noise
+    and lambda(sigma) from diffusers' EDM schedulers, sampled by EDMEuler (ddim) or EDM DPM-Solver (dpm)."""
+
+    name = "edm"
+
+    def _edm_scheduler(self, kind: str):
+        # prediction_type "epsilon" is diffusers' name for EDM's own F-parametrization (c_out > 0).
+        e = self._field("edm")
+        cls = EDMDPMSolverMultistepScheduler if kind == "dpm" else EDMEulerScheduler
+        return cls(sigma_min=e.sigma_min, sigma_max=e.sigma_max, sigma_data=e.sigma_data, rho=e.rho,
+                   prediction_type="epsilon")  # fmt: skip
+
+    def _train_scheduler(self):
+        return self._edm_scheduler("ddim")
+
+    def _inference_scheduler(self, kind: str):
+        return self._edm_scheduler(kind)
+
+    def draw(self, gens, n, device, dtype) -> Draw:
+        e = self._field("edm")
+        sigma = (e.p_mean + e.p_std * per_sample_randn(gens, (1,))).exp().view(n).to(device, dtype)
+        return Draw(self.train_scheduler.precondition_noise(sigma), sigma)
+
+    def loss(self, net_fn, x0, noise, draw, cond=None) -> Loss:
+        cond = cond if cond is not None else {}
+        sched, sigma = self.train_scheduler, draw.sigma
+        sig = _column(sigma, x0)
+        noisy = x0 + sig * noise
+        out = net_fn(sched.precondition_inputs(noisy, sig), draw.t, cond)
+        mse = _per_sample_mse(sched.precondition_outputs(noisy, out, sig), x0)
+        return Loss(mse * edm_loss_weight(sigma.float(), self._field("edm").sigma_data), {"mse": mse.detach()})
+
+
+OBJECTIVES: dict[str, type[Objective]] = {c.name: c for c in (Epsilon, VPrediction, RectifiedFlow, EDM)}
+
+
+def build_objective(cfg: Any) -> Objective:
+    """The objective `cfg.prediction_type` names (default epsilon), configured by `cfg`."""
+    kind = getattr(cfg, "prediction_type", "epsilon")
+    if kind not in OBJECTIVES:
+        raise ConfigError(f"prediction_type={kind!r}: choose one of {', '.join(OBJECTIVES)}")
+    return OBJECTIVES[kind](cfg)
