@@ -129,8 +129,11 @@ def test_cli_binary_config_file_exits_2_with_one_paragraph_and_no_traceback():
 
 @pytest.mark.parametrize("kind", ["directory", "list", "missing"])
 def test_cli_unusable_config_file_exits_2(tmp_path, kind):
-    target = {"directory": tmp_path, "list": tmp_path / "list.yaml", "missing": tmp_path / "none.yaml"}[kind]
-    (tmp_path / "list.yaml").write_text("- 1\n")
+    # A long folder name: the message must carry the whole path, however deep the user's files lie.
+    where = tmp_path / ("configs-" + "x" * 120)
+    where.mkdir()
+    target = {"directory": where, "list": where / "list.yaml", "missing": where / "none.yaml"}[kind]
+    (where / "list.yaml").write_text("- 1\n")
     r = run_cli("train", str(target), timeout=120)
     assert r.returncode == 2, r.stderr
     assert "Traceback" not in r.stderr and str(target) in r.stderr

@@ -74,6 +74,11 @@ def _shown(text: str, limit: int = 80) -> str:
     return text if len(text) <= limit else f"{text[:limit]}... ({len(text)} characters)"
 
 
+def _shown_path(name: str) -> str:
+    """A file name as the user gave it: whole up to PATH_MAX (a path cut short names no file)."""
+    return _shown(name, limit=4096)
+
+
 class _ConfigYamlLoader(yaml.SafeLoader):
     """PyYAML's safe loader with YAML 1.2 core scalars, JSON-like values only, and bounded nesting.
 
@@ -260,7 +265,7 @@ def _yaml_layer(text: str, origin: str) -> tuple[dict[str, Any], Sources]:
 
 def _file_text(name: str) -> str | None:
     """The text of config file `name`, or None when there is no such file; ConfigError for anything else."""
-    what = f"config file {_shown(name)!r}"
+    what = f"config file {_shown_path(name)!r}"
     try:
         info = os.stat(name)
     except (FileNotFoundError, NotADirectoryError):
@@ -301,9 +306,9 @@ def _base_layer(preset_or_yaml: str | None) -> tuple[dict[str, Any], Sources]:
         return _yaml_layer(text, f"preset {name}")
     text = _file_text(name)
     if text is not None:
-        return _yaml_layer(text, _shown(name))
+        return _yaml_layer(text, _shown_path(name))
     if Path(name).suffix in (".yaml", ".yml"):
-        raise ConfigError(f"config file {_shown(name)!r} does not exist")
+        raise ConfigError(f"config file {_shown_path(name)!r} does not exist")
     raise ConfigError(f"{_shown(name)!r} is neither a preset nor a YAML file; presets: {', '.join(preset_names())}")
 
 
