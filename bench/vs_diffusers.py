@@ -25,9 +25,8 @@ script's training step rebuilt on the same diffusers/accelerate API (its
 docstring lists exactly where it differs from the script). To run the real
 script instead, pass `--script PATH/TO/train_unconditional.py --python
 VENV/bin/python` where that venv can import `torchvision` and `datasets`: here
-that is the 5.5 GB CUDA venv of `../shared/environment.md` (torch 2.14.1 +
-torchvision 0.29.1, then `pip install datasets tensorboard diffusers accelerate`;
-it runs on CPU); its gentrain side still runs with the interpreter running
+that is a separate venv with torch 2.14.1 + torchvision 0.29.1 (the CUDA wheels,
+5.5 GB; they run on CPU), then `pip install datasets tensorboard diffusers accelerate`; its gentrain side still runs with the interpreter running
 this file. The script's `check_min_version` wants diffusers >= 0.40. (A
 PIL-based stand-in for `torchvision.transforms` does not work: transformers,
 which diffusers imports through peft, then takes torchvision as installed and

@@ -2,7 +2,7 @@
 
 Built on TorchX's own `dist.ddp` (its rendezvous arguments: c10d on replica 0), but every
 node runs `python -m trainer launch TORCHRUN_ARGS -- [PRESET] [key=value ...]` instead of
-raw torchrun, so the contract's exit codes hold (design.md): a config error exits 2 on
+raw torchrun, so the contract's exit codes hold (docs/contract.md): a config error exits 2 on
 every node before any worker starts and is never retried (not by torchrun, and not by
 Volcano: see `install_volcano_exit_code_policies`), SIGTERM ends in 143 after an emergency
 checkpoint, anything else is retried. It also adds torchrun restarts, the Prometheus port,
@@ -57,6 +57,8 @@ def install_volcano_exit_code_policies() -> None:
         from torchx.schedulers import kubernetes_scheduler as ks
     except ImportError:  # no kubernetes client: nothing will build a Volcano Job here
         return
+    # Private: TorchX's module-level Volcano Job builder. TorchX has no public hook for task policies;
+    # guarded by tests/test_private_apis.py::test_torchx_kubernetes_scheduler_builds_volcano_jobs_through_app_to_resource.
     build = getattr(ks, "app_to_resource", None)
     if build is None:  # another TorchX: jobs still run, config errors are retried (k8s/README.md)
         warnings.warn(

@@ -47,6 +47,9 @@ def _agent_that_never_retries_usage_errors():
         def _monitor_workers(self, worker_group):
             result = super()._monitor_workers(worker_group)
             if result.is_failed() and any(f.exitcode == EXIT_USAGE for f in result.failures.values()):
+                # Private: the agent's restart budget. No public API says "do not restart on this exit
+                # code" (the fail-fast RFC pytorch/pytorch#99051 was closed unmerged); guarded by
+                # tests/test_private_apis.py::test_torchrun_agent_restart_counter.
                 if self._remaining_restarts > 0:
                     log.error("a worker exited %d (usage or config error): not restarting the workers", EXIT_USAGE)
                 self._remaining_restarts = 0

@@ -1,6 +1,6 @@
 """CheckpointStore: committed, verified, discoverable checkpoints on any fsspec store.
 
-Layout (see design.md):
+Layout (docs/contract.md, "Checkpoint layout"):
 
     <root>/step-000001200/manifest.json   written LAST: the commit point
     <root>/step-000001200/<payload files> safetensors for tensors, JSON for the rest

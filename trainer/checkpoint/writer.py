@@ -87,6 +87,8 @@ class Snapshot:
             with ctx:
                 for d in self._deferred:
                     d.buffer.copy_(d.source, non_blocking=d.source.is_cuda)
+                    # Tensor._version: autograd's in-place write counter, exposed only under this name;
+                    # guarded by tests/test_private_apis.py::test_tensor_version_counter_counts_in_place_writes.
                     if d.source._version != d.version:
                         raise SnapshotError(
                             f"{d.name} changed while it was being copied for the checkpoint: something updated "

@@ -31,7 +31,7 @@ from torch.distributed.fsdp import (
     fully_shard,
     register_fsdp_forward_method,
 )
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, distribute_tensor
 
 _PARAM_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -131,6 +131,17 @@ def replicate_from_rank0(module: nn.Module, device: torch.device, rank: int, par
         dist.broadcast(t.data, src=0)
 
 
+def move_buffers(module: nn.Module, device: torch.device) -> None:
+    """Move every buffer of `module` (not its parameters) to `device`, keeping which are persistent.
+
+    Assigning to a registered buffer's name replaces the buffer (`nn.Module.__setattr__`):
+    the public way to move buffers only, where `module.to` would move parameters too.
+    """
+    for m in module.modules():
+        for key, b in list(m.named_buffers(recurse=False)):
+            setattr(m, key, b.to(device))
+
+
 def shard_from_rank0(
     module: nn.Module, precision: str, cpu_offload: bool, rank: int, device: torch.device
 ) -> nn.Module:
@@ -143,18 +154,12 @@ def shard_from_rank0(
     (same scheme), which refuses a state dict on two devices: with CPU offload the sharded parameters
     live on the host and the buffers on the GPU.
     """
-    from torch.distributed.tensor import distribute_tensor
-
     full = {n: p.detach() for n, p in module.named_parameters()} if rank == 0 else {}  # host memory
     shard_module(module, precision, cpu_offload)  # moves one unit at a time to the device as it shards
     if rank != 0:
         module.to_empty(device=torch.device("cpu") if cpu_offload else device)
         if cpu_offload:  # offload keeps parameters on the host; buffers live on the device
-            for m in module.modules():
-                # Private API (tests/test_private_apis.py::test_module_buffers_dict): no public call moves buffers only
-                for key, b in m._buffers.items():
-                    if b is not None:
-                        m._buffers[key] = b.to(device)
+            move_buffers(module, device)
     with torch.no_grad():
         for name, p in module.named_parameters():
             if rank == 0:

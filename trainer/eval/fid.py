@@ -70,6 +70,8 @@ class FidKid:
     def _one_tensor_per_list(self) -> None:
         """Join each KID feature list into one tensor (empty if this rank saw none), so every rank
         issues the same collectives in torchmetrics' sync (one gather per list element)."""
+        # Private: torchmetrics' list states, which it offers no public way to merge; guarded by
+        # tests/test_private_apis.py::test_torchmetrics_kid_keeps_features_in_list_states.
         width = self.features.num_features
         for name in ("real_features", "fake_features"):
             parts = getattr(self.kid, name)
