@@ -24,7 +24,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 from digits_classifier import class_accuracy, fit_digits_classifier  # noqa: E402
 
 from trainer.checkpoint import resolve_checkpoint  # noqa: E402
-from trainer.checkpoint.state import TRAINER_JSON  # noqa: E402
+from trainer.checkpoint.layout import TRAINER_JSON  # noqa: E402
 from trainer.checkpoint.weights import load_for_inference  # noqa: E402
 from trainer.data import build_splits  # noqa: E402
 from trainer.data.sampler import SampleRef  # noqa: E402

@@ -97,8 +97,36 @@ def final_weights(
     }
 
 
+# ---------------------------------------------------------------- comparing tensors (the one set of helpers)
+
+
+def assert_tensors_equal(a, b, what: str = "") -> None:
+    """Bit-exact equality of two tensors or (nested) mappings of tensors: same keys, dtypes, shapes, values.
+
+    Used wherever the math guarantees identity (a resumed run, a resharded checkpoint, the same
+    random draws); the message names the first key that differs."""
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        assert isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor), f"{what}: tensor vs {type(b).__name__}"
+        assert a.dtype == b.dtype and a.shape == b.shape, (
+            f"{what}: {a.dtype}{list(a.shape)} vs {b.dtype}{list(b.shape)}"
+        )
+        assert torch.equal(a, b), f"{what} differs (largest difference {(a.double() - b.double()).abs().max():.3g})"
+        return
+    assert a.keys() == b.keys(), f"{what}: keys differ: {sorted(set(a) ^ set(b))[:5]}"
+    for k in a:
+        assert_tensors_equal(a[k], b[k], f"{what}:{k}" if what else str(k))
+
+
+def assert_tensors_close(a: dict, b: dict, relative: float, what: str = "") -> None:
+    """Equality within `relative` x the largest magnitude in `a`, for results float summation order may
+    change (accumulation vs one batch, DDP vs FSDP): callers derive `relative` from the math."""
+    assert a.keys() == b.keys(), f"{what}: keys differ: {sorted(set(a) ^ set(b))[:5]}"
+    scale = max(float(t.abs().max()) for t in a.values())
+    for k in a:
+        diff = float((a[k] - b[k]).abs().max())
+        assert diff <= relative * scale, f"{what}{k}: differs by {diff:.3g} (scale {scale:.3g})"
+
+
 def assert_identical(a: dict, b: dict) -> None:
-    for kind in ("model", "ema"):
-        assert a[kind].keys() == b[kind].keys()
-        for k in a[kind]:
-            assert torch.equal(a[kind][k], b[kind][k]), f"{kind} tensor {k} differs"
+    """The model and EMA weights of two `checkpoint_weights` results are bit-identical."""
+    assert_tensors_equal({k: a[k] for k in ("model", "ema")}, {k: b[k] for k in ("model", "ema")})

@@ -12,6 +12,7 @@ import pytest
 import torch
 from conftest import REPO, clean_env, run_cli
 from elastic_helpers import start_torchrun
+from helpers import assert_tensors_equal
 from PIL import Image
 from test_elastic import finish, standalone
 
@@ -38,12 +39,6 @@ def checkpoint_files(root: str, step: int) -> tuple[dict[str, dict[str, torch.Te
     return tensors, store.read_json(info, "trainer.json")
 
 
-def assert_same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor], what: str) -> None:
-    assert a.keys() == b.keys(), what
-    for k in a:
-        assert torch.equal(a[k], b[k]), f"{what}: {k} differs"
-
-
 @pytest.fixture(scope="module")
 def both_stages(tmp_path_factory):
     """A cascade whose two stages trained 3 steps together."""
@@ -64,7 +59,7 @@ def test_training_stage_2_alone_keeps_stage_1_weights_ema_and_optimizer_bit_iden
     before, doc_before = checkpoint_files(root, 3)
     after, doc_after = checkpoint_files(root, 6)
     for f in ("stage1.model.safetensors", "stage1.ema.safetensors", "stage1.optimizer.safetensors"):
-        assert_same(before[f], after[f], f)
+        assert_tensors_equal(before[f], after[f], f)
     assert doc_after["parts"]["stage1"] == doc_before["parts"]["stage1"]  # step, schedule, scaler, optimizer groups
     assert doc_after["parts"]["stage1"]["step"] == 3 and doc_after["parts"]["stage2"]["step"] == 6
     assert not torch.equal(
@@ -145,7 +140,7 @@ def test_two_stages_under_torchrun_resume_bit_identical_after_sigkill_and_sample
     assert {"stage1.ema.safetensors", "stage2.optimizer.safetensors", "rank-00001.safetensors"} <= set(a)
     assert a.keys() == b.keys()
     for name in a:  # both stages' weights, EMA and optimizers, every rank's global RNG state
-        assert_same(a[name], b[name], name)
+        assert_tensors_equal(a[name], b[name], name)
 
     out = tmp_path / "grid.png"
     r = run_cli(

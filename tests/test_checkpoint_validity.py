@@ -15,6 +15,7 @@ import pytest
 import torch
 from ckpt_tamper import edit_json, edit_tensors, flip_byte, manifest, read_tensors, replace_file, step_dir
 from conftest import REPO, clean_env, run_cli, tiny
+from helpers import assert_tensors_equal
 
 from trainer.checkpoint import CheckpointStore
 
@@ -50,10 +51,9 @@ def no_traceback(r: subprocess.CompletedProcess) -> None:
 
 def assert_same_step(root: Path, reference: Path, step: int) -> None:
     for name in STEPS:
-        got, want = read_tensors(root, step, name), read_tensors(reference, step, name)
-        assert got.keys() == want.keys()
-        for k in want:
-            assert torch.equal(got[k], want[k]), f"{name}:{k} differs from the uninterrupted run"
+        assert_tensors_equal(
+            read_tensors(root, step, name), read_tensors(reference, step, name), f"{name} vs uninterrupted"
+        )
 
 
 # ------------------------------------------------------------------ 1. a re-save replaces an invalid step

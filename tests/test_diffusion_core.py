@@ -8,6 +8,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from helpers import assert_tensors_equal
 from pydantic import ValidationError
 
 from trainer.diffusion import (
@@ -59,10 +60,7 @@ def _stage_fn(net):
 
 
 def _assert_same_loss(mine, today):
-    assert torch.equal(mine.per_sample, today.per_sample), (mine.per_sample, today.per_sample)
-    assert mine.terms.keys() == today.terms.keys()
-    for k in today.terms:
-        assert torch.equal(mine.terms[k], today.terms[k]), k
+    assert_tensors_equal({"per_sample": mine.per_sample, **mine.terms}, {"per_sample": today.per_sample, **today.terms})
 
 
 # ---------------------------------------------------------------- config names, defaults and checks

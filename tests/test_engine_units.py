@@ -18,7 +18,6 @@ from torch import nn
 
 from trainer import __version__
 from trainer.checkpoint.manager import CheckpointManager
-from trainer.config import load_config
 from trainer.config.redact import REDACTED
 from trainer.elastic import DistEnv
 from trainer.engine.parts import ModuleView, Part, build_parts
@@ -28,6 +27,7 @@ from trainer.engine.step import StepRunner
 from trainer.engine.wrap import DataParallel, FullySharded, OneProcess, refuse_lora_under_fsdp, wrapping_for
 from trainer.errors import ConfigError
 from trainer.metrics import TrainingMetrics
+from trainer.registry import load_config
 from trainer.tasks.base import Loss, Phase
 
 D = 4  # features per sample (images of 1x2x2)

@@ -14,6 +14,7 @@ from __future__ import annotations
 import pytest
 import torch
 from conftest import tiny
+from helpers import assert_tensors_close
 
 from trainer.data import build_train_loader
 from trainer.elastic import DistEnv
@@ -40,10 +41,7 @@ def reference(tmp_path_factory):
 
 
 def assert_same_gradient(a: dict, b: dict) -> None:
-    scale = max(g.abs().max() for g in a.values())
-    for k in a:
-        diff = (a[k] - b[k]).abs().max()
-        assert diff <= RELATIVE_TOLERANCE * scale, f"{k}: differs by {diff:.3g} (gradient scale {scale:.3g})"
+    assert_tensors_close(a, b, RELATIVE_TOLERANCE, "gradient ")
 
 
 def test_grad_accumulation_gives_the_same_gradient(tmp_path, reference):

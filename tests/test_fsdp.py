@@ -17,7 +17,7 @@ import pytest
 import torch
 from conftest import REPO, clean_env, run_cli, tiny
 from elastic_helpers import rank_of, start_torchrun, worker_pids
-from helpers import kill_group
+from helpers import assert_tensors_equal, kill_group
 from test_elastic import finish, make_images, standalone
 
 from trainer.checkpoint import CheckpointStore
@@ -42,11 +42,7 @@ def full_state(root: str, step: int | None = None, storage_options=None) -> dict
 
 
 def assert_same_state(a: dict, b: dict) -> None:
-    assert a.keys() == b.keys()
-    for kind in a:
-        assert a[kind].keys() == b[kind].keys(), kind
-        for key in a[kind]:
-            assert torch.equal(a[kind][key], b[kind][key]), f"{kind}:{key} differs"
+    assert_tensors_equal(a, b)
 
 
 def run_torchrun(tmp_path, name: str, nproc: int, args: list[str], **env: str) -> str:

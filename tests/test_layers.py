@@ -77,20 +77,9 @@ def _violations(package: str, forbidden: tuple[str, ...], allowed: set[tuple[str
     return sorted(set(found))
 
 
-# Transitional re-exports in trainer/config/__init__.py that call the registry (see the comment there): allowed
-# only while something still imports them from trainer.config, so this list can only shrink.
-CONFIG_SHIMS = {("trainer/config/__init__.py", "trainer.registry"): ("load_config", "config_from_dict")}
-
-
 def test_config_imports_nothing_of_tasks_the_registry_or_the_engine():
     forbidden = ("trainer.tasks", "trainer.registry", "trainer.engine", "trainer.models")
-    assert _violations("trainer.config", forbidden, set(CONFIG_SHIMS)) == []
-    # Every shim must still have a user outside trainer/config (trainer/, tests/, bench/), or it goes.
-    users = re.compile(r"from trainer\.config import [^\n]*\b(load_config|config_from_dict)\b")
-    sources = [p for d in ("trainer", "tests", "bench") for p in (REPO / d).rglob("*.py") if "config" not in p.parts]
-    used = {m.group(1) for p in sources for m in users.finditer(p.read_text(encoding="utf-8"))}
-    for names in CONFIG_SHIMS.values():
-        assert set(names) <= used, f"nothing imports {set(names) - used} from trainer.config: remove the shim"
+    assert _violations("trainer.config", forbidden) == []
 
 
 def test_tasks_never_see_ranks_or_how_parts_are_sharded():
@@ -103,21 +92,6 @@ def test_tasks_never_see_ranks_or_how_parts_are_sharded():
 
 def test_errors_is_a_leaf():
     assert [m for _, m, _ in _imports(PACKAGE / "errors.py") if _under(m, "trainer")] == []
-
-
-# Function-level imports without a reason in files other engineers own (issue 24 lists them for their owners):
-# tolerated until they are fixed; remove an entry once it is.
-PENDING = {
-    ("trainer/checkpoint/sharded.py", "trainer.elastic"),
-    ("trainer/checkpoint/weights.py", "trainer.checkpoint.format"),
-    ("trainer/checkpoint/weights.py", "trainer.checkpoint.store"),
-    ("trainer/checkpoint/weights.py", "trainer.data"),
-    ("trainer/eval/fid.py", "trainer.config"),
-    ("trainer/eval/fid.py", "trainer.data"),
-    ("trainer/eval/fid.py", "trainer.data.sampler"),
-    ("trainer/eval/fid.py", "trainer.engine.shard"),
-    ("trainer/eval/fid.py", "trainer.models.finetune"),
-}
 
 
 def _has_reason(lines: list[str], stmt: ast.stmt) -> bool:
@@ -137,8 +111,7 @@ def test_every_function_level_import_of_trainer_says_why():
         for stmt, module, in_function in _imports(path):
             if in_function and module.startswith("trainer") and not _has_reason(lines, stmt):
                 unexplained.add((str(path.relative_to(REPO)), getattr(stmt, "module", None) or module))
-    assert sorted(unexplained - PENDING) == []
-    assert sorted(PENDING - unexplained) == [], "fixed: remove these from PENDING"
+    assert sorted(unexplained) == []
 
 
 # ---------------------------------------------------------------- the registry

@@ -282,7 +282,7 @@ def _conditions(args: argparse.Namespace, store, info) -> dict[str, Any]:
     import numpy as np
     import torch
 
-    from trainer.checkpoint.state import TRAINER_JSON  # torch-heavy (see the module doc)
+    from trainer.checkpoint.layout import TRAINER_JSON  # torch-heavy (see the module doc)
 
     out: dict[str, Any] = {}
     if TRAINER_JSON in info.manifest["files"]:  # a consolidated checkpoint has weights only

@@ -19,8 +19,9 @@ import os
 import signal
 import sys
 
-from trainer.config import ConfigError, load_config, split_preset
-from trainer.elastic import EXIT_OK, EXIT_PREEMPTED, EXIT_USAGE
+from trainer.config import split_preset
+from trainer.errors import EXIT_OK, EXIT_PREEMPTED, EXIT_USAGE, ConfigError
+from trainer.registry import load_config
 
 log = logging.getLogger("gentrain")
 

@@ -86,11 +86,9 @@ def stream_seed(seed: int, stream: Stream, *keys: int, substream: int = 0) -> in
 
 
 def sample_generators(
-    seed: int, step: int, positions: Sequence[int], stream: Stream | int = Stream.DIFFUSION, substream: int = 0
+    seed: int, step: int, positions: Sequence[int], stream: Stream = Stream.DIFFUSION, substream: int = 0
 ) -> list[torch.Generator]:
     """One CPU generator per sample of `stream` (keys: step, position in the step's global batch)."""
-    if not isinstance(stream, Stream):  # a bare id (a caller not converted to Stream yet): find its stream
-        stream, substream = _per_sample_stream(int(stream) + substream)
     if stream not in _PER_SAMPLE:
         raise ValueError(f"random stream {stream.name} is not keyed by (step, position)")
     sid = _stream_id(stream, 2, substream)
@@ -108,13 +106,6 @@ def _stream_id(stream: Stream, nkeys: int, substream: int) -> int:
     if not 0 <= substream < stream.span:
         raise ValueError(f"random stream {stream.name} has substreams 0..{stream.span - 1}, got {substream}")
     return stream.id + substream
-
-
-def _per_sample_stream(sid: int) -> tuple[Stream, int]:
-    for s in _PER_SAMPLE:
-        if s.id <= sid < s.id + s.span:
-            return s, sid - s.id
-    raise ValueError(f"no per-sample random stream has id {sid} (see trainer.randomness.Stream)")
 
 
 def per_sample_randn(gens: Sequence[torch.Generator], shape: Sequence[int]) -> torch.Tensor:

@@ -1,6 +1,7 @@
 """Checkpoints: a store that commits and discovers them, the file format, a sync/async writer,
 what training state goes into which file, and the manager that decides when to save and resume.
 
+    layout.py   every file and dir name in a checkpoint root, built and parsed
     store.py    CheckpointStore: commit (manifest last), discovery, verification, retention
     format.py   nested state <-> safetensors + JSON skeleton; streaming writer; digests
     writer.py   Checkpointer: sync or background saves of a snapshot, one in flight
@@ -10,6 +11,7 @@ what training state goes into which file, and the manager that decides when to s
 """
 
 from trainer.checkpoint.format import join_tensors, split_tensors, write_safetensors
+from trainer.checkpoint.layout import step_dir_name
 from trainer.checkpoint.store import (
     CheckpointCorrupt,
     CheckpointError,
@@ -18,7 +20,6 @@ from trainer.checkpoint.store import (
     Payload,
     SaveResult,
     resolve_checkpoint,
-    step_dir_name,
 )
 
 __all__ = [

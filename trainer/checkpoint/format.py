@@ -60,15 +60,21 @@ def join_tensors(skeleton: Any, tensors: Mapping[str, torch.Tensor]) -> Any:
 
 # ------------------------------------------------------------ safetensors writer
 
-# Every dtype the safetensors format defines, by its header name (safetensors' `Dtype` enum), with
-# the torch dtype it holds. One table for the writer, the readers and validation.
+# Every dtype the safetensors library both writes and reads back, by its header name (safetensors'
+# `Dtype` enum), with the torch dtype it holds. One table for the writer, the readers and
+# validation. Left out, refused at write time: F8_E8M0 and F4, which safetensors 0.8 writes but
+# cannot load (and F4 packs two elements a byte, so its header shape is not the tensor's).
+# tests/test_checkpoint_layout.py checks the table against the installed safetensors.
 SAFETENSORS_DTYPES: dict[str, torch.dtype] = {
     "F64": torch.float64,
     "F32": torch.float32,
     "F16": torch.float16,
     "BF16": torch.bfloat16,
     "F8_E4M3": torch.float8_e4m3fn,
+    "F8_E4M3FNUZ": torch.float8_e4m3fnuz,
     "F8_E5M2": torch.float8_e5m2,
+    "F8_E5M2FNUZ": torch.float8_e5m2fnuz,
+    "C64": torch.complex64,
     "I64": torch.int64,
     "I32": torch.int32,
     "I16": torch.int16,
@@ -80,7 +86,6 @@ SAFETENSORS_DTYPES: dict[str, torch.dtype] = {
     "BOOL": torch.bool,
 }
 DTYPE_NAMES: dict[torch.dtype, str] = {v: k for k, v in SAFETENSORS_DTYPES.items()}
-_DTYPES = DTYPE_NAMES  # the name older modules import
 
 
 def torch_dtype(name: str) -> torch.dtype:
@@ -115,10 +120,10 @@ def write_safetensors(f, tensors: Mapping[str, torch.Tensor], on_bytes: Callable
     names = sorted(tensors)
     for name in names:
         t = tensors[name]
-        if t.dtype not in _DTYPES:
+        if t.dtype not in DTYPE_NAMES:
             raise TypeError(f"cannot store tensor {name!r} of dtype {t.dtype} in safetensors")
         n = t.numel() * t.element_size()
-        header[name] = {"dtype": _DTYPES[t.dtype], "shape": list(t.shape), "data_offsets": [offset, offset + n]}
+        header[name] = {"dtype": DTYPE_NAMES[t.dtype], "shape": list(t.shape), "data_offsets": [offset, offset + n]}
         offset += n
     raw = json.dumps(header, separators=(",", ":")).encode()
     raw += b" " * (-len(raw) % 8)

@@ -44,20 +44,18 @@ from torch.distributed.checkpoint.storage import StorageReader
 from torch.distributed.tensor import DTensor
 from torch.futures import Future
 
-from trainer.checkpoint.format import _DTYPES, entry_digest, new_digest, torch_dtype
+from trainer.checkpoint.format import DTYPE_NAMES, entry_digest, new_digest, torch_dtype
+from trainer.checkpoint.layout import (
+    SHARD_INDEX,
+    group_files,
+    replicated_file,
+    shard_file,
+    whole_file,
+)
 from trainer.checkpoint.store import CheckpointCorrupt, CheckpointError, CheckpointInfo, CheckpointStore, SaveResult
+from trainer.elastic import gather_objects
 
-SHARD_INDEX = "shards.json"
-KINDS = ("model", "ema", "optimizer")
 _READ_CHUNK = 16 << 20
-
-
-def shard_file(group: str, rank: int) -> str:
-    return f"{group}.rank-{rank:05d}.safetensors"
-
-
-def replicated_file(group: str) -> str:
-    return f"{group}.replicated.safetensors"
 
 
 def is_sharded(info: CheckpointInfo) -> bool:
@@ -80,9 +78,9 @@ def local_slices(
     replicated: dict[str, torch.Tensor] = {}
     index: dict[str, dict[str, Any]] = {}
     for key, t in tensors.items():
-        if t.dtype not in _DTYPES:
+        if t.dtype not in DTYPE_NAMES:
             raise TypeError(f"cannot store tensor {group}:{key} of dtype {t.dtype} in safetensors")
-        entry: dict[str, Any] = {"dtype": _DTYPES[t.dtype], "shape": list(t.shape), "chunks": []}
+        entry: dict[str, Any] = {"dtype": DTYPE_NAMES[t.dtype], "shape": list(t.shape), "chunks": []}
         if isinstance(t, DTensor):
             local = t.to_local()
             for chunk in t.__create_chunk_list__():
@@ -136,8 +134,6 @@ def write_sharded(
     writes the merged index, then commits the manifest listing every rank's files. Returns the result on
     rank 0, None elsewhere; raises on every rank if any rank failed (then nothing is committed). A rank
     whose snapshot already `failed` writes nothing and reports why."""
-    from trainer.elastic import gather_objects
-
     entries, error = {}, (f"rank {rank}: {failed}" if failed else None)
     try:
         if error is None:
@@ -184,12 +180,12 @@ class ShardIndex:
         )
 
     def has(self, group: str) -> bool:
-        return group in self._groups or f"{group}.safetensors" in self.info.manifest["files"]
+        return group in self._groups or whole_file(group) in self.info.manifest["files"]
 
     def group(self, group: str) -> dict[str, Any]:
         """{key: {dtype, shape, chunks: [{file, offsets, sizes}]}} of `<part>.<kind>`."""
         if group not in self._groups:
-            name = f"{group}.safetensors"
+            name = whole_file(group)
             header, _ = read_header(self.store, self.info, name)
             self._groups[group] = {
                 key: {
@@ -333,18 +329,10 @@ class ChunkReader(StorageReader):
         return out
 
 
-def group_name(part: str, kind: str) -> str:
-    return f"{part}.{kind}"
-
-
 def index_file_bytes(index: Mapping[str, Any], world_size: int) -> bytes:
     return json.dumps({"version": 1, "world_size": world_size, "tensors": index}, indent=1).encode()
 
 
 def files_of_group(info: CheckpointInfo, group: str) -> list[str]:
     """Every file holding (a slice of) `<part>.<kind>`, in either layout."""
-    names = info.manifest["files"]
-    whole = f"{group}.safetensors"
-    if whole in names:
-        return [whole]
-    return sorted(n for n in names if n == replicated_file(group) or n.startswith(f"{group}.rank-"))
+    return group_files(info.manifest["files"], group)

@@ -28,34 +28,17 @@ import torch
 
 from trainer.checkpoint.errors import CheckpointCorrupt
 from trainer.checkpoint.format import join_tensors, split_tensors, torch_dtype
-from trainer.checkpoint.sharded import ShardIndex, group_name, is_sharded, load_group, local_slices
+from trainer.checkpoint.layout import TRAINER_JSON, ema_file, group_name, model_file, optimizer_file, rank_files
+from trainer.checkpoint.sharded import ShardIndex, is_sharded, load_group, local_slices
 from trainer.checkpoint.store import CheckpointInfo, CheckpointStore, Payload
 from trainer.checkpoint.validity import tensor_refs
 from trainer.checkpoint.writer import storage_key
 from trainer.randomness import rng_state, set_rng_state
 
-TRAINER_JSON = "trainer.json"
-
 
 class Stateful(Protocol):
     def state_dict(self) -> dict[str, Any]: ...
     def load_state_dict(self, state: Mapping[str, Any]) -> None: ...
-
-
-def model_file(part: str) -> str:
-    return f"{part}.model.safetensors"
-
-
-def ema_file(part: str) -> str:
-    return f"{part}.ema.safetensors"
-
-
-def optimizer_file(part: str) -> str:
-    return f"{part}.optimizer.safetensors"
-
-
-def rank_files(rank: int) -> tuple[str, str]:
-    return f"rank-{rank:05d}.safetensors", f"rank-{rank:05d}.json"
 
 
 def capture_rank_state() -> dict[str, Any]:

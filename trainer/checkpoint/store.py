@@ -30,7 +30,6 @@ import json
 import logging
 import os
 import posixpath
-import re
 import threading
 import time
 from collections.abc import Iterable, Mapping
@@ -45,6 +44,17 @@ from safetensors.torch import load as safetensors_load
 
 from trainer.checkpoint.errors import CheckpointCorrupt, CheckpointError
 from trainer.checkpoint.format import DIGEST, Hasher, entry_digest, fsync, new_digest, write_safetensors
+from trainer.checkpoint.layout import (
+    MANIFEST,
+    SHARD_INDEX,
+    TRAINER_JSON,
+    group_name,
+    is_rank_json,
+    parse_group_file,
+    parse_step_dir,
+    step_dir_name,
+    whole_file,
+)
 from trainer.checkpoint.validity import (
     FORMAT_VERSION,
     parse_json,
@@ -61,13 +71,7 @@ log = logging.getLogger(__name__)
 
 __all__ = ["CheckpointCorrupt", "CheckpointError", "CheckpointInfo", "CheckpointStore", "FORMAT_VERSION"]
 
-MANIFEST = "manifest.json"
 LATEST = "LATEST"
-_STEP_RE = re.compile(r"^step-(\d{9,})$")
-
-
-def step_dir_name(step: int) -> str:
-    return f"step-{step:09d}"
 
 
 @dataclass
@@ -314,9 +318,9 @@ class CheckpointStore:
             return []
         out = []
         for n in names:
-            m = _STEP_RE.match(posixpath.basename(str(n).rstrip("/")))
-            if m:
-                out.append(int(m.group(1)))
+            step = parse_step_dir(posixpath.basename(str(n).rstrip("/")))
+            if step is not None:
+                out.append(step)
         return sorted(set(out))
 
     def check(self, step: int) -> CheckpointInfo:
@@ -368,8 +372,7 @@ class CheckpointStore:
             name = self.fs.cat_file(self._path(LATEST)).decode().strip()
         except (OSError, UnicodeDecodeError):  # absent, a dir, unreadable, binary: only a hint
             return None
-        m = _STEP_RE.match(name)
-        return int(m.group(1)) if m else None
+        return parse_step_dir(name)
 
     def valid_candidates(self, deep: bool = False) -> Iterable[CheckpointInfo]:
         """Committed checkpoints (`deep`: valid ones, see `verify`), newest first, each checked lazily.
@@ -545,11 +548,11 @@ class CheckpointStore:
 def _parse_json_payload(name: str, raw: bytes, info: CheckpointInfo) -> Any:
     what = f"{info.url}/{name}"
     try:
-        if name == "trainer.json":
+        if name == TRAINER_JSON:
             return parse_trainer_json(raw, info.step)
-        if name == "shards.json":
+        if name == SHARD_INDEX:
             return parse_shard_index(raw, (info.manifest or {}).get("files", {}))
-        if _RANK_JSON.match(name):
+        if is_rank_json(name):
             return parse_rank_json(raw)
         return parse_json(raw, name)
     except CheckpointCorrupt as e:
@@ -560,7 +563,7 @@ def _cross_check(info: CheckpointInfo, parsed: Mapping[str, Any]) -> list[str]:
     """Structure across files: what trainer.json and shards.json refer to exists, EMA fits its weights."""
     problems = []
     files = info.manifest["files"]
-    index = parsed.get("shards.json")
+    index = parsed.get(SHARD_INDEX)
     if index is not None:
         for group, tensors in index["tensors"].items():
             for key, t in tensors.items():
@@ -568,19 +571,21 @@ def _cross_check(info: CheckpointInfo, parsed: Mapping[str, Any]) -> list[str]:
                     h = (parsed.get(c["file"]) or {}).get(key)
                     if h is None or h["dtype"] != t["dtype"] or h["shape"] != c["sizes"]:
                         problems.append(f"{info.url}/{c['file']}: {group}:{key} does not match shards.json")
-    doc = parsed.get("trainer.json")
+    doc = parsed.get(TRAINER_JSON)
     if doc is not None:
         for part, state in doc["parts"].items():
             refs = tensor_refs(state["optimizer"])
-            group = f"{part}.optimizer"
-            saved = set((index or {}).get("tensors", {}).get(group, {})) | set(parsed.get(f"{group}.safetensors") or {})
+            group = group_name(part, "optimizer")
+            saved = set((index or {}).get("tensors", {}).get(group, {})) | set(parsed.get(whole_file(group)) or {})
             if refs - saved:
                 problems.append(f"{info.url}: {group} lacks tensors trainer.json refers to: {sorted(refs - saved)[:3]}")
-            if f"{part}.model.safetensors" not in files and f"{part}.model" not in (index or {}).get("tensors", {}):
+            model = group_name(part, "model")
+            if whole_file(model) not in files and model not in (index or {}).get("tensors", {}):
                 problems.append(f"{info.url}: trainer.json has part {part!r}, but no weights of it are listed")
     for name, header in parsed.items():
-        if name.endswith(".ema.safetensors"):
-            model = parsed.get(name.replace(".ema.", ".model."))
+        g = parse_group_file(name)
+        if g is not None and g.kind == "ema" and g.whole:
+            model = parsed.get(whole_file(group_name(g.part, "model")))
             if model is None:
                 continue
             for key, h in header.items():
@@ -588,9 +593,6 @@ def _cross_check(info: CheckpointInfo, parsed: Mapping[str, Any]) -> list[str]:
                     problems.append(f"{info.url}/{name}: {key} has no weight of shape {h['shape']} in the model")
                     break
     return problems
-
-
-_RANK_JSON = re.compile(r"^rank-\d{5,}\.json$")
 
 
 def resolve_checkpoint(
@@ -603,10 +605,10 @@ def resolve_checkpoint(
     """
     url = url.rstrip("/")
     base = posixpath.basename(url)
-    m = _STEP_RE.match(base)
-    if m:
+    step = parse_step_dir(base)
+    if step is not None:
         store = CheckpointStore(url[: -len(base) - 1] or ".", storage_options)
-        info = store.check(int(m.group(1)))
+        info = store.check(step)
         problems = store.verify(info) if info.valid else []
         if problems:
             info = CheckpointInfo(info.url, info.step, False, "; ".join(problems), info.manifest, info.fingerprint)

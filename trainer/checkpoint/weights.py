@@ -16,13 +16,15 @@ from typing import Any
 
 import torch
 
-from trainer.checkpoint.format import entry_digest, new_digest
-from trainer.checkpoint.sharded import ShardIndex, files_of_group, group_name, load_group
-from trainer.checkpoint.state import TRAINER_JSON
+from trainer.checkpoint.format import entry_digest, new_digest, torch_dtype
+from trainer.checkpoint.layout import TRAINER_JSON, group_name, parse_group, parts_with_weights, whole_file
+from trainer.checkpoint.sharded import ShardIndex, files_of_group, load_group
 from trainer.checkpoint.store import CheckpointInfo, CheckpointStore, resolve_checkpoint
-from trainer.config import Config, ConfigError, config_from_dict
+from trainer.config import Config
 from trainer.config.redact import redact
-from trainer.registry import check_stored_task, task_class
+from trainer.data import is_video
+from trainer.errors import ConfigError
+from trainer.registry import check_stored_task, config_from_dict, task_class
 from trainer.tasks.base import FrozenSource, FrozenWeights, TaskContext
 
 log = logging.getLogger(__name__)
@@ -35,7 +37,8 @@ def file_digest(info: CheckpointInfo, name: str) -> str:
     if name in files:
         algorithm, hexdigest = entry_digest(files[name])
         return f"{algorithm}:{hexdigest}"
-    shards = files_of_group(info, name.removesuffix(".safetensors"))
+    parsed = parse_group(name)
+    shards = files_of_group(info, parsed.group) if parsed is not None else []
     if not shards:
         raise KeyError(f"{info.url}: manifest has no file or shards {name!r}")
     h = new_digest("blake3")
@@ -52,10 +55,9 @@ def weights_file(info: CheckpointInfo, part: str, use_ema: bool) -> str:
         group = group_name(part, kind)
         shards = files_of_group(info, group)
         if shards:
-            present[kind] = shards[0] if shards == [f"{group}.safetensors"] else group
+            present[kind] = shards[0] if shards == [whole_file(group)] else group
     if "model" not in present:
-        files = info.manifest["files"]
-        parts = sorted({n.split(".")[0] for n in files if ".model." in n})
+        parts = parts_with_weights(info.manifest["files"])
         raise ConfigError(f"{info.url} has no part {part!r} (its parts: {', '.join(parts) or 'none'})")
     return present["ema"] if use_ema and "ema" in present else present["model"]
 
@@ -66,14 +68,14 @@ def read_weights(store: CheckpointStore, info: CheckpointInfo, name: str) -> dic
         return store.read_tensors(info, name)
     index = ShardIndex(store, info)
     entries = index.group(name)
-    targets = {k: torch.empty(e["shape"], dtype=_dtype(e["dtype"])) for k, e in entries.items()}
+    targets = {k: torch.empty(e["shape"], dtype=torch_dtype(e["dtype"])) for k, e in entries.items()}
     return load_group(index, name, targets)
 
 
-def _dtype(name: str) -> torch.dtype:
-    from trainer.checkpoint.format import _DTYPES
-
-    return {v: k for k, v in _DTYPES.items()}[name]
+def _kind(name: str) -> str | None:
+    """ "model" or "ema" for a weights file or group name that weights_file gave."""
+    parsed = parse_group(name)
+    return parsed.kind if parsed is not None else None
 
 
 def config_of(info: CheckpointInfo, task: str | None = None, flag: str | None = "--task") -> Any:
@@ -129,7 +131,7 @@ def load_frozen(
     pin_store, pin_info = _resolve(pinned["url"], storage_options)
     if pin_info is not None and file_digest(pin_info, pinned["file"]) == want:
         log.info("frozen part %s: %s now resolves elsewhere; using the pinned %s", part, source.url, pinned["url"])
-        return _load(pin_store, pin_info, FrozenSource(pinned["url"], source.part, ".ema" in pinned["file"]))
+        return _load(pin_store, pin_info, FrozenSource(pinned["url"], source.part, _kind(pinned["file"]) == "ema"))
     found = file_digest(info, weights_file(info, source.part, source.use_ema)) if info is not None else "nothing valid"
     raise ConfigError(
         f"frozen part {part!r}: this run was trained with {pinned['url']}/{pinned['file']} ({want}), but "
@@ -168,8 +170,6 @@ def load_for_inference(
     storage options the user gave for this checkpoint's store (`store.storage_options`), never with the
     manifest's: those are redacted, and a manifest must not choose where credentials go.
     """
-    from trainer.data import is_video
-
     cfg = config_of(info, task_name)
     options = dict(store.storage_options)
     cfg.checkpoint.storage_options = options
@@ -200,18 +200,16 @@ def consolidate(
     """A copy of a (sharded) checkpoint with one file per part and kind (online and EMA weights), for
     inference: `gentrain sample` reads it like any checkpoint. Optimizer state is not copied, so training
     does not resume from it. Memory: one part's weights at a time."""
-    from trainer.checkpoint.store import CheckpointStore as Store
-
     doc = store.read_json(info, TRAINER_JSON)
     files = {}
     for part in doc["parts"]:
         for kind in ("model", "ema"):
             name = weights_file(info, part, use_ema=kind == "ema")
-            if (kind == "ema") == (".ema" in name):
-                files[f"{group_name(part, kind)}.safetensors"] = read_weights(store, info, name)
+            if _kind(name) == kind:  # no EMA: weights_file falls back to the online weights
+                files[whole_file(group_name(part, kind))] = read_weights(store, info, name)
     skip = {"format_version", "step", "time_utc", "digest", "files"}
     # Redacted again: a manifest written before redaction existed still holds its run's credentials.
     meta = redact({k: v for k, v in info.manifest.items() if k not in skip})
     meta["consolidated_from"] = info.url
     meta["world_size"] = 1
-    return Store(out_url, storage_options).write(info.step, files, meta)
+    return CheckpointStore(out_url, storage_options).write(info.step, files, meta)

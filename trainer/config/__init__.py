@@ -6,9 +6,6 @@ Nothing here knows a task: `trainer.registry.load_config` / `config_from_dict` g
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
-from typing import Any
-
 from trainer.config.load import (
     DEFAULT_PRESET,
     deep_merge,
@@ -36,26 +33,6 @@ from trainer.config.schema import (
 )
 from trainer.errors import ConfigError
 
-
-# Transitional (issue 24): trainer/launch.py, trainer/checkpoint/weights.py and bench/ still import these two
-# from here; they belong to trainer.registry (resolving `model.*` needs the task). Remove both once those
-# import them from trainer.registry (tests/test_layers.py fails when nothing uses them any more).
-def load_config(
-    preset_or_yaml: str | None = None, overrides: Iterable[str] = (), environ: Mapping[str, str] | None = None
-) -> Config:
-    """Use `trainer.registry.load_config`."""
-    from trainer.registry import load_config as resolved  # transitional shim, see above (registry imports config)
-
-    return resolved(preset_or_yaml, overrides, environ)
-
-
-def config_from_dict(tree: dict[str, Any], sources: Any = None) -> Config:
-    """Use `trainer.registry.config_from_dict`."""
-    from trainer.registry import config_from_dict as resolved  # transitional shim, see above (registry imports config)
-
-    return resolved(tree, sources)
-
-
 __all__ = [
     "DEFAULT_PRESET",
     "CheckpointConfig",
@@ -68,11 +45,9 @@ __all__ = [
     "OptimConfig",
     "SampleConfig",
     "TrainConfig",
-    "config_from_dict",
     "deep_merge",
     "env_overrides",
     "load_base",
-    "load_config",
     "parse_config",
     "parse_overrides",
     "preset_names",

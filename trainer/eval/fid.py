@@ -29,11 +29,15 @@ from typing import Any
 import torch
 from torch import nn
 
-from trainer.randomness import derive_seed
+from trainer.data import collate
+from trainer.data.sampler import SampleRef
+from trainer.engine.services import ProcessServices
+from trainer.errors import ConfigError
+from trainer.models.finetune import half_weights_autocast
+from trainer.randomness import Stream, stream_seed
 
 log = logging.getLogger("gentrain")
 
-_EVAL_STREAM = 0xE7A1
 GEN_CHUNK = 16
 
 
@@ -85,7 +89,7 @@ class FidKid:
         fid = float(self.fid.compute())
         self.kid.subset_size = max(2, min(self.kid_subset_size, n_real, n_fake))
         with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(_EVAL_STREAM)
+            torch.manual_seed(Stream.FID_CHUNK.id)
             kid_mean, kid_std = self.kid.compute()
         # Keep the real statistics (fixed set) for the next evaluation; drop the generated ones.
         self.fid.reset()
@@ -95,9 +99,6 @@ class FidKid:
 
 def real_images(real_set, n: int, rank: int, world_size: int, batch: int = 64):
     """Yield this rank's share of the first n images of a split, in [0, 1] (invalid ones dropped, counted)."""
-    from trainer.data import collate
-    from trainer.data.sampler import SampleRef
-
     block = rank_block(n, rank, world_size)
     for s in range(block.start, block.stop, batch):
         refs = [SampleRef(index=i, position=i, aug_seed=0) for i in range(s, min(s + batch, block.stop))]
@@ -110,8 +111,6 @@ def real_images(real_set, n: int, rank: int, world_size: int, batch: int = 64):
 def check_share(n_real: int, world_size: int) -> None:
     """Every rank needs at least one real image (torchmetrics' FID learns its dtype from an update)."""
     if n_real < world_size:
-        from trainer.config import ConfigError
-
         raise ConfigError(
             f"evaluation on {world_size} ranks needs at least {world_size} real images (one per rank); it would use "
             f"{n_real}: raise eval.num (and the held-out split) to at least {world_size}"
@@ -136,10 +135,10 @@ def generated_images(
     mine = rank_block(chunks, rank, world_size)
     for k in mine:
         count = min(chunk, n - k * chunk)
-        yield sample(count, derive_seed(seed, _EVAL_STREAM, k) % (2**63))
+        yield sample(count, stream_seed(seed, Stream.FID_CHUNK, k) % (2**63))
     if lockstep:
         for _ in range(len(mine), len(rank_block(chunks, 0, world_size))):  # rank 0 has the most
-            sample(1, derive_seed(seed, _EVAL_STREAM, chunks) % (2**63))
+            sample(1, stream_seed(seed, Stream.FID_CHUNK, chunks) % (2**63))
 
 
 def evaluate(
@@ -163,15 +162,13 @@ def evaluate(
         for images in real_images(real_set, n_real, rank, world_size):
             metric.update(images.to(device), real=True)
         metric.has_real = True
-    from trainer.models.finetune import half_weights_autocast
 
     def sample(count: int, s: int) -> torch.Tensor:
         with half_weights_autocast(modules, device):  # a LoRA run's half-precision base
             return task.sample(modules, count, seed=s, device=device, **sample_options)
 
-    from trainer.engine.shard import is_fsdp
-
-    lockstep = world_size > 1 and any(is_fsdp(m) for module in modules.values() for m in module.modules())
+    services = ProcessServices()
+    lockstep = world_size > 1 and any(services.calls_are_collective(module) for module in modules.values())
     for images in generated_images(sample, num, seed, rank, world_size, lockstep=lockstep):
         metric.update(images.to(device), real=False)
     values = metric.compute(n_real, num)
