@@ -44,16 +44,33 @@ def main() -> None:
     clf = fit_digits_classifier()
     labels = torch.arange(10).repeat_interleave(args.per_class)
     guidance = cfg.sample.guidance_scale if args.guidance_scale is None else args.guidance_scale
-    out = {"checkpoint": info.url, "step": info.step, "part_steps": steps, "samples": len(labels), "chance": 0.1,
-           "guidance_scale": guidance, "inference_steps": args.steps}  # fmt: skip
+    out = {
+        "checkpoint": info.url,
+        "step": info.step,
+        "part_steps": steps,
+        "samples": len(labels),
+        "chance": 0.1,
+        "guidance_scale": guidance,
+        "inference_steps": args.steps,
+    }
     _, val, _ = build_splits(cfg)
     real = torch.stack([val[ref][0] for ref in _refs(len(val))])
     real_labels = torch.tensor([val[ref][1] for ref in _refs(len(val))])
     for k in range(1, len(cfg.model_cfg.stages) + 1):
         if steps.get(f"stage{k}", 0) == 0:
             break
-        images = task.sample(modules, len(labels), args.seed, device, labels=labels, stop_at_stage=k,
-                             part_steps=steps, inference_steps=args.steps, guidance_scale=guidance, batch_size=100)  # fmt: skip
+        images = task.sample(
+            modules,
+            len(labels),
+            args.seed,
+            device,
+            labels=labels,
+            stop_at_stage=k,
+            part_steps=steps,
+            inference_steps=args.steps,
+            guidance_scale=guidance,
+            batch_size=100,
+        )
         size = cfg.model_cfg.stages[k - 1].image_size
         real_k = torch.nn.functional.interpolate((real + 1) / 2, size=(size, size), mode="area")
         out[f"stage{k}"] = {

@@ -63,8 +63,16 @@ def build_part(num_params: int) -> Part:
     in all), no EMA, no clipping: the loop's own optimizer step (unscale, norm, step, schedule)."""
     layers = max(1, round(num_params / (WIDTH * WIDTH + WIDTH)))
     model = torch.nn.Sequential(*[torch.nn.Linear(WIDTH, WIDTH, bias=True) for _ in range(layers)])
-    settings = OptimSettings(lr=1e-4, betas=(0.9, 0.999), weight_decay=0.0, eps=1e-8, warmup_steps=0,
-                             lr_schedule="constant", max_grad_norm=None, max_steps=1 << 30)  # fmt: skip
+    settings = OptimSettings(
+        lr=1e-4,
+        betas=(0.9, 0.999),
+        weight_decay=0.0,
+        eps=1e-8,
+        warmup_steps=0,
+        lr_schedule="constant",
+        max_grad_norm=None,
+        max_steps=1 << 30,
+    )
     opt = torch.optim.AdamW(model.parameters(), lr=settings.lr, fused=True)
     schedule = torch.optim.lr_scheduler.LambdaLR(opt, lambda _: 1.0)
     scaler = torch.amp.GradScaler("cpu", enabled=False)
@@ -163,8 +171,12 @@ def thread_times() -> tuple[float, float]:
 
 def spread(values: list[float], digits: int = 3) -> dict:
     q = statistics.quantiles(values, n=4) if len(values) > 1 else [values[0]] * 3
-    return {"median": round(statistics.median(values), digits), "min": round(min(values), digits),
-            "max": round(max(values), digits), "quartiles": [round(q[0], digits), round(q[2], digits)]}  # fmt: skip
+    return {
+        "median": round(statistics.median(values), digits),
+        "min": round(min(values), digits),
+        "max": round(max(values), digits),
+        "quartiles": [round(q[0], digits), round(q[2], digits)],
+    }
 
 
 def loop_stalls(part: Part, progress: TrainProgress, base: str, args) -> dict:

@@ -128,11 +128,20 @@ def train_rate(overrides: list[str], workdir: str, steps: int, warmup: int) -> f
 
     cfg = load_config(
         "digits-ddpm",
-        ["train.threads=1", "train.num_workers=2", "checkpoint.every_steps=0", "sample.every_steps=0",
-         "train.val_every_steps=0", "train.log_every_steps=1000000", "data.val_fraction=0",
-         f"train.max_steps={warmup + steps}", f"run.dir={workdir}", *overrides],
+        [
+            "train.threads=1",
+            "train.num_workers=2",
+            "checkpoint.every_steps=0",
+            "sample.every_steps=0",
+            "train.val_every_steps=0",
+            "train.log_every_steps=1000000",
+            "data.val_fraction=0",
+            f"train.max_steps={warmup + steps}",
+            f"run.dir={workdir}",
+            *overrides,
+        ],
         environ={},
-    )  # fmt: skip
+    )
     trainer = Trainer(cfg, DistEnv())
     stamps: list[float] = []
     run = trainer.step_runner.run
@@ -225,8 +234,13 @@ def pipeline_section(server, tmp: Path, args) -> dict:
     local = tmp / "shards"
     pack_folder(str(src), str(local), 128, None, progress=False)
     payload = sum(p.stat().st_size for p in src.rglob("*") if p.is_file()) / args.images
-    common = [f"train.batch_size={args.batch}", f"train.num_workers={args.workers}", "data.channels=3",
-              f"data.image_size={args.size}", "data.val_fraction=0"]  # fmt: skip
+    common = [
+        f"train.batch_size={args.batch}",
+        f"train.num_workers={args.workers}",
+        "data.channels=3",
+        f"data.image_size={args.size}",
+        "data.val_fraction=0",
+    ]
     cfgs = {
         "folder": load_config(None, [*common, "data.source=folder", f"data.path={src}"], {}),
         "shards_local": load_config(None, [*common, "data.source=shards", f"data.urls={local}/shards.json"], {}),
@@ -235,9 +249,16 @@ def pipeline_section(server, tmp: Path, args) -> dict:
     cfgs["shards_s3"] = load_config(None, s3, {})
     for block in (int(b) for b in args.blocks.split(",") if b):
         cfgs[f"shards_s3_block{block}"] = load_config(None, [*s3, f"data.shuffle_block={block}"], {})
-    result: dict = {"images": args.images, "image_size": args.size, "batch": args.batch, "workers": args.workers,
-                    "steps": args.steps, "shards": summary.shards, "payload_bytes_per_image": round(payload),
-                    "default_shuffle_block": cfgs["shards_s3"].data.shuffle_block}  # fmt: skip
+    result: dict = {
+        "images": args.images,
+        "image_size": args.size,
+        "batch": args.batch,
+        "workers": args.workers,
+        "steps": args.steps,
+        "shards": summary.shards,
+        "payload_bytes_per_image": round(payload),
+        "default_shuffle_block": cfgs["shards_s3"].data.shuffle_block,
+    }
     for world in (1, 2):
         rates: dict[str, list[float]] = {k: [] for k in cfgs}
         ios: dict[str, list[dict]] = {k: [] for k in cfgs}

@@ -52,14 +52,31 @@ def main() -> None:
     embeds = task.image_encoder.encode(real)
     guidance = cfg.sample.guidance_scale if args.guidance_scale is None else args.guidance_scale
     clf = fit_digits_classifier()
-    out = {"checkpoint": info.url, "step": info.step, "part_steps": steps, "samples": len(refs), "chance": 0.1,
-           "guidance_scale": guidance, "inference_steps": args.steps,
-           "real_digits_rate": class_accuracy(clf, (real + 1) / 2, labels)}  # fmt: skip
+    out = {
+        "checkpoint": info.url,
+        "step": info.step,
+        "part_steps": steps,
+        "samples": len(refs),
+        "chance": 0.1,
+        "guidance_scale": guidance,
+        "inference_steps": args.steps,
+        "real_digits_rate": class_accuracy(clf, (real + 1) / 2, labels),
+    }
     for k in range(1, len(cfg.model_cfg.stages) + 1):
         if steps.get(f"stage{k}", 0) == 0:
             break
-        images = task.sample(modules, len(refs), args.seed, device, image_embeds=embeds, stop_at_stage=k,
-                             part_steps=steps, inference_steps=args.steps, guidance_scale=guidance, batch_size=100)  # fmt: skip
+        images = task.sample(
+            modules,
+            len(refs),
+            args.seed,
+            device,
+            image_embeds=embeds,
+            stop_at_stage=k,
+            part_steps=steps,
+            inference_steps=args.steps,
+            guidance_scale=guidance,
+            batch_size=100,
+        )
         out[f"stage{k}"] = {"image_size": images.shape[-1], "source_class_rate": class_accuracy(clf, images, labels)}
     print(json.dumps(out, indent=1))
 

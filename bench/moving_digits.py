@@ -164,15 +164,17 @@ def main() -> None:
     if cfg.data.source != "moving-digits":
         raise SystemExit(f"{args.checkpoint}: trained on data.source={cfg.data.source}, not moving-digits")
     net = digits_classifier()
-    out: dict = {"checkpoint": info.url, "step": info.step, "task": cfg.task,
-                 "chance": {"digit": 0.1, "direction": 0.25, "both": 0.025}}  # fmt: skip
+    out: dict = {
+        "checkpoint": info.url,
+        "step": info.step,
+        "task": cfg.task,
+        "chance": {"digit": 0.1, "direction": 0.25, "both": 0.025},
+    }
     tokenizer = modules["generator"] if cfg.task == "video-tokenizer" else modules["tokenizer"]
     clips, digits, directions = held_out_clips(cfg, args.real)
     out["real"] = judge((clips + 1) / 2, digits, directions, net)
     with torch.no_grad():
-        recon = torch.cat([
-            tokenizer.decode_indices(tokenizer.encode_indices(c)) for c in clips.split(args.batch)
-        ])  # fmt: skip
+        recon = torch.cat([tokenizer.decode_indices(tokenizer.encode_indices(c)) for c in clips.split(args.batch)])
     out["reconstruction"] = judge((recon[:, : clips.shape[1]].float() + 1) / 2, digits, directions, net)
     if cfg.task == "video-maskgit":
         digits = torch.arange(10).repeat_interleave(len(DIRECTIONS) * args.per_prompt)
@@ -188,18 +190,32 @@ def main() -> None:
                 conditions = {"prompts": [moving_caption(int(a), int(b)) for a, b in zip(d, r, strict=True)]}
             else:
                 conditions = {"labels": r * 10 + d}
-            samples.append(task.sample(modules, len(d), args.seed + i, device, inference_steps=steps,
-                                       guidance_scale=guidance, temperature=args.temperature,
-                                       choice_temperature=args.choice_temperature, **conditions))  # fmt: skip
+            samples.append(
+                task.sample(
+                    modules,
+                    len(d),
+                    args.seed + i,
+                    device,
+                    inference_steps=steps,
+                    guidance_scale=guidance,
+                    temperature=args.temperature,
+                    choice_temperature=args.choice_temperature,
+                    **conditions,
+                )
+            )
         samples = torch.cat(samples)
         out["samples"] = judge(samples, digits, directions, net)
         if args.gif:  # the first clip of every prompt: a row per digit, a column per direction
             out["gif"] = save_gif(samples[:: args.per_prompt], args.gif, nrow=len(DIRECTIONS))
-        out["samples"].update(inference_steps=steps, guidance_scale=guidance,
-                              temperature=task.cfg.temperature if args.temperature is None else args.temperature,
-                              choice_temperature=task.cfg.choice_temperature if args.choice_temperature is None
-                              else args.choice_temperature,
-                              seconds=round(time.perf_counter() - begin, 1))  # fmt: skip
+        out["samples"].update(
+            inference_steps=steps,
+            guidance_scale=guidance,
+            temperature=task.cfg.temperature if args.temperature is None else args.temperature,
+            choice_temperature=task.cfg.choice_temperature
+            if args.choice_temperature is None
+            else args.choice_temperature,
+            seconds=round(time.perf_counter() - begin, 1),
+        )
     print(json.dumps(out, indent=1))
 
 

@@ -92,14 +92,26 @@ def main() -> None:
         log = os.path.join(tmp, "torchrun.log")
         port = free_port()
         cmd = [
-            sys.executable, "-m", "torch.distributed.run",
-            "--nproc-per-node=2", "--max-restarts=3", "--monitor-interval=0.1",
-            "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}",
-            "-m", "trainer", "train", args.preset,
-            f"run.dir={tmp}/run", "train.max_steps=1000000", "checkpoint.every_steps=20",
-            "train.log_every_steps=10", "sample.every_steps=0", "train.val_every_steps=0",
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nproc-per-node=2",
+            "--max-restarts=3",
+            "--monitor-interval=0.1",
+            "--rdzv-backend=c10d",
+            f"--rdzv-endpoint=127.0.0.1:{port}",
+            "-m",
+            "trainer",
+            "train",
+            args.preset,
+            f"run.dir={tmp}/run",
+            "train.max_steps=1000000",
+            "checkpoint.every_steps=20",
+            "train.log_every_steps=10",
+            "sample.every_steps=0",
+            "train.val_every_steps=0",
             *args.overrides,
-        ]  # fmt: skip
+        ]
         tag = os.urandom(8).hex()
         env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "RECOVERY_BENCH_TAG": tag}
         launched = time.time()

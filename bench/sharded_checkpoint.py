@@ -67,8 +67,10 @@ def _worker(rank: int, world: int, port: int, args, out_path: str) -> None:
         f, i = local_slices(name, tensors, rank)
         files.update(f)
         index.update(i)
-    whole = {f"{name}.safetensors": {k: v.full_tensor() if hasattr(v, "full_tensor") else v for k, v in t.items()}
-             for name, t in groups.items()}  # fmt: skip
+    whole = {
+        f"{name}.safetensors": {k: v.full_tensor() if hasattr(v, "full_tensor") else v for k, v in t.items()}
+        for name, t in groups.items()
+    }
     total = sum(t.numel() * t.element_size() for g in whole.values() for t in g.values())
     root = os.path.join(args.dir, "ckpt")
     sharded, single = [], []
@@ -123,16 +125,21 @@ def main() -> None:
         return {"median_s": round(statistics.median(xs), 3), "min_s": round(min(xs), 3), "max_s": round(max(xs), 3)}
 
     sharded, single = statistics.median(r["sharded"]), statistics.median(r["single"])
-    print(json.dumps({
-        "params": int(args.params),
-        "state_bytes": r["bytes"],
-        "repeats": args.repeats,
-        "sharded_2_ranks": {**summary(r["sharded"]), "gb_per_s": round(r["bytes"] / sharded / 1e9, 3)},
-        "single_writer": {**summary(r["single"]), "gb_per_s": round(r["bytes"] / single / 1e9, 3)},
-        "time_ratio_single_over_sharded": round(single / sharded, 3),
-        "blake3_one_thread_gbps": round(blake3_gbps(), 3),
-        "cpus": os.cpu_count(),
-    }, indent=1))  # fmt: skip
+    print(
+        json.dumps(
+            {
+                "params": int(args.params),
+                "state_bytes": r["bytes"],
+                "repeats": args.repeats,
+                "sharded_2_ranks": {**summary(r["sharded"]), "gb_per_s": round(r["bytes"] / sharded / 1e9, 3)},
+                "single_writer": {**summary(r["single"]), "gb_per_s": round(r["bytes"] / single / 1e9, 3)},
+                "time_ratio_single_over_sharded": round(single / sharded, 3),
+                "blake3_one_thread_gbps": round(blake3_gbps(), 3),
+                "cpus": os.cpu_count(),
+            },
+            indent=1,
+        )
+    )
 
 
 if __name__ == "__main__":

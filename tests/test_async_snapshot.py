@@ -79,8 +79,9 @@ def test_a_weight_changed_before_its_copy_fails_the_save_instead_of_mixing_two_s
     weight = torch.zeros(1000)
     store = CheckpointStore(str(tmp_path))
     ckpt = Checkpointer(store, async_save=True)
-    ckpt.save(1, {"part.safetensors": {"weight": weight}, "meta.json": json.dumps({}).encode()}, {},
-              stable=stable_set(weight))  # fmt: skip
+    ckpt.save(
+        1, {"part.safetensors": {"weight": weight}, "meta.json": json.dumps({}).encode()}, {}, stable=stable_set(weight)
+    )
     weight.add_(1)  # an update that did not wait for the fence
     held_copies.set()
     with pytest.raises(SnapshotError, match="part.safetensors:weight changed while it was being copied"):
@@ -111,10 +112,17 @@ def test_async_saves_copied_during_the_next_step_equal_sync_saves_and_sigterm_mi
     from conftest import REPO, clean_env, run_cli
     from test_vqgan_maskgit import tensors, vqgan_args
 
-    common = ["task=probe_tasks:KillableVQGAN", "model.disc_start_step=1", "model.dead_code_threshold=2",
-              "checkpoint.keep=10"]  # fmt: skip
-    ref = run_cli("train", *vqgan_args(tmp_path / "ref", *common, "checkpoint.every_steps=1", max_steps=6),
-                  env=clean_env(PYTHONPATH=str(REPO / "tests")))  # fmt: skip
+    common = [
+        "task=probe_tasks:KillableVQGAN",
+        "model.disc_start_step=1",
+        "model.dead_code_threshold=2",
+        "checkpoint.keep=10",
+    ]
+    ref = run_cli(
+        "train",
+        *vqgan_args(tmp_path / "ref", *common, "checkpoint.every_steps=1", max_steps=6),
+        env=clean_env(PYTHONPATH=str(REPO / "tests")),
+    )
     assert ref.returncode == 0, ref.stderr[-3000:]
 
     run = vqgan_args(tmp_path / "async", *common, "checkpoint.every_steps=2", "checkpoint.async=true", max_steps=6)

@@ -40,8 +40,16 @@ def write_npy(path: Path, array: np.ndarray) -> None:
 
 def folder_run(tmp_path: Path, data: Path, *extra: str, max_steps: int) -> subprocess.CompletedProcess:
     """A tiny ddpm run on an image folder (batch 8, no validation split, so a step of 8 files sees each once)."""
-    args = tiny(tmp_path, "data.source=folder", f"data.path={data}", "data.channels=3", "data.val_fraction=0",
-                "checkpoint.every_steps=0", *extra, max_steps=max_steps)  # fmt: skip
+    args = tiny(
+        tmp_path,
+        "data.source=folder",
+        f"data.path={data}",
+        "data.channels=3",
+        "data.val_fraction=0",
+        "checkpoint.every_steps=0",
+        *extra,
+        max_steps=max_steps,
+    )
     return run_cli("train", *args)
 
 
@@ -233,12 +241,30 @@ def test_under_torchrun_every_rank_counts_the_job_s_skips_and_stops_at_the_same_
     data = tmp_path / "data"
     corrupt_folder(data, [f"bad{i}.png" for i in range(8)])
     port = free_port()
-    torchrun = ["--nproc-per-node=2", "--max-restarts=0", "--rdzv-backend=c10d",
-                f"--rdzv-endpoint=127.0.0.1:{port}", f"--rdzv-id=test-{port}", "--monitor-interval=0.2"]  # fmt: skip
-    args = tiny(tmp_path, "data.source=folder", f"data.path={data}", "data.channels=3", "data.val_fraction=0",
-                "checkpoint.every_steps=0", max_steps=50)  # fmt: skip
-    r = subprocess.run([sys.executable, "-m", "trainer", "launch", *torchrun, "--", *args],
-                       capture_output=True, text=True, timeout=600, env=clean_env())  # fmt: skip
+    torchrun = [
+        "--nproc-per-node=2",
+        "--max-restarts=0",
+        "--rdzv-backend=c10d",
+        f"--rdzv-endpoint=127.0.0.1:{port}",
+        f"--rdzv-id=test-{port}",
+        "--monitor-interval=0.2",
+    ]
+    args = tiny(
+        tmp_path,
+        "data.source=folder",
+        f"data.path={data}",
+        "data.channels=3",
+        "data.val_fraction=0",
+        "checkpoint.every_steps=0",
+        max_steps=50,
+    )
+    r = subprocess.run(
+        [sys.executable, "-m", "trainer", "launch", *torchrun, "--", *args],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env=clean_env(),
+    )
     assert r.returncode == 2, r.stderr[-4000:]
     # Each rank skips 4 samples a step: counted per rank, the 32 would come at step 8, not 4.
     assert r.stderr.count("32 of the 32 samples consumed by step 4") == 2, r.stderr[-4000:]

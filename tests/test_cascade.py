@@ -192,8 +192,14 @@ def test_text_conditioning_runs_offline_with_the_real_encoder_and_reuses_its_cac
 def test_text_encoder_errors_are_config_errors(tmp_path):
     r = run_cli("train", YAML, f"run.dir={tmp_path}/run", *text_args(tmp_path), "model.text.width=512", env=ENV)
     assert r.returncode == 2 and "gives 384-wide embeddings but model.text.width=512" in r.stderr
-    r = run_cli("train", YAML, f"run.dir={tmp_path}/run", *text_args(tmp_path),
-                f"model.text.encoder={tmp_path}/nowhere", env=ENV)  # fmt: skip
+    r = run_cli(
+        "train",
+        YAML,
+        f"run.dir={tmp_path}/run",
+        *text_args(tmp_path),
+        f"model.text.encoder={tmp_path}/nowhere",
+        env=ENV,
+    )
     assert r.returncode == 2 and "is not a folder" in r.stderr
 
 
@@ -205,13 +211,31 @@ def test_image_embeddings_beside_folder_images_condition_the_decoder(tmp_path):
         Image.fromarray(rng.integers(0, 255, (8, 8), dtype=np.uint8)).save(data / f"{i}.png")
         np.save(data / f"{i}.npy", rng.normal(size=6).astype(np.float32))
         (data / f"{i}.txt").write_text(f"picture {i}\n")
-    common = ["data.source=folder", f"data.path={data}", "data.channels=1", "data.val_fraction=0",
-              "model.num_classes=null", "model.image_embed_dim=6", "model.context_dim=16"]  # fmt: skip
+    common = [
+        "data.source=folder",
+        f"data.path={data}",
+        "data.channels=1",
+        "data.val_fraction=0",
+        "model.num_classes=null",
+        "model.image_embed_dim=6",
+        "model.context_dim=16",
+    ]
     train(tmp_path, *common, max_steps=2)
     np.save(tmp_path / "query.npy", rng.normal(size=(2, 6)).astype(np.float32))
     root = f"{tmp_path}/run/checkpoints"
-    r = run_cli("sample", root, "--num", "4", "--embeddings", str(tmp_path / "query.npy"), "--guidance-scale", "2",
-                "--out", str(tmp_path / "g.png"), env=ENV)  # fmt: skip
+    r = run_cli(
+        "sample",
+        root,
+        "--num",
+        "4",
+        "--embeddings",
+        str(tmp_path / "query.npy"),
+        "--guidance-scale",
+        "2",
+        "--out",
+        str(tmp_path / "g.png"),
+        env=ENV,
+    )
     assert r.returncode == 0, r.stderr[-3000:]
     np.save(tmp_path / "wide.npy", np.zeros(7, np.float32))
     r = run_cli("sample", root, "--num", "2", "--embeddings", str(tmp_path / "wide.npy"), env=ENV)
@@ -273,15 +297,35 @@ def test_digits_cascade_preset_trained_briefly_draws_the_requested_digits_above_
     sys.path.insert(0, str(REPO / "bench"))
     from digits_classifier import class_accuracy, fit_digits_classifier
 
-    r = run_cli("train", "digits-cascade", f"run.dir={tmp_path}/run", "train.stages=[1]", "train.max_steps=200",
-                "train.warmup_steps=20", "train.val_every_steps=0", "sample.every_steps=0", "train.threads=1",
-                "checkpoint.every_steps=0", "ema.decay=0.99", env=ENV)  # fmt: skip
+    r = run_cli(
+        "train",
+        "digits-cascade",
+        f"run.dir={tmp_path}/run",
+        "train.stages=[1]",
+        "train.max_steps=200",
+        "train.warmup_steps=20",
+        "train.val_every_steps=0",
+        "sample.every_steps=0",
+        "train.threads=1",
+        "checkpoint.every_steps=0",
+        "ema.decay=0.99",
+        env=ENV,
+    )
     assert r.returncode == 0, r.stderr[-3000:]
     store = CheckpointStore(f"{tmp_path}/run/checkpoints")
     _, task, modules = load_for_inference(store, store.latest_valid(), use_ema=True, device=torch.device("cpu"))
     labels = torch.arange(10).repeat_interleave(10)
-    images = task.sample(modules, 100, seed=0, device=torch.device("cpu"), labels=labels, stop_at_stage=1,
-                         inference_steps=20, guidance_scale=3.0, part_steps={"stage1": 200})  # fmt: skip
+    images = task.sample(
+        modules,
+        100,
+        seed=0,
+        device=torch.device("cpu"),
+        labels=labels,
+        stop_at_stage=1,
+        inference_steps=20,
+        guidance_scale=3.0,
+        part_steps={"stage1": 200},
+    )
     rate = class_accuracy(fit_digits_classifier(), images, labels)
     print(f"requested-class rate after 200 steps of stage 1: {rate:.2f}")
     assert rate > 0.3, rate
@@ -328,9 +372,21 @@ def test_digits_decoder_preset_embeds_images_with_the_shipped_cnn_and_samples_fr
     from trainer.cli import main as cli_main
     from trainer.conditioning.image import main as embed_main
 
-    r = run_cli("train", "digits-decoder", f"run.dir={tmp_path}/run", "train.max_steps=3", "train.batch_size=8",
-                "train.warmup_steps=1", "train.val_every_steps=0", "sample.every_steps=0", "train.threads=1",
-                "sample.num=2", "sample.inference_steps=2", "checkpoint.every_steps=0", env=ENV)  # fmt: skip
+    r = run_cli(
+        "train",
+        "digits-decoder",
+        f"run.dir={tmp_path}/run",
+        "train.max_steps=3",
+        "train.batch_size=8",
+        "train.warmup_steps=1",
+        "train.val_every_steps=0",
+        "sample.every_steps=0",
+        "train.threads=1",
+        "sample.num=2",
+        "sample.inference_steps=2",
+        "checkpoint.every_steps=0",
+        env=ENV,
+    )
     assert r.returncode == 0, r.stderr[-3000:]
     root = f"{tmp_path}/run/checkpoints"
     inputs = CheckpointStore(root).latest_valid().manifest["inputs"]
@@ -383,8 +439,10 @@ def test_cascade_under_fsdp_starts_from_rank_0_weights_built_nowhere_else(tmp_pa
     }
 
     stage = "{{image_size: {size}, block_out_channels: [8, 16], norm_num_groups: 4, attention: false{more}}}"
-    stages = (f"model.stages=[{stage.format(size=4, more='')}, "
-              f"{stage.format(size=8, more=f', dropout: 0.1, pretrained: {tmp_path}/pretrained')}]")  # fmt: skip
+    stages = (
+        f"model.stages=[{stage.format(size=4, more='')}, "
+        f"{stage.format(size=8, more=f', dropout: 0.1, pretrained: {tmp_path}/pretrained')}]"
+    )
     common = [stages, "train.lr=1e-30", "train.stages=[2]", "train.max_steps=1"]
     train(tmp_path / "one", *common, max_steps=1)
     log = tmp_path / "fsdp.log"

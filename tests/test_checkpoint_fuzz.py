@@ -207,8 +207,13 @@ def prepare(reference: Path, work: Path, muts) -> tuple[Path, Path, set[int]]:
     return root, outside, touched
 
 
-@settings(max_examples=IN_PROCESS_EXAMPLES, derandomize=True, database=None, deadline=None,
-          suppress_health_check=list(HealthCheck))  # fmt: skip
+@settings(
+    max_examples=IN_PROCESS_EXAMPLES,
+    derandomize=True,
+    database=None,
+    deadline=None,
+    suppress_health_check=list(HealthCheck),
+)
 @given(muts=mutations())
 def test_fuzzed_roots_are_listed_verified_and_pruned_without_errors_or_losses(reference, tmp_path_factory, muts):
     work = tmp_path_factory.getbasetemp() / "fuzz-in-process"
@@ -235,8 +240,13 @@ def test_fuzzed_roots_are_listed_verified_and_pruned_without_errors_or_losses(re
     assert snapshot(outside) == before_outside, "something outside the root changed"
 
 
-@settings(max_examples=END_TO_END_EXAMPLES, derandomize=True, database=None, deadline=None,
-          suppress_health_check=list(HealthCheck))  # fmt: skip
+@settings(
+    max_examples=END_TO_END_EXAMPLES,
+    derandomize=True,
+    database=None,
+    deadline=None,
+    suppress_health_check=list(HealthCheck),
+)
 @given(muts=mutations())
 def test_training_on_a_fuzzed_root_resumes_exactly_or_starts_over(reference, tmp_path_factory, muts):
     work = tmp_path_factory.getbasetemp() / "fuzz-e2e"

@@ -207,6 +207,22 @@ def test_sample_on_a_root_whose_newest_fails_its_digest_uses_the_newest_valid(ro
     no_traceback(named)
 
 
+def test_sample_says_which_weights_do_not_fit_the_model_when_model_and_ema_agree_on_a_wrong_shape(root, tmp_path):
+    # Digest-consistent and self-consistent (model and EMA alike), so only building the model tells.
+    def grow(t):
+        key = sorted(k for k in t if t[k].ndim == 4)[0]
+        t[key] = torch.zeros(t[key].shape[0] + 1, *t[key].shape[1:])
+        return t
+
+    for name in ("unet.model.safetensors", "unet.ema.safetensors"):
+        edit_tensors(root, 4, name, grow)
+    r = run_cli("sample", str(step_dir(root, 4)), "--num", "1", "--out", str(tmp_path / "g.png"), "--steps", "1")
+    assert r.returncode == 1, r.stderr[-2000:]
+    no_traceback(r)
+    assert "gentrain: checkpoint error:" in r.stderr and "do not fit its model" in r.stderr, r.stderr[-2000:]
+    assert "unet.ema.safetensors" in r.stderr
+
+
 # ------------------------------------------------------------------ 5. links are never followed
 
 
@@ -221,6 +237,20 @@ def test_retention_never_deletes_through_a_step_dir_that_is_a_link(root, tmp_pat
     assert sorted(p.name for p in outside.iterdir()) == before, "retention deleted files outside the root"
     assert sorted(p.name for p in root.iterdir()) == ["LATEST", "step-000000002", "step-000000008"]
     assert CheckpointStore(str(root)).check(2).reason.startswith("is a symbolic link")
+
+
+def test_a_link_named_like_the_step_being_saved_is_replaced_by_a_real_checkpoint_and_its_target_kept(tmp_path):
+    root, outside = tmp_path / "root", tmp_path / "outside"
+    CheckpointStore(str(outside)).write(2, {"w.safetensors": {"w": torch.zeros(8)}}, {})
+    root.mkdir()
+    os.symlink(step_dir(outside, 2), step_dir(root, 2))
+    before = sorted(p.name for p in step_dir(outside, 2).iterdir())
+    store = CheckpointStore(str(root))
+    store.write(2, {"w.safetensors": {"w": torch.ones(8)}}, {})
+    assert not os.path.islink(step_dir(root, 2)) and store.check(2).valid
+    assert_tensors_equal(read_tensors(root, 2, "w.safetensors")["w"], torch.ones(8), "the new checkpoint")
+    assert sorted(p.name for p in step_dir(outside, 2).iterdir()) == before, "the link's target was touched"
+    assert_tensors_equal(read_tensors(outside, 2, "w.safetensors")["w"], torch.zeros(8), "the link's target")
 
 
 # ------------------------------------------------------------------ 6. a failed save leaves no debris
@@ -242,7 +272,8 @@ def test_a_save_that_fills_the_disk_leaves_no_partial_step_dir(tmp_path):
             print("refused", e.errno)
         """
     )
-    r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=REPO, env=clean_env(),
-                       timeout=120)  # fmt: skip
+    r = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, cwd=REPO, env=clean_env(), timeout=120
+    )
     assert "refused" in r.stdout, r.stdout + r.stderr
     assert sorted(p.name for p in tmp_path.iterdir()) == ["LATEST", "step-000000001"]

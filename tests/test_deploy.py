@@ -165,7 +165,7 @@ def test_kubernetes_dryrun_of_the_component_matches_the_golden_file(tmp_path):
             "gs://my-bucket/gentrain/run1",
             "--",
             "train.max_steps=100000",
-        )  # fmt: skip
+        )
     )
     golden = GOLDEN / "torchx-kubernetes-dryrun.yaml"
     if os.environ.get("UPDATE_GOLDEN"):
@@ -192,9 +192,19 @@ def test_kubernetes_dryrun_of_the_component_matches_the_golden_file(tmp_path):
 
 def test_builtin_dist_ddp_dryrun_renders_valid_pods(tmp_path):
     request = torchx_dryrun(
-        "dist.ddp", "-j", "2x8", "--gpu", "8", "--image", "ghcr.io/gentrain/gentrain:0.1.0",
-        "-m", "trainer", "train", "digits-ddpm", "train.max_steps=100",
-    )  # fmt: skip
+        "dist.ddp",
+        "-j",
+        "2x8",
+        "--gpu",
+        "8",
+        "--image",
+        "ghcr.io/gentrain/gentrain:0.1.0",
+        "-m",
+        "trainer",
+        "train",
+        "digits-ddpm",
+        "train.max_steps=100",
+    )
     pods = volcano_pods(request)
     assert "-m trainer train digits-ddpm" in pods[0]["spec"]["containers"][0]["command"][-1]
     validate(pods, tmp_path, "ddp-pods")
@@ -206,8 +216,12 @@ def torchx_local(*args: str, timeout: float = 300) -> subprocess.CompletedProces
     env = clean_env(PATH=f"{BIN}{os.pathsep}{os.environ['PATH']}")
     return subprocess.run(
         [tool("torchx"), "run", "-s", "local_cwd", "components/train.py:train", *args],
-        capture_output=True, text=True, cwd=REPO, env=env, timeout=timeout,
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        env=env,
+        timeout=timeout,
+    )
 
 
 def test_torchx_local_cwd_trains_with_two_workers_and_a_preset_first(tmp_path):
@@ -220,8 +234,17 @@ def test_torchx_local_cwd_trains_with_two_workers_and_a_preset_first(tmp_path):
 
 
 def test_torchx_local_cwd_config_error_fails_once_and_names_the_key(tmp_path):
-    r = torchx_local("-j", "1x2", "--max_restarts", "3", "--metrics_port", "0",
-                     "--", "digits-ddpm", *tiny(tmp_path, "train.max_stepz=10"))  # fmt: skip
+    r = torchx_local(
+        "-j",
+        "1x2",
+        "--max_restarts",
+        "3",
+        "--metrics_port",
+        "0",
+        "--",
+        "digits-ddpm",
+        *tiny(tmp_path, "train.max_stepz=10"),
+    )
     out = r.stdout + r.stderr
     assert r.returncode != 0, out[-4000:]
     assert "FAILED" in out
@@ -244,9 +267,13 @@ def test_the_component_command_keeps_exit_codes_in_bash_2_and_143(tmp_path):
         env = {**clean_env(PATH=f"{BIN}{os.pathsep}{os.environ['PATH']}"), **role.env}
         env["GENTRAIN_RUN__DIR"] = str(tmp_path / "run")  # the pod's /work/run
         return subprocess.Popen(
-            [role.entrypoint, *role.args], cwd=REPO, env=env, stdout=open(log, "w"), stderr=subprocess.STDOUT,
+            [role.entrypoint, *role.args],
+            cwd=REPO,
+            env=env,
+            stdout=open(log, "w"),
+            stderr=subprocess.STDOUT,
             start_new_session=True,
-        )  # fmt: skip
+        )
 
     log = tmp_path / "typo.log"
     proc = pod("digits-ddpm", "train.lrr=1", log=log)
@@ -272,11 +299,25 @@ def test_launch_does_not_restart_workers_that_exit_2(tmp_path):
     """A usage error only workers can see (the world size cannot split the batch): no torchrun retry."""
     port = free_port()
     r = subprocess.run(
-        [sys.executable, "-m", "trainer", "launch", "--nproc-per-node=3", "--max-restarts=3",
-         "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}", f"--rdzv-id=t{port}",
-         "--monitor-interval=0.2", "--", *tiny(tmp_path, max_steps=2)],
-        capture_output=True, text=True, timeout=600, env=clean_env(),
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "trainer",
+            "launch",
+            "--nproc-per-node=3",
+            "--max-restarts=3",
+            "--rdzv-backend=c10d",
+            f"--rdzv-endpoint=127.0.0.1:{port}",
+            f"--rdzv-id=t{port}",
+            "--monitor-interval=0.2",
+            "--",
+            *tiny(tmp_path, max_steps=2),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env=clean_env(),
+    )
     assert r.returncode == 2, r.stderr[-3000:]
     assert r.stderr.count("cannot be split evenly over world size 3") == 3  # 3 workers, one attempt
     assert "will restart worker group" not in r.stderr and "not restarting the workers" in r.stderr

@@ -184,8 +184,9 @@ def test_denoise_equals_the_cascade_stage_sampler(prediction_type, kind):
     labels = default_labels(4, CLASSES)
     cond = task.conditions(4, CPU, torch.zeros(4, dtype=torch.bool), labels)
     with torch.no_grad():
-        today = task._run_stage(1, net, None, cond, range(4), 11, CPU, inference_steps=3, scheduler=kind,
-                                guidance_scale=3.0)  # fmt: skip
+        today = task._run_stage(
+            1, net, None, cond, range(4), 11, CPU, inference_steps=3, scheduler=kind, guidance_scale=3.0
+        )
 
     gens = sample_generators(11, 0, range(4), Stream.CASCADE_STAGE, substream=1)
     x = per_sample_randn(gens, (1, 8, 8))
@@ -219,19 +220,37 @@ TINY_TRANSFORMER = {"num_layers": 2, "num_attention_heads": 2, "attention_head_d
 BACKBONE_CASES = {
     "unet": ({"kind": "unet", **TINY_UNET}, CLASSES, {"labels"}),
     "unet-uncond": ({"kind": "unet", **TINY_UNET}, None, set()),
-    "unet-captions": ({"kind": "unet", **TINY_UNET, "caption_channels": 12}, CLASSES, {"labels", "captions", "caption_mask"}),
+    "unet-captions": (
+        {"kind": "unet", **TINY_UNET, "caption_channels": 12},
+        CLASSES,
+        {"labels", "captions", "caption_mask"},
+    ),
     "dit": ({"kind": "dit", **TINY_TRANSFORMER}, CLASSES, {"labels"}),
     "dit-uncond": ({"kind": "dit", **TINY_TRANSFORMER}, None, set()),
     "pixart": ({"kind": "pixart", **TINY_TRANSFORMER, "caption_channels": 12}, None, {"captions", "caption_mask"}),
     "pixart-sizes": (
-        {"kind": "pixart", **TINY_TRANSFORMER, "caption_channels": 12, "use_additional_conditions": True, "pixel_scale": 8},
+        {
+            "kind": "pixart",
+            **TINY_TRANSFORMER,
+            "caption_channels": 12,
+            "use_additional_conditions": True,
+            "pixel_scale": 8,
+        },
         None,
         {"captions", "caption_mask", "resolution", "aspect_ratio"},
     ),
-    "mmdit": ({"kind": "mmdit", **TINY_TRANSFORMER, "caption_channels": 12, "pooled_channels": 6}, None, {"captions", "pooled"}),
-}  # fmt: skip
-UNITS = {"unet": "DownBlock2D", "dit": "BasicTransformerBlock", "pixart": "BasicTransformerBlock",
-         "mmdit": "JointTransformerBlock"}  # fmt: skip
+    "mmdit": (
+        {"kind": "mmdit", **TINY_TRANSFORMER, "caption_channels": 12, "pooled_channels": 6},
+        None,
+        {"captions", "pooled"},
+    ),
+}
+UNITS = {
+    "unet": "DownBlock2D",
+    "dit": "BasicTransformerBlock",
+    "pixart": "BasicTransformerBlock",
+    "mmdit": "JointTransformerBlock",
+}
 
 
 def _conditions(accepts, n: int = 4) -> dict[str, torch.Tensor]:
@@ -313,8 +332,17 @@ def test_backbone_geometry_and_conditioning_refusals():
     with pytest.raises(ConfigError, match="mmdit backbone is conditioned on captions"):
         build_backbone({"kind": "mmdit", **TINY_TRANSFORMER, "caption_channels": 4, "pooled_channels": 4}, 8, 3, 5)
     with pytest.raises(ConfigError, match="width divisible by 3: .* = 16"):
-        build_backbone({"kind": "pixart", "num_attention_heads": 2, "attention_head_dim": 8, "caption_channels": 4,
-                        "use_additional_conditions": True}, 8, 3)  # fmt: skip
+        build_backbone(
+            {
+                "kind": "pixart",
+                "num_attention_heads": 2,
+                "attention_head_dim": 8,
+                "caption_channels": 4,
+                "use_additional_conditions": True,
+            },
+            8,
+            3,
+        )
     with pytest.raises(ValidationError, match="divisible by model.backbone.norm_num_groups=3"):
         build_backbone({"kind": "unet", "block_out_channels": [8, 16], "norm_num_groups": 3}, 8, 3)
     with pytest.raises(ValidationError, match="'unet', 'dit', 'pixart', 'mmdit'"):

@@ -159,3 +159,17 @@ def test_no_file_refers_to_a_file_outside_the_repository():
             continue
         found += [f"{name}:{i}" for i, line in enumerate(text.splitlines(), 1) if outside.search(line)]
     assert not found, f"these lines refer to a file outside the repository: {found}"
+
+
+def test_no_python_file_needs_a_hand_layout_kept_from_the_formatter():
+    """Layout is ruff format's: a `fmt: skip`/`fmt: off` marks code whose shape fights the formatter."""
+    tracked = subprocess.run(["git", "ls-files", "*.py"], cwd=REPO, capture_output=True, text=True, check=True)
+    marker = re.compile(r"#\s*fmt:\s*(skip|off)\b")
+    found = [
+        f"{name}:{i}"
+        for name in tracked.stdout.splitlines()
+        if name != "tests/test_docs.py" and (REPO / name).is_file()
+        for i, line in enumerate((REPO / name).read_text().splitlines(), 1)
+        if marker.search(line)
+    ]
+    assert not found, f"formatter escapes left: {found}"

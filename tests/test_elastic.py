@@ -205,8 +205,11 @@ def launch(tmp_path, *args: str, timeout: float = 180):
 
     return subprocess.run(
         [sys.executable, "-m", "trainer", "launch", *args],
-        capture_output=True, text=True, timeout=timeout, env=clean_env(),
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=clean_env(),
+    )
 
 
 def test_launch_exits_2_on_a_config_error_before_starting_workers(tmp_path):
@@ -228,10 +231,20 @@ def test_launch_trains_and_exits_0_then_143_on_sigterm(tmp_path):
 
     log = tmp_path / "term.log"
     proc = subprocess.Popen(
-        [sys.executable, "-m", "trainer", "launch", *standalone(2), "--",
-         *tiny(tmp_path / "term", "checkpoint.every_steps=0", max_steps=100000)],
-        stdout=open(log, "w"), stderr=subprocess.STDOUT, env=__import__("conftest").clean_env(), start_new_session=True,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "trainer",
+            "launch",
+            *standalone(2),
+            "--",
+            *tiny(tmp_path / "term", "checkpoint.every_steps=0", max_steps=100000),
+        ],
+        stdout=open(log, "w"),
+        stderr=subprocess.STDOUT,
+        env=__import__("conftest").clean_env(),
+        start_new_session=True,
+    )
     try:
         wait_for_log(log, "step=10/", proc, timeout=300)
         proc.send_signal(signal.SIGTERM)

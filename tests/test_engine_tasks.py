@@ -88,18 +88,27 @@ def test_sigkilled_rank_under_torchrun_resumes_bit_identical_without_unused_para
     steps = 24
     common = ("checkpoint.every_steps=5",)
     ref_log = tmp_path / "ref.log"
-    ref = start_torchrun(standalone(2), probe_args(tmp_path / "ref", encoder_url, *common, max_steps=steps), ref_log,
-                         PYTHONPATH=str(REPO / "tests"))  # fmt: skip
+    ref = start_torchrun(
+        standalone(2),
+        probe_args(tmp_path / "ref", encoder_url, *common, max_steps=steps),
+        ref_log,
+        PYTHONPATH=str(REPO / "tests"),
+    )
     assert finish(ref, ref_log) == 0, ref_log.read_text()[-4000:]
 
     # The killed run saves in the background, each copy held into the next step until its fence
     # (PROBE_TASK_OVERLAP); rank 1 dies in step 13 once the save of step 10 has committed.
     log = tmp_path / "killed.log"
     killed = tmp_path / "killed/run/checkpoints"
-    proc = start_torchrun(standalone(2), probe_args(tmp_path / "killed", encoder_url, *common, "checkpoint.async=true",
-                                                    max_steps=steps), log,
-                          PYTHONPATH=str(REPO / "tests"), PROBE_TASK_KILL="1:13", PROBE_TASK_OVERLAP="1",
-                          PROBE_TASK_KILL_AFTER=str(killed / "step-000000010/manifest.json"))  # fmt: skip
+    proc = start_torchrun(
+        standalone(2),
+        probe_args(tmp_path / "killed", encoder_url, *common, "checkpoint.async=true", max_steps=steps),
+        log,
+        PYTHONPATH=str(REPO / "tests"),
+        PROBE_TASK_KILL="1:13",
+        PROBE_TASK_OVERLAP="1",
+        PROBE_TASK_KILL_AFTER=str(killed / "step-000000010/manifest.json"),
+    )
     rc = finish(proc, log)
     text = log.read_text()
     assert rc == 0, text[-4000:]

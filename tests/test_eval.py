@@ -134,11 +134,27 @@ def test_training_evaluates_periodically_and_eval_cli_over_2_ranks_equals_1_rank
         (root / "eval-000000002.json").unlink()
         log, port = tmp_path / f"eval2-{num}.log", free_port()
         proc = subprocess.Popen(
-            [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", "--rdzv-backend=c10d",
-             f"--rdzv-endpoint=127.0.0.1:{port}", f"--rdzv-id=eval-{port}", "--max-restarts=0",
-             "-m", "trainer", "eval", str(root), "--num-images", str(num)],  # torchrun's parser refuses --num
-            stdout=open(log, "w"), stderr=subprocess.STDOUT, env=clean_env(), start_new_session=True,
-        )  # fmt: skip
+            [
+                sys.executable,
+                "-m",
+                "torch.distributed.run",
+                "--nproc-per-node=2",
+                "--rdzv-backend=c10d",
+                f"--rdzv-endpoint=127.0.0.1:{port}",
+                f"--rdzv-id=eval-{port}",
+                "--max-restarts=0",
+                "-m",
+                "trainer",
+                "eval",
+                str(root),
+                "--num-images",
+                str(num),
+            ],  # torchrun's parser refuses --num
+            stdout=open(log, "w"),
+            stderr=subprocess.STDOUT,
+            env=clean_env(),
+            start_new_session=True,
+        )
         try:
             assert proc.wait(timeout=600) == 0, log.read_text()[-3000:]
         finally:

@@ -200,8 +200,11 @@ def test_ddpm_unet_starts_from_a_folder_with_lora_and_half_precision_base(tmp_pa
     from trainer.models.finetune import cast_frozen_base, half_weights_autocast, write_folder
 
     def task(*overrides: str):
-        cfg = load_config("digits-ddpm", ["model.block_out_channels=[8,16]", "model.norm_num_groups=4",
-                                          "data.image_size=8", *overrides], {})  # fmt: skip
+        cfg = load_config(
+            "digits-ddpm",
+            ["model.block_out_channels=[8,16]", "model.norm_num_groups=4", "data.image_size=8", *overrides],
+            {},
+        )
         return task_class("ddpm")(cfg.model_cfg, TaskContext(8, 1, 0))
 
     torch.manual_seed(0)
@@ -226,8 +229,9 @@ def test_ddpm_unet_starts_from_a_folder_with_lora_and_half_precision_base(tmp_pa
         .safe_open(str(tmp_path / "out-lora/pytorch_lora_weights.safetensors"), "pt")
         .metadata()["lora_adapter_metadata"]
     )
-    inject_adapter_in_model(LoraConfig(r=meta["r"], lora_alpha=meta["lora_alpha"],
-                                       target_modules=meta["target_modules"]), reloaded)  # fmt: skip
+    inject_adapter_in_model(
+        LoraConfig(r=meta["r"], lora_alpha=meta["lora_alpha"], target_modules=meta["target_modules"]), reloaded
+    )
     set_peft_model_state_dict(
         reloaded, load_safetensors((tmp_path / "out-lora/pytorch_lora_weights.safetensors").read_bytes())
     )
@@ -263,8 +267,11 @@ def test_pretrained_and_lora_errors_name_the_key(tmp_path, base_folders, s3):
     ):
         build(stages(f", pretrained: {tmp_path}/empty"))
     wide = "{image_size: 4, block_out_channels: [16, 32], norm_num_groups: 4, attention: false, pretrained: X}"
-    with pytest.raises(ConfigError, match=r"block_out_channels: folder \[8, 16\], gentrain builds \[16, 32\] \(set "
-                       r"model.stages\[0\].block_out_channels\)"):  # fmt: skip
+    with pytest.raises(
+        ConfigError,
+        match=r"block_out_channels: folder \[8, 16\], gentrain builds \[16, 32\] \(set "
+        r"model.stages\[0\].block_out_channels\)",
+    ):
         build(f"model.stages=[{wide.replace('X', base_folders + '/stage1')}]", "data.image_size=4")
     with pytest.raises(ConfigError, match=r"model.stages\[1\].lora.targets=\['nothing'\]"):
         build(stages("", f", pretrained: {base_folders}/stage2, lora: {{targets: [nothing]}}"))

@@ -65,14 +65,28 @@ def test_fsdp_matches_ddp_within_float_tolerance_and_writes_a_sharded_checkpoint
     #   and a parameter whose true gradient is ~0 (an attention key bias) follows its rounding noise, so
     #   weights may differ by up to twice that sum over steps, never more.
     steps, lr, warmup = 5, 2e-4, 2
-    common = ["checkpoint.every_steps=0", "model.dropout=0.1", "train.grad_accum=2", "train.micro_batch_size=1",
-              "train.max_grad_norm=0.5", f"train.lr={lr}", f"train.warmup_steps={warmup}",
-              "train.lr_schedule=constant"]  # fmt: skip
+    common = [
+        "checkpoint.every_steps=0",
+        "model.dropout=0.1",
+        "train.grad_accum=2",
+        "train.micro_batch_size=1",
+        "train.max_grad_norm=0.5",
+        f"train.lr={lr}",
+        f"train.warmup_steps={warmup}",
+        "train.lr_schedule=constant",
+    ]
     ddp_text = run_torchrun(tmp_path, "ddp", 2, tiny(tmp_path / "ddp", *common, max_steps=steps))
     # FID at the end: sampling through the sharded UNet runs on both ranks together, 48 images = 3
     # chunks: rank 1 draws a throwaway chunk to keep step with rank 0's second.
-    fsdp_args = tiny(tmp_path / "fsdp", *common, FSDP, f"eval.every_steps={steps}", "eval.num=48",
-                     "eval.kid_subset_size=32", max_steps=steps)  # fmt: skip
+    fsdp_args = tiny(
+        tmp_path / "fsdp",
+        *common,
+        FSDP,
+        f"eval.every_steps={steps}",
+        "eval.num=48",
+        "eval.kid_subset_size=32",
+        max_steps=steps,
+    )
     text = run_torchrun(tmp_path, "fsdp", 2, fsdp_args)
     assert "world_size=2 restart=0 parallel=fsdp" in text
     result = json.loads((tmp_path / f"fsdp/run/checkpoints/eval-{steps:09d}.json").read_text())
@@ -93,15 +107,21 @@ def test_fsdp_matches_ddp_within_float_tolerance_and_writes_a_sharded_checkpoint
     files = set(info.manifest["files"])
     # Every rank wrote its own slices and RNG state; rank 0 the index and trainer.json; manifest lists all.
     for rank in (0, 1):
-        assert {f"unet.model.rank-{rank:05d}.safetensors", f"unet.optimizer.rank-{rank:05d}.safetensors",
-                f"unet.ema.rank-{rank:05d}.safetensors", f"rank-{rank:05d}.safetensors"} <= files  # fmt: skip
+        assert {
+            f"unet.model.rank-{rank:05d}.safetensors",
+            f"unet.optimizer.rank-{rank:05d}.safetensors",
+            f"unet.ema.rank-{rank:05d}.safetensors",
+            f"rank-{rank:05d}.safetensors",
+        } <= files
     assert {"shards.json", "trainer.json"} <= files and "unet.model.safetensors" not in files
     assert info.manifest["digest"] == "blake3" and info.manifest["parallel"] == "fsdp"
     assert all(len(e["blake3"]) == 64 for e in info.manifest["files"].values())
     index = json.loads((tmp_path / f"fsdp/run/checkpoints/step-{steps:09d}/shards.json").read_text())
     chunks = index["tensors"]["unet.model"]["conv_in.weight"]["chunks"]
     assert [c["offsets"][0] for c in chunks] == [0, 4] and {c["file"] for c in chunks} == {
-        "unet.model.rank-00000.safetensors", "unet.model.rank-00001.safetensors"}  # fmt: skip
+        "unet.model.rank-00000.safetensors",
+        "unet.model.rank-00001.safetensors",
+    }
 
 
 def test_sigkilled_fsdp_rank_resumes_bit_identical_from_an_async_save(tmp_path):
@@ -118,10 +138,15 @@ def test_sigkilled_fsdp_rank_resumes_bit_identical_from_an_async_save(tmp_path):
     # step 4 has committed.
     log = tmp_path / "killed.log"
     killed = tmp_path / "killed/run/checkpoints"
-    proc = start_torchrun(standalone(2), probe_args(tmp_path / "killed", encoder, *common, "checkpoint.async=true",
-                                                    max_steps=steps), log,
-                          PROBE_TASK_KILL="1:6", PROBE_TASK_KILL_AFTER=str(killed / "step-000000004/manifest.json"),
-                          PROBE_TASK_OVERLAP="1", **env)  # fmt: skip
+    proc = start_torchrun(
+        standalone(2),
+        probe_args(tmp_path / "killed", encoder, *common, "checkpoint.async=true", max_steps=steps),
+        log,
+        PROBE_TASK_KILL="1:6",
+        PROBE_TASK_KILL_AFTER=str(killed / "step-000000004/manifest.json"),
+        PROBE_TASK_OVERLAP="1",
+        **env,
+    )
     rc = finish(proc, log)
     text = log.read_text()
     assert rc == 0, text[-4000:]
@@ -156,8 +181,9 @@ def roundtrip(tmp_path, name: str, nproc: int, src: str, out: str, *args: str) -
         out,
         *tiny(tmp_path / name, f"checkpoint.url={src}", *args),
     ]
-    proc = subprocess.Popen(cmd, stdout=open(log, "w"), stderr=subprocess.STDOUT, env=clean_env(),
-                            start_new_session=True)  # fmt: skip
+    proc = subprocess.Popen(
+        cmd, stdout=open(log, "w"), stderr=subprocess.STDOUT, env=clean_env(), start_new_session=True
+    )
     assert finish(proc, log) == 0, log.read_text()[-4000:]
 
 
@@ -185,8 +211,17 @@ def test_world_size_changes_under_fsdp_use_every_sample_once_per_epoch(tmp_path)
     n, batch = 30, 6
     data = tmp_path / "imgs"
     make_images(data, n)
-    base = tiny(tmp_path, FSDP, "data.source=folder", f"data.path={data}", "data.channels=1", "data.val_fraction=0",
-                "data.ledger=true", f"train.batch_size={batch}", "checkpoint.every_steps=0")  # fmt: skip
+    base = tiny(
+        tmp_path,
+        FSDP,
+        "data.source=folder",
+        f"data.path={data}",
+        "data.channels=1",
+        "data.val_fraction=0",
+        "data.ledger=true",
+        f"train.batch_size={batch}",
+        "checkpoint.every_steps=0",
+    )
     previous = 0
     for i, (world, until) in enumerate([(2, 7), (1, 16), (3, 27)]):
         text = run_torchrun(tmp_path, f"leg{i}", world, [*base, f"train.max_steps={until}"])
@@ -212,8 +247,9 @@ def test_a_rank_killed_mid_save_leaves_the_previous_checkpoint_and_a_tampered_sh
     # file of the save written or not, when it is killed. No sleeps: we wait for its other files.
     os.mkfifo(blocked)
     log = tmp_path / "kill.log"
-    proc = start_torchrun(standalone(2, max_restarts=1), tiny(tmp_path, FSDP, "checkpoint.every_steps=4",
-                          max_steps=10), log)  # fmt: skip
+    proc = start_torchrun(
+        standalone(2, max_restarts=1), tiny(tmp_path, FSDP, "checkpoint.every_steps=4", max_steps=10), log
+    )
     try:
         deadline = time.monotonic() + 120
         while not (blocked.parent / "rank-00001.json").exists():

@@ -188,7 +188,7 @@ def test_every_task_family_trains_under_ddp_and_fsdp_in_the_image_install(image_
                 VIDEO_MASKGIT,
                 p,
                 f"model.tokenizer.url={video_tokenizer}/checkpoints",
-            ),  # fmt: skip
+            ),
         ]
     # Half precision (the GPU presets' setting) goes through the LoRA-aware casts of every part.
     runs.append(_train(tmp_path, "ddpm-bf16-ddp", DDPM, "train.precision=bf16"))
@@ -196,14 +196,24 @@ def test_every_task_family_trains_under_ddp_and_fsdp_in_the_image_install(image_
     (tmp_path / "driver.py").write_text(DRIVER)
     port = free_port()
     torchrun = [
-        str(image_venv / "bin" / "python"), "-m", "torch.distributed.run", "--nproc-per-node=2", "--max-restarts=0",
-        "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}", f"--rdzv-id=image-{port}",
-    ]  # fmt: skip
+        str(image_venv / "bin" / "python"),
+        "-m",
+        "torch.distributed.run",
+        "--nproc-per-node=2",
+        "--max-restarts=0",
+        "--rdzv-backend=c10d",
+        f"--rdzv-endpoint=127.0.0.1:{port}",
+        f"--rdzv-id=image-{port}",
+    ]
     t0 = time.monotonic()
     r = subprocess.run(
         [*torchrun, str(tmp_path / "driver.py"), str(tmp_path / "runs.json")],
-        cwd=tmp_path, env=_venv_env(image_venv), capture_output=True, text=True, timeout=900,
-    )  # fmt: skip
+        cwd=tmp_path,
+        env=_venv_env(image_venv),
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     log = r.stdout + r.stderr
     assert r.returncode == 0, f"torchrun exited {r.returncode} after {time.monotonic() - t0:.0f}s:\n{log[-8000:]}"
     assert "ModuleNotFoundError" not in log and "ImportError" not in log, log[-8000:]

@@ -83,8 +83,36 @@ def test_order_is_pinned():
     """The entries of one epoch as every earlier version drew them: a change here breaks bit-identical resume."""
     stream = ShardStream(np.array([4, 4, 3, 4, 1, 4, 9]), seed=11, window=2, block=2)
     assert [i for _, i in stream.take(0, 29)] == [
-        11, 12, 6, 7, 4, 5, 13, 14, 16, 17, 10, 8, 9, 18, 19, 0, 1, 15, 2, 3, 20, 21, 26, 27, 22, 23, 28, 24, 25
-    ]  # fmt: skip
+        11,
+        12,
+        6,
+        7,
+        4,
+        5,
+        13,
+        14,
+        16,
+        17,
+        10,
+        8,
+        9,
+        18,
+        19,
+        0,
+        1,
+        15,
+        2,
+        3,
+        20,
+        21,
+        26,
+        27,
+        22,
+        23,
+        28,
+        24,
+        25,
+    ]
 
 
 # ---------------------------------------------------------------- the tar reader
@@ -131,10 +159,17 @@ def test_tar_reader_refuses_a_truncated_archive():
 
 
 IDS = {  # every run so far drew with these ids: they never change (see trainer.randomness.Stream)
-    Stream.DIFFUSION: 0, Stream.MASKGIT: 1, Stream.CASCADE_STAGE: 100, Stream.AUGMENT: 2, Stream.SHARD_WINDOW: 4,
-    Stream.DATA_ORDER: 1, Stream.SHARD_ORDER: 3, Stream.FID_CHUNK: 0xE7A1, Stream.STEP_GLOBAL: 3,
+    Stream.DIFFUSION: 0,
+    Stream.MASKGIT: 1,
+    Stream.CASCADE_STAGE: 100,
+    Stream.AUGMENT: 2,
+    Stream.SHARD_WINDOW: 4,
+    Stream.DATA_ORDER: 1,
+    Stream.SHARD_ORDER: 3,
+    Stream.FID_CHUNK: 0xE7A1,
+    Stream.STEP_GLOBAL: 3,
     Stream.JOINT_IMAGES: 5,
-}  # fmt: skip
+}
 
 
 def test_stream_ids_are_unique_per_key_count_and_unchanged():

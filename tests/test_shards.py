@@ -100,8 +100,11 @@ def test_default_shuffle_block_mixes_at_least_8_blocks_into_a_batch_of_64_with_f
     def per_image(block: int, world: int) -> float:
         stream = ShardStream(counts, seed=3, window=8, block=block)
         steps = n // 64
-        sent = sum(requests([r.index for r in stream.rank_slice(s * 64, 64, rank, world)])
-                   for s in range(steps) for rank in range(world))  # fmt: skip
+        sent = sum(
+            requests([r.index for r in stream.rank_slice(s * 64, 64, rank, world)])
+            for s in range(steps)
+            for rank in range(world)
+        )
         return sent / (steps * 64)
 
     stream = ShardStream(counts, seed=3, window=8, block=DEFAULT_BLOCK)
@@ -181,8 +184,9 @@ def test_pack_round_trip_keeps_pixels_captions_classes_and_embeddings_and_index_
 
     def captions(folder, seed):
         pack_folder(str(src), str(folder), 4, progress=False, shuffle_seed=seed)
-        split = ShardSplit(ShardSet(load_shard_list(f"{folder}/shards.json", None), None, 16, 3), "all", 0.0, False,
-                           (3, 16, 16))  # fmt: skip
+        split = ShardSplit(
+            ShardSet(load_shard_list(f"{folder}/shards.json", None), None, 16, 3), "all", 0.0, False, (3, 16, 16)
+        )
         return [it[5]["caption"] for it in split.__getitems__([SampleRef(i, i, 0) for i in range(len(split))])]
 
     in_order = [e["caption"] for *_, e in items]
@@ -238,11 +242,21 @@ def test_s3_reads_fetch_only_the_used_samples_and_faults_are_skipped_counted_and
     # One epoch (12 samples, batch 4, 3 steps) on one process: 1 corrupt + 3 missing samples.
     port = free_port()
     args = tiny(
-        tmp_path, "data.source=shards", f"data.urls={url}/{{000000..000003}}.tar", "data.channels=3",
-        f"data.storage_options={json.dumps(opts)}", "data.val_fraction=0", "data.ledger=true", "data.read_retries=2",
-        "model.num_classes=2", "train.batch_size=4", f"metrics.port={port}", "metrics.host=127.0.0.1",
-        "metrics.linger_seconds=60", max_steps=3,
-    )  # fmt: skip
+        tmp_path,
+        "data.source=shards",
+        f"data.urls={url}/{{000000..000003}}.tar",
+        "data.channels=3",
+        f"data.storage_options={json.dumps(opts)}",
+        "data.val_fraction=0",
+        "data.ledger=true",
+        "data.read_retries=2",
+        "model.num_classes=2",
+        "train.batch_size=4",
+        f"metrics.port={port}",
+        "metrics.host=127.0.0.1",
+        "metrics.linger_seconds=60",
+        max_steps=3,
+    )
     log = tmp_path / "train.log"
     proc = start_cli("train", *args, env=__import__("conftest").clean_env(), log_path=log)
     try:
@@ -305,8 +319,10 @@ def test_s3_neighbouring_samples_are_read_with_one_request_and_gaps_are_fetched_
     # With a gap allowance the holes between runs of a shard are fetched too: one request per shard touched.
     _, gapped = read(block=3, merge_gap=10**9, refs=refs)
     touched = sorted({i // 6 for i in ids})
-    spans = sum(offsets[s][max(i % 6 for i in ids if i // 6 == s) + 1] - offsets[s][min(i % 6 for i in ids if i // 6 == s)]
-                for s in touched)  # fmt: skip
+    spans = sum(
+        offsets[s][max(i % 6 for i in ids if i // 6 == s) + 1] - offsets[s][min(i % 6 for i in ids if i // 6 == s)]
+        for s in touched
+    )
     assert gapped.stats.requests == len(touched) and gapped.stats.data_bytes == spans
     assert gapped.stats.used_bytes == blocks.stats.used_bytes
     assert all(torch.equal(a[0], b[0]) for a, b in zip(gapped, blocks, strict=True))
@@ -318,9 +334,13 @@ def test_s3_neighbouring_samples_are_read_with_one_request_and_gaps_are_fetched_
 def standalone(nproc: int, max_restarts: int = 0) -> list[str]:
     port = free_port()
     return [
-        f"--nproc-per-node={nproc}", f"--max-restarts={max_restarts}", "--rdzv-backend=c10d",
-        f"--rdzv-endpoint=127.0.0.1:{port}", f"--rdzv-id=test-{port}", "--monitor-interval=0.2",
-    ]  # fmt: skip
+        f"--nproc-per-node={nproc}",
+        f"--max-restarts={max_restarts}",
+        "--rdzv-backend=c10d",
+        f"--rdzv-endpoint=127.0.0.1:{port}",
+        f"--rdzv-id=test-{port}",
+        "--monitor-interval=0.2",
+    ]
 
 
 def finish(proc, log, timeout=600) -> int:
@@ -343,12 +363,20 @@ def test_s3_shards_every_sample_once_per_epoch_across_2_1_3_ranks_with_workers_a
     # 3 shards of 10: the default shuffle blocks (8) make runs of 8 and 2 of each shard.
     pack(src, url, 10, "--storage-options", s3_options(s3_server))
     base = tiny(
-        tmp_path, "data.source=shards", f"data.urls={url}/shards.json", "data.channels=3", "data.image_size=16",
-        f"data.storage_options={json.dumps(s3_server.storage_options())}", "data.val_fraction=0", "data.ledger=true",
-        "data.shard_window=2", "model.num_classes=2", "train.num_workers=2",
+        tmp_path,
+        "data.source=shards",
+        f"data.urls={url}/shards.json",
+        "data.channels=3",
+        "data.image_size=16",
+        f"data.storage_options={json.dumps(s3_server.storage_options())}",
+        "data.val_fraction=0",
+        "data.ledger=true",
+        "data.shard_window=2",
+        "model.num_classes=2",
+        "train.num_workers=2",
         f"train.batch_size={batch}",
         "checkpoint.every_steps=0",
-    )  # fmt: skip
+    )
     # Leg boundaries at cursors 42 and 96: mid-epoch, mid-window, mid-shard (96: mid-block too).
     plan = [(2, 7), (1, 16), (3, 27)]
     previous = 0
@@ -406,10 +434,16 @@ def test_sigkilled_rank_reading_shards_resumes_bit_identical(tmp_path):
     pack(src, tmp_path / "shards", 3)
     steps = 60
     args = [
-        "data.source=shards", f"data.urls={tmp_path}/shards/{{000000..000006}}.tar", "data.channels=3",
-        "data.val_fraction=0.1", "data.shard_window=2", "data.flip=true", "model.num_classes=2",
-        "train.num_workers=1", "checkpoint.every_steps=5",
-    ]  # fmt: skip
+        "data.source=shards",
+        f"data.urls={tmp_path}/shards/{{000000..000006}}.tar",
+        "data.channels=3",
+        "data.val_fraction=0.1",
+        "data.shard_window=2",
+        "data.flip=true",
+        "model.num_classes=2",
+        "train.num_workers=1",
+        "checkpoint.every_steps=5",
+    ]
     ref_log = tmp_path / "ref.log"
     ref = start_torchrun(standalone(2), tiny(tmp_path / "ref", *args, max_steps=steps), ref_log)
     assert finish(ref, ref_log) == 0, ref_log.read_text()[-4000:]

@@ -49,7 +49,7 @@ def gentrain(env: dict[str, str], cwd: Path, *args: str) -> subprocess.Completed
                 "train.max_steps=1",
             ],
             "gcs",
-        ),  # fmt: skip
+        ),
     ],
 )
 def test_a_missing_store_package_exits_2_naming_the_extra(env_without_buckets, tmp_path, args, extra):

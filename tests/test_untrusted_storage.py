@@ -152,8 +152,12 @@ def _all_text(folder: Path) -> dict[Path, bytes]:
 
 def test_credentials_never_reach_checkpoints_trackers_or_logs_and_checkpoints_are_private(tmp_path):
     options = json.dumps(_storage_options())
-    settings = [f"checkpoint.storage_options={options}", 'data.storage_options={"token": "gcs-TOKEN-9f8e7d"}',
-                "log.tensorboard=true", "sample.every_steps=2"]  # fmt: skip
+    settings = [
+        f"checkpoint.storage_options={options}",
+        'data.storage_options={"token": "gcs-TOKEN-9f8e7d"}',
+        "log.tensorboard=true",
+        "sample.every_steps=2",
+    ]
     secrets = [*SECRETS.values(), "gcs-TOKEN-9f8e7d"]
     first = run_cli("train", *tiny(tmp_path, *settings, max_steps=2))
     assert first.returncode == 0, first.stderr[-3000:]
@@ -201,8 +205,10 @@ def test_redact_hides_storage_options_credential_keys_and_url_passwords():
     out = redact(tree)
     assert out["checkpoint"]["url"] == "s3://bucket/run"
     assert out["checkpoint"]["storage_options"] == {
-        "key": REDACTED, "secret": REDACTED, "client_kwargs": {"region_name": REDACTED, "aws_session_token": REDACTED}
-    }  # fmt: skip
+        "key": REDACTED,
+        "secret": REDACTED,
+        "client_kwargs": {"region_name": REDACTED, "aws_session_token": REDACTED},
+    }
     assert out["data"]["storage_options"] == {"anon": True, "client_kwargs": {"endpoint_url": REDACTED}}
     assert set(out["headers"].values()) == {REDACTED}
     assert out["model"] == {
@@ -306,3 +312,13 @@ def test_inception_weights_load_as_a_state_dict_or_safetensors_without_unpicklin
     torch.save([1, 2], tmp_path / "list.pth")
     with pytest.raises(ConfigError, match="not a state dict"):
         inception_state_dict((tmp_path / "list.pth").read_bytes(), "list.pth")
+
+
+def test_error_lines_the_cli_prints_pass_the_same_redaction_as_log_lines(capsys):
+    from trainer import cli
+
+    cli._REDACT.add_secrets({"storage_options": _storage_options()})
+    cli._fail(f"config error: ftp://bob:hunter2@host/tok with key {SECRETS['key']} is not reachable")
+    err = capsys.readouterr().err
+    assert err.startswith("gentrain: config error: ftp://") and REDACTED in err
+    assert "hunter2" not in err and SECRETS["key"] not in err

@@ -364,8 +364,17 @@ def test_clips_packed_into_shards_decode_like_the_folder_and_mix_with_images(tmp
         assert int(extras["frames"]) == 3 and extras.get("caption") == expected[2].get("caption")
 
     # Joint training over shards: digit images join the clips; the shard fetch's byte counts survive.
-    cfg = load_config(CLIP_PROBE, ["data.source=shards", "data.image_size=8", "data.channels=1", "train.batch_size=4",
-                             "data.image_ratio=0.5", *args])  # fmt: skip
+    cfg = load_config(
+        CLIP_PROBE,
+        [
+            "data.source=shards",
+            "data.image_size=8",
+            "data.channels=1",
+            "train.batch_size=4",
+            "data.image_ratio=0.5",
+            *args,
+        ],
+    )
     train, _, num_classes = build_splits(cfg)
     assert num_classes == 12
     batch = next(iter(build_train_loader(train, cfg, 0, 0, 1)))

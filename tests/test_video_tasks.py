@@ -62,8 +62,14 @@ def tokenizer_args(root, *extra: str, max_steps: int) -> list[str]:
 
 def maskgit_args(root, tokenizer: str, *extra: str, max_steps: int) -> list[str]:
     text_cache = f"model.text.cache_dir={root}/text"
-    return [*MASKGIT, f"model.tokenizer.url={tokenizer}", text_cache, f"run.dir={root}/run",
-            f"train.max_steps={max_steps}", *extra]  # fmt: skip
+    return [
+        *MASKGIT,
+        f"model.tokenizer.url={tokenizer}",
+        text_cache,
+        f"run.dir={root}/run",
+        f"train.max_steps={max_steps}",
+        *extra,
+    ]
 
 
 @pytest.fixture(scope="module")
@@ -78,9 +84,19 @@ def tokenizer(tmp_path_factory) -> str:
 
 def small_tokenizer(quantizer: str = "vq", encoder_context: str = "clip") -> CausalVideoAutoencoder:
     cfg = VideoTokenizerConfig(
-        quantizer=quantizer, codebook_size=16, codebook_dim=4, fsq_levels=[5, 3], dim=16, heads=2, spatial_depth=1,
-        temporal_depth=1, pixel_channels=4, patch_size=4, temporal_patch=2, encoder_context=encoder_context,
-    )  # fmt: skip
+        quantizer=quantizer,
+        codebook_size=16,
+        codebook_dim=4,
+        fsq_levels=[5, 3],
+        dim=16,
+        heads=2,
+        spatial_depth=1,
+        temporal_depth=1,
+        pixel_channels=4,
+        patch_size=4,
+        temporal_patch=2,
+        encoder_context=encoder_context,
+    )
     torch.manual_seed(0)
     return CausalVideoAutoencoder(cfg, channels=1, image_size=8)
 
@@ -117,9 +133,20 @@ def test_padding_frames_do_not_change_the_loss():
     """Samples with 1 and 3 real frames of 5: refilling their padding frames changes no loss term, no
     gradient and no codebook update (the VQ codebook learns by EMA inside the forward)."""
     cfg = VideoTokenizerConfig(
-        quantizer="vq", codebook_size=16, codebook_dim=4, dim=16, heads=2, spatial_depth=1, temporal_depth=1,
-        pixel_channels=4, disc_channels=8, disc_layers=1, disc_start_step=0, grad_penalty_every=1, lecam_weight=0.1,
-    )  # fmt: skip
+        quantizer="vq",
+        codebook_size=16,
+        codebook_dim=4,
+        dim=16,
+        heads=2,
+        spatial_depth=1,
+        temporal_depth=1,
+        pixel_channels=4,
+        disc_channels=8,
+        disc_layers=1,
+        disc_start_step=0,
+        grad_penalty_every=1,
+        lecam_weight=0.1,
+    )
     task = VideoTokenizerTask(cfg, TaskContext(8, 1, 0, num_frames=5))
     torch.manual_seed(0)
     modules = task.build({})
@@ -133,8 +160,9 @@ def test_padding_frames_do_not_change_the_loss():
     def run(clip: torch.Tensor):
         mods = copy.deepcopy(modules)
         mods["generator"].train()
-        batch = Batch(clip, torch.zeros(3, dtype=torch.long), torch.arange(3), [0, 1, 2], torch.ones(3),
-                      {"frames": frames})  # fmt: skip
+        batch = Batch(
+            clip, torch.zeros(3, dtype=torch.long), torch.arange(3), [0, 1, 2], torch.ones(3), {"frames": frames}
+        )
         out = task.forward(mods, batch, 0)
         gen = task.loss(Phase("generator", "generator"), mods, batch, out, StepInfo(0))
         gen.per_sample.sum().backward()
@@ -214,8 +242,20 @@ def test_video_maskgit_samples_gifs_named_by_caption_with_the_frames_asked_for(t
     root = f"{tmp_path}/run/checkpoints"
     out = tmp_path / "out" / "sheet.png"
     # 2 frames are off the 1 + 2k grid: sampled as 3 (two slices), trimmed to 2.
-    r = run_cli("sample", root, "--num", "3", "--prompt", "A seven, moving left!", "--frames", "2",
-                "--guidance-scale", "2", "--out", str(out))  # fmt: skip
+    r = run_cli(
+        "sample",
+        root,
+        "--num",
+        "3",
+        "--prompt",
+        "A seven, moving left!",
+        "--frames",
+        "2",
+        "--guidance-scale",
+        "2",
+        "--out",
+        str(out),
+    )
     assert r.returncode == 0, r.stderr[-3000:]
     with Image.open(tmp_path / "out" / "a-seven-moving-left.gif") as gif:
         assert gif.n_frames == 2
@@ -230,8 +270,23 @@ def test_video_maskgit_samples_gifs_named_by_caption_with_the_frames_asked_for(t
     sheets = {}
     for temperature in ("0.05", "20"):
         t_out = tmp_path / f"t{temperature}" / "sheet.png"
-        assert main(["sample", root, "--num", "3", "--prompt", "a two moving up", "--temperature", temperature,
-                     "--out", str(t_out)]) == 0  # fmt: skip
+        assert (
+            main(
+                [
+                    "sample",
+                    root,
+                    "--num",
+                    "3",
+                    "--prompt",
+                    "a two moving up",
+                    "--temperature",
+                    temperature,
+                    "--out",
+                    str(t_out),
+                ]
+            )
+            == 0
+        )
         sheets[temperature] = np.asarray(Image.open(t_out))
     assert not np.array_equal(sheets["0.05"], sheets["20"])
     assert main(["sample", tokenizer, "--num", "1", "--temperature", "0.5", "--out", str(out)]) == 2
@@ -258,13 +313,20 @@ def test_video_tokenizer_under_torchrun_resumes_bit_identical_after_sigkill(tmp_
 
     def args(root):
         return tokenizer_args(
-            root, "task=probe_tasks:KillableVideoTokenizer", "model.disc_start_step=2", *mode,
-            "model.dead_code_threshold=0.5", "checkpoint.every_steps=2", "data.image_ratio=0.25", max_steps=steps,
-        )  # fmt: skip
+            root,
+            "task=probe_tasks:KillableVideoTokenizer",
+            "model.disc_start_step=2",
+            *mode,
+            "model.dead_code_threshold=0.5",
+            "checkpoint.every_steps=2",
+            "data.image_ratio=0.25",
+            max_steps=steps,
+        )
 
     a = _kill_and_compare(tmp_path, args, kill_at=3, steps=steps)
     assert _files(parallel, "generator.model", "generator.ema", "discriminator.optimizer") | {
-        "rank-00001.safetensors"} <= set(a)  # fmt: skip
+        "rank-00001.safetensors"
+    } <= set(a)
 
 
 @pytest.mark.slow
@@ -276,9 +338,15 @@ def test_video_maskgit_under_torchrun_resumes_bit_identical_after_sigkill(tmp_pa
 
     def args(root):
         return maskgit_args(
-            root, tokenizer, "task=probe_tasks:KillableVideoMaskGIT", "model.dropout=0.1", "checkpoint.every_steps=2",
-            "data.image_ratio=0.25", *mode, max_steps=steps,
-        )  # fmt: skip
+            root,
+            tokenizer,
+            "task=probe_tasks:KillableVideoMaskGIT",
+            "model.dropout=0.1",
+            "checkpoint.every_steps=2",
+            "data.image_ratio=0.25",
+            *mode,
+            max_steps=steps,
+        )
 
     a = _kill_and_compare(tmp_path, args, kill_at=3, steps=steps)
     assert _files(parallel, "transformer.model", "transformer.ema") <= set(a)

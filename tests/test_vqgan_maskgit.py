@@ -146,9 +146,13 @@ def test_adaptive_weight_matches_a_hand_computation():
 @pytest.mark.parametrize("quantizer", ["vq", "fsq", "lfq"])
 def test_quantizers_encode_and_decode_what_the_forward_reconstructs(quantizer):
     cfg = VQGANConfig(
-        block_out_channels=[8, 16], norm_num_groups=4, quantizer=quantizer, codebook_size=16, codebook_dim=4,
+        block_out_channels=[8, 16],
+        norm_num_groups=4,
+        quantizer=quantizer,
+        codebook_size=16,
+        codebook_dim=4,
         fsq_levels=[5, 3],
-    )  # fmt: skip
+    )
     torch.manual_seed(0)
     model = VQAutoencoder(cfg, channels=1).eval()
     x = torch.rand(4, 1, 8, 8) * 2 - 1
@@ -221,8 +225,13 @@ def _kill_and_compare(tmp_path, make_args, kill_at: int, steps: int) -> dict[str
     ref = start_torchrun(standalone(2), make_args(tmp_path / "ref"), ref_log, PYTHONPATH=str(REPO / "tests"))
     assert finish(ref, ref_log) == 0, ref_log.read_text()[-4000:]
     log = tmp_path / "killed.log"
-    proc = start_torchrun(standalone(2), make_args(tmp_path / "killed"), log, PYTHONPATH=str(REPO / "tests"),
-                          PROBE_TASK_KILL=f"1:{kill_at}")  # fmt: skip
+    proc = start_torchrun(
+        standalone(2),
+        make_args(tmp_path / "killed"),
+        log,
+        PYTHONPATH=str(REPO / "tests"),
+        PROBE_TASK_KILL=f"1:{kill_at}",
+    )
     rc = finish(proc, log)
     text = log.read_text()
     assert rc == 0, text[-4000:]
@@ -242,15 +251,25 @@ def test_vqgan_under_torchrun_resumes_bit_identical_after_sigkill(tmp_path):
 
     def args(root):
         return vqgan_args(
-            root, "task=probe_tasks:KillableVQGAN", "model.disc_start_step=3", "model.grad_penalty_every=2",
-            "model.dead_code_threshold=0.5", "checkpoint.every_steps=4", max_steps=steps,
-        )  # fmt: skip
+            root,
+            "task=probe_tasks:KillableVQGAN",
+            "model.disc_start_step=3",
+            "model.grad_penalty_every=2",
+            "model.dead_code_threshold=0.5",
+            "checkpoint.every_steps=4",
+            max_steps=steps,
+        )
 
     a = _kill_and_compare(tmp_path, args, kill_at=6, steps=steps)
     # Generator, discriminator, both optimizers, the generator's EMA, every rank's RNG state.
-    assert {"generator.model.safetensors", "generator.ema.safetensors", "generator.optimizer.safetensors",
-            "discriminator.model.safetensors", "discriminator.optimizer.safetensors",
-            "rank-00001.safetensors"} <= set(a)  # fmt: skip
+    assert {
+        "generator.model.safetensors",
+        "generator.ema.safetensors",
+        "generator.optimizer.safetensors",
+        "discriminator.model.safetensors",
+        "discriminator.optimizer.safetensors",
+        "rank-00001.safetensors",
+    } <= set(a)
 
 
 @pytest.mark.slow
@@ -259,9 +278,13 @@ def test_maskgit_under_torchrun_resumes_bit_identical_after_sigkill(tmp_path, to
 
     def args(root):
         return maskgit_args(
-            root, tokenizer, "task=probe_tasks:KillableMaskGIT", "model.dropout=0.1", "checkpoint.every_steps=3",
+            root,
+            tokenizer,
+            "task=probe_tasks:KillableMaskGIT",
+            "model.dropout=0.1",
+            "checkpoint.every_steps=3",
             max_steps=steps,
-        )  # fmt: skip
+        )
 
     a = _kill_and_compare(tmp_path, args, kill_at=5, steps=steps)
     assert {"transformer.model.safetensors", "transformer.ema.safetensors"} <= set(a)
@@ -277,16 +300,30 @@ def test_fsdp_sharded_frozen_tokenizer_trains_bit_identical_to_a_whole_one_acros
     steps = 8
     common = ["train.parallel=fsdp", "model.dropout=0.1", "checkpoint.every_steps=3", "sample.every_steps=4"]
     ref_log = tmp_path / "ref.log"
-    ref = start_torchrun(standalone(2), maskgit_args(tmp_path / "ref", tokenizer, *common, max_steps=steps), ref_log,
-                         PYTHONPATH=str(REPO / "tests"))  # fmt: skip
+    ref = start_torchrun(
+        standalone(2),
+        maskgit_args(tmp_path / "ref", tokenizer, *common, max_steps=steps),
+        ref_log,
+        PYTHONPATH=str(REPO / "tests"),
+    )
     assert finish(ref, ref_log) == 0, ref_log.read_text()[-4000:]
     cache = tmp_path / "cache"
-    fill = run_cli("train", *maskgit_args(tmp_path / "fill", tokenizer, "train.batch_size=4", f"model.token_cache={cache}",
-                                          max_steps=1), env=ENV)  # fmt: skip
+    fill = run_cli(
+        "train",
+        *maskgit_args(tmp_path / "fill", tokenizer, "train.batch_size=4", f"model.token_cache={cache}", max_steps=1),
+        env=ENV,
+    )
     assert fill.returncode == 0, fill.stderr[-3000:]
     log = tmp_path / "killed.log"
-    args = maskgit_args(tmp_path / "killed", tokenizer, *common, "train.shard_frozen=true", f"model.token_cache={cache}",
-                        "task=probe_tasks:KillableMaskGIT", max_steps=steps)  # fmt: skip
+    args = maskgit_args(
+        tmp_path / "killed",
+        tokenizer,
+        *common,
+        "train.shard_frozen=true",
+        f"model.token_cache={cache}",
+        "task=probe_tasks:KillableMaskGIT",
+        max_steps=steps,
+    )
     proc = start_torchrun(standalone(2), args, log, PYTHONPATH=str(REPO / "tests"), PROBE_TASK_KILL="1:5")
     rc = finish(proc, log)
     text = log.read_text()
@@ -322,8 +359,11 @@ def test_vqgan_under_fsdp_matches_ddp_and_refuses_the_gradient_penalty(tmp_path)
     for name, extra in (("ddp", ()), ("fsdp", ("train.parallel=fsdp",))):
         rc, text = run(name, "model.grad_penalty_every=0", *extra)
         assert rc == 0, text[-4000:]
-        losses[name] = [float(v) for v in re.findall(r"generator/loss=([0-9.e+-]+).*discriminator/loss=([0-9.e+-]+)",
-                                                     text) for v in v]  # fmt: skip
+        losses[name] = [
+            float(v)
+            for v in re.findall(r"generator/loss=([0-9.e+-]+).*discriminator/loss=([0-9.e+-]+)", text)
+            for v in v
+        ]
     assert len(losses["ddp"]) == len(losses["fsdp"]) >= 4  # steps 2 and 3 train both parts
     torch.testing.assert_close(torch.tensor(losses["fsdp"]), torch.tensor(losses["ddp"]), rtol=1e-4, atol=1e-6)
 
@@ -332,16 +372,18 @@ def test_token_cache_is_keyed_by_tokenizer_digest_and_changes_nothing(tmp_path, 
     cache = tmp_path / "cache"
     plain = run_cli("train", *maskgit_args(tmp_path / "a", tokenizer, max_steps=3), env=ENV)
     assert plain.returncode == 0, plain.stderr[-3000:]
-    cached = run_cli("train", *maskgit_args(tmp_path / "b", tokenizer, f"model.token_cache={cache}", max_steps=3),
-                     env=ENV)  # fmt: skip
+    cached = run_cli(
+        "train", *maskgit_args(tmp_path / "b", tokenizer, f"model.token_cache={cache}", max_steps=3), env=ENV
+    )
     assert cached.returncode == 0, cached.stderr[-3000:]
     digest = CheckpointStore(tokenizer).latest_valid().manifest["files"]["generator.ema.safetensors"]["blake3"]
     entries = list((cache / f"blake3-{digest}").glob("*.npy"))
     assert len(entries) >= 8  # 3 steps of 8 images (flips make their own entries)
     assert all(np.load(e).shape == (16,) for e in entries)
     # A second run reads every token from the cache (no new entries) and trains the same weights.
-    again = run_cli("train", *maskgit_args(tmp_path / "c", tokenizer, f"model.token_cache={cache}", max_steps=3),
-                    env=ENV)  # fmt: skip
+    again = run_cli(
+        "train", *maskgit_args(tmp_path / "c", tokenizer, f"model.token_cache={cache}", max_steps=3), env=ENV
+    )
     assert again.returncode == 0, again.stderr[-3000:]
     assert sorted((cache / f"blake3-{digest}").glob("*.npy")) == sorted(entries)
     a = tensors(f"{tmp_path}/a/run/checkpoints")["transformer.model.safetensors"]
@@ -376,8 +418,19 @@ def test_maskgit_text_conditioning_plugs_in_the_shared_text_encoder(tmp_path, to
     files = tensors(root)["transformer.model.safetensors"]
     assert "text_proj.weight" in files and files["text_proj.weight"].shape == (16, 384)
     out = tmp_path / "seven.png"
-    r = run_cli("sample", root, "--num", "2", "--prompt", "a handwritten seven", "--guidance-scale", "3",
-                "--out", str(out), env=ENV)  # fmt: skip
+    r = run_cli(
+        "sample",
+        root,
+        "--num",
+        "2",
+        "--prompt",
+        "a handwritten seven",
+        "--guidance-scale",
+        "3",
+        "--out",
+        str(out),
+        env=ENV,
+    )
     assert r.returncode == 0 and out.exists(), r.stderr[-3000:]
     r = run_cli("sample", root, "--num", "2", "--class", "7", "--out", str(out), env=ENV)
     assert r.returncode == 2 and "not class-conditional" in r.stderr

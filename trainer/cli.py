@@ -16,7 +16,7 @@ from typing import Any
 
 from trainer.config import preset_names, preset_summary, split_preset
 from trainer.config.redact import RedactingFilter
-from trainer.errors import EXIT_INVALID_CHECKPOINT, EXIT_OK, EXIT_USAGE, ConfigError
+from trainer.errors import EXIT_INVALID_CHECKPOINT, EXIT_OK, EXIT_USAGE, CheckpointError, ConfigError
 from trainer.registry import load_config
 
 log = logging.getLogger("gentrain")
@@ -60,9 +60,11 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--stop-at-stage", type=int, default=None, help="cascade: run stages 1..K only")
     s.add_argument("--frames", type=int, default=None, help="video models: frames per clip (default: as trained)")
     s.add_argument(
-        "--temperature", type=float, default=None, help="token models (MaskGIT): temperature of the token draws "
-        "(default: the run's model.temperature)",
-    )  # fmt: skip
+        "--temperature",
+        type=float,
+        default=None,
+        help="token models (MaskGIT): temperature of the token draws (default: the run's model.temperature)",
+    )
     s.add_argument("--batch-size", type=int, default=None, help="sample in chunks of this many (memory)")
     s.add_argument("--storage-options", type=json.loads, default={}, help="JSON passed to fsspec")
     s.add_argument("--task", default=None, metavar="TASK", help=_TASK_HELP)
@@ -73,9 +75,14 @@ def _parser() -> argparse.ArgumentParser:
     # `--num-images`/`-n`: under torchrun, `--num` is refused by torchrun's own parser (an ambiguous
     # prefix of its --numa-binding, even after the script name).
     e.add_argument(
-        "--num", "--num-images", "-n", dest="num", type=int, default=None,
+        "--num",
+        "--num-images",
+        "-n",
+        dest="num",
+        type=int,
+        default=None,
         help="images generated and compared (default: eval.num); under torchrun use --num-images",
-    )  # fmt: skip
+    )
     e.add_argument(
         "--features", default=None, help="digits | inception | URL of a feature net (default: eval.features)"
     )
@@ -86,9 +93,11 @@ def _parser() -> argparse.ArgumentParser:
         "--storage-options", type=json.loads, default={}, help="JSON passed to fsspec (checkpoints, and data too)"
     )
     e.add_argument(
-        "--data-storage-options", type=json.loads, default=None,
+        "--data-storage-options",
+        type=json.loads,
+        default=None,
         help="JSON passed to fsspec for the data when it needs other options than --storage-options",
-    )  # fmt: skip
+    )
     e.add_argument("--task", default=None, metavar="TASK", help=_TASK_HELP)
     e.add_argument("--text-encoder", default=None, metavar="PATH_OR_URL", help=_TEXT_ENCODER_HELP)
 
@@ -200,7 +209,7 @@ def cmd_sample(args: argparse.Namespace) -> int:
     store, info = resolve_checkpoint(args.checkpoint, args.storage_options)
     if info is None or not info.valid:
         why = info.reason if info else "no valid checkpoint under this root"
-        print(f"gentrain: cannot sample from {args.checkpoint}: {why}", file=sys.stderr)
+        _fail(f"cannot sample from {args.checkpoint}: {why}")
         return EXIT_INVALID_CHECKPOINT
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     cfg, task, modules = _load_for_inference(args, store, info, device)
@@ -252,14 +261,18 @@ def cmd_eval(args: argparse.Namespace) -> int:
     store, info = resolve_checkpoint(args.checkpoint, args.storage_options)
     if info is None or not info.valid:
         why = info.reason if info else "no valid checkpoint under this root"
-        print(f"gentrain: cannot evaluate {args.checkpoint}: {why}", file=sys.stderr)
+        _fail(f"cannot evaluate {args.checkpoint}: {why}")
         return EXIT_INVALID_CHECKPOINT
     device = torch.device(f"cuda:{env.local_rank}" if torch.cuda.is_available() else "cpu")
     cfg, task, modules = _load_for_inference(args, store, info, device)
     if args.data_storage_options is not None:
         cfg.data.storage_options = args.data_storage_options
-    for key, value in (("num", args.num), ("features", args.features), ("features_url", args.features_url),
-                       ("inference_steps", args.steps)):  # fmt: skip
+    for key, value in (
+        ("num", args.num),
+        ("features", args.features),
+        ("features_url", args.features_url),
+        ("inference_steps", args.steps),
+    ):
         if value is not None:
             setattr(cfg.eval, key, value)
     net, about = load_features(cfg.eval.features, cfg.eval.features_url, args.storage_options or None)
@@ -267,8 +280,18 @@ def cmd_eval(args: argparse.Namespace) -> int:
         init_process_group(env, "nccl" if torch.cuda.is_available() else "gloo", cfg.elastic.collective_timeout_seconds)
     train, val, _ = build_splits(cfg)
     metric = FidKid(net, cfg.eval.kid_subset_size, device)
-    values = evaluate(task, modules, metric, val or train, cfg.eval.num, cfg.seed, sample_options(cfg), env.rank,
-                      env.world_size, device)  # fmt: skip
+    values = evaluate(
+        task,
+        modules,
+        metric,
+        val or train,
+        cfg.eval.num,
+        cfg.seed,
+        sample_options(cfg),
+        env.rank,
+        env.world_size,
+        device,
+    )
     if env.rank == 0:
         result = {"step": info.step, "checkpoint": info.url, "world_size": env.world_size, **values, **about}
         url = write_result(store.url, store.storage_options, info.step, result)
@@ -347,7 +370,7 @@ def cmd_checkpoints(args: argparse.Namespace) -> int:
         from trainer.checkpoint.weights import consolidate  # torch-heavy (see the module doc)
 
         if not info.valid:
-            print(f"INVALID: {info.url}: {info.reason}", file=sys.stderr)
+            print(_REDACT.clean(f"INVALID: {info.url}: {info.reason}"), file=sys.stderr)
             return EXIT_INVALID_CHECKPOINT
         result = consolidate(store, info, args.out, args.storage_options)
         print(
@@ -376,7 +399,7 @@ def _export(args: argparse.Namespace, store, info) -> int:
     from trainer.models.finetune import write_folder  # torch-heavy (see the module doc)
 
     if not info.valid:
-        print(f"INVALID: {info.url}: {info.reason}", file=sys.stderr)
+        print(_REDACT.clean(f"INVALID: {info.url}: {info.reason}"), file=sys.stderr)
         return EXIT_INVALID_CHECKPOINT
     _, task, modules = _load_for_inference(args, store, info, torch.device("cpu"))
     out = args.out.rstrip("/")
@@ -415,6 +438,11 @@ def cmd_launch(argv: list[str]) -> int:
     return launch(argv)
 
 
+def _fail(message: str) -> None:
+    """One `gentrain: ...` line on stderr, through the same redaction as every log line."""
+    print(f"gentrain: {_REDACT.clean(message)}", file=sys.stderr)
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["launch"]:
@@ -422,7 +450,7 @@ def main(argv: list[str] | None = None) -> int:
         try:
             return cmd_launch(argv[1:])
         except ConfigError as e:
-            print(f"gentrain: config error: {e}", file=sys.stderr)
+            _fail(f"config error: {e}")
             return EXIT_USAGE
     args = _parser().parse_args(argv)
     handlers: dict[str, Any] = {
@@ -436,8 +464,11 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return handlers[args.command](args)
     except ConfigError as e:
-        print(f"gentrain: config error: {e}", file=sys.stderr)
+        _fail(f"config error: {e}")
         return EXIT_USAGE
+    except CheckpointError as e:  # a checkpoint that cannot be read (training falls back past these itself)
+        _fail(f"checkpoint error: {e}")
+        return EXIT_INVALID_CHECKPOINT
     except KeyboardInterrupt:
         return 130
     finally:

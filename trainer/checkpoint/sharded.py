@@ -290,8 +290,10 @@ class ChunkReader(StorageReader):
                 raise CheckpointCorrupt(f"{self.info.url}/{name} has no tensor {item.storage_index.fqn!r}")
             dtype = torch_dtype(h["dtype"])
             if h["dtype"] != self.entries[item.storage_index.fqn]["dtype"]:
-                raise CheckpointCorrupt(f"{self.info.url}/{name}: {item.storage_index.fqn!r} is {h['dtype']}, "
-                                        f"the index says {self.entries[item.storage_index.fqn]['dtype']}")  # fmt: skip
+                raise CheckpointCorrupt(
+                    f"{self.info.url}/{name}: {item.storage_index.fqn!r} is {h['dtype']}, "
+                    f"the index says {self.entries[item.storage_index.fqn]['dtype']}"
+                )
             shape = h["shape"]
             if len(shape) != len(item.lengths) or any(
                 o + n > d for o, n, d in zip(item.storage_offsets, item.lengths, shape, strict=True)

@@ -26,13 +26,13 @@ from typing import Any, Protocol
 
 import torch
 
-from trainer.checkpoint.errors import CheckpointCorrupt
 from trainer.checkpoint.format import join_tensors, split_tensors, torch_dtype
 from trainer.checkpoint.layout import TRAINER_JSON, ema_file, group_name, model_file, optimizer_file, rank_files
 from trainer.checkpoint.sharded import ShardIndex, is_sharded, load_group, local_slices
 from trainer.checkpoint.store import CheckpointInfo, CheckpointStore, Payload
 from trainer.checkpoint.validity import tensor_refs
 from trainer.checkpoint.writer import storage_key
+from trainer.errors import CheckpointCorrupt
 from trainer.randomness import rng_state, set_rng_state
 
 

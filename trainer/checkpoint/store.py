@@ -42,7 +42,6 @@ import torch
 from fsspec.implementations.local import LocalFileSystem
 from safetensors.torch import load as safetensors_load
 
-from trainer.checkpoint.errors import CheckpointCorrupt, CheckpointError
 from trainer.checkpoint.format import DIGEST, Hasher, entry_digest, fsync, new_digest, write_safetensors
 from trainer.checkpoint.layout import (
     MANIFEST,
@@ -65,6 +64,7 @@ from trainer.checkpoint.validity import (
     parse_trainer_json,
     tensor_refs,
 )
+from trainer.errors import CheckpointCorrupt, CheckpointError
 from trainer.storage import filesystem
 
 log = logging.getLogger(__name__)
@@ -202,7 +202,10 @@ class CheckpointStore:
     def _remove_step(self, step: int, committed: bool) -> None:
         d = self._path(step_dir_name(step))
         if self._is_link(d):
-            raise CheckpointError(f"{self.url_for(step)} is a symbolic link; gentrain never deletes through links")
+            # Only the link goes: whatever it points at lies outside the root and is never touched.
+            log.warning("%s is a symbolic link; removing the link (not its target)", self.url_for(step))
+            os.unlink(d)
+            return
         if committed:
             # Manifest first: a half-deleted checkpoint must look uncommitted, never valid.
             try:

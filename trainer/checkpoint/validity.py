@@ -26,8 +26,8 @@ from typing import Annotated, Any
 
 from pydantic import BaseModel, ConfigDict, Field, StrictFloat, StrictInt, StrictStr, ValidationError, model_validator
 
-from trainer.checkpoint.errors import CheckpointCorrupt
 from trainer.checkpoint.format import SAFETENSORS_DTYPES
+from trainer.errors import CheckpointCorrupt
 
 FORMAT_VERSION = 2  # 2: blake3 digests, sharded layout; 1 (sha256, one writer) still loads
 MAX_HEADER_BYTES = 100 << 20  # the safetensors library's own limit on a header
@@ -110,8 +110,23 @@ class RngValues(BaseModel):
     """Python's `random.getstate()` and numpy's `get_state()`, as `trainer.randomness.rng_state` stores them."""
 
     model_config = ConfigDict(extra="forbid")
-    python: tuple[StrictInt, Annotated[list[Annotated[StrictInt, Field(ge=0, lt=1 << 32)]], Field(min_length=_MT_WORDS + 1, max_length=_MT_WORDS + 1)], StrictFloat | None]  # fmt: skip
-    numpy: tuple[StrictStr, Annotated[list[Annotated[StrictInt, Field(ge=0, lt=1 << 32)]], Field(min_length=_MT_WORDS, max_length=_MT_WORDS)], Annotated[StrictInt, Field(ge=0, le=_MT_WORDS)], StrictInt, StrictFloat | StrictInt]  # fmt: skip
+    python: tuple[
+        StrictInt,
+        Annotated[
+            list[Annotated[StrictInt, Field(ge=0, lt=1 << 32)]],
+            Field(min_length=_MT_WORDS + 1, max_length=_MT_WORDS + 1),
+        ],
+        StrictFloat | None,
+    ]
+    numpy: tuple[
+        StrictStr,
+        Annotated[
+            list[Annotated[StrictInt, Field(ge=0, lt=1 << 32)]], Field(min_length=_MT_WORDS, max_length=_MT_WORDS)
+        ],
+        Annotated[StrictInt, Field(ge=0, le=_MT_WORDS)],
+        StrictInt,
+        StrictFloat | StrictInt,
+    ]
 
 
 class RankState(BaseModel):

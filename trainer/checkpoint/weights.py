@@ -23,7 +23,7 @@ from trainer.checkpoint.store import CheckpointInfo, CheckpointStore, resolve_ch
 from trainer.config import Config
 from trainer.config.redact import redact
 from trainer.data import is_video
-from trainer.errors import ConfigError
+from trainer.errors import CheckpointCorrupt, ConfigError
 from trainer.registry import check_stored_task, config_from_dict, task_class
 from trainer.tasks.base import FrozenSource, FrozenWeights, TaskContext
 
@@ -155,8 +155,14 @@ def check_pinned_inputs(recorded: Mapping[str, Any], current: Mapping[str, Any],
     for name, now in current.items():
         was = recorded.get(name)
         if not now.get("pin") and was is not None and was.get("digest") != now.get("digest"):
-            log.info("%s: %s changed since %s started (%s -> %s); the checkpoint's weights are used",
-                     name, now.get("url"), where, was.get("digest"), now.get("digest"))  # fmt: skip
+            log.info(
+                "%s: %s changed since %s started (%s -> %s); the checkpoint's weights are used",
+                name,
+                now.get("url"),
+                where,
+                was.get("digest"),
+                now.get("digest"),
+            )
 
 
 def load_for_inference(
@@ -176,8 +182,9 @@ def load_for_inference(
     cfg.data.storage_options = dict(options)
     # The checkpoint holds every weight: pretrained folders are not read again.
     frames = cfg.data.num_frames if is_video(cfg) else 1
-    ctx = TaskContext(cfg.data.image_size, cfg.data.channels, cfg.seed, None, options,
-                      num_frames=frames, load_pretrained=False)  # fmt: skip
+    ctx = TaskContext(
+        cfg.data.image_size, cfg.data.channels, cfg.seed, None, options, num_frames=frames, load_pretrained=False
+    )
     task = task_class(cfg.task)(cfg.model_cfg, ctx)
     records = info.manifest.get("frozen") or {}
     frozen = {
@@ -189,7 +196,11 @@ def load_for_inference(
         tensors = (
             frozen[name].tensors if name in frozen else read_weights(store, info, weights_file(info, name, use_ema))
         )
-        module.load_state_dict(tensors)
+        try:
+            module.load_state_dict(tensors)
+        except RuntimeError as e:  # names and shapes that do not fit the model the config builds
+            what = "its recorded source" if name in frozen else weights_file(info, name, use_ema)
+            raise CheckpointCorrupt(f"{info.url}: the weights of {name!r} ({what}) do not fit its model: {e}") from e
         module.to(device).eval().requires_grad_(False)
     return cfg, task, modules
 

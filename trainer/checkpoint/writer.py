@@ -200,7 +200,7 @@ class Checkpointer:
                 thread_name_prefix="gentrain-ckpt-write",
                 initializer=lower_thread_priority,
                 initargs=(write_nice,),
-            )  # fmt: skip
+            )
             if async_save
             else None
         )

@@ -157,11 +157,16 @@ class RedactingFilter(logging.Filter):
         """Remember the secrets of a config tree (see `secret_values`)."""
         self._secrets |= secret_values(tree)
 
-    def filter(self, record: logging.LogRecord) -> bool:
-        message = record.getMessage()
-        clean = redact_text(message)
+    def clean(self, text: str) -> str:
+        """`text` with URL credentials and the known secret values redacted (lines printed, not logged)."""
+        clean = redact_text(text)
         for s in sorted(self._secrets, key=len, reverse=True):
             clean = clean.replace(s, REDACTED)
+        return clean
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        message = record.getMessage()
+        clean = self.clean(message)
         if clean != message:
             record.msg, record.args = clean, None
         return True

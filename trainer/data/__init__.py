@@ -103,9 +103,16 @@ def build_shard_splits(cfg: Config):
     frames = d.num_frames if is_video(cfg) else 1
 
     def shard_set(urls, key: str) -> ShardSet:
-        return ShardSet(load_shard_list(urls, d.storage_options, key), d.storage_options, d.image_size,
-                        d.channels, retries=d.read_retries, num_frames=frames,
-                        frame_stride=d.frame_stride, merge_gap=d.read_merge_gap)  # fmt: skip
+        return ShardSet(
+            load_shard_list(urls, d.storage_options, key),
+            d.storage_options,
+            d.image_size,
+            d.channels,
+            retries=d.read_retries,
+            num_frames=frames,
+            frame_stride=d.frame_stride,
+            merge_gap=d.read_merge_gap,
+        )
 
     train_set = shard_set(d.urls, "data.urls")
     if d.val_urls:

@@ -311,8 +311,9 @@ class EDM(Objective):
         # prediction_type "epsilon" is diffusers' name for EDM's own F-parametrization (c_out > 0).
         e = self._field("edm")
         cls = EDMDPMSolverMultistepScheduler if kind == "dpm" else EDMEulerScheduler
-        return cls(sigma_min=e.sigma_min, sigma_max=e.sigma_max, sigma_data=e.sigma_data, rho=e.rho,
-                   prediction_type="epsilon")  # fmt: skip
+        return cls(
+            sigma_min=e.sigma_min, sigma_max=e.sigma_max, sigma_data=e.sigma_data, rho=e.rho, prediction_type="epsilon"
+        )
 
     def _train_scheduler(self):
         return self._edm_scheduler("ddim")

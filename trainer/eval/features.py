@@ -97,8 +97,9 @@ def build_cnn(desc: dict[str, Any], tensors: dict[str, torch.Tensor]) -> CNNFeat
             f"eval.features: architecture {desc.get('architecture')!r} is unknown; the JSON must say "
             f"architecture: {ARCHITECTURE!r} with channels, input_size, widths, feature_dim"
         )
-    net = CNNFeatures(desc["channels"], desc["input_size"], list(desc["widths"]), desc["feature_dim"],
-                      desc.get("num_classes", 0))  # fmt: skip
+    net = CNNFeatures(
+        desc["channels"], desc["input_size"], list(desc["widths"]), desc["feature_dim"], desc.get("num_classes", 0)
+    )
     net.load_state_dict(tensors, strict=False)
     missing = [k for k in net.state_dict() if not k.startswith("head.") and k not in tensors]
     if missing:

@@ -22,8 +22,14 @@ from safetensors.torch import save_file
 from trainer.data.datasets import DigitsDataset
 from trainer.eval.features import ARCHITECTURE, CNNFeatures
 
-DESC = {"architecture": ARCHITECTURE, "channels": 1, "input_size": 16, "widths": [32, 64], "feature_dim": 64,
-        "num_classes": 10}  # fmt: skip
+DESC = {
+    "architecture": ARCHITECTURE,
+    "channels": 1,
+    "input_size": 16,
+    "widths": [32, 64],
+    "feature_dim": 64,
+    "num_classes": 10,
+}
 
 
 def shifted(x: torch.Tensor, g: torch.Generator) -> torch.Tensor:
@@ -72,9 +78,14 @@ def main() -> None:
     save_file(
         {k: v.contiguous() for k, v in net.state_dict().items()}, os.path.join(args.out, "digits_features.safetensors")
     )
-    desc = {**DESC, "trained_on": "UCI optdigits (1,797 images) at 16x16, one-pixel shifts",
-            "accuracy": round(acc, 4), "epochs": args.epochs, "seed": args.seed,
-            "script": "python -m trainer.eval.train_digits_features"}  # fmt: skip
+    desc = {
+        **DESC,
+        "trained_on": "UCI optdigits (1,797 images) at 16x16, one-pixel shifts",
+        "accuracy": round(acc, 4),
+        "epochs": args.epochs,
+        "seed": args.seed,
+        "script": "python -m trainer.eval.train_digits_features",
+    }
     with open(os.path.join(args.out, "digits_features.json"), "w") as f:
         json.dump(desc, f, indent=1)
     print(f"wrote {args.out}/digits_features.safetensors ({sum(v.numel() for v in net.state_dict().values())} values)")

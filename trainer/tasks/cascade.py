@@ -246,8 +246,9 @@ def edm_scheduler(e: EDMConfig, kind: str):
     prediction_type "epsilon" is diffusers' name for EDM's own F-parametrization (c_out > 0).
     """
     cls = EDMDPMSolverMultistepScheduler if kind == "dpm" else EDMEulerScheduler
-    return cls(sigma_min=e.sigma_min, sigma_max=e.sigma_max, sigma_data=e.sigma_data, rho=e.rho,
-               prediction_type="epsilon")  # fmt: skip
+    return cls(
+        sigma_min=e.sigma_min, sigma_max=e.sigma_max, sigma_data=e.sigma_data, rho=e.rho, prediction_type="epsilon"
+    )
 
 
 def edm_loss_weight(sigma: torch.Tensor, sigma_data: float) -> torch.Tensor:
@@ -328,8 +329,13 @@ class CascadeTask(Task):
                 continue
             self._inputs[f"stage{k}.pretrained"] = folder.record
             if folder.extras is not None:
-                load_weights(net, folder.extras, f"{key}.pretrained={s.pretrained!r}", f"the layers of {EXTRAS_NAME}",
-                             skip="unet.")  # fmt: skip
+                load_weights(
+                    net,
+                    folder.extras,
+                    f"{key}.pretrained={s.pretrained!r}",
+                    f"the layers of {EXTRAS_NAME}",
+                    skip="unet.",
+                )
             if s.lora is not None:
                 # LoRA trains the adapters only; the stage's conditioning layers stay trainable when the
                 # folder had none to give (a plain diffusers UNet): new layers cannot stay random.
@@ -424,12 +430,14 @@ class CascadeTask(Task):
         noise = per_sample_randn(gens, x0.shape[1:]).to(device, x0.dtype)
         sched = self.schedulers[k - 1]
         if s.prediction_type == "flow":
-            u = torch.cat([
-                compute_density_for_timestep_sampling(
-                    s.weighting_scheme, 1, s.logit_mean, s.logit_std, s.mode_scale, generator=g
-                )
-                for g in gens
-            ])  # fmt: skip
+            u = torch.cat(
+                [
+                    compute_density_for_timestep_sampling(
+                        s.weighting_scheme, 1, s.logit_mean, s.logit_std, s.mode_scale, generator=g
+                    )
+                    for g in gens
+                ]
+            )
             index = (u * sched.config.num_train_timesteps).long().clamp(max=sched.config.num_train_timesteps - 1)
             t = sched.timesteps[index].to(device)
         elif s.prediction_type == "edm":
@@ -506,23 +514,38 @@ class CascadeTask(Task):
                 if embeds is not None:
                     embeds = embeds.repeat((ctx.num + len(embeds) - 1) // len(embeds), 1)[: ctx.num]
                 out["samples"] = self.sample(
-                    modules, ctx.num, ctx.seed, ctx.device, stop_at_stage=upto, prompts=captions,
-                    image_embeds=embeds, **opts,
-                )  # fmt: skip
+                    modules,
+                    ctx.num,
+                    ctx.seed,
+                    ctx.device,
+                    stop_at_stage=upto,
+                    prompts=captions,
+                    image_embeds=embeds,
+                    **opts,
+                )
             for k in (k for k in trained if k > 1 and b is not None):
                 low = resize(b.images, self.cfg.stages[k - 2].image_size)
-                cond = self.conditions(len(b), ctx.device, torch.zeros(len(b), dtype=torch.bool), b.labels,
-                                       b.captions, self.image_embeds(b))  # fmt: skip
+                cond = self.conditions(
+                    len(b),
+                    ctx.device,
+                    torch.zeros(len(b), dtype=torch.bool),
+                    b.labels,
+                    b.captions,
+                    self.image_embeds(b),
+                )
                 x = self._run_stage(k, modules[f"stage{k}"], low, cond, range(len(b)), ctx.seed, ctx.device, **opts)
                 out[f"superres-stage{k}"] = ((x.float().clamp(-1, 1) + 1) / 2).cpu()
         return out
 
     def _uncond(self, cond: Mapping[str, torch.Tensor], n: int, device) -> dict[str, torch.Tensor]:
         null = self.conditions(
-            n, device, torch.ones(n, dtype=torch.bool), None,
+            n,
+            device,
+            torch.ones(n, dtype=torch.bool),
+            None,
             [""] * n if self.text is not None else None,
             cond["image_embed"] if "image_embed" in cond else None,
-        )  # fmt: skip
+        )
         return null
 
     def _run_stage(
@@ -645,11 +668,13 @@ class CascadeTask(Task):
                 sl = slice(start, min(start + chunk, num))
                 m = sl.stop - sl.start
                 cond = self.conditions(
-                    m, device, torch.zeros(m, dtype=torch.bool),
+                    m,
+                    device,
+                    torch.zeros(m, dtype=torch.bool),
                     labels[sl] if labels is not None else None,
                     prompts[sl] if prompts is not None else None,
                     embeds[sl] if embeds is not None else None,
-                )  # fmt: skip
+                )
                 low = images[sl] if images is not None else None
                 net = modules[f"stage{k}"]
                 outs.append(self._run_stage(k, net, low, cond, range(sl.start, sl.stop), seed, device, **options))

@@ -163,8 +163,9 @@ class DDPMTask(Task):
             # One extra embedding row is the "no label" class used for CFG.
             num_class_embeds=(c.num_classes + 1) if self.conditional else None,
         )
-        folder = prepare_unet(unet, c, "model", architecture_hints("model"), self.ctx.storage_options,
-                              self.ctx.load_pretrained)  # fmt: skip
+        folder = prepare_unet(
+            unet, c, "model", architecture_hints("model"), self.ctx.storage_options, self.ctx.load_pretrained
+        )
         if folder is not None:
             self._inputs["unet.pretrained"] = folder.record
         return {"unet": unet}

@@ -113,8 +113,10 @@ class TokenCache:
             if any_rank(bool(todo), images.device) and not todo:
                 encode(images[:1])
                 if not self.kept_in_step:
-                    log.info("token cache: encoding a cached image to join the sharded tokenizer's all-gathers "
-                             "of ranks with misses (logged once)")  # fmt: skip
+                    log.info(
+                        "token cache: encoding a cached image to join the sharded tokenizer's all-gathers "
+                        "of ranks with misses (logged once)"
+                    )
                 self.kept_in_step += 1
         if todo:
             fresh = encode(images[todo]).cpu().numpy().astype(np.int32)

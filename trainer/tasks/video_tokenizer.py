@@ -110,9 +110,14 @@ def sinusoidal(length: int, dim: int, device: torch.device) -> torch.Tensor:
 
 def _transformer(cfg: VideoTokenizerConfig, depth: int) -> nn.TransformerEncoder:
     layer = nn.TransformerEncoderLayer(
-        cfg.dim, cfg.heads, int(cfg.dim * cfg.mlp_ratio), dropout=0.0, activation="gelu", batch_first=True,
+        cfg.dim,
+        cfg.heads,
+        int(cfg.dim * cfg.mlp_ratio),
+        dropout=0.0,
+        activation="gelu",
+        batch_first=True,
         norm_first=True,
-    )  # fmt: skip
+    )
     return nn.TransformerEncoder(layer, depth, enable_nested_tensor=False)
 
 

@@ -13,8 +13,13 @@ from trainer.data.video import VIDEO_EXTENSIONS, decode_clip, frames_extra
 _IMAGE_EXTS = tuple(e.lstrip(".") for e in IMAGE_EXTENSIONS)
 _VIDEO_EXTS = tuple(e.lstrip(".") for e in VIDEO_EXTENSIONS)
 # npy member names -> extras keys (the DALL·E 2 decoder's embeddings; see trainer.tasks.base.Batch).
-_EMBED_NAMES = {"npy": "image_embed", "img_emb": "image_embed", "image_embed": "image_embed",
-                "text_emb": "text_embed", "text_embed": "text_embed"}  # fmt: skip
+_EMBED_NAMES = {
+    "npy": "image_embed",
+    "img_emb": "image_embed",
+    "image_embed": "image_embed",
+    "text_emb": "text_embed",
+    "text_embed": "text_embed",
+}
 
 
 def decode_sample(

@@ -117,8 +117,12 @@ class ShardSet:
         stats.failed_shards.append(url)
         log.warning(
             "skipping shard %s after %d retries (pid %d): %s: %s",
-            url, self.retries, os.getpid(), type(why).__name__, why,
-        )  # fmt: skip
+            url,
+            self.retries,
+            os.getpid(),
+            type(why).__name__,
+            why,
+        )
 
     def _alive(self, shard: int) -> bool:
         until = self._dead_until.get(shard)
@@ -173,9 +177,10 @@ class ShardSet:
             return None
         if len(offsets) - 1 != self.shards.counts[shard]:
             self._shard_failed(
-                shard, ValueError(f"index has {len(offsets) - 1} samples, shard list says {self.shards.counts[shard]}"),
+                shard,
+                ValueError(f"index has {len(offsets) - 1} samples, shard list says {self.shards.counts[shard]}"),
                 stats,
-            )  # fmt: skip
+            )
             return None
         self._indexes[shard] = offsets
         while len(self._indexes) > self.index_cache:
@@ -201,10 +206,22 @@ class ShardSet:
                 if len(blob) != end - start:
                     raise ValueError(f"short read: {len(blob)} of {end - start} bytes")
                 out[slot] = decode_sample(
-                    parse_sample(blob), self.image_size, self.channels, flip, aug_seed, self.num_frames,
+                    parse_sample(blob),
+                    self.image_size,
+                    self.channels,
+                    flip,
+                    aug_seed,
+                    self.num_frames,
                     self.frame_stride,
-                )  # fmt: skip
-            except (OSError, ValueError, KeyError, tarfile.TarError, UnidentifiedImageError, Image.DecompressionBombError) as e:  # fmt: skip
+                )
+            except (
+                OSError,
+                ValueError,
+                KeyError,
+                tarfile.TarError,
+                UnidentifiedImageError,
+                Image.DecompressionBombError,
+            ) as e:
                 where = f"{self.shards.urls[shard]}#{member}"
                 if where not in self._skips:
                     self._skips[where] = f"corrupt sample: {short_reason(str(e))}"
