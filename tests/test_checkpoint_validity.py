@@ -18,6 +18,7 @@ from conftest import REPO, clean_env, run_cli, tiny
 from helpers import assert_tensors_equal
 
 from trainer.checkpoint import CheckpointStore
+from trainer.checkpoint.layout import eval_result_name
 
 STEPS = ("unet.model.safetensors", "unet.ema.safetensors", "unet.optimizer.safetensors")
 
@@ -205,6 +206,15 @@ def test_sample_on_a_root_whose_newest_fails_its_digest_uses_the_newest_valid(ro
     named = run_cli("sample", str(step_dir(root, 4)), "--num", "2", "--out", str(tmp_path / "h.png"))
     assert named.returncode == 1 and "does not match" in named.stderr, named.stderr[-2000:]
     no_traceback(named)
+
+
+def test_eval_on_a_root_whose_newest_fails_its_digest_evaluates_the_newest_valid(root, tmp_path):
+    flip_byte(root, 4, "unet.model.safetensors")
+    r = run_cli("eval", str(root), "--num", "8", "--steps", "2")
+    assert r.returncode == 0, r.stderr[-2000:]
+    no_traceback(r)
+    assert (root / eval_result_name(2)).is_file() and not (root / eval_result_name(4)).exists()
+    assert json.loads(r.stdout.splitlines()[0])["step"] == 2
 
 
 def test_sample_says_which_weights_do_not_fit_the_model_when_model_and_ema_agree_on_a_wrong_shape(root, tmp_path):
