@@ -180,7 +180,11 @@ def test_credentials_never_reach_checkpoints_trackers_or_logs_and_checkpoints_ar
     manifest = json.loads((root / "step-000000004" / "manifest.json").read_text())
     assert manifest["config"]["checkpoint"]["storage_options"]["key"] == REDACTED
 
-    for path in [root / "LATEST", *root.glob("step-*"), *root.glob("step-*/*")]:
+    written = [
+        p for base in (root, tmp_path / "copy") for p in (base / "LATEST", *base.glob("step-*"), *base.glob("step-*/*"))
+    ]
+    assert len(written) > 6
+    for path in written:  # the run's root and the consolidated copy alike
         mode = stat.S_IMODE(path.stat().st_mode)
         assert not mode & 0o007, f"{path} is {oct(mode)}: others may read it"
 
