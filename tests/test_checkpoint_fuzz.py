@@ -224,6 +224,7 @@ def prepare(reference: Path, work: Path, muts) -> tuple[Path, Path, set[int]]:
     return root, outside, touched
 
 
+@pytest.mark.slow
 @settings(
     max_examples=IN_PROCESS_EXAMPLES,
     derandomize=True,
@@ -257,6 +258,7 @@ def test_fuzzed_roots_are_listed_verified_and_pruned_without_errors_or_losses(re
     assert snapshot(outside) == before_outside, "something outside the root changed"
 
 
+@pytest.mark.slow
 @settings(
     max_examples=END_TO_END_EXAMPLES,
     derandomize=True,

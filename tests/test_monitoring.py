@@ -26,6 +26,7 @@ def rules_dir(tmp_path):
     return tmp_path
 
 
+@pytest.mark.slow
 @needs_promtool
 def test_alert_rules_are_valid(rules_dir):
     r = subprocess.run(["promtool", "check", "rules", "rules.yaml"], cwd=rules_dir, capture_output=True, text=True)
@@ -33,6 +34,7 @@ def test_alert_rules_are_valid(rules_dir):
     assert "4 rules found" in r.stdout
 
 
+@pytest.mark.slow
 @needs_promtool
 def test_each_alert_fires_and_stays_quiet_in_promtool_unit_tests(rules_dir):
     tests = yaml.safe_load((rules_dir / "rules.test.yaml").read_text())["tests"]

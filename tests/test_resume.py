@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import signal
 
+import pytest
 from conftest import clean_env, run_cli, tiny
 from helpers import assert_identical, final_weights, kill_group, start_cli, wait_for_log
 
 
+@pytest.mark.slow
 def test_sigterm_then_resume_in_a_new_process_is_bit_identical(tmp_path):
     steps = 60
     straight = tmp_path / "straight"
@@ -43,6 +45,7 @@ def test_sigterm_then_resume_in_a_new_process_is_bit_identical(tmp_path):
     )
 
 
+@pytest.mark.slow
 def test_a_finished_run_restarted_does_nothing_more(tmp_path):
     args = tiny(tmp_path, max_steps=4)
     assert run_cli("train", *args).returncode == 0
