@@ -230,7 +230,11 @@ def cmd_sample(args: argparse.Namespace) -> int:
         scheduler=args.scheduler or s.scheduler,
         guidance_scale=s.guidance_scale if args.guidance_scale is None else args.guidance_scale,
         **_conditions(args, store, info),
-        **({"images": _held_out_images(cfg, args.num, args.seed)} if task.samples_reconstruct else {}),
+        **(
+            {"images": _held_out_images(cfg, args.num, args.seed)}
+            if getattr(task, "samples_reconstruct", False)
+            else {}
+        ),
     )
     if images.ndim == 4:
         written = [save_grid(images, args.out)]
