@@ -104,9 +104,14 @@ class KLAutoencoder(nn.Module):
     def posterior(self, images: torch.Tensor) -> DiagonalGaussianDistribution:
         return self.vae.encode(images).latent_dist
 
-    def forward(self, images: torch.Tensor, noise: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
-        """Reconstruct a posterior sample mean + std * `noise` (None: the mean); per-sample KL per element."""
+    def forward(
+        self, images: torch.Tensor, noise: torch.Tensor | None = None, decode: bool = True
+    ) -> dict[str, torch.Tensor]:
+        """Reconstruct a posterior sample mean + std * `noise` (None: the mean); per-sample KL per element.
+        `decode=False`: the posterior mean only (through `forward`, so a sharded module gathers its weights)."""
         post = self.posterior(images)
+        if not decode:
+            return {"latents": post.mean}
         z = post.mean if noise is None else post.mean + post.std * noise.to(post.mean.dtype)
         recon = self.vae.decode(z).sample
         kl = post.kl() / post.mean[0].numel()
@@ -223,7 +228,9 @@ class AutoencoderTask(Task):
     def calibrate(self, modules, batches: Iterable[Batch]) -> None:
         """scaling_factor = 1 / std (float64, unbiased) of every element of the fixed sample's posterior means."""
         generator = bare(modules, "generator")
-        latents = [generator.posterior(b.images).mean[b.valid.bool()].double().cpu().flatten() for b in batches]
+        latents = [
+            generator(b.images, decode=False)["latents"][b.valid.bool()].double().cpu().flatten() for b in batches
+        ]
         z = torch.cat(latents) if latents else torch.zeros(0, dtype=torch.float64)
         if z.numel() >= 2:
             generator.scaling_factor.fill_(float(1 / z.std().clamp(min=1e-12)))
