@@ -110,12 +110,14 @@ class KLAutoencoder(nn.Module):
         """Reconstruct a posterior sample mean + std * `noise` (None: the mean); per-sample KL per element.
         `decode=False`: the posterior mean only (through `forward`, so a sharded module gathers its weights)."""
         post = self.posterior(images)
+        # The latents serve statistics only; a copy, not a view of the encoder's output (FSDP2 warns on views).
+        latents = post.mean.detach().clone()
         if not decode:
-            return {"latents": post.mean}
+            return {"latents": latents}
         z = post.mean if noise is None else post.mean + post.std * noise.to(post.mean.dtype)
         recon = self.vae.decode(z).sample
         kl = post.kl() / post.mean[0].numel()
-        return {"reconstruction": recon, "kl": kl, "latents": post.mean}
+        return {"reconstruction": recon, "kl": kl, "latents": latents}
 
     @torch.no_grad()
     def encode_latents(self, images: torch.Tensor) -> torch.Tensor:
