@@ -191,3 +191,26 @@ def test_under_torchrun_a_sigkilled_rank_resumes_bit_identical(tmp_path):
 
     a = _kill_and_compare(tmp_path, args, kill_at=6, steps=steps)
     assert "generator.ema.safetensors" in a and "rank-00001.safetensors" in a
+
+
+@pytest.mark.slow
+def test_under_fsdp_a_sigkilled_rank_resumes_bit_identical(tmp_path):
+    """Sharded generator and discriminator: the scaling factor is measured through sharded forwards on every
+    rank and saved with the replicated buffers. Without the gradient penalty (FSDP's one refusal) and without
+    LeCAM: its anchors are buffers each rank updates from its own chunk, and a sharded checkpoint keeps rank
+    0's, so an FSDP run with LeCAM resumed from a checkpoint leaves the uninterrupted one (the VQ-GAN's too;
+    under DDP the anchors are rank 0's, broadcast before every forward, and resume is exact)."""
+    steps = 10
+
+    def args(root):
+        return ae_args(
+            root,
+            *RESUME,
+            "model.grad_penalty_every=0",
+            "model.lecam_weight=0",
+            "train.parallel=fsdp",
+            max_steps=steps,
+        )
+
+    a = _kill_and_compare(tmp_path, args, kill_at=6, steps=steps)
+    assert any(name.startswith("generator.ema") for name in a)
