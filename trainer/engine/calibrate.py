@@ -45,7 +45,8 @@ class Calibrator:
         self.device = runtime.device
         self.every_steps = every_steps
         self.chunk_size = max(1, chunk_size)
-        self.size = min(task.calibration_size(), len(train_set)) if train_set is not None else 0
+        wanted = task.calibration_size()
+        self.size = min(wanted, len(train_set)) if wanted and train_set is not None else 0
 
     @property
     def enabled(self) -> bool:
