@@ -21,7 +21,7 @@ from trainer.elastic import DistEnv
 from trainer.errors import ConfigError
 from trainer.loop import Trainer
 from trainer.registry import load_config
-from trainer.tasks.autoencoder import AutoencoderTask, KLAutoencoder
+from trainer.tasks.autoencoder import AutoencoderTask, KLAutoencoder, latent_geometry
 from trainer.tasks.base import TaskContext
 
 ENV = clean_env(PYTHONPATH=str(REPO / "tests"))
@@ -134,6 +134,7 @@ def test_the_task_builds_the_diffusers_autoencoder_with_the_configured_geometry(
     vae = parts["generator"].vae
     assert vae.config.latent_channels == 4 and list(vae.config.block_out_channels) == [32, 64, 64]
     assert task.latent_shape == (4, 4, 4) and task.calibration_size() == 512
+    assert latent_geometry(cfg) == (4, 4)  # what a latent-diffusion run checks its backbone against
     with torch.no_grad():
         out = parts["generator"](torch.zeros(2, 1, 16, 16))
     assert out["reconstruction"].shape == (2, 1, 16, 16) and out["latents"].shape == (2, 4, 4, 4)
