@@ -75,6 +75,7 @@ def test_verify_a_missing_or_partial_checkpoint_exits_1(tmp_path):
     assert r.returncode == 1 and "a.json has 3 bytes, manifest says 2" in r.stdout
 
 
+@pytest.mark.slow
 def test_storage_outage_during_async_saves_is_counted_and_training_continues(tmp_path):
     from servers import S3_CREDENTIALS
 

@@ -112,6 +112,7 @@ def test_prometheus_sees_steps_rise_to_the_newest_checkpoint(tmp_path):
         prom.stop()
 
 
+@pytest.mark.slow
 def test_two_rank_torchrun_job_reports_samples_from_both_ranks_once(tmp_path):
     port = free_port()
     prom = PrometheusServer([f"127.0.0.1:{port}"], tmp_path).start()

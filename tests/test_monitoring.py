@@ -64,6 +64,7 @@ def exported_names(tmp_path_factory) -> set[str]:
     return set(re.findall(r"^# TYPE (\S+) ", text, re.M))
 
 
+@pytest.mark.slow
 def test_dashboard_uses_only_exported_metrics(exported_names):
     dash = json.loads((MON / "grafana-dashboard.json").read_text())
     exprs = [t["expr"] for p in dash["panels"] for t in p["targets"]]
@@ -78,6 +79,7 @@ def test_dashboard_uses_only_exported_metrics(exported_names):
         assert needed in titles
 
 
+@pytest.mark.slow
 def test_alert_rules_use_only_exported_metrics(exported_names):
     rule = yaml.safe_load((MON / "prometheusrule.yaml").read_text())
     exprs = [r["expr"] for g in rule["spec"]["groups"] for r in g["rules"]]

@@ -70,6 +70,7 @@ def start_long_run(tmp_path, *extra: str):
     return start_cli("train", *args, env=clean_env(), log_path=log), log
 
 
+@pytest.mark.slow
 def test_second_signal_exits_at_once(tmp_path):
     import time
 
@@ -85,6 +86,7 @@ def test_second_signal_exits_at_once(tmp_path):
     assert "second signal SIGTERM, exiting now" in log.read_text()
 
 
+@pytest.mark.slow
 def test_emergency_save_that_cannot_finish_in_time_keeps_the_previous_checkpoint(tmp_path):
     # A digits-size model (~250 ms/step) and a grace period of 50 ms: by the time all ranks
     # agree to stop at the end of the step, there is no time left to write a checkpoint.
