@@ -197,10 +197,9 @@ def test_under_torchrun_a_sigkilled_rank_resumes_bit_identical(tmp_path):
 @pytest.mark.slow
 def test_under_fsdp_a_sigkilled_rank_resumes_bit_identical(tmp_path):
     """Sharded generator and discriminator: the scaling factor is measured through sharded forwards on every
-    rank and saved with the replicated buffers. Without the gradient penalty (FSDP's one refusal) and without
-    LeCAM: its anchors are buffers each rank updates from its own chunk, and a sharded checkpoint keeps rank
-    0's, so an FSDP run with LeCAM resumed from a checkpoint leaves the uninterrupted one (the VQ-GAN's too;
-    under DDP the anchors are rank 0's, broadcast before every forward, and resume is exact)."""
+    rank and saved with the replicated buffers. Without the gradient penalty (FSDP's one refusal); with LeCAM,
+    whose anchors are buffers each rank updates from its own chunk: under FSDP, as under DDP, every forward
+    starts from rank 0's buffers (trainer.engine.shard.follow_rank0_buffers), the copy a checkpoint keeps."""
     steps = 10
 
     def args(root):
@@ -208,7 +207,6 @@ def test_under_fsdp_a_sigkilled_rank_resumes_bit_identical(tmp_path):
             root,
             *RESUME,
             "model.grad_penalty_every=0",
-            "model.lecam_weight=0",
             "train.parallel=fsdp",
             max_steps=steps,
         )
