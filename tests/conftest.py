@@ -53,16 +53,122 @@ def clean_env(**extra: str) -> dict[str, str]:
 def run_cli(
     *args: str, timeout: float = 900, env: dict[str, str] | None = None, cwd: Path | None = None
 ) -> subprocess.CompletedProcess:
-    """`python -m trainer ARGS` in a fresh process; killed if it outlives `timeout` (a hang bound only:
-    loaded or slow machines run these several times slower than a quiet one)."""
+    """`python -m trainer ARGS` in a process of its own; killed if it outlives `timeout` (a hang bound
+    only: loaded or slow machines run these several times slower than a quiet one).
+
+    The process is forked from a server that imported torch and diffusers once (tests/zygote.py) unless
+    the run needs a fresh interpreter (its own working directory, PYTHONPATH or import-time settings) or
+    GENTRAIN_TEST_FORK=0."""
+    env = env or clean_env()
+    if cwd is None and _forkable(env) and os.environ.get("GENTRAIN_TEST_FORK", "1") != "0":
+        return _zygote().run([str(a) for a in args], env, timeout)
     return subprocess.run(
         [sys.executable, "-m", "trainer", *args],
         capture_output=True,
         text=True,
         timeout=timeout,
-        env=env or clean_env(),
+        env=env,
         cwd=cwd or REPO,
     )
+
+
+# Read when a library is imported, so a forked run would see the server's values, not the run's.
+_IMPORT_TIME = (
+    "PYTHON",
+    "HF_",
+    "FSSPEC_",
+    "TRANSFORMERS_",
+    "DIFFUSERS_",
+    "TORCH",
+    "PYTORCH_",
+    "OMP_",
+    "MKL_",
+    "CUDA_",
+    "LD_",
+)
+
+
+def _forkable(env: dict[str, str]) -> bool:
+    base = clean_env()
+    keys = {k for k in {*env, *base} if k.startswith(_IMPORT_TIME)}
+    return all(env.get(k) == base.get(k) for k in keys)
+
+
+class _Zygote:
+    """The client side of tests/zygote.py: one server per pytest process, killed (by its pid) at exit."""
+
+    def __init__(self) -> None:
+        import atexit
+        import tempfile
+
+        self.dir = tempfile.mkdtemp(prefix="gentrain-zygote-")
+        self.socket = os.path.join(self.dir, "s")
+        self.proc = subprocess.Popen(
+            [sys.executable, "-u", str(REPO / "tests" / "zygote.py"), self.socket],
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            text=True,
+            cwd=REPO,
+            env=clean_env(),
+        )
+        atexit.register(self.close)
+        line = self.proc.stdout.readline()  # the event: its imports are done (or it said why not)
+        if line.strip() != "ready":
+            self.close()
+            raise RuntimeError(f"the test fork server did not start: {line!r} (GENTRAIN_TEST_FORK=0 avoids it)")
+        self.runs = 0
+
+    def run(self, args: list[str], env: dict[str, str], timeout: float) -> subprocess.CompletedProcess:
+        import json
+
+        self.runs += 1
+        out, err = (os.path.join(self.dir, f"{self.runs}.{n}") for n in ("out", "err"))
+        request = {"args": args, "env": env, "cwd": str(REPO), "stdout": out, "stderr": err}
+        lines: list[str] = []
+        pid = None
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as conn:
+            conn.settimeout(timeout)
+            conn.connect(self.socket)
+            conn.sendall((json.dumps(request) + "\n").encode())
+            buf = b""
+            try:
+                while not any(line.startswith("exit ") for line in lines):
+                    chunk = conn.recv(1 << 12)
+                    if not chunk:
+                        break
+                    buf += chunk
+                    *done, buf = buf.split(b"\n")
+                    lines += [d.decode() for d in done]
+                    pid = next((int(line[4:]) for line in lines if line.startswith("pid ")), pid)
+            except TimeoutError:
+                if pid is not None:
+                    os.kill(pid, 9)
+                raise subprocess.TimeoutExpired(["gentrain", *args], timeout) from None
+        codes = [int(line[5:]) for line in lines if line.startswith("exit ")]
+        code = codes[0] if codes else -9  # no exit line: the monitor itself was killed
+        with open(out) as o, open(err) as e:
+            result = subprocess.CompletedProcess(["gentrain", *args], code, o.read(), e.read())
+        os.unlink(out)
+        os.unlink(err)
+        return result
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+        import shutil
+
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+
+_ZYGOTE: _Zygote | None = None
+
+
+def _zygote() -> _Zygote:
+    global _ZYGOTE
+    if _ZYGOTE is None:
+        _ZYGOTE = _Zygote()
+    return _ZYGOTE
 
 
 def free_port() -> int:

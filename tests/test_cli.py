@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 
 import pytest
 from conftest import run_cli
@@ -49,3 +51,23 @@ def test_sample_from_an_empty_root_fails_clearly(tmp_path):
     r = run_cli("sample", str(tmp_path), "--out", str(tmp_path / "x.png"))
     assert r.returncode == 1
     assert "no valid checkpoint" in r.stderr
+
+
+@pytest.mark.slow
+def test_a_run_forked_by_the_test_server_matches_a_fresh_interpreter(tmp_path):
+    """tests/zygote.py stands in for `python -m trainer` in most CLI tests: same exit codes, same output."""
+    from conftest import _zygote, clean_env
+
+    runs = [
+        ["presets"],
+        ["train", "digits-ddpm", "train.no_such_key=1", f"run.dir={tmp_path}"],
+        ["checkpoints", "verify", str(tmp_path / "none")],
+    ]
+    for args in runs:
+        forked = _zygote().run(args, clean_env(), timeout=300)
+        fresh = subprocess.run(
+            [sys.executable, "-m", "trainer", *args], capture_output=True, text=True, env=clean_env(), timeout=300
+        )
+        assert (forked.returncode, forked.stdout) == (fresh.returncode, fresh.stdout), args
+        assert forked.stderr.splitlines()[-1:] == fresh.stderr.splitlines()[-1:], args
+    assert [r.returncode for r in (_zygote().run(a, clean_env(), timeout=300) for a in runs)] == [0, 2, 1]

@@ -1,0 +1,95 @@
+"""A fork server for the suite's `gentrain` runs: `python -m trainer ARGS` without paying the imports again.
+
+Nearly all of a tiny CLI run's CPU time is importing torch, diffusers, peft and transformers (about 5 s
+of a 6 s run on the 2-core build machine); the suite makes hundreds of such runs. This server imports
+them once, then forks per run a monitor, which forks the run and waits for it. The run becomes what
+`python -u -m trainer ARGS` would be: the request's environment, working directory, argv and
+`sys.path[0]`, stdin from /dev/null, stdout and stderr into the request's files, default SIGCHLD, then
+`runpy.run_module("trainer", run_name="__main__")` and a normal interpreter exit. The monitor reports
+the run's pid first (so the client can kill it on a timeout) and its exit status last, as `subprocess`
+does (minus the signal for a run a signal ended).
+
+What a fork cannot reproduce is left to real processes (tests/conftest.py `run_cli` decides): a run with
+its own PYTHONPATH, working directory or import-time settings (HF_*, TORCH*, OMP_*, ...) starts a fresh
+interpreter, as do every process a test signals (`start_cli`) and every torchrun worker.
+The stdlib's multiprocessing forkserver does the same for its workers; it cannot run a module as
+`__main__` with another environment and argv, so this is written here.
+
+Protocol, one connection per run: the client sends one JSON line {args, env, cwd, stdout, stderr};
+the monitor answers "pid <n>\\n", then "exit <code>\\n".
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import sys
+
+PRELOAD = ("torch", "diffusers", "diffusers.training_utils", "peft", "transformers", "accelerate", "safetensors")
+
+
+def _serve(path: str) -> None:
+    for name in PRELOAD:
+        __import__(name)
+    # Forking is safe only from a single thread: nothing imported may have started one.
+    threads = len(os.listdir(f"/proc/{os.getpid()}/task"))
+    if threads != 1:
+        print(f"not forking: {threads} threads after the imports", flush=True)
+        sys.exit(3)
+    signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # the kernel reaps finished children
+    server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    server.bind(path)
+    server.listen(64)
+    print("ready", flush=True)
+    while True:
+        conn, _ = server.accept()
+        request = b""
+        while not request.endswith(b"\n"):
+            chunk = conn.recv(1 << 16)
+            if not chunk:
+                break
+            request += chunk
+        if not request.endswith(b"\n"):
+            conn.close()
+            continue
+        if os.fork() == 0:  # the monitor: starts the run, waits for it, reports how it ended
+            server.close()
+            signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+            pid = os.fork()
+            if pid == 0:
+                conn.close()
+                _run(json.loads(request))  # never returns
+            try:
+                conn.sendall(f"pid {pid}\n".encode())
+                _, status = os.waitpid(pid, 0)
+                # As subprocess reports it: the exit code, or minus the signal that killed the run.
+                conn.sendall(f"exit {os.waitstatus_to_exitcode(status)}\n".encode())
+            finally:
+                os._exit(0)
+        conn.close()
+
+
+def _run(req: dict) -> None:
+    import runpy
+
+    stdin = os.open(os.devnull, os.O_RDONLY)
+    out = os.open(req["stdout"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    err = os.open(req["stderr"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    for fd, target in ((stdin, 0), (out, 1), (err, 2)):
+        os.dup2(fd, target)
+        os.close(fd)
+    os.chdir(req["cwd"])
+    os.environ.clear()
+    os.environ.update(req["env"])
+    sys.argv = [os.path.join(req["cwd"], "trainer", "__main__.py"), *req["args"]]
+    sys.path[0] = req["cwd"]  # what `python -m` puts first
+    # An uncaught exception prints its traceback and exits 1, SystemExit exits with its code: as in
+    # any interpreter, with non-daemon threads joined and atexit handlers run on the way out.
+    runpy.run_module("trainer", run_name="__main__", alter_sys=True)
+    sys.exit(0)
+
+
+if __name__ == "__main__":
+    _serve(sys.argv[1])
