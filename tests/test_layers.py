@@ -240,3 +240,44 @@ def test_a_config_with_text_but_without_sentence_transformers_exits_2_naming_the
     errors = [line for line in r.stderr.splitlines() if line.startswith("gentrain: config error:")]
     assert len(errors) == 1 and "gentrain[text]" in errors[0] and "sentence-transformers" in errors[0], r.stderr
     assert "Traceback" not in r.stderr
+
+
+# ---------------------------------------------------------------- the test suite's own layout
+
+# Names whose use means a test starts a process (directly or through a helper of its module).
+_STARTS_PROCESSES = {"run_cli", "start_cli", "Popen", "subprocess", "torchrun", "S3Server", "GCSServer", "kill_group"}
+
+
+def _names_used(fn: ast.FunctionDef | ast.AsyncFunctionDef) -> set[str]:
+    names = {x.id for x in ast.walk(fn) if isinstance(x, ast.Name)}
+    names |= {x.attr for x in ast.walk(fn) if isinstance(x, ast.Attribute)}
+    return names | {a.arg for a in fn.args.args}
+
+
+def _starts_processes(funcs: dict, name: str, seen: frozenset = frozenset()) -> bool:
+    if name not in funcs or name in seen:
+        return False
+    names = _names_used(funcs[name])
+    return bool(names & _STARTS_PROCESSES) or any(_starts_processes(funcs, n, seen | {name}) for n in names)
+
+
+def test_every_test_that_starts_a_process_is_marked_slow():
+    """`pytest -m "not slow"` is the seconds-long loop: a test that starts processes, itself or through
+    a function or fixture of its module, carries `@pytest.mark.slow` (or its module's pytestmark)."""
+    unmarked = []
+    for path in sorted((REPO / "tests").glob("test_*.py")):
+        text = path.read_text(encoding="utf-8")
+        tree = ast.parse(text)
+        funcs = {n.name: n for n in tree.body if isinstance(n, ast.FunctionDef | ast.AsyncFunctionDef)}
+        module_slow = any(
+            isinstance(n, ast.Assign)
+            and any(getattr(t, "id", "") == "pytestmark" for t in n.targets)
+            and "slow" in ast.unparse(n.value)
+            for n in tree.body
+        )
+
+        for name, fn in funcs.items():
+            marked = module_slow or any("slow" in ast.unparse(d) for d in fn.decorator_list)
+            if name.startswith("test_") and not marked and _starts_processes(funcs, name):
+                unmarked.append(f"{path.name}::{name}")
+    assert unmarked == [], f"these tests start processes but are not marked slow: {unmarked}"
