@@ -1,6 +1,8 @@
-"""The diffusion core (issue 25, trainer/diffusion): objectives reproduce today's ddpm and cascade losses and
-samplers to the bit on the same generators, backbones build tiny and refuse conditioning they cannot use,
-and the objectives refuse DREAM where the cascade does. Tiny models, no subprocesses."""
+"""The diffusion core (issue 25, trainer/diffusion): the ddpm and cascade tasks compute their losses and samples
+through it (the task's result equals the core's, composed here from the same generators, to the bit; that the
+core reproduces the tasks as they were before is tests/test_golden.py's job), backbones build tiny and refuse
+conditioning they cannot use, and the objectives refuse DREAM where the cascade does. Tiny models, no
+subprocesses."""
 
 from __future__ import annotations
 
@@ -30,13 +32,11 @@ from trainer.diffusion import (
     default_labels,
     labels_or_null,
 )
-from trainer.diffusion.objectives import EDMConfig
 from trainer.errors import ConfigError
 from trainer.randomness import Stream, per_sample_rand, per_sample_randn, sample_generators
 from trainer.tasks.base import Batch, Phase, StepInfo, TaskContext
 from trainer.tasks.cascade import CascadeConfig, CascadeTask, StageConfig
-from trainer.tasks.cascade import EDMConfig as StageEDMConfig
-from trainer.tasks.ddpm import DDPMTask, DiffusionModelConfig, NoiseConfig
+from trainer.tasks.ddpm import DDPMTask, DiffusionModelConfig
 
 CPU = torch.device("cpu")
 SEED, STEP, CLASSES = 7, 3, 10
@@ -66,32 +66,24 @@ def _assert_same_loss(mine, today):
 # ---------------------------------------------------------------- config names, defaults and checks
 
 
-def _same_fields(ours, theirs, names):
-    for name in names:
-        a, b = ours.model_fields[name], theirs.model_fields[name]
-        assert (a.default, a.description, a.metadata) == (b.default, b.description, b.metadata), name
-        if name != "edm":
-            assert a.annotation == b.annotation, name
-
-
-def test_objective_keys_have_the_cascade_stage_names_defaults_and_constraints():
-    _same_fields(ObjectiveConfig, StageConfig, [n for n in ObjectiveConfig.model_fields if n != "edm"])
-    _same_fields(EDMConfig, StageEDMConfig, list(StageEDMConfig.model_fields))
-    assert set(EDMConfig.model_fields) == set(StageEDMConfig.model_fields)
-    # DDPM's keys are a subset (its prediction_type is narrower: epsilon or v).
-    shared = {"num_train_timesteps", "beta_schedule", "snr_gamma"}
-    _same_fields(ObjectiveConfig, NoiseConfig, shared)
-    assert (
-        ObjectiveConfig.model_fields["prediction_type"].default == NoiseConfig.model_fields["prediction_type"].default
-    )
+@pytest.mark.parametrize("config", [DiffusionModelConfig, StageConfig], ids=["ddpm", "cascade-stage"])
+def test_ddpm_and_cascade_stages_read_the_objective_keys_of_the_core(config):
+    """One set of objective keys: `model.*` of ddpm and `model.stages[i].*` take the core's fields as they are
+    (names, defaults, descriptions, constraints and the DREAM check)."""
+    for name, core in ObjectiveConfig.model_fields.items():
+        mine = config.model_fields[name]
+        assert (mine.annotation, mine.description, mine.metadata) == (core.annotation, core.description, core.metadata)
+        assert mine.get_default(call_default_factory=True) == core.get_default(call_default_factory=True), name
+    with pytest.raises(ValidationError, match="dream=true needs prediction_type=epsilon"):
+        config(**({"image_size": 8} if config is StageConfig else {}), prediction_type="flow", dream=True)
 
 
 # ---------------------------------------------------------------- (1) training losses, bit for bit
 
 
 @pytest.mark.parametrize("snr_gamma", [5.0, None], ids=["min-snr", "plain"])
-@pytest.mark.parametrize("prediction_type", ["epsilon", "v_prediction"])
-def test_epsilon_and_v_losses_equal_the_ddpm_task(prediction_type, snr_gamma):
+@pytest.mark.parametrize("prediction_type", list(OBJECTIVES))
+def test_the_ddpm_task_loss_is_the_core_objective_on_the_unet_backbone(prediction_type, snr_gamma):
     cfg = DiffusionModelConfig(prediction_type=prediction_type, snr_gamma=snr_gamma, num_classes=CLASSES, **TINY_UNET)
     task = DDPMTask(cfg, TaskContext(8, 1, SEED, num_classes=CLASSES))
     torch.manual_seed(0)
@@ -135,7 +127,7 @@ def _cascade(stage: dict) -> tuple[CascadeTask, StageConfig]:
 
 
 @pytest.mark.parametrize("stage", [s for s, _ in CASCADE_OBJECTIVES], ids=[i for _, i in CASCADE_OBJECTIVES])
-def test_every_objective_loss_equals_the_cascade_stage_loss(stage):
+def test_every_cascade_stage_loss_is_the_core_objective(stage):
     task, s = _cascade(stage)
     torch.manual_seed(0)
     net = task.build({})["stage1"]
@@ -160,8 +152,8 @@ def test_every_objective_loss_equals_the_cascade_stage_loss(stage):
 
 @pytest.mark.parametrize("scale", [1.0, 2.5], ids=["unguided", "cfg"])
 @pytest.mark.parametrize("kind", ["ddim", "dpm"])
-@pytest.mark.parametrize("prediction_type", ["epsilon", "v_prediction"])
-def test_denoise_equals_ddpm_sample(prediction_type, kind, scale):
+@pytest.mark.parametrize("prediction_type", list(OBJECTIVES))
+def test_the_ddpm_task_samples_with_the_core_sampler(prediction_type, kind, scale):
     cfg = DiffusionModelConfig(prediction_type=prediction_type, num_classes=CLASSES, **TINY_UNET)
     task = DDPMTask(cfg, TaskContext(8, 1, SEED, num_classes=CLASSES))
     torch.manual_seed(0)
@@ -177,7 +169,7 @@ def test_denoise_equals_ddpm_sample(prediction_type, kind, scale):
 
 @pytest.mark.parametrize("kind", ["ddim", "dpm"])
 @pytest.mark.parametrize("prediction_type", ["epsilon", "v_prediction", "flow", "edm"])
-def test_denoise_equals_the_cascade_stage_sampler(prediction_type, kind):
+def test_every_cascade_stage_samples_with_the_core_sampler(prediction_type, kind):
     task, s = _cascade({"prediction_type": prediction_type})
     torch.manual_seed(0)
     net = task.build({})["stage1"].eval()
@@ -194,7 +186,7 @@ def test_denoise_equals_the_cascade_stage_sampler(prediction_type, kind):
     assert torch.equal(build_objective(s).denoise(_stage_fn(net), x, 3, kind, guidance), today)
 
 
-def test_each_objective_names_its_inference_scheduler_as_today():
+def test_each_objective_names_its_inference_scheduler():
     names = {
         (name, kind): type(cls(ObjectiveConfig(prediction_type=name)).inference_scheduler(kind)).__name__
         for name, cls in OBJECTIVES.items()

@@ -43,6 +43,7 @@ from trainer.diffusion.guidance import (
     cfg_combine,
     check_num_classes,
     default_labels,
+    guide,
     labels_or_null,
 )
 from trainer.diffusion.objectives import (
@@ -93,6 +94,7 @@ __all__ = [
     "check_num_classes",
     "default_labels",
     "edm_loss_weight",
+    "guide",
     "labels_or_null",
     "min_snr_weights",
     "parse_backbone",

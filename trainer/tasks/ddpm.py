@@ -1,30 +1,40 @@
-"""DDPM task (`task: ddpm`): diffusers UNet2DModel + DDPMScheduler, epsilon or v targets, min-SNR weighting, CFG."""
+"""DDPM task (`task: ddpm`): one denoiser trained on the diffusion core (trainer/diffusion).
+
+The objective (`model.prediction_type`: epsilon, v_prediction, flow or edm, with their keys) and the
+backbone (`model.backbone.kind`: unet or dit; the UNet's shape also at `model.*`, as before the backbone
+section existed) come from the core; this task adds the data's class labels (label dropout for
+classifier-free guidance) and its sampling interface.
+"""
 
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any, Literal
+from typing import Any
 
 import torch
-import torch.nn.functional as F
-from diffusers import DDIMScheduler, DDPMScheduler, DPMSolverMultistepScheduler, UNet2DModel
-from diffusers.training_utils import compute_snr
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 from torch import nn
 
+from trainer.diffusion import (
+    Backbone,
+    BackboneConfig,
+    Guidance,
+    ObjectiveConfig,
+    UNetBackboneConfig,
+    build_backbone,
+    build_objective,
+    check_num_classes,
+    default_labels,
+    labels_or_null,
+)
 from trainer.errors import ConfigError
 from trainer.models.finetune import FinetuneFields, prepare_unet
-from trainer.randomness import (
-    per_sample_rand,
-    per_sample_randint,
-    per_sample_randn,
-    sample_generators,
-)
+from trainer.randomness import per_sample_rand, per_sample_randn, sample_generators
 from trainer.tasks.base import Batch, Loss, Phase, StepInfo, Task, TaskContext
 
 
 class UNetShapeConfig(BaseModel):
-    """The UNet's shape; shared by DDPM and every cascade stage."""
+    """The UNet's shape; shared by DDPM (`model.*`, when `model.backbone` is not set) and every cascade stage."""
 
     model_config = ConfigDict(extra="forbid")
 
@@ -45,45 +55,47 @@ class UNetShapeConfig(BaseModel):
         return self
 
 
-class NoiseConfig(UNetShapeConfig, FinetuneFields):
-    """The UNet plus its noise schedule and objective, and where its weights start (`pretrained`, `lora`);
-    shared by DDPM and every cascade stage."""
+_UNET_SHAPE_KEYS = frozenset(UNetShapeConfig.model_fields)
 
-    prediction_type: Literal["epsilon", "v_prediction"] = "epsilon"
-    num_train_timesteps: int = Field(1000, ge=2)
-    beta_schedule: Literal["linear", "scaled_linear", "squaredcos_cap_v2"] = "squaredcos_cap_v2"
-    snr_gamma: float | None = Field(5.0, gt=0, description="min-SNR-gamma weighting; null = off")
+
+class NoiseConfig(UNetShapeConfig, FinetuneFields, ObjectiveConfig):
+    """The UNet, its objective (the core's `ObjectiveConfig`: epsilon, v_prediction, flow or edm and their
+    keys) and where its weights start (`pretrained`, `lora`); shared by DDPM and every cascade stage."""
 
 
 class DiffusionModelConfig(NoiseConfig):
     num_classes: int | None = Field(None, ge=2, description="class-conditional when set")
     cond_drop_prob: float = Field(0.1, ge=0, lt=1, description="label dropout for CFG")
-
-
-def noise_scheduler_for(c: NoiseConfig, prediction_type: str | None = None) -> DDPMScheduler:
-    """The training noise schedule of a DDPM-style model (diffusers' DDPMScheduler)."""
-    return DDPMScheduler(
-        num_train_timesteps=c.num_train_timesteps,
-        beta_schedule=c.beta_schedule,
-        prediction_type=prediction_type or c.prediction_type,
+    backbone: BackboneConfig | None = Field(
+        None,
+        description="the denoiser (kind: unet | dit) and its shape; null = the UNet of model.block_out_channels etc.",
     )
 
+    @model_validator(mode="after")
+    def _one_place_for_the_shape(self) -> DiffusionModelConfig:
+        if self.backbone is None:
+            return self
+        both = sorted(self.model_fields_set & _UNET_SHAPE_KEYS)
+        if both:
+            raise ValueError(
+                f"model.backbone is set, so the denoiser's shape lives there: move model.{', model.'.join(both)} "
+                f"under model.backbone (kind: unet takes the same keys) or remove model.backbone"
+            )
+        if self.backbone.kind in ("pixart", "mmdit"):
+            raise ValueError(
+                f"model.backbone.kind={self.backbone.kind} is conditioned on captions, which the ddpm task does not "
+                f"have: use kind unet or dit (class labels by model.num_classes)"
+            )
+        if self.backbone.kind == "unet" and self.backbone.caption_channels is not None:
+            raise ValueError("model.backbone.caption_channels: the ddpm task has no captions to attend to; remove it")
+        return self
 
-def inference_scheduler(noise_scheduler: DDPMScheduler, kind: str):
-    """A sampler (`sample.scheduler`: ddim | dpm) with the training schedule's settings."""
-    cls = {"ddim": DDIMScheduler, "dpm": DPMSolverMultistepScheduler}[kind]
-    return cls.from_config(noise_scheduler.config)
-
-
-def unet_block_types(c: UNetShapeConfig, attn_down: str = "AttnDownBlock2D", attn_up: str = "AttnUpBlock2D"):
-    """(down, up) block types: plain blocks, attention in the lowest resolution when `attention`."""
-    n = len(c.block_out_channels)
-    down = ["DownBlock2D"] * n
-    up = ["UpBlock2D"] * n
-    if c.attention and n > 1:
-        down[-1] = attn_down
-        up[0] = attn_up
-    return tuple(down), tuple(up)
+    @property
+    def denoiser(self) -> BaseModel:
+        """The backbone config: `model.backbone`, else a unet of the shape keys at `model.*`."""
+        if self.backbone is not None:
+            return self.backbone
+        return UNetBackboneConfig(**{k: getattr(self, k) for k in _UNET_SHAPE_KEYS})
 
 
 def architecture_hints(prefix: str) -> dict[str, str]:
@@ -100,48 +112,47 @@ def architecture_hints(prefix: str) -> dict[str, str]:
     }
 
 
-def diffusion_loss(
-    noise_scheduler: DDPMScheduler, c: NoiseConfig, pred: torch.Tensor, target: torch.Tensor, t: torch.Tensor
-) -> Loss:
-    """Per-sample MSE, min-SNR weighted when `snr_gamma` is set; the unweighted MSE is logged."""
-    mse = F.mse_loss(pred.float(), target.float(), reduction="none").mean(dim=tuple(range(1, pred.ndim)))
-    if c.snr_gamma is None:
-        return Loss(mse, {"mse": mse.detach()})
-    snr = compute_snr(noise_scheduler, t)
-    return Loss(mse * min_snr_weights(snr, c.snr_gamma, c.prediction_type), {"mse": mse.detach()})
+def _backbone_hints(c: DiffusionModelConfig) -> dict[str, str]:
+    """Hints for the configured denoiser: the UNet's keys at `model.*` or under `model.backbone`; a transformer's
+    diffusers config fields carry the names of `model.backbone.*`."""
+    d = c.denoiser
+    if d.kind == "unet":
+        return architecture_hints("model.backbone" if c.backbone is not None else "model")
+    hints = {name: f"model.backbone.{name}" for name in type(d).model_fields if name != "kind"}
+    hints.update(
+        in_channels="data.channels",
+        out_channels="data.channels",
+        sample_size="data.image_size",
+        num_embeds_ada_norm="model.num_classes",
+    )
+    return hints
 
 
-def min_snr_weights(snr: torch.Tensor, gamma: float, prediction_type: str) -> torch.Tensor:
-    """Per-sample loss weights of min-SNR-gamma (Hang et al. 2023, arXiv:2303.09556).
-
-    The weight is min(SNR, gamma) / SNR for epsilon targets and
-    min(SNR, gamma) / (SNR + 1) for v targets, as in diffusers' training scripts.
-    """
-    clipped = torch.clamp(snr, max=gamma)
-    if prediction_type == "epsilon":
-        return clipped / snr
-    return clipped / (snr + 1)
+def part_name(c: DiffusionModelConfig) -> str:
+    """The trainable part: `unet` (as before the backbone section, so checkpoints and optim.unet keep their
+    names) or `transformer`."""
+    return "unet" if c.denoiser.kind == "unet" else "transformer"
 
 
 class DDPMTask(Task):
-    """Denoising diffusion (Ho et al. 2020) with one part, `unet`."""
+    """Denoising diffusion (Ho et al. 2020) with one part, `unet` (or `transformer`), on the diffusion core."""
 
     ModelConfig = DiffusionModelConfig
     cfg: DiffusionModelConfig
 
     def __init__(self, model_cfg: DiffusionModelConfig, ctx: TaskContext):
         super().__init__(model_cfg, ctx)
-        c = self.cfg
         self.image_size = ctx.image_size
         self.channels = ctx.channels
-        if c.num_classes and ctx.num_classes and c.num_classes != ctx.num_classes:
-            raise ConfigError(f"model.num_classes={c.num_classes} but the dataset has {ctx.num_classes} classes")
-        self.noise_scheduler = noise_scheduler_for(c)
+        check_num_classes(self.cfg.num_classes, ctx.num_classes)
+        self.objective = build_objective(self.cfg)
+        self.part = part_name(self.cfg)
+        self.backbone: Backbone | None = None  # set by `build`: how to call the part
         self._inputs: dict[str, dict] = {}
 
     @classmethod
     def trainable_part_names(cls, model_cfg: DiffusionModelConfig) -> list[str]:
-        return ["unet"]
+        return [part_name(model_cfg)]
 
     @property
     def conditional(self) -> bool:
@@ -149,58 +160,45 @@ class DDPMTask(Task):
 
     def build(self, frozen) -> dict[str, nn.Module]:
         c = self.cfg
-        down, up = unet_block_types(c)
-        unet = UNet2DModel(
-            sample_size=self.image_size,
-            in_channels=self.channels,
-            out_channels=self.channels,
-            block_out_channels=tuple(c.block_out_channels),
-            layers_per_block=c.layers_per_block,
-            down_block_types=down,
-            up_block_types=up,
-            norm_num_groups=c.norm_num_groups,
-            dropout=c.dropout,
-            # One extra embedding row is the "no label" class used for CFG.
-            num_class_embeds=(c.num_classes + 1) if self.conditional else None,
-        )
-        folder = prepare_unet(
-            unet, c, "model", architecture_hints("model"), self.ctx.storage_options, self.ctx.load_pretrained
-        )
+        self.backbone = build_backbone(c.denoiser, self.image_size, self.channels, c.num_classes)
+        # The part is the bare diffusers module: its state-dict keys are those of checkpoints written before
+        # the backbone section existed.
+        net = self.backbone.model
+        folder = prepare_unet(net, c, "model", _backbone_hints(c), self.ctx.storage_options, self.ctx.load_pretrained)
         if folder is not None:
-            self._inputs["unet.pretrained"] = folder.record
-        return {"unet": unet}
+            self._inputs[f"{self.part}.pretrained"] = folder.record
+        return {self.part: net}
 
     def inputs(self) -> dict[str, dict]:
         return dict(self._inputs)
 
     def export_unets(self, modules) -> dict[str, tuple[nn.Module, dict[str, torch.Tensor]]]:
+        if self.part != "unet":
+            raise ConfigError(
+                f"this DDPM model's denoiser is a {self.cfg.denoiser.kind} backbone, not a diffusers UNet: "
+                "nothing to export as a UNet"
+            )
         return {"unet": (modules["unet"], {})}
 
-    def _null_label(self) -> int:
-        assert self.cfg.num_classes is not None
-        return self.cfg.num_classes
+    def _net(self, module: nn.Module):
+        """The part as the core calls a network: (x, t, conditions) -> output."""
+        backbone = self.backbone
+        assert backbone is not None, "build() first"
+        return lambda x, t, cond: backbone.call(module, x, t, cond)
 
     def loss(self, phase: Phase, modules: Mapping[str, nn.Module], batch: Batch, outputs, info: StepInfo) -> Loss:
         x0 = batch.images
         device = x0.device
+        # The sample's noise first, then its noise level, then its label dropout (the draws' order is the
+        # checkpointed runs' contract: a resumed run draws what an uninterrupted one would).
         gens = sample_generators(self.seed, info.step, batch.positions)
         noise = per_sample_randn(gens, x0.shape[1:]).to(device, x0.dtype)
-        t = per_sample_randint(gens, self.noise_scheduler.config.num_train_timesteps).to(device)
-        labels = None
+        draw = self.objective.draw(gens, len(batch), device, x0.dtype)
+        cond = {}
         if self.conditional:
             drop = per_sample_rand(gens).to(device) < self.cfg.cond_drop_prob
-            labels = torch.where(drop | (batch.labels < 0), self._null_label(), batch.labels)
-
-        noisy = self.noise_scheduler.add_noise(x0, noise, t)
-        if self.cfg.prediction_type == "epsilon":
-            target = noise
-        else:
-            target = self.noise_scheduler.get_velocity(x0, noise, t)
-        pred = modules["unet"](noisy, t, class_labels=labels).sample
-        return diffusion_loss(self.noise_scheduler, self.cfg, pred, target, t)
-
-    def inference_scheduler(self, kind: str):
-        return inference_scheduler(self.noise_scheduler, kind)
+            cond["labels"] = labels_or_null(batch.labels, drop, self.cfg.num_classes)
+        return self.objective.loss(self._net(modules[self.part]), x0, noise, draw, cond)
 
     @torch.no_grad()
     def sample(
@@ -221,27 +219,14 @@ class DDPMTask(Task):
             raise ConfigError(
                 f"this DDPM model takes no {what}: it is {'class-conditional' if self.conditional else 'unconditional'}"
             )
-        unet = modules["unet"]
-        sched = self.inference_scheduler(scheduler)
-        sched.set_timesteps(inference_steps)
         g = torch.Generator().manual_seed(seed)
-        shape = (num, self.channels, self.image_size, self.image_size)
-        x = torch.randn(shape, generator=g).to(device) * sched.init_noise_sigma
-        if self.conditional and labels is None:
-            labels = torch.arange(num) % self.cfg.num_classes
-        use_cfg = self.conditional and guidance_scale != 1.0
-        if labels is not None:
-            labels = labels.to(device)
-            null = torch.full_like(labels, self._null_label())
-        for t in sched.timesteps:
-            model_in = sched.scale_model_input(x, t)
-            if use_cfg:
-                both = unet(torch.cat([model_in, model_in]), t, class_labels=torch.cat([labels, null])).sample
-                cond, uncond = both.chunk(2)
-                out = uncond + guidance_scale * (cond - uncond)
-            else:
-                out = unet(model_in, t, class_labels=labels).sample
-            x = sched.step(out, t, x).prev_sample
+        x = torch.randn((num, self.channels, self.image_size, self.image_size), generator=g).to(device)
+        guidance = Guidance({})
+        if self.conditional:
+            classes = self.cfg.num_classes
+            labels = (default_labels(num, classes) if labels is None else labels).to(device)
+            guidance = Guidance({"labels": labels}, {"labels": torch.full_like(labels, classes)}, guidance_scale)
+        x = self.objective.denoise(self._net(modules[self.part]), x, inference_steps, scheduler, guidance)
         return ((x.float().clamp(-1, 1) + 1) / 2).cpu()
 
 
