@@ -8,6 +8,7 @@ classifier-free guidance) and its sampling interface.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Mapping
 from typing import Any
 
@@ -31,6 +32,8 @@ from trainer.errors import ConfigError
 from trainer.models.finetune import FinetuneFields, prepare_unet
 from trainer.randomness import per_sample_rand, per_sample_randn, sample_generators
 from trainer.tasks.base import Batch, Loss, Phase, StepInfo, Task, TaskContext
+
+log = logging.getLogger(__name__)
 
 
 class UNetShapeConfig(BaseModel):
@@ -68,19 +71,14 @@ class DiffusionModelConfig(NoiseConfig):
     cond_drop_prob: float = Field(0.1, ge=0, lt=1, description="label dropout for CFG")
     backbone: BackboneConfig | None = Field(
         None,
-        description="the denoiser (kind: unet | dit) and its shape; null = the UNet of model.block_out_channels etc.",
+        description="the denoiser (kind: unet | dit) and its shape; null = the UNet of model.block_out_channels etc., "
+        "which a backbone set here overrides",
     )
 
     @model_validator(mode="after")
-    def _one_place_for_the_shape(self) -> DiffusionModelConfig:
+    def _backbones_without_captions(self) -> DiffusionModelConfig:
         if self.backbone is None:
             return self
-        both = sorted(self.model_fields_set & _UNET_SHAPE_KEYS)
-        if both:
-            raise ValueError(
-                f"model.backbone is set, so the denoiser's shape lives there: move model.{', model.'.join(both)} "
-                f"under model.backbone (kind: unet takes the same keys) or remove model.backbone"
-            )
         if self.backbone.kind in ("pixart", "mmdit"):
             raise ValueError(
                 f"model.backbone.kind={self.backbone.kind} is conditioned on captions, which the ddpm task does not "
@@ -89,6 +87,11 @@ class DiffusionModelConfig(NoiseConfig):
         if self.backbone.kind == "unet" and self.backbone.caption_channels is not None:
             raise ValueError("model.backbone.caption_channels: the ddpm task has no captions to attend to; remove it")
         return self
+
+    @property
+    def ignored_shape_keys(self) -> list[str]:
+        """UNet keys set at `model.*` that `model.backbone` overrides (a preset's, under a backbone override)."""
+        return sorted(self.model_fields_set & _UNET_SHAPE_KEYS) if self.backbone is not None else []
 
     @property
     def denoiser(self) -> BaseModel:
@@ -146,6 +149,12 @@ class DDPMTask(Task):
         self.channels = ctx.channels
         check_num_classes(self.cfg.num_classes, ctx.num_classes)
         self.objective = build_objective(self.cfg)
+        if self.cfg.ignored_shape_keys:
+            log.warning(
+                "model.backbone (kind %s) is the denoiser; the UNet keys model.%s are ignored",
+                self.cfg.backbone.kind,
+                ", model.".join(self.cfg.ignored_shape_keys),
+            )
         self.part = part_name(self.cfg)
         self.backbone: Backbone | None = None  # set by `build`: how to call the part
         self._inputs: dict[str, dict] = {}
