@@ -10,15 +10,15 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Mapping
-from typing import Any
+from typing import Annotated, Any
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 from torch import nn
 
 from trainer.diffusion import (
     Backbone,
-    BackboneConfig,
+    DiTBackboneConfig,
     Guidance,
     ObjectiveConfig,
     UNetBackboneConfig,
@@ -66,25 +66,33 @@ class NoiseConfig(UNetShapeConfig, FinetuneFields, ObjectiveConfig):
     keys) and where its weights start (`pretrained`, `lora`); shared by DDPM and every cascade stage."""
 
 
+# The backbones a task without captions can condition: pixart and mmdit need caption embeddings.
+DDPMBackboneConfig = Annotated[UNetBackboneConfig | DiTBackboneConfig, Field(discriminator="kind")]
+
+
 class DiffusionModelConfig(NoiseConfig):
     num_classes: int | None = Field(None, ge=2, description="class-conditional when set")
     cond_drop_prob: float = Field(0.1, ge=0, lt=1, description="label dropout for CFG")
-    backbone: BackboneConfig | None = Field(
+    backbone: DDPMBackboneConfig | None = Field(
         None,
         description="the denoiser (kind: unet | dit) and its shape; null = the UNet of model.block_out_channels etc., "
         "which a backbone set here overrides",
     )
 
-    @model_validator(mode="after")
-    def _backbones_without_captions(self) -> DiffusionModelConfig:
-        if self.backbone is None:
-            return self
-        if self.backbone.kind in ("pixart", "mmdit"):
+    @field_validator("backbone", mode="before")
+    @classmethod
+    def _no_caption_backbones(cls, value: Any) -> Any:
+        kind = value.get("kind") if isinstance(value, Mapping) else getattr(value, "kind", None)
+        if kind in ("pixart", "mmdit"):
             raise ValueError(
-                f"model.backbone.kind={self.backbone.kind} is conditioned on captions, which the ddpm task does not "
-                f"have: use kind unet or dit (class labels by model.num_classes)"
+                f"model.backbone.kind={kind} is conditioned on captions, which the ddpm task does not have: "
+                "use kind unet or dit (class labels by model.num_classes)"
             )
-        if self.backbone.kind == "unet" and self.backbone.caption_channels is not None:
+        return value
+
+    @model_validator(mode="after")
+    def _unet_without_captions(self) -> DiffusionModelConfig:
+        if self.backbone is not None and self.backbone.kind == "unet" and self.backbone.caption_channels is not None:
             raise ValueError("model.backbone.caption_channels: the ddpm task has no captions to attend to; remove it")
         return self
 
