@@ -448,6 +448,8 @@ class MaskGITTask(Task):
             logits = transformer(x, cond).float()
             if guided:
                 uncond_logits = transformer(x, uncond).float()
+                # The one guidance formula, uncond + s (cond - uncond); maskgit wrote it as cond + (s - 1)(cond -
+                # uncond) before issue 25: the same logits up to rounding in their last bit.
                 logits = guide(logits, uncond_logits, guidance_scale)
             logits = logits.cpu()
             probs = F.softmax(logits / temperature, dim=-1)
