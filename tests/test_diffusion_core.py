@@ -417,7 +417,7 @@ def _best_constant_loss(task: DDPMTask, batch: Batch) -> float:
     input is then, per pixel, c_p = sum_i w_i y_ip / sum_i w_i. A trained network below this loss uses its
     input: no constant output, not even one fitted to this very batch, gets there."""
     out = torch.zeros_like(batch.images, requires_grad=True)
-    task.backbone = SimpleNamespace(call=lambda module, x, t, cond: out)
+    task.backbone = SimpleNamespace(call=lambda module, x, t, cond: out, accepts=task.backbone.accepts)
     loss = task.loss(Phase("x", "x"), {task.part: None}, batch, None, StepInfo(-1)).per_sample
     (grad,) = torch.autograd.grad(loss.sum(), out)
     pixels = out[0].numel()
@@ -428,18 +428,22 @@ def _best_constant_loss(task: DDPMTask, batch: Batch) -> float:
     return float((w * ((y - c) ** 2).mean(1)).mean())
 
 
+_TRANSFORMER = "num_layers: 2, num_attention_heads: 2, attention_head_dim: 12"
 DDPM_RUNS = {
     "flow": ["model.prediction_type=flow"],
     "edm": ["model.prediction_type=edm"],
-    "dit": ["model.backbone={kind: dit, num_layers: 2, num_attention_heads: 2, attention_head_dim: 12}"],
+    "dit": [f"model.backbone={{kind: dit, {_TRANSFORMER}}}"],
+    # captions ("a handwritten seven") through the shipped 384-wide sentence encoder
+    "pixart": [f"model.backbone={{kind: pixart, {_TRANSFORMER}, caption_channels: 384}}"],
+    "mmdit": [f"model.backbone={{kind: mmdit, {_TRANSFORMER}, caption_channels: 384, pooled_channels: 384}}"],
 }
 
 
 @pytest.mark.parametrize("run", list(DDPM_RUNS))
-def test_ddpm_trains_flow_edm_and_the_dit_backbone_on_the_digits(run):
+def test_ddpm_trains_flow_edm_and_every_backbone_on_the_digits(run, tmp_path, monkeypatch):
     """80 Adam steps on digits batches (8x8, a tiny network, one CPU thread): on a fixed held-out batch with
     fixed draws the loss falls below what the best input-independent output reaches (see above), so the
-    network learned to read its noisy input; then the objective's own sampler turns noise into images."""
+    network learned to read its inputs; then the objective's own sampler turns noise into images."""
     # The data and engine layers: only this test needs real batches.
     from trainer.data import build_splits, collate
     from trainer.data.sampler import SampleRef
@@ -447,12 +451,15 @@ def test_ddpm_trains_flow_edm_and_the_dit_backbone_on_the_digits(run):
     from trainer.registry import load_config
 
     torch.manual_seed(0)
-    unet = [] if run == "dit" else ["model.block_out_channels=[8,16]", "model.norm_num_groups=4"]
-    cfg = load_config("digits-ddpm", ["data.image_size=8", *unet, *DDPM_RUNS[run]], {})
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    transformer = run in ("dit", "pixart", "mmdit")
+    unet = [] if transformer else ["model.block_out_channels=[8,16]", "model.norm_num_groups=4"]
+    text = [f"model.text={{cache_dir: {tmp_path}/text, max_tokens: 8}}"] if run in ("pixart", "mmdit") else []
+    cfg = load_config("digits-ddpm", ["data.image_size=8", *unet, *text, *DDPM_RUNS[run]], {})
     train_set, val_set, _ = build_splits(cfg)
     task = DDPMTask(cfg.model_cfg, TaskContext(8, 1, 0))
     net = task.build({})[task.part]
-    assert task.part == ("transformer" if run == "dit" else "unet")
+    assert task.part == ("transformer" if transformer else "unet")
     opt = torch.optim.Adam(net.parameters(), lr=3e-3)
     phase, backbone = Phase(task.part, task.part), task.backbone
 
@@ -476,13 +483,32 @@ def test_ddpm_trains_flow_edm_and_the_dit_backbone_on_the_digits(run):
     task.backbone = backbone
     print(f"{run}: held-out loss {before:.3f} -> {after:.3f}; best constant output {floor:.3f}")
     assert after < before and after < floor, (before, after, floor)
-    images = task.sample({task.part: net.eval()}, 8, seed=0, device=CPU, inference_steps=10)
+    prompts = ["a handwritten seven"] if text else None
+    images = task.sample({task.part: net.eval()}, 8, seed=0, device=CPU, inference_steps=10, prompts=prompts)
     assert images.shape == (8, 1, 8, 8) and torch.isfinite(images).all() and images.std() > 0.05
 
 
-def test_ddpm_with_a_dit_backbone_trains_checkpoints_and_samples_through_the_engine(tmp_path, caplog):
+ENGINE_RUNS = {
+    "dit-edm-classes": (
+        "{kind: dit, num_layers: 1, num_attention_heads: 2, attention_head_dim: 8}",
+        ["model.prediction_type=edm", "model.num_classes=10"],
+        "DiTTransformer2DModel",
+    ),
+    "mmdit-flow-captions": (
+        "{kind: mmdit, num_layers: 1, num_attention_heads: 2, attention_head_dim: 8, caption_channels: 384, "
+        "pooled_channels: 384}",
+        ["model.prediction_type=flow", "model.text={max_tokens: 8}"],
+        "SD3Transformer2DModel",
+    ),
+}
+
+
+@pytest.mark.parametrize("run", list(ENGINE_RUNS))
+def test_ddpm_with_a_transformer_backbone_trains_checkpoints_and_samples_through_the_engine(
+    run, tmp_path, caplog, monkeypatch
+):
     """The engine's view of a transformer denoiser: part `transformer` (optimizer, EMA, checkpoint files of
-    that name), guided class-conditional samples from its checkpoint; the tiny config's UNet keys are
+    that name), guided samples (class labels or a prompt) from its checkpoint; the tiny config's UNet keys are
     overridden by model.backbone, and the log says so."""
     # The engine and checkpoint layers: an in-process training run.
     from conftest import tiny
@@ -493,9 +519,10 @@ def test_ddpm_with_a_dit_backbone_trains_checkpoints_and_samples_through_the_eng
     from trainer.loop import Trainer
     from trainer.registry import load_config
 
-    dit = "model.backbone={kind: dit, num_layers: 1, num_attention_heads: 2, attention_head_dim: 8}"
-    args = tiny(tmp_path, dit, "model.prediction_type=edm", "model.num_classes=10", max_steps=2)
-    cfg = load_config(None, args, environ={})
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HOME", str(tmp_path))  # the text encoder's default cache, ~/.cache/gentrain/text
+    backbone, extra, cls = ENGINE_RUNS[run]
+    cfg = load_config(None, tiny(tmp_path, f"model.backbone={backbone}", *extra, max_steps=2), environ={})
     with caplog.at_level("WARNING", logger="trainer.tasks.ddpm"):
         assert Trainer(cfg, DistEnv()).fit() == 0
     # the default preset's (digits-ddpm) and tiny()'s UNet keys
@@ -504,27 +531,44 @@ def test_ddpm_with_a_dit_backbone_trains_checkpoints_and_samples_through_the_eng
     info = store.latest_valid()
     assert {"transformer.model.safetensors", "transformer.ema.safetensors"} <= set(info.manifest["files"])
     _, task, modules = load_for_inference(store, info, True, CPU)
-    assert list(modules) == ["transformer"] and type(modules["transformer"]).__name__ == "DiTTransformer2DModel"
-    kw = dict(num=4, seed=1, device=CPU, inference_steps=2)
+    assert list(modules) == ["transformer"] and type(modules["transformer"]).__name__ == cls
+    text = task.text is not None
+    if text:
+        assert info.manifest["inputs"]["text_encoder"]["digest"] == task.text.digest
+    kw = dict(num=4, seed=1, device=CPU, inference_steps=2, prompts=["a handwritten seven"] if text else None)
     guided = task.sample(modules, guidance_scale=3.0, **kw)
     assert guided.shape == (4, 1, 8, 8) and torch.isfinite(guided).all()
     assert not torch.equal(guided, task.sample(modules, guidance_scale=1.0, **kw))
-    with pytest.raises(ConfigError, match="dit backbone, not a diffusers UNet"):
+    with pytest.raises(ConfigError, match="backbone, not a diffusers UNet"):
         task.export_unets(modules)
+    with pytest.raises(ConfigError, match="this DDPM model takes no"):
+        task.sample(modules, labels=torch.zeros(4, dtype=torch.long) if text else None, **{**kw, "prompts": ["x"]})
 
 
 @pytest.mark.parametrize(
     ("backbone", "message"),
     [
-        ("{kind: pixart, caption_channels: 8}", "kind=pixart is conditioned on captions"),
-        ("{kind: mmdit, caption_channels: 8, pooled_channels: 8}", "kind=mmdit is conditioned on captions"),
-        ("{kind: unet, caption_channels: 8}", "no captions to attend to"),
-        ("{kind: vit}", "'unet', 'dit'"),
+        ("{kind: pixart, caption_channels: 8}", "kind=pixart is conditioned on captions: set model.text"),
+        ("{kind: mmdit, caption_channels: 8, pooled_channels: 8}", "kind=mmdit is conditioned on captions: set"),
+        ("{kind: unet, caption_channels: 8}", "kind=unet with caption_channels is conditioned on captions"),
+        ("{kind: vit}", "'unet', 'dit', 'pixart', 'mmdit'"),
+        ("{kind: dit}\nmodel.text: {}", "model.text: this denoiser cannot read captions"),
+        ("{kind: pixart, caption_channels: 8}\nmodel.text: {}", "caption_channels=8 but model.text.width=384"),
+        (
+            "{kind: mmdit, caption_channels: 384, pooled_channels: 8}\nmodel.text: {}",
+            "pooled_channels=8 but model.text.width=384",
+        ),
+        (
+            "{kind: mmdit, caption_channels: 384, pooled_channels: 384}\nmodel.text: {}\nmodel.num_classes: 10",
+            "conditioned on captions, not class labels",
+        ),
     ],
 )
 def test_ddpm_refuses_backbones_it_cannot_condition(backbone, message):
     # The config layer: how a user's key reaches the schema.
     from trainer.registry import load_config
 
+    first, *more = backbone.split("\n")
+    overrides = [f"model.backbone={first}", *(m.replace(": ", "=", 1) for m in more)]
     with pytest.raises(ConfigError, match=message):
-        load_config("digits-ddpm", [f"model.backbone={backbone}"], {})
+        load_config("digits-ddpm", overrides, {})

@@ -20,7 +20,8 @@ Built from `model.backbone.*` (`BackboneConfig`, discriminated by `kind`):
 - `mmdit`: SD3Transformer2DModel, caption tokens in joint attention plus a pooled embedding (Esser et al. 2024).
 
 The diffusers module is `backbone.model`; `call(model, x, t, cond)` runs one without the wrapper (a part
-saved as the bare diffusers module keeps its state-dict keys). `fsdp_unit_classes` names the blocks that
+saved as the bare diffusers module keeps its state-dict keys): the backbone's own module, or a wrapper of it
+(DDP), whose architecture `call` reads from `backbone.model`. `fsdp_unit_classes` names the blocks that
 become FSDP units.
 """
 
@@ -226,7 +227,8 @@ class UNetBackbone(Backbone):
 
     def call(self, model, x, t, cond):
         labels = cond.get("labels")
-        if isinstance(model, UNet2DConditionModel):
+        # The built module decides: `model` may be a DDP wrapper around it.
+        if isinstance(self.model, UNet2DConditionModel):
             mask = cond.get("caption_mask")
             return model(x, t, cond["captions"], class_labels=labels, encoder_attention_mask=mask).sample
         return model(x, t, class_labels=labels).sample
@@ -316,7 +318,7 @@ class PixArtBackbone(Backbone):
 
     def call(self, model, x, t, cond):
         added = {"resolution": None, "aspect_ratio": None}
-        if model.use_additional_conditions:
+        if self.model.use_additional_conditions:  # the built module's: `model` may be a DDP wrapper around it
             # As diffusers' PixArt pipelines: the output image's (height, width) in pixels and height / width.
             n, (h, w) = x.shape[0], x.shape[-2:]
             res = cond.get("resolution")

@@ -1,24 +1,27 @@
 """DDPM task (`task: ddpm`): one denoiser trained on the diffusion core (trainer/diffusion).
 
 The objective (`model.prediction_type`: epsilon, v_prediction, flow or edm, with their keys) and the
-backbone (`model.backbone.kind`: unet or dit; the UNet's shape also at `model.*`, as before the backbone
-section existed) come from the core; this task adds the data's class labels (label dropout for
-classifier-free guidance) and its sampling interface.
+backbone (`model.backbone.kind`: unet, dit, pixart or mmdit; the UNet's shape also at `model.*`, as before
+the backbone section existed) come from the core; this task adds the conditions: the data's class labels
+(`model.num_classes`) and captions embedded by the frozen shared text encoder (`model.text`: caption tokens
+for pixart, mmdit or a unet with `caption_channels`, the pooled embedding for mmdit), one dropout draw per
+sample dropping them together for classifier-free guidance, and its sampling interface.
 """
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Mapping
-from typing import Annotated, Any
+from typing import Any
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 from torch import nn
 
+from trainer.conditioning.text import TextEncoder, TextEncoderConfig
 from trainer.diffusion import (
     Backbone,
-    DiTBackboneConfig,
+    BackboneConfig,
     Guidance,
     ObjectiveConfig,
     UNetBackboneConfig,
@@ -31,7 +34,7 @@ from trainer.diffusion import (
 from trainer.errors import ConfigError
 from trainer.models.finetune import FinetuneFields, prepare_unet
 from trainer.randomness import per_sample_rand, per_sample_randn, sample_generators
-from trainer.tasks.base import Batch, Loss, Phase, StepInfo, Task, TaskContext
+from trainer.tasks.base import Batch, Loss, Phase, PreviewContext, StepInfo, Task, TaskContext
 
 log = logging.getLogger(__name__)
 
@@ -66,34 +69,48 @@ class NoiseConfig(UNetShapeConfig, FinetuneFields, ObjectiveConfig):
     keys) and where its weights start (`pretrained`, `lora`); shared by DDPM and every cascade stage."""
 
 
-# The backbones a task without captions can condition: pixart and mmdit need caption embeddings.
-DDPMBackboneConfig = Annotated[UNetBackboneConfig | DiTBackboneConfig, Field(discriminator="kind")]
-
-
 class DiffusionModelConfig(NoiseConfig):
     num_classes: int | None = Field(None, ge=2, description="class-conditional when set")
-    cond_drop_prob: float = Field(0.1, ge=0, lt=1, description="label dropout for CFG")
-    backbone: DDPMBackboneConfig | None = Field(
+    cond_drop_prob: float = Field(0.1, ge=0, lt=1, description="label (and caption) dropout for CFG")
+    text: TextEncoderConfig | None = Field(
+        None, description="caption conditioning (pixart, mmdit, or a unet with caption_channels); null = none"
+    )
+    backbone: BackboneConfig | None = Field(
         None,
-        description="the denoiser (kind: unet | dit) and its shape; null = the UNet of model.block_out_channels etc., "
+        description="the denoiser (kind: unet | dit | pixart | mmdit) and its shape; null = the UNet of model.block_out_channels etc., "
         "which a backbone set here overrides",
     )
 
-    @field_validator("backbone", mode="before")
-    @classmethod
-    def _no_caption_backbones(cls, value: Any) -> Any:
-        kind = value.get("kind") if isinstance(value, Mapping) else getattr(value, "kind", None)
-        if kind in ("pixart", "mmdit"):
-            raise ValueError(
-                f"model.backbone.kind={kind} is conditioned on captions, which the ddpm task does not have: "
-                "use kind unet or dit (class labels by model.num_classes)"
-            )
-        return value
-
     @model_validator(mode="after")
-    def _unet_without_captions(self) -> DiffusionModelConfig:
-        if self.backbone is not None and self.backbone.kind == "unet" and self.backbone.caption_channels is not None:
-            raise ValueError("model.backbone.caption_channels: the ddpm task has no captions to attend to; remove it")
+    def _captions_need_text(self) -> DiffusionModelConfig:
+        d = self.denoiser
+        width = getattr(d, "caption_channels", None)
+        what = f"model.backbone.kind={d.kind}" + (" with caption_channels" if d.kind == "unet" else "")
+        if width is not None and self.text is None:
+            raise ValueError(
+                f"{what} is conditioned on captions: set model.text (model.text={{}} is the shipped "
+                "all-MiniLM-L6-v2 encoder, 384 wide) and give the data captions"
+            )
+        if width is None and self.text is not None:
+            raise ValueError(
+                "model.text: this denoiser cannot read captions; use model.backbone.kind pixart or mmdit, or a "
+                "unet with model.backbone.caption_channels, or remove model.text"
+            )
+        if width is not None and width != self.text.width:
+            raise ValueError(
+                f"model.backbone.caption_channels={width} but model.text.width={self.text.width}: the caption "
+                "token embeddings are the text encoder's width"
+            )
+        pooled = getattr(d, "pooled_channels", None)
+        if pooled is not None and pooled != self.text.width:
+            raise ValueError(
+                f"model.backbone.pooled_channels={pooled} but model.text.width={self.text.width}: the pooled "
+                "caption embedding is the text encoder's width"
+            )
+        if d.kind in ("pixart", "mmdit") and self.num_classes is not None:
+            raise ValueError(
+                f"model.backbone.kind={d.kind} is conditioned on captions, not class labels: unset model.num_classes"
+            )
         return self
 
     @property
@@ -164,6 +181,7 @@ class DDPMTask(Task):
                 ", model.".join(self.cfg.ignored_shape_keys),
             )
         self.part = part_name(self.cfg)
+        self.text = TextEncoder(self.cfg.text, ctx.storage_options) if self.cfg.text is not None else None
         self.backbone: Backbone | None = None  # set by `build`: how to call the part
         self._inputs: dict[str, dict] = {}
 
@@ -173,7 +191,7 @@ class DDPMTask(Task):
 
     @property
     def conditional(self) -> bool:
-        return self.cfg.num_classes is not None
+        return self.cfg.num_classes is not None or self.text is not None
 
     def build(self, frozen) -> dict[str, nn.Module]:
         c = self.cfg
@@ -187,7 +205,10 @@ class DDPMTask(Task):
         return {self.part: net}
 
     def inputs(self) -> dict[str, dict]:
-        return dict(self._inputs)
+        out = dict(self._inputs)
+        if self.text is not None:
+            out["text_encoder"] = {"source": self.cfg.text.encoder, "digest": self.text.digest, "pin": True}
+        return out
 
     def export_unets(self, modules) -> dict[str, tuple[nn.Module, dict[str, torch.Tensor]]]:
         if self.part != "unet":
@@ -203,10 +224,36 @@ class DDPMTask(Task):
         assert backbone is not None, "build() first"
         return lambda x, t, cond: backbone.call(module, x, t, cond)
 
+    def conditions(
+        self,
+        n: int,
+        device: torch.device,
+        drop: torch.Tensor,
+        labels: torch.Tensor | None = None,
+        captions: list[str] | None = None,
+    ) -> dict[str, torch.Tensor]:
+        """The denoiser's conditions; samples with `drop` set get the null class and the empty caption."""
+        cond: dict[str, torch.Tensor] = {}
+        drop = drop.to(device)
+        if self.cfg.num_classes is not None:
+            labels = torch.full((n,), -1, dtype=torch.long) if labels is None else labels
+            cond["labels"] = labels_or_null(labels.to(device), drop, self.cfg.num_classes)
+        if self.text is not None:
+            if captions is None:
+                raise ConfigError(
+                    "model.text is set but the data has no captions: put a .txt beside each image (or use "
+                    "shards with a txt field), or remove model.text"
+                )
+            emb = self.text.encode(["" if d else cap for cap, d in zip(captions, drop.tolist(), strict=True)], device)
+            every = {"captions": emb.tokens, "caption_mask": emb.mask, "pooled": emb.pooled}
+            assert self.backbone is not None, "build() first"
+            cond.update({k: v for k, v in every.items() if k in self.backbone.accepts})
+        return cond
+
     def loss(self, phase: Phase, modules: Mapping[str, nn.Module], batch: Batch, outputs, info: StepInfo) -> Loss:
         x0 = batch.images
         device = x0.device
-        # The sample's noise first, then its noise level, then its label dropout (the draws' order is the
+        # The sample's noise first, then its noise level, then its condition dropout (the draws' order is the
         # checkpointed runs' contract: a resumed run draws what an uninterrupted one would).
         gens = sample_generators(self.seed, info.step, batch.positions)
         noise = per_sample_randn(gens, x0.shape[1:]).to(device, x0.dtype)
@@ -214,8 +261,17 @@ class DDPMTask(Task):
         cond = {}
         if self.conditional:
             drop = per_sample_rand(gens).to(device) < self.cfg.cond_drop_prob
-            cond["labels"] = labels_or_null(batch.labels, drop, self.cfg.num_classes)
+            cond = self.conditions(len(batch), device, drop, batch.labels, batch.captions)
         return self.objective.loss(self._net(modules[self.part]), x0, noise, draw, cond)
+
+    def previews(self, modules, ctx: PreviewContext) -> dict[str, torch.Tensor]:
+        """`samples` from noise; a caption-conditioned model draws the held-out batch's captions."""
+        prompts = None
+        if self.text is not None and ctx.batch is not None and ctx.batch.captions:
+            caps = ctx.batch.captions
+            prompts = [caps[i % len(caps)] for i in range(ctx.num)]
+        with ctx.preferred_weights():
+            return {"samples": self.sample(modules, ctx.num, ctx.seed, ctx.device, prompts=prompts, **ctx.options)}
 
     @torch.no_grad()
     def sample(
@@ -228,22 +284,38 @@ class DDPMTask(Task):
         scheduler: str = "ddim",
         guidance_scale: float = 1.0,
         labels: torch.Tensor | None = None,
+        prompts: list[str] | None = None,
         **unused: Any,
     ) -> torch.Tensor:
-        asked = [k for k in ("prompts", "image_embeds", "stop_at_stage", "frames") if unused.get(k) is not None]
-        if asked or (labels is not None and not self.conditional):
-            what = ", ".join(asked) or "labels (--class)"
-            raise ConfigError(
-                f"this DDPM model takes no {what}: it is {'class-conditional' if self.conditional else 'unconditional'}"
-            )
+        c = self.cfg
+        asked = [k for k in ("image_embeds", "stop_at_stage", "frames") if unused.get(k) is not None]
+        if prompts is not None and self.text is None:
+            asked.insert(0, "prompts")
+        if labels is not None and c.num_classes is None:
+            asked.append("labels (--class)")
+        if asked:
+            kinds = [k for k, on in (("class", c.num_classes is not None), ("caption", self.text is not None)) if on]
+            what = f"{'- and '.join(kinds)}-conditional" if kinds else "unconditional"
+            raise ConfigError(f"this DDPM model takes no {', '.join(asked)}: it is {what}")
         g = torch.Generator().manual_seed(seed)
         x = torch.randn((num, self.channels, self.image_size, self.image_size), generator=g).to(device)
         guidance = Guidance({})
         if self.conditional:
-            classes = self.cfg.num_classes
-            labels = (default_labels(num, classes) if labels is None else labels).to(device)
-            guidance = Guidance({"labels": labels}, {"labels": torch.full_like(labels, classes)}, guidance_scale)
+            if c.num_classes is not None and labels is None:
+                labels = default_labels(num, c.num_classes)
+            if self.text is not None:
+                if prompts is None:
+                    log.warning("caption-conditioned DDPM sampled without a prompt: unconditional samples")
+                    prompts = [""] * num
+                prompts = (list(prompts) * num)[:num]
+            cond = self.conditions(num, device, torch.zeros(num, dtype=torch.bool), labels, prompts)
+            uncond = None
+            if guidance_scale != 1.0:
+                uncond = self.conditions(num, device, torch.ones(num, dtype=torch.bool), labels, prompts)
+            guidance = Guidance(cond, uncond, guidance_scale)
         x = self.objective.denoise(self._net(modules[self.part]), x, inference_steps, scheduler, guidance)
+        if self.text is not None:
+            log.info(self.text.usage())
         return ((x.float().clamp(-1, 1) + 1) / 2).cpu()
 
 
