@@ -408,7 +408,7 @@ def test_guidance_helpers():
 # ---------------------------------------------------------------- (5) ddpm trains every objective and the dit backbone
 
 
-def _best_constant_loss(task: DDPMTask, batch: Batch) -> float:
+def _best_constant_loss(loss_of, shape) -> float:
     """The lowest held-out loss any input-independent network reaches on these draws.
 
     Every objective's per-sample loss is w_i * mean_p (F_ip - y_ip)^2 in the network output F (epsilon, v and
@@ -416,9 +416,8 @@ def _best_constant_loss(task: DDPMTask, batch: Batch) -> float:
     y = (x0 - c_skip x) / c_out). Its value and gradient at F = 0 give w and y; the best F that ignores its
     input is then, per pixel, c_p = sum_i w_i y_ip / sum_i w_i. A trained network below this loss uses its
     input: no constant output, not even one fitted to this very batch, gets there."""
-    out = torch.zeros_like(batch.images, requires_grad=True)
-    task.backbone = SimpleNamespace(call=lambda module, x, t, cond: out, accepts=task.backbone.accepts)
-    loss = task.loss(Phase("x", "x"), {task.part: None}, batch, None, StepInfo(-1)).per_sample
+    out = torch.zeros(shape, requires_grad=True)
+    loss = loss_of(out)  # per-sample loss of a network whose output is `out` whatever its inputs
     (grad,) = torch.autograd.grad(loss.sum(), out)
     pixels = out[0].numel()
     g = grad.flatten(1).double()
@@ -479,7 +478,12 @@ def test_ddpm_trains_flow_edm_and_every_backbone_on_the_digits(run, tmp_path, mo
         loss.per_sample.mean().backward()
         opt.step()
     after = held_out_loss()
-    floor = _best_constant_loss(task, held_out)
+
+    def loss_of(out):
+        task.backbone = SimpleNamespace(call=lambda module, x, t, cond: out, accepts=backbone.accepts)
+        return task.loss(Phase("x", "x"), {task.part: None}, held_out, None, StepInfo(-1)).per_sample
+
+    floor = _best_constant_loss(loss_of, held_out.images.shape)
     task.backbone = backbone
     print(f"{run}: held-out loss {before:.3f} -> {after:.3f}; best constant output {floor:.3f}")
     assert after < before and after < floor, (before, after, floor)
@@ -525,8 +529,8 @@ def test_ddpm_with_a_transformer_backbone_trains_checkpoints_and_samples_through
     cfg = load_config(None, tiny(tmp_path, f"model.backbone={backbone}", *extra, max_steps=2), environ={})
     with caplog.at_level("WARNING", logger="trainer.tasks.ddpm"):
         assert Trainer(cfg, DistEnv()).fit() == 0
-    # the default preset's (digits-ddpm) and tiny()'s UNet keys
-    assert "the UNet keys model.attention, model.block_out_channels, model.layers_per_block, " in caplog.text
+    # tiny()'s UNet keys over the default preset's (digits-ddpm): those that differ from the defaults
+    assert "the UNet keys model.attention, model.block_out_channels, model.norm_num_groups are ignored" in caplog.text
     store = CheckpointStore(str(tmp_path / "run" / "checkpoints"))
     info = store.latest_valid()
     assert {"transformer.model.safetensors", "transformer.ema.safetensors"} <= set(info.manifest["files"])
@@ -572,3 +576,149 @@ def test_ddpm_refuses_backbones_it_cannot_condition(backbone, message):
     overrides = [f"model.backbone={first}", *(m.replace(": ", "=", 1) for m in more)]
     with pytest.raises(ConfigError, match=message):
         load_config("digits-ddpm", overrides, {})
+
+
+# ---------------------------------------------------------------- (6) cascade stages with transformer backbones
+
+_STAGE_UNET = "block_out_channels: [8, 16], norm_num_groups: 4, attention: false"
+CASCADE_RUNS = {
+    # stage 1, class-conditional DiT (labels through its adaLN)
+    "dit-stage-1": (1, [f"model.stages=[{{image_size: 8, backbone: {{kind: dit, {_TRANSFORMER}}}}}]"]),
+    # stage 2 super-resolution over a UNet stage 1: conditions as caption tokens
+    "pixart-stage-2": (
+        2,
+        [
+            f"model.stages=[{{image_size: 4, {_STAGE_UNET}}}, "
+            f"{{image_size: 8, backbone: {{kind: pixart, {_TRANSFORMER}, caption_channels: 24}}}}]"
+        ],
+    ),
+    "mmdit-stage-2": (
+        2,
+        [
+            f"model.stages=[{{image_size: 4, {_STAGE_UNET}}}, "
+            f"{{image_size: 8, backbone: {{kind: mmdit, {_TRANSFORMER}, caption_channels: 24, pooled_channels: 16}}}}]"
+        ],
+    ),
+}
+
+
+@pytest.mark.parametrize("run", list(CASCADE_RUNS))
+def test_cascade_stages_train_on_transformer_backbones(run):
+    """A cascade stage whose denoiser is a transformer (model.stages[i].backbone), class-conditional on the
+    digits: 80 Adam steps take its held-out loss below the best input-independent output's (as for ddpm
+    above), and the cascade samples through it with guidance."""
+    # The data and engine layers: only this test needs real batches.
+    from trainer.data import build_splits, collate
+    from trainer.data.sampler import SampleRef
+    from trainer.engine.step import to_device
+    from trainer.registry import load_config
+
+    torch.manual_seed(0)
+    k, overrides = CASCADE_RUNS[run]
+    cfg = load_config("digits-cascade", ["data.image_size=8", *overrides], {})
+    train_set, val_set, _ = build_splits(cfg)
+    task = CascadeTask(cfg.model_cfg, TaskContext(8, 1, 0, num_classes=CLASSES))
+    nets = task.build({})
+    net = nets[f"stage{k}"]
+    assert type(net).__name__ == "TransformerStageNet"
+    opt = torch.optim.Adam(net.parameters(), lr=3e-3)
+
+    def batch(subset, start: int, n: int):
+        refs = [SampleRef(index=i, position=i - start, aug_seed=0) for i in range(start, start + n)]
+        return to_device(collate([subset[r] for r in refs]), 0, n, CPU)
+
+    held_out = batch(val_set, 0, 32)
+    with torch.no_grad():
+        before = task.stage_loss(k, net, held_out, -1).per_sample.mean().item()
+    for step in range(80):
+        loss = task.stage_loss(k, net, batch(train_set, step * 16, 16), step).per_sample.mean()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    with torch.no_grad():
+        after = task.stage_loss(k, net, held_out, -1).per_sample.mean().item()
+    floor = _best_constant_loss(
+        lambda out: task.stage_loss(k, lambda x, t, c: SimpleNamespace(sample=out), held_out, -1).per_sample,
+        held_out.images.shape,
+    )
+    print(f"{run}: held-out loss {before:.3f} -> {after:.3f}; best constant output {floor:.3f}")
+    assert after < before and after < floor, (before, after, floor)
+    modules = {name: m.eval() for name, m in nets.items()}
+    images = task.sample(modules, 4, seed=0, device=CPU, inference_steps=4, guidance_scale=2.0)
+    assert images.shape == (4, 1, 8, 8) and torch.isfinite(images).all()
+    with pytest.raises(ConfigError, match=f"stage{k} of this cascade is a transformer backbone"):
+        task.export_unets(modules)
+
+
+@pytest.mark.parametrize(
+    ("stages", "message"),
+    [
+        (
+            f"[{{image_size: 4, {_STAGE_UNET}}}, {{image_size: 8, backbone: {{kind: dit}}}}]",
+            "stages\\[1\\].backbone.kind=dit: a super-resolution stage",
+        ),
+        ("[{image_size: 8, attention: false, backbone: {kind: dit}}]", "attention shape the stage's UNet"),
+        ("[{image_size: 8, pretrained: /x, backbone: {kind: dit}}]", "a stage with a backbone starts from scratch"),
+        ("[{image_size: 8, backbone: {kind: unet}}]", "'dit', 'pixart', 'mmdit'"),
+    ],
+)
+def test_cascade_refuses_backbones_a_stage_cannot_use(stages, message):
+    # The config layer: how a user's key reaches the schema.
+    from trainer.registry import load_config
+
+    with pytest.raises(ConfigError, match=message):
+        load_config("digits-cascade", [f"model.stages={stages}", "data.image_size=8"], {})
+    if "dit: a super" in message:
+        text = ["model.stages=[{image_size: 8, backbone: {kind: dit}}]", "model.text={}", "model.num_classes=null"]
+        with pytest.raises(ConfigError, match="conditions on class labels only"):
+            load_config("digits-cascade", [*text, "data.image_size=8"], {})
+
+
+CASCADE_ENGINE_RUNS = {
+    "dit-then-mmdit-classes": (
+        [
+            f"model.stages=[{{image_size: 4, backbone: {{kind: dit, {_TRANSFORMER}}}}}, {{image_size: 8, backbone: "
+            f"{{kind: mmdit, {_TRANSFORMER}, caption_channels: 24, pooled_channels: 16}}}}]"
+        ],
+        {"labels": torch.full((4,), 7)},
+    ),
+    "pixart-then-unet-captions": (
+        [
+            f"model.stages=[{{image_size: 4, backbone: {{kind: pixart, {_TRANSFORMER}, caption_channels: 24}}}}, "
+            f"{{image_size: 8, {_STAGE_UNET}}}]",
+            "model.num_classes=null",
+            "model.context_dim=16",
+            "model.text={max_tokens: 8}",
+        ],
+        {"prompts": ["a handwritten seven"] * 4},
+    ),
+}
+
+
+@pytest.mark.parametrize("run", list(CASCADE_ENGINE_RUNS))
+def test_cascade_with_transformer_stages_trains_checkpoints_and_samples_through_the_engine(run, tmp_path, monkeypatch):
+    """Two stages, one or both transformers, trained together by the engine (2 steps), then sampled from the
+    checkpoint with guidance on a class or a prompt; a transformer stage's weights are its own part."""
+    # The engine and checkpoint layers: an in-process training run.
+    from conftest import REPO
+
+    from trainer.checkpoint import CheckpointStore
+    from trainer.checkpoint.weights import load_for_inference
+    from trainer.elastic import DistEnv
+    from trainer.loop import Trainer
+    from trainer.registry import load_config
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HOME", str(tmp_path))  # the text encoder's default cache, ~/.cache/gentrain/text
+    overrides, conditions = CASCADE_ENGINE_RUNS[run]
+    args = [*overrides, f"run.dir={tmp_path}/run", "train.max_steps=2", "sample.inference_steps=2"]
+    cfg = load_config(str(REPO / "tests" / "cascade.yaml"), args, environ={})
+    assert Trainer(cfg, DistEnv()).fit() == 0
+    store = CheckpointStore(str(tmp_path / "run" / "checkpoints"))
+    info = store.latest_valid()
+    assert {"stage1.model.safetensors", "stage2.model.safetensors"} <= set(info.manifest["files"])
+    _, task, modules = load_for_inference(store, info, True, CPU)
+    kw = dict(num=4, seed=1, device=CPU, inference_steps=2, **conditions)
+    guided = task.sample(modules, guidance_scale=3.0, **kw)
+    assert guided.shape == (4, 1, 8, 8) and torch.isfinite(guided).all()
+    assert not torch.equal(guided, task.sample(modules, guidance_scale=1.0, **kw))

@@ -197,12 +197,19 @@ class UNetBackbone(Backbone):
     _unit_lists = ("down_blocks", "up_blocks")
 
     @classmethod
-    def build(cls, c: UNetBackboneConfig, sample_size: int, channels: int, num_classes: int | None) -> UNetBackbone:
+    def build(
+        cls,
+        c: UNetBackboneConfig,
+        sample_size: int,
+        channels: int,
+        num_classes: int | None,
+        in_channels: int | None = None,
+    ) -> UNetBackbone:
         # One extra embedding row is the "no label" class used for guidance.
         class_rows = (num_classes + 1) if num_classes else None
         shape = dict(
             sample_size=sample_size,
-            in_channels=channels,
+            in_channels=in_channels or channels,
             out_channels=channels,
             block_out_channels=tuple(c.block_out_channels),
             layers_per_block=c.layers_per_block,
@@ -246,12 +253,19 @@ class DiTBackbone(Backbone):
     _unit_lists = ("transformer_blocks",)
 
     @classmethod
-    def build(cls, c: DiTBackboneConfig, sample_size: int, channels: int, num_classes: int | None) -> DiTBackbone:
+    def build(
+        cls,
+        c: DiTBackboneConfig,
+        sample_size: int,
+        channels: int,
+        num_classes: int | None,
+        in_channels: int | None = None,
+    ) -> DiTBackbone:
         _check_patches(cls.kind, sample_size, c.patch_size)
         model = DiTTransformer2DModel(
             num_attention_heads=c.num_attention_heads,
             attention_head_dim=c.attention_head_dim,
-            in_channels=channels,
+            in_channels=in_channels or channels,
             out_channels=channels,
             num_layers=c.num_layers,
             dropout=c.dropout,
@@ -285,7 +299,14 @@ class PixArtBackbone(Backbone):
         self.pixel_scale = pixel_scale
 
     @classmethod
-    def build(cls, c: PixArtBackboneConfig, sample_size: int, channels: int, num_classes: int | None = None):
+    def build(
+        cls,
+        c: PixArtBackboneConfig,
+        sample_size: int,
+        channels: int,
+        num_classes: int | None = None,
+        in_channels: int | None = None,
+    ):
         if num_classes:
             raise ConfigError(
                 "the pixart backbone is conditioned on captions, not class labels: unset model.num_classes"
@@ -294,7 +315,7 @@ class PixArtBackbone(Backbone):
         model = PixArtTransformer2DModel(
             num_attention_heads=c.num_attention_heads,
             attention_head_dim=c.attention_head_dim,
-            in_channels=channels,
+            in_channels=in_channels or channels,
             out_channels=channels,
             num_layers=c.num_layers,
             dropout=c.dropout,
@@ -342,7 +363,14 @@ class MMDiTBackbone(Backbone):
     _unit_lists = ("transformer_blocks",)
 
     @classmethod
-    def build(cls, c: MMDiTBackboneConfig, sample_size: int, channels: int, num_classes: int | None = None):
+    def build(
+        cls,
+        c: MMDiTBackboneConfig,
+        sample_size: int,
+        channels: int,
+        num_classes: int | None = None,
+        in_channels: int | None = None,
+    ):
         if num_classes:
             raise ConfigError(
                 "the mmdit backbone is conditioned on captions, not class labels: unset model.num_classes"
@@ -351,7 +379,7 @@ class MMDiTBackbone(Backbone):
         model = SD3Transformer2DModel(
             sample_size=sample_size,
             patch_size=c.patch_size,
-            in_channels=channels,
+            in_channels=in_channels or channels,
             out_channels=channels,
             num_layers=c.num_layers,
             attention_head_dim=c.attention_head_dim,
@@ -376,9 +404,14 @@ BACKBONES: dict[str, type[Backbone]] = {c.kind: c for c in (UNetBackbone, DiTBac
 
 
 def build_backbone(
-    cfg: Mapping | BaseModel, sample_size: int, channels: int, num_classes: int | None = None
+    cfg: Mapping | BaseModel,
+    sample_size: int,
+    channels: int,
+    num_classes: int | None = None,
+    in_channels: int | None = None,
 ) -> Backbone:
     """The backbone `cfg.kind` names, for inputs of `channels` x `sample_size`^2 (pixels or latents),
-    class-conditional on `num_classes` classes when set (and when the kind takes labels)."""
+    class-conditional on `num_classes` classes when set (and when the kind takes labels). `in_channels`:
+    inputs wider than the output (a super-resolution stage's image and its low-resolution condition)."""
     c = parse_backbone(cfg)
-    return BACKBONES[c.kind].build(c, sample_size, channels, num_classes)
+    return BACKBONES[c.kind].build(c, sample_size, channels, num_classes, in_channels)

@@ -32,39 +32,74 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Mapping
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 from diffusers import DDPMScheduler, UNet2DConditionModel
 from diffusers.models.embeddings import TimestepEmbedding, Timesteps
+from diffusers.models.modeling_outputs import Transformer2DModelOutput
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 from torch import nn
 
 from trainer.conditioning.image import ImageEncoder
 from trainer.conditioning.text import TextEncoder, TextEncoderConfig
-from trainer.diffusion import Guidance, build_objective, check_num_classes, default_labels, labels_or_null
+from trainer.diffusion import (
+    DiTBackboneConfig,
+    Guidance,
+    MMDiTBackboneConfig,
+    PixArtBackboneConfig,
+    build_backbone,
+    build_objective,
+    check_num_classes,
+    default_labels,
+    labels_or_null,
+)
 from trainer.diffusion.backbones import unet_block_types
 from trainer.errors import ConfigError
 from trainer.models.finetune import EXTRAS_NAME, load_weights, prepare_unet
 from trainer.randomness import Stream, per_sample_rand, per_sample_randn, sample_generators
 from trainer.tasks.base import Batch, Loss, Phase, PreviewContext, StepInfo, Task, TaskContext
-from trainer.tasks.ddpm import NoiseConfig, architecture_hints
+from trainer.tasks.ddpm import NoiseConfig, architecture_hints, changed_unet_keys
 
 log = logging.getLogger(__name__)
 
 _AUG_TIMESTEPS = 1000  # the noise-augmentation schedule (cosine), shared by all stages
 
 
+# A stage's transformer denoiser (the core's backbones); a stage without one is its conditioned UNet.
+StageBackboneConfig = Annotated[
+    DiTBackboneConfig | PixArtBackboneConfig | MMDiTBackboneConfig, Field(discriminator="kind")
+]
+
+
 class StageConfig(NoiseConfig):
-    """One stage: its resolution, UNet, objective (the core's keys, as `model.*` of ddpm) and low-resolution
-    augmentation."""
+    """One stage: its resolution, denoiser (a UNet, or a transformer `backbone`), objective (the core's keys, as
+    `model.*` of ddpm) and low-resolution augmentation."""
 
     image_size: int = Field(..., ge=4)
     noise_aug_max: float = Field(0.5, ge=0, le=1, description="training: level drawn in [0, max) (fraction of T)")
     noise_aug_sample: float = Field(0.1, ge=0, le=1, description="sampling: the fixed level")
     gradient_checkpointing: bool = False
+    backbone: StageBackboneConfig | None = Field(
+        None,
+        description="a transformer denoiser (kind: dit | pixart | mmdit) instead of the stage's UNet; null = the UNet",
+    )
+
+    @model_validator(mode="after")
+    def _a_unet_or_a_backbone(self) -> StageConfig:
+        if self.backbone is None:
+            return self
+        both = changed_unet_keys(self)
+        if both:
+            raise ValueError(
+                f"{', '.join(both)} shape the stage's UNet, but this stage's denoiser is model.backbone "
+                f"(kind {self.backbone.kind}): remove them"
+            )
+        if self.pretrained is not None:
+            raise ValueError("pretrained is a diffusers UNet folder: a stage with a backbone starts from scratch")
+        return self
 
 
 class CascadeConfig(BaseModel):
@@ -86,6 +121,25 @@ class CascadeConfig(BaseModel):
         sizes = [s.image_size for s in self.stages]
         if any(b <= a for a, b in zip(sizes, sizes[1:], strict=False)):
             raise ValueError(f"model.stages image_size must increase from stage to stage, got {sizes}")
+        return self
+
+    @model_validator(mode="after")
+    def _dit_takes_labels_only(self) -> CascadeConfig:
+        # diffusers' DiT conditions on a timestep and a class label, nothing else: no captions, image embeddings
+        # or augmentation level of a low-resolution image (pixart and mmdit take those as tokens).
+        for i, s in enumerate(self.stages):
+            if s.backbone is None or s.backbone.kind != "dit":
+                continue
+            if i > 0:
+                raise ValueError(
+                    f"model.stages[{i}].backbone.kind=dit: a super-resolution stage is told its low-resolution "
+                    "image's augmentation level, which DiT has no input for; use pixart or mmdit (or the UNet)"
+                )
+            if self.has_context:
+                raise ValueError(
+                    f"model.stages[{i}].backbone.kind=dit conditions on class labels only: use pixart or mmdit for "
+                    "model.text or model.image_embed_dim"
+                )
         return self
 
     @property
@@ -168,6 +222,75 @@ class StageNet(nn.Module):
         return self.unet(x, t, hidden, class_labels=vec, encoder_attention_mask=attn_mask)
 
 
+class TransformerStageNet(nn.Module):
+    """A stage whose denoiser is a transformer backbone of the diffusion core (`model.stages[i].backbone`).
+
+    As in StageNet, the backbone sees [noisy image, augmented low-res image] as channels. DiT takes the class
+    label itself (stage 1 only, see CascadeConfig). PixArt and MMDiT read every condition as caption tokens
+    of their `caption_channels`: one token from the condition vector (class + augmentation level + pooled
+    text + image embedding, `pooled_channels` wide for MMDiT, which also gets it as its pooled embedding),
+    then the text's tokens and the image embedding's tokens.
+    """
+
+    def __init__(self, s: StageConfig, cfg: CascadeConfig, channels: int, lowres: bool):
+        super().__init__()
+        b = s.backbone
+        assert b is not None
+        self.lowres = lowres
+        labels = cfg.num_classes if b.kind == "dit" else None
+        in_channels = channels * (2 if lowres else 1)
+        self.backbone = build_backbone(b, s.image_size, channels, labels, in_channels=in_channels)
+        if s.gradient_checkpointing:
+            self.backbone.model.enable_gradient_checkpointing()
+        self.tokens = b.kind != "dit"
+        if not self.tokens:
+            return
+        width = b.caption_channels
+        self.vec_dim = vec = b.pooled_channels if b.kind == "mmdit" else width
+        self.width = width
+        self.class_embed = nn.Embedding(cfg.num_classes + 1, vec) if cfg.num_classes else None
+        if lowres:
+            self.aug_proj = Timesteps(64, flip_sin_to_cos=True, downscale_freq_shift=0)
+            self.aug_embed = TimestepEmbedding(64, vec)
+        if cfg.text is not None:
+            self.text_pooled = nn.Linear(cfg.text.width, vec)
+            self.text_tokens = nn.Linear(cfg.text.width, width)
+        self.embed_tokens_n = cfg.image_embed_tokens
+        if cfg.image_embed_dim is not None:
+            self.embed_vector = nn.Linear(cfg.image_embed_dim, vec)
+            self.embed_tokens = nn.Linear(cfg.image_embed_dim, cfg.image_embed_tokens * width)
+        self.vec_token = nn.Linear(vec, width)
+
+    def forward(self, x: torch.Tensor, t: torch.Tensor, cond: Mapping[str, torch.Tensor]):
+        """Returns a diffusers output (`.sample`), as StageNet does."""
+        n = x.shape[0]
+        if self.lowres:
+            x = torch.cat([x, cond["lowres"]], dim=1)
+        if not self.tokens:
+            labels = {"labels": cond["labels"]} if "labels" in cond else {}
+            return Transformer2DModelOutput(sample=self.backbone(x, t, labels))
+        vec = torch.zeros(n, self.vec_dim, device=x.device, dtype=x.dtype)
+        if self.class_embed is not None:
+            vec = vec + self.class_embed(cond["labels"])
+        if self.lowres:
+            vec = vec + self.aug_embed(self.aug_proj(cond["aug_t"]).to(x.dtype))
+        tokens, masks = [], []
+        if "text_pooled" in cond:
+            vec = vec + self.text_pooled(cond["text_pooled"])
+            tokens.append(self.text_tokens(cond["text_tokens"]))
+            masks.append(cond["text_mask"])
+        if "image_embed" in cond:
+            e = cond["image_embed"]
+            vec = vec + self.embed_vector(e)
+            tokens.append(self.embed_tokens(e).view(n, self.embed_tokens_n, self.width))
+            masks.append(torch.ones(n, self.embed_tokens_n, device=x.device))
+        tokens.insert(0, self.vec_token(vec)[:, None])
+        masks.insert(0, torch.ones(n, 1, device=x.device))
+        given = {"captions": torch.cat(tokens, dim=1), "caption_mask": torch.cat(masks, dim=1), "pooled": vec}
+        conds = {k: v for k, v in given.items() if k in self.backbone.accepts}
+        return Transformer2DModelOutput(sample=self.backbone(x, t, conds))
+
+
 def stage_hints(prefix: str) -> dict[str, str]:
     """diffusers UNet2DConditionModel config fields -> the gentrain keys that set them."""
     context = "model.text / model.image_embed_dim (cross-attention when either is set)"
@@ -246,6 +369,9 @@ class CascadeTask(Task):
     def build(self, frozen) -> dict[str, nn.Module]:
         nets = {}
         for k, s in enumerate(self.cfg.stages, 1):
+            if s.backbone is not None:
+                nets[f"stage{k}"] = TransformerStageNet(s, self.cfg, self.channels, lowres=k > 1)
+                continue
             net = nets[f"stage{k}"] = StageNet(s, self.cfg, self.channels, lowres=k > 1)
             key = f"model.stages[{k - 1}]"
             folder = prepare_unet(
@@ -281,6 +407,12 @@ class CascadeTask(Task):
 
     def export_unets(self, modules) -> dict[str, tuple[nn.Module, dict[str, torch.Tensor]]]:
         """Each stage's diffusers UNet plus its gentrain conditioning layers (for `checkpoints export`)."""
+        transformers = [name for name, net in modules.items() if isinstance(net, TransformerStageNet)]
+        if transformers:
+            raise ConfigError(
+                f"{', '.join(transformers)} of this cascade {'is' if len(transformers) == 1 else 'are'} a transformer "
+                "backbone, not a diffusers UNet: nothing to export as UNets"
+            )
         return {
             name: (net.unet, {k: v for k, v in net.state_dict().items() if not k.startswith("unet.")})
             for name, net in modules.items()

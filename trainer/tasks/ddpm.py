@@ -64,6 +64,13 @@ class UNetShapeConfig(BaseModel):
 _UNET_SHAPE_KEYS = frozenset(UNetShapeConfig.model_fields)
 
 
+def changed_unet_keys(c: BaseModel) -> list[str]:
+    """The UNet shape keys of `c` that differ from their defaults (by value, not by whether they were typed:
+    a config read back from a checkpoint has every key set)."""
+    fields = UNetShapeConfig.model_fields
+    return sorted(k for k in fields if getattr(c, k) != fields[k].get_default(call_default_factory=True))
+
+
 class NoiseConfig(UNetShapeConfig, FinetuneFields, ObjectiveConfig):
     """The UNet, its objective (the core's `ObjectiveConfig`: epsilon, v_prediction, flow or edm and their
     keys) and where its weights start (`pretrained`, `lora`); shared by DDPM and every cascade stage."""
@@ -116,7 +123,7 @@ class DiffusionModelConfig(NoiseConfig):
     @property
     def ignored_shape_keys(self) -> list[str]:
         """UNet keys set at `model.*` that `model.backbone` overrides (a preset's, under a backbone override)."""
-        return sorted(self.model_fields_set & _UNET_SHAPE_KEYS) if self.backbone is not None else []
+        return changed_unet_keys(self) if self.backbone is not None else []
 
     @property
     def denoiser(self) -> BaseModel:
