@@ -476,6 +476,8 @@ def test_ddpm_trains_flow_edm_and_every_backbone_on_the_digits(run, tmp_path, mo
         loss = task.loss(phase, {task.part: net}, batch(train_set, step * 16, 16), None, StepInfo(step))
         opt.zero_grad()
         loss.per_sample.mean().backward()
+        # every parameter takes part (DDP would otherwise stall waiting for its gradient)
+        assert step or not [n for n, p in net.named_parameters() if p.requires_grad and p.grad is None]
         opt.step()
     after = held_out_loss()
 
@@ -634,6 +636,8 @@ def test_cascade_stages_train_on_transformer_backbones(run):
         loss = task.stage_loss(k, net, batch(train_set, step * 16, 16), step).per_sample.mean()
         opt.zero_grad()
         loss.backward()
+        # every parameter takes part (DDP would otherwise stall waiting for its gradient)
+        assert step or not [n for n, p in net.named_parameters() if p.requires_grad and p.grad is None]
         opt.step()
     with torch.no_grad():
         after = task.stage_loss(k, net, held_out, -1).per_sample.mean().item()
