@@ -726,3 +726,20 @@ def test_cascade_with_transformer_stages_trains_checkpoints_and_samples_through_
     guided = task.sample(modules, guidance_scale=3.0, **kw)
     assert guided.shape == (4, 1, 8, 8) and torch.isfinite(guided).all()
     assert not torch.equal(guided, task.sample(modules, guidance_scale=1.0, **kw))
+
+
+def test_dit_denoisers_refuse_fsdp_and_the_others_do_not():
+    """diffusers' DiT calls its first block's embedding after the last block, which per-block FSDP2 units have
+    resharded by then (measured under torchrun: a mixed Tensor/DTensor addmm); pixart and mmdit train under
+    FSDP (their blocks are used once each)."""
+    dit = DiffusionModelConfig(backbone={"kind": "dit", **TINY_TRANSFORMER})
+    assert (
+        "DiTTransformer2DModel calls its first block's embedding" in DDPMTask(dit, TaskContext(8, 1, 0)).fsdp_refusal()
+    )
+    assert DDPMTask(DiffusionModelConfig(), TaskContext(8, 1, 0)).fsdp_refusal() is None
+    stages = [StageConfig(image_size=4, backbone={"kind": "dit"}), StageConfig(image_size=8, **TINY_UNET)]
+    task = CascadeTask(CascadeConfig(stages=stages), TaskContext(8, 1, 0))
+    assert task.fsdp_refusal().startswith("model.stages[0].backbone.kind=dit: ")
+    mmdit = {"kind": "mmdit", "caption_channels": 8, "pooled_channels": 8}
+    stages = [StageConfig(image_size=4, backbone=mmdit), StageConfig(image_size=8, **TINY_UNET)]
+    assert CascadeTask(CascadeConfig(stages=stages), TaskContext(8, 1, 0)).fsdp_refusal() is None

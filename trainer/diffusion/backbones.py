@@ -248,6 +248,15 @@ def _check_patches(kind: str, sample_size: int, patch_size: int) -> None:
         )
 
 
+# diffusers' DiT conditions its output layer with its first block's embedding, called after every block has run:
+# with the blocks as FSDP2 units that embedding's weights are sharded again by then (measured: a mixed
+# Tensor/DTensor addmm). Tasks refuse train.parallel=fsdp for it with this reason.
+DIT_FSDP_REFUSAL = (
+    "diffusers' DiTTransformer2DModel calls its first block's embedding again after the last block, which "
+    "per-block FSDP units cannot serve; use train.parallel=ddp, or a pixart or mmdit backbone"
+)
+
+
 class DiTBackbone(Backbone):
     kind = "dit"
     _unit_lists = ("transformer_blocks",)
