@@ -26,6 +26,7 @@ from trainer.checkpoint import resolve_checkpoint  # noqa: E402
 from trainer.checkpoint.layout import TRAINER_JSON  # noqa: E402
 from trainer.checkpoint.weights import load_for_inference  # noqa: E402
 from trainer.data import build_splits  # noqa: E402
+from trainer.data.sampler import SampleRef  # noqa: E402
 
 
 def main() -> None:
@@ -82,8 +83,6 @@ def main() -> None:
 
 
 def _refs(n: int):
-    from trainer.data.sampler import SampleRef
-
     return [SampleRef(index=i, position=i, aug_seed=0) for i in range(n)]
 
 

@@ -49,6 +49,7 @@ import time
 import torch
 
 from trainer.checkpoint import CheckpointStore
+from trainer.checkpoint.format import new_digest
 from trainer.checkpoint.state import capture_rank_state, snapshot_files, updated_only_in_steps
 from trainer.checkpoint.writer import BACKGROUND_WRITE_NICE, Checkpointer
 from trainer.engine.parts import Part
@@ -148,7 +149,6 @@ def raw_write_seconds(path: str, files: dict) -> float:
 
 def digest_gbps(algorithm: str) -> float:
     """One thread's digest speed here (blake3 as the writer's hash thread runs it; sha256 for old checkpoints)."""
-    from trainer.checkpoint.format import new_digest
 
     data = os.urandom(256 << 20)
     t0 = time.perf_counter()

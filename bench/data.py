@@ -80,6 +80,7 @@ def loader_cpu(exclude: int | None) -> float:
 
 
 def time_loader(cfg, rank: int, world: int, steps: int, server_pid: int | None = None) -> tuple[float, dict]:
+    # trainer (torch, the data stack) imported where used: the S3 server subprocess and the folder writer run without it
     from trainer.data import build_splits, build_train_loader
 
     train, _, _ = build_splits(cfg)
@@ -109,7 +110,7 @@ def time_loader(cfg, rank: int, world: int, steps: int, server_pid: int | None =
 
 def make_digits_folder(root: Path) -> int:
     """The UCI digits as 16x16 grayscale PNGs in class folders (what the digits presets train on)."""
-    from trainer.data.datasets import load_digits_arrays
+    from trainer.data.datasets import load_digits_arrays  # imported where used (see time_loader)
 
     images, labels = load_digits_arrays()
     for i, (img, label) in enumerate(zip(images, labels, strict=True)):
@@ -122,6 +123,7 @@ def make_digits_folder(root: Path) -> int:
 
 def train_rate(overrides: list[str], workdir: str, steps: int, warmup: int) -> float:
     """Train steps/s of the digits-ddpm model over `steps` steps after `warmup` steps, in this process."""
+    # the whole engine, imported where used (see time_loader)
     from trainer.elastic import DistEnv
     from trainer.loop import Trainer
     from trainer.registry import load_config
@@ -158,7 +160,7 @@ def train_rate(overrides: list[str], workdir: str, steps: int, warmup: int) -> f
 
 def train_section(server, tmp: Path, args) -> dict:
     """Train steps/s of the demo model: shards on moto S3 (several shuffle blocks) vs the same images in a folder."""
-    from trainer.data.pack import pack_folder
+    from trainer.data.pack import pack_folder  # imported where used (see time_loader)
 
     src = tmp / "digits"
     n = make_digits_folder(src)
@@ -223,6 +225,7 @@ def main() -> None:
 
 def pipeline_section(server, tmp: Path, args) -> dict:
     """Images/s per rank of each source's loader at 1 and 2 ranks, requests, bytes and CPU per image."""
+    # imported where used (see time_loader)
     from trainer.data.pack import pack_folder
     from trainer.registry import load_config
 

@@ -37,6 +37,7 @@ import torch.nn.functional as F
 from trainer.checkpoint import resolve_checkpoint
 from trainer.checkpoint.weights import load_for_inference
 from trainer.data import build_splits
+from trainer.data.sampler import SampleRef
 from trainer.data.video import DIRECTIONS, moving_caption
 from trainer.eval.features import build_cnn, shipped_digits
 from trainer.media import save_gif
@@ -132,8 +133,6 @@ def judge(clips: torch.Tensor, digits: torch.Tensor, directions: torch.Tensor, n
 
 
 def held_out_clips(cfg, limit: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    from trainer.data.sampler import SampleRef
-
     _, val, _ = build_splits(cfg)
     items = [val[SampleRef(index=i, position=i, aug_seed=0)] for i in range(min(limit, len(val)))]
     clips = torch.stack([x[0] for x in items])

@@ -55,6 +55,7 @@ def _worker(rank: int, world: int, port: int, args, out_path: str) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world)
     group = dist.new_group(backend="gloo")
+    # in the spawned worker, after its process group exists (the parent only times and compares)
     from trainer.checkpoint.format import split_tensors
     from trainer.checkpoint.sharded import local_slices, write_sharded
     from trainer.checkpoint.store import CheckpointStore

@@ -73,6 +73,7 @@ def write_image_folder(root: Path) -> None:
     import torch.nn.functional as F
     from PIL import Image
 
+    # the harness itself imports nothing of either side: each side runs in its own measured process
     from trainer.data.datasets import load_digits_arrays
 
     images, _ = load_digits_arrays()

@@ -11,8 +11,8 @@
 `PROBE_TASK_KILL=RANK:STEP` makes that rank SIGKILL itself in the middle
 of global step STEP on the first attempt, so tests kill at an exact point
 instead of racing a running job (`PROBE_TASK_KILL_SIGNAL=TERM` sends SIGTERM
-instead). `KillableVQGAN`, `KillableMaskGIT`, `KillableVideoTokenizer` and
-`KillableVideoMaskGIT` are the real tasks plus that switch.
+instead). `KillableVQGAN`, `KillableMaskGIT`, `KillableVideoTokenizer`,
+`KillableVideoMaskGIT` and `KillableAutoencoder` are the real tasks plus that switch.
 
 `PROBE_TASK_OVERLAP=1` holds every background snapshot copy until the
 training thread reaches a fence or an optimizer step has completed (see
@@ -34,6 +34,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from torch import nn
 
 from trainer.registry import task_class
+from trainer.tasks.autoencoder import AutoencoderTask
 from trainer.tasks.base import Batch, FrozenSource, Loss, Phase, PreviewContext, StepInfo, Task
 from trainer.tasks.maskgit import MaskGITTask
 from trainer.tasks.video_maskgit import VideoMaskGITTask
@@ -234,6 +235,12 @@ class KillableVideoTokenizer(VideoTokenizerTask):
 
 
 class KillableVideoMaskGIT(VideoMaskGITTask):
+    def forward(self, modules, batch: Batch, step: int):
+        maybe_die(step)
+        return super().forward(modules, batch, step)
+
+
+class KillableAutoencoder(AutoencoderTask):
     def forward(self, modules, batch: Batch, step: int):
         maybe_die(step)
         return super().forward(modules, batch, step)

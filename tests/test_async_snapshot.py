@@ -103,6 +103,7 @@ def test_a_copy_failure_left_unfenced_is_reported_by_the_next_save(tmp_path):
 # ---------------------------------------------------------------- in the training loop
 
 
+@pytest.mark.slow
 def test_async_saves_copied_during_the_next_step_equal_sync_saves_and_sigterm_mid_copy_keeps_both(tmp_path):
     """VQ-GAN (generator and discriminator: two optimizers per step; a VQ codebook whose EMA and dead-code
     replacement change buffers in forward). With PROBE_TASK_OVERLAP every background copy is held until

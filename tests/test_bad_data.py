@@ -61,6 +61,7 @@ def progress_of(tmp_path: Path, step: int) -> dict:
 # ---------------------------------------------------------------- data.path
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", ["missing", "empty", "a file", "no images"])
 def test_a_data_path_without_images_exits_2_naming_the_key_the_value_and_the_extensions_read(tmp_path, case):
     path = tmp_path / "data"
@@ -131,6 +132,7 @@ def test_collate_turns_a_sample_whose_extras_do_not_fit_the_batch_into_a_skipped
     assert len(batch["skipped_files"]) == 1 and "image_embed" in batch["skipped_files"][0]
 
 
+@pytest.mark.slow
 def test_a_task_that_ignores_embeddings_trains_past_malformed_sidecars_and_counts_them(tmp_path):
     data = tmp_path / "data"
     broken = sidecar_folder(data)
@@ -153,6 +155,7 @@ def corrupt_folder(root: Path, names: list[str]) -> None:
         (root / name).write_bytes(good.getvalue()[:30])  # a truncated PNG
 
 
+@pytest.mark.slow
 def test_a_folder_of_unreadable_images_stops_with_exit_2_naming_the_count_the_limit_and_the_files(tmp_path):
     data = tmp_path / "data"
     corrupt_folder(data, [f"bad{i}.png" for i in range(8)])
@@ -165,6 +168,7 @@ def test_a_folder_of_unreadable_images_stops_with_exit_2_naming_the_count_the_li
     assert "step=5/" not in r.stderr
 
 
+@pytest.mark.slow
 def test_a_few_unreadable_files_in_a_readable_folder_do_not_stop_the_run(tmp_path):
     data = tmp_path / "data"
     write_images(data, [f"{i}.png" for i in range(15)])
@@ -175,6 +179,7 @@ def test_a_few_unreadable_files_in_a_readable_folder_do_not_stop_the_run(tmp_pat
     assert progress_of(tmp_path, 10)["skipped_samples"] == 5
 
 
+@pytest.mark.slow
 def test_the_first_unreadable_files_are_remembered_across_a_resume(tmp_path):
     data = tmp_path / "data"
     corrupt_folder(data, [f"old{i}.png" for i in range(8)])

@@ -47,6 +47,7 @@ def both_stages(tmp_path_factory):
     return root
 
 
+@pytest.mark.slow
 def test_training_stage_2_alone_keeps_stage_1_weights_ema_and_optimizer_bit_identical(tmp_path, both_stages):
     import shutil
 
@@ -68,6 +69,7 @@ def test_training_stage_2_alone_keeps_stage_1_weights_ema_and_optimizer_bit_iden
     )
 
 
+@pytest.mark.slow
 def test_stage_max_steps_and_unknown_stages(tmp_path):
     r = train(tmp_path, "optim.stage1.max_steps=2", max_steps=4)
     doc = json.loads((tmp_path / "run/checkpoints/step-000000004/trainer.json").read_text())
@@ -79,6 +81,7 @@ def test_stage_max_steps_and_unknown_stages(tmp_path):
     assert r.returncode == 2 and "only cascade tasks have stages" in r.stderr
 
 
+@pytest.mark.slow
 def test_sampling_refuses_never_trained_stages_and_stops_at_a_stage(tmp_path):
     train(tmp_path, "train.stages=[1]", max_steps=2)
     root = f"{tmp_path}/run/checkpoints"
@@ -93,6 +96,7 @@ def test_sampling_refuses_never_trained_stages_and_stops_at_a_stage(tmp_path):
     assert r.returncode == 2 and "--prompt" in r.stderr
 
 
+@pytest.mark.slow
 def test_guidance_changes_samples_and_chunking_does_not(both_stages):
     store = CheckpointStore(f"{both_stages}/run/checkpoints")
     info = store.latest_valid()
@@ -167,6 +171,7 @@ def text_args(tmp_path) -> list[str]:
     ]
 
 
+@pytest.mark.slow
 def test_text_conditioning_runs_offline_with_the_real_encoder_and_reuses_its_cache(tmp_path):
     train(
         tmp_path, *text_args(tmp_path), max_steps=2, env=clean_env(PYTHONPATH=str(REPO / "tests"), HF_HUB_OFFLINE="1")
@@ -189,6 +194,7 @@ def test_text_conditioning_runs_offline_with_the_real_encoder_and_reuses_its_cac
     assert {p: p.stat().st_mtime_ns for p in sorted((tmp_path / "text-cache").rglob("*.safetensors"))} == stamps
 
 
+@pytest.mark.slow
 def test_text_encoder_errors_are_config_errors(tmp_path):
     r = run_cli("train", YAML, f"run.dir={tmp_path}/run", *text_args(tmp_path), "model.text.width=512", env=ENV)
     assert r.returncode == 2 and "gives 384-wide embeddings but model.text.width=512" in r.stderr
@@ -203,6 +209,7 @@ def test_text_encoder_errors_are_config_errors(tmp_path):
     assert r.returncode == 2 and "is not a folder" in r.stderr
 
 
+@pytest.mark.slow
 def test_image_embeddings_beside_folder_images_condition_the_decoder(tmp_path):
     rng = np.random.default_rng(0)
     data = tmp_path / "images"
@@ -289,6 +296,7 @@ def test_flow_matching_dream_and_edm_lower_the_loss_on_the_digits_and_sample(sta
     assert images.std() > 0.05 and saturated < 0.5, saturated
 
 
+@pytest.mark.slow
 def test_digits_cascade_preset_trained_briefly_draws_the_requested_digits_above_chance(tmp_path):
     """Stage 1 of the preset, 200 steps: a classifier fitted here on the real 8x8 digits assigns
     the requested class to far more than the 10% of chance (seen here: 0.94 of 100 samples)."""
@@ -339,6 +347,7 @@ def test_cascade_presets_validate(preset):
     assert cfg.task == "cascade" and cfg.model_cfg.stages[-1].image_size == cfg.data.image_size
 
 
+@pytest.mark.slow
 def test_a_run_refuses_to_resume_or_sample_with_different_text_encoder_weights(tmp_path):
     """The encoder's digest is pinned in every checkpoint: new weights at the same path are exit 2."""
     import shutil
@@ -368,6 +377,7 @@ def test_a_run_refuses_to_resume_or_sample_with_different_text_encoder_weights(t
         load_for_inference(store, store.latest_valid(), use_ema=True, device=torch.device("cpu"))
 
 
+@pytest.mark.slow
 def test_digits_decoder_preset_embeds_images_with_the_shipped_cnn_and_samples_from_an_embeddings_file(tmp_path):
     from trainer.cli import main as cli_main
     from trainer.conditioning.image import main as embed_main

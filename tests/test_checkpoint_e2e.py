@@ -23,6 +23,7 @@ def remote(request):
     return f"{scheme}://{bucket}/runs/demo", server.storage_options()
 
 
+@pytest.mark.slow
 def test_train_resume_list_verify_and_sample_on_object_storage(tmp_path, remote):
     url, so = remote
     so_arg = f"checkpoint.storage_options={json.dumps(so)}"
@@ -63,6 +64,7 @@ def test_train_resume_list_verify_and_sample_on_object_storage(tmp_path, remote)
     assert "cannot be loaded" in r.stderr and f"resumed_from={url}/step-000000004" in r.stderr
 
 
+@pytest.mark.slow
 def test_verify_a_missing_or_partial_checkpoint_exits_1(tmp_path):
     r = run_cli("checkpoints", "verify", str(tmp_path / "nothing"))
     assert r.returncode == 1 and "no valid checkpoint" in r.stdout
@@ -73,6 +75,7 @@ def test_verify_a_missing_or_partial_checkpoint_exits_1(tmp_path):
     assert r.returncode == 1 and "a.json has 3 bytes, manifest says 2" in r.stdout
 
 
+@pytest.mark.slow
 def test_storage_outage_during_async_saves_is_counted_and_training_continues(tmp_path):
     from servers import S3_CREDENTIALS
 

@@ -10,9 +10,12 @@ valid checkpoint of another state, which no check can tell from the real one.
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import os
 import shutil
+import traceback
 from pathlib import Path
 
 import blake3
@@ -24,6 +27,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from trainer.checkpoint import CheckpointStore
+from trainer.cli import main
 
 # Reported in docs/reliability.md; raise them for a longer hunt (the seed stays fixed: derandomize).
 IN_PROCESS_EXAMPLES = int(os.environ.get("GENTRAIN_FUZZ_EXAMPLES", "300"))
@@ -178,6 +182,19 @@ def apply(root: Path, outside: Path, kind: str, step: int, rnd) -> int | None:
     raise AssertionError(kind)
 
 
+def cli(argv: list[str]) -> tuple[int, str]:
+    """`gentrain ARGV` in this process (torch is already imported): exit code, stdout + stderr."""
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            code = main(argv)
+        except SystemExit as e:
+            code = e.code
+        except Exception:
+            code, _ = -1, err.write(traceback.format_exc())
+    return code, out.getvalue() + err.getvalue()
+
+
 def snapshot(folder: Path) -> dict[str, str]:
     """Every file under `folder` (not following links) with its digest."""
     out = {}
@@ -207,6 +224,7 @@ def prepare(reference: Path, work: Path, muts) -> tuple[Path, Path, set[int]]:
     return root, outside, touched
 
 
+@pytest.mark.slow
 @settings(
     max_examples=IN_PROCESS_EXAMPLES,
     derandomize=True,
@@ -240,6 +258,7 @@ def test_fuzzed_roots_are_listed_verified_and_pruned_without_errors_or_losses(re
     assert snapshot(outside) == before_outside, "something outside the root changed"
 
 
+@pytest.mark.slow
 @settings(
     max_examples=END_TO_END_EXAMPLES,
     derandomize=True,
@@ -252,9 +271,22 @@ def test_training_on_a_fuzzed_root_resumes_exactly_or_starts_over(reference, tmp
     work = tmp_path_factory.getbasetemp() / "fuzz-e2e"
     root, outside, _ = prepare(reference, work, muts)
     before_outside = snapshot(outside)
+    store = CheckpointStore(str(root))
+    valid_before = {i.step for i in store.list() if i.valid and not store.verify(i)}
+    newest = max(valid_before, default=None)
+    # The read-only commands on the same root: verify and sample agree with what training will resume from.
+    code, out = cli(["checkpoints", "verify", str(root)])
+    assert code == (0 if newest else 1) and "Traceback" not in out, out[-3000:]
+    code, out = cli(["sample", str(root), "--num", "1", "--steps", "1", "--out", str(work / "s.png")])
+    assert "Traceback" not in out, out[-3000:]
+    assert code == 1 if newest is None else (code == 0 and f"(step {newest})" in out), out[-3000:]
     r = run_cli("train", *tiny(work, "checkpoint.every_steps=2", "checkpoint.keep=10", max_steps=6))
     assert r.returncode == 0, (r.stdout + r.stderr)[-3000:]
     assert "Traceback" not in r.stderr, r.stderr[-3000:]
+    resumed = f"resumed_from={step_dir(root, newest)}" if newest else "resumed_from=none (fresh start)"
+    assert resumed in r.stderr, f"expected {resumed}: {r.stderr[-3000:]}"
+    for step in valid_before:  # keep=10: every valid checkpoint is still there and still valid
+        assert store.check(step).valid and not store.verify(store.check(step)), f"valid step {step} lost"
     # Whatever it resumed from (a valid step 4 or 2, or nothing), step 6 is the uninterrupted run's.
     for name in ("unet.model.safetensors", "unet.ema.safetensors", "unet.optimizer.safetensors"):
         got, want = read_tensors(root, 6, name), read_tensors(reference, 6, name)

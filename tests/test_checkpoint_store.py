@@ -190,6 +190,7 @@ def test_retention_never_leaves_zero_valid_checkpoints(tmp_path):
     assert [i.step for i in store.list() if i.valid] == [3]
 
 
+@pytest.mark.slow
 def test_failed_delete_is_logged_and_retried_later(tmp_path, caplog):
     import shutil
 
@@ -222,6 +223,7 @@ store.write(2, {f"part{i}.safetensors": big for i in range(4)}, {})
 """
 
 
+@pytest.mark.slow
 def test_process_killed_between_payload_and_manifest(tmp_path):
     root = tmp_path / "ckpts"
     proc = subprocess.Popen([sys.executable, "-c", WRITER, str(root)])

@@ -18,6 +18,7 @@ from conftest import REPO, clean_env, run_cli, tiny
 from helpers import assert_tensors_equal
 
 from trainer.checkpoint import CheckpointStore
+from trainer.checkpoint.layout import eval_result_name
 
 STEPS = ("unet.model.safetensors", "unet.ema.safetensors", "unet.optimizer.safetensors")
 
@@ -59,6 +60,7 @@ def assert_same_step(root: Path, reference: Path, step: int) -> None:
 # ------------------------------------------------------------------ 1. a re-save replaces an invalid step
 
 
+@pytest.mark.slow
 def test_retrained_step_replaces_the_corrupt_checkpoint_it_fell_back_from(root, run4):
     flip_byte(root, 4, "unet.ema.safetensors")
     r = rerun(root)
@@ -92,6 +94,7 @@ MALFORMED = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", sorted(MALFORMED))
 def test_a_malformed_manifest_in_an_older_step_is_one_invalid_candidate(root, case):
     path = step_dir(root, 2) / "manifest.json"
@@ -101,6 +104,7 @@ def test_a_malformed_manifest_in_an_older_step_is_one_invalid_candidate(root, ca
     assert infos[0].reason
 
 
+@pytest.mark.slow
 def test_list_verify_sample_and_train_survive_a_stray_file_and_a_malformed_manifest(root, tmp_path):
     (root / "step-000000009").write_text("not a checkpoint")
     path = step_dir(root, 2) / "manifest.json"
@@ -173,6 +177,7 @@ PAYLOADS = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", sorted(PAYLOADS))
 def test_verify_finds_digest_consistent_malformed_payloads(root, case):
     PAYLOADS[case](root)
@@ -183,6 +188,7 @@ def test_verify_finds_digest_consistent_malformed_payloads(root, case):
     assert store.latest_valid(deep=True).step == 2
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", ["safetensors-header-2^62", "cursor-negative", "ema-wrong-shape", "rng-string"])
 def test_resume_falls_back_past_a_malformed_payload_and_ends_bit_identical(root, run4, case):
     PAYLOADS[case](root)
@@ -196,6 +202,7 @@ def test_resume_falls_back_past_a_malformed_payload_and_ends_bit_identical(root,
 # ------------------------------------------------------------------ 4. sample / eval on a corrupt newest
 
 
+@pytest.mark.slow
 def test_sample_on_a_root_whose_newest_fails_its_digest_uses_the_newest_valid(root, tmp_path):
     flip_byte(root, 4, "unet.optimizer.safetensors")
     r = run_cli("sample", str(root), "--num", "2", "--out", str(tmp_path / "g.png"), "--steps", "2")
@@ -207,6 +214,17 @@ def test_sample_on_a_root_whose_newest_fails_its_digest_uses_the_newest_valid(ro
     no_traceback(named)
 
 
+@pytest.mark.slow
+def test_eval_on_a_root_whose_newest_fails_its_digest_evaluates_the_newest_valid(root, tmp_path):
+    flip_byte(root, 4, "unet.model.safetensors")
+    r = run_cli("eval", str(root), "--num", "8", "--steps", "2")
+    assert r.returncode == 0, r.stderr[-2000:]
+    no_traceback(r)
+    assert (root / eval_result_name(2)).is_file() and not (root / eval_result_name(4)).exists()
+    assert json.loads(r.stdout.splitlines()[0])["step"] == 2
+
+
+@pytest.mark.slow
 def test_sample_says_which_weights_do_not_fit_the_model_when_model_and_ema_agree_on_a_wrong_shape(root, tmp_path):
     # Digest-consistent and self-consistent (model and EMA alike), so only building the model tells.
     def grow(t):
@@ -226,6 +244,7 @@ def test_sample_says_which_weights_do_not_fit_the_model_when_model_and_ema_agree
 # ------------------------------------------------------------------ 5. links are never followed
 
 
+@pytest.mark.slow
 def test_retention_never_deletes_through_a_step_dir_that_is_a_link(root, tmp_path):
     outside = tmp_path / "outside"
     shutil.copytree(step_dir(root, 2), outside)
@@ -239,6 +258,7 @@ def test_retention_never_deletes_through_a_step_dir_that_is_a_link(root, tmp_pat
     assert CheckpointStore(str(root)).check(2).reason.startswith("is a symbolic link")
 
 
+@pytest.mark.slow
 def test_a_link_named_like_the_step_being_saved_is_replaced_by_a_real_checkpoint_and_its_target_kept(tmp_path):
     root, outside = tmp_path / "root", tmp_path / "outside"
     CheckpointStore(str(outside)).write(2, {"w.safetensors": {"w": torch.zeros(8)}}, {})
@@ -256,6 +276,7 @@ def test_a_link_named_like_the_step_being_saved_is_replaced_by_a_real_checkpoint
 # ------------------------------------------------------------------ 6. a failed save leaves no debris
 
 
+@pytest.mark.slow
 def test_a_save_that_fills_the_disk_leaves_no_partial_step_dir(tmp_path):
     # RLIMIT_FSIZE makes the kernel refuse writes past 64 KiB, as a full disk would (EFBIG instead of ENOSPC).
     script = textwrap.dedent(

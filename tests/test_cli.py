@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import json
 
+import pytest
 from conftest import run_cli
 from PIL import Image
 
 
+@pytest.mark.slow
 def test_demo_preset_runs_a_few_steps_end_to_end(tmp_path):
     run_dir = tmp_path / "demo"
     r = run_cli(
@@ -42,6 +44,7 @@ def test_demo_preset_runs_a_few_steps_end_to_end(tmp_path):
     assert im.size == (3 * 65 + 1, 3 * 65 + 1)
 
 
+@pytest.mark.slow
 def test_sample_from_an_empty_root_fails_clearly(tmp_path):
     r = run_cli("sample", str(tmp_path), "--out", str(tmp_path / "x.png"))
     assert r.returncode == 1

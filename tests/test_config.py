@@ -82,6 +82,7 @@ def test_missing_yaml_file_is_a_clear_error():
         load_config("nope.yaml", [], environ={})
 
 
+@pytest.mark.slow
 def test_cli_config_error_exits_2_without_traceback(tmp_path):
     r = run_cli("train", "train.lr=fast", "foo=1", f"run.dir={tmp_path}", timeout=60)
     assert r.returncode == 2, r.stderr
@@ -90,12 +91,14 @@ def test_cli_config_error_exits_2_without_traceback(tmp_path):
     assert "unknown config key 'foo'" in r.stderr
 
 
+@pytest.mark.slow
 def test_cli_env_error_exits_2(tmp_path):
     r = run_cli("train", f"run.dir={tmp_path}", env=clean_env(GENTRAIN_CHECKPOINT__EVERY_STEPS="often"), timeout=60)
     assert r.returncode == 2
     assert "checkpoint.every_steps" in r.stderr
 
 
+@pytest.mark.slow
 def test_cli_presets_lists_each_with_a_line():
     r = run_cli("presets", timeout=60)
     assert r.returncode == 0

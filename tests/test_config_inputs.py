@@ -64,6 +64,7 @@ def test_betas_inside_zero_one_are_accepted_for_train_and_for_a_part():
     assert cfg.optim["unet"].betas == (0.5, 0.9)
 
 
+@pytest.mark.slow
 def test_cli_bad_betas_exit_2_without_traceback(tmp_path):
     r = run_cli("train", "train.betas=[2,-1]", f"run.dir={tmp_path}", timeout=120)
     assert r.returncode == 2, r.stderr
@@ -118,6 +119,7 @@ def test_missing_config_file_is_refused(tmp_path):
     assert "does not exist" in config_error(str(tmp_path / "absent.yaml"))
 
 
+@pytest.mark.slow
 def test_cli_binary_config_file_exits_2_with_one_paragraph_and_no_traceback():
     r = run_cli("train", binary_file(), timeout=120)
     assert r.returncode == 2, r.stderr
@@ -127,6 +129,7 @@ def test_cli_binary_config_file_exits_2_with_one_paragraph_and_no_traceback():
     assert binary_file() in r.stderr and "not a YAML text file" in r.stderr
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", ["directory", "list", "missing"])
 def test_cli_unusable_config_file_exits_2(tmp_path, kind):
     # A long folder name: the message must carry the whole path, however deep the user's files lie.

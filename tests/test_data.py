@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 import numpy as np
+import pytest
 from conftest import run_cli, tiny
 from PIL import Image
 
@@ -47,6 +48,7 @@ def test_image_folder_is_recursive_with_labels_resize_and_crop(tmp_path):
         assert label in (0, 1)
 
 
+@pytest.mark.slow
 def test_corrupt_image_is_skipped_counted_and_reported_once(tmp_path):
     data = tmp_path / "imgs"
     make_folder(data, n=6)

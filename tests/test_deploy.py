@@ -147,6 +147,7 @@ def volcano_pods(request: str) -> list[dict]:
     return [pod_from_template(t["template"], t["name"]) for t in job["spec"]["tasks"]]
 
 
+@pytest.mark.slow
 def test_kubernetes_dryrun_of_the_component_matches_the_golden_file(tmp_path):
     request = normalize(
         torchx_dryrun(
@@ -190,6 +191,7 @@ def test_kubernetes_dryrun_of_the_component_matches_the_golden_file(tmp_path):
     validate(pods, tmp_path, "torchx-pods")
 
 
+@pytest.mark.slow
 def test_builtin_dist_ddp_dryrun_renders_valid_pods(tmp_path):
     request = torchx_dryrun(
         "dist.ddp",
@@ -224,6 +226,7 @@ def torchx_local(*args: str, timeout: float = 300) -> subprocess.CompletedProces
     )
 
 
+@pytest.mark.slow
 def test_torchx_local_cwd_trains_with_two_workers_and_a_preset_first(tmp_path):
     # The same words `gentrain train` takes: a preset first, then key=value overrides.
     r = torchx_local("-j", "1x2", "--metrics_port", "0", "--", "digits-ddpm", *tiny(tmp_path, max_steps=4))
@@ -233,6 +236,7 @@ def test_torchx_local_cwd_trains_with_two_workers_and_a_preset_first(tmp_path):
     assert run_cli("checkpoints", "verify", str(tmp_path / "run" / "checkpoints")).returncode == 0
 
 
+@pytest.mark.slow
 def test_torchx_local_cwd_config_error_fails_once_and_names_the_key(tmp_path):
     r = torchx_local(
         "-j",
@@ -255,6 +259,7 @@ def test_torchx_local_cwd_config_error_fails_once_and_names_the_key(tmp_path):
     assert not (tmp_path / "run").exists()
 
 
+@pytest.mark.slow
 def test_the_component_command_keeps_exit_codes_in_bash_2_and_143(tmp_path):
     """The pod's own command line (macros applied as the scheduler does), run here with bash."""
     from torchx.specs import macros
@@ -295,6 +300,7 @@ def test_the_component_command_keeps_exit_codes_in_bash_2_and_143(tmp_path):
     assert run_cli("checkpoints", "verify", str(tmp_path / "run" / "checkpoints")).returncode == 0
 
 
+@pytest.mark.slow
 def test_launch_does_not_restart_workers_that_exit_2(tmp_path):
     """A usage error only workers can see (the world size cannot split the batch): no torchrun retry."""
     port = free_port()
@@ -344,6 +350,7 @@ def test_the_image_ships_the_torch_the_suite_tests():
 # ---------------------------------------------------------------- manifests
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("overlay", OVERLAYS)
 def test_every_overlay_renders_and_core_kinds_validate_strictly(overlay, tmp_path):
     docs = kustomize(overlay)
@@ -362,6 +369,7 @@ def workload(overlay: str) -> dict:
     return next(d for d in kustomize(overlay) if d["kind"] in ("Job", "JobSet"))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("overlay", ["base", "overlays/cpu-smoke", "overlays/gpu"])
 def test_job_policies(overlay):
     job = workload(overlay)
@@ -377,6 +385,7 @@ def test_job_policies(overlay):
     check_pod_policies(spec["template"]["spec"])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("overlay", ["jobset", "kueue", "jobset-gpu", "kueue-gpu"])
 def test_jobset_preemption_recipe(overlay):
     js = workload(overlay)
@@ -400,6 +409,7 @@ def quantity(q) -> float:
     return float(m.group(1)) * units.get(m.group(2), 1)
 
 
+@pytest.mark.slow
 def test_kueue_overlay_queues_the_jobset_and_its_quota_admits_it():
     docs = kustomize("kueue")
     by_kind = {d["kind"]: d for d in docs}
@@ -462,6 +472,7 @@ def test_no_latest_tags_and_no_secrets_anywhere():
     assert ":" in base and not base.endswith(":latest")
 
 
+@pytest.mark.slow
 def test_dockerfile_passes_hadolint():
     r = subprocess.run([tool("hadolint"), str(REPO / "Dockerfile")], capture_output=True, text=True)
     assert r.returncode == 0, r.stdout + r.stderr
@@ -490,6 +501,7 @@ def crd_errors(doc: dict, api_version: str | None = None) -> list[str]:
     ]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("overlay", OVERLAYS)
 def test_every_overlay_validates_its_other_kinds_against_their_schemas(overlay, tmp_path):
     """What test_every_overlay_renders_and_core_kinds_validate_strictly leaves out: other built-in API groups
@@ -511,6 +523,7 @@ def test_every_overlay_validates_its_other_kinds_against_their_schemas(overlay, 
             assert not crd_errors(d, "kueue.x-k8s.io/v1beta2"), (d["kind"], crd_errors(d, "kueue.x-k8s.io/v1beta2"))
 
 
+@pytest.mark.slow
 def test_overlay_crd_schemas_reject_unknown_fields():
     docs = {d["kind"]: d for d in kustomize("kueue-gpu")}
     js = json.loads(json.dumps(docs["JobSet"]))
@@ -528,6 +541,7 @@ def pod_spec(doc: dict) -> dict:
     return job_spec(doc)["template"]["spec"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("overlay", GPU_OVERLAYS)
 def test_gpu_overlays_request_gpus_with_nccl_settings_and_a_memory_backed_dev_shm(overlay):
     docs = kustomize(overlay)
@@ -557,6 +571,7 @@ def test_gpu_overlays_request_gpus_with_nccl_settings_and_a_memory_backed_dev_sh
     assert classes[pod["priorityClassName"]]["globalDefault"] is False
 
 
+@pytest.mark.slow
 def test_the_gpu_jobset_is_placed_alone_in_one_topology_domain():
     js = workload("jobset-gpu")
     assert js["metadata"]["annotations"]["alpha.jobset.sigs.k8s.io/exclusive-topology"]
@@ -568,6 +583,7 @@ def test_the_gpu_jobset_is_placed_alone_in_one_topology_domain():
     assert pod_spec(js)["securityContext"] == pod_spec(cpu)["securityContext"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("overlay", "priority"), [("kueue", "gentrain-experiment"), ("kueue-gpu", "gentrain-production")]
 )
@@ -582,6 +598,7 @@ def test_the_kueue_workload_carries_a_workload_priority_class(overlay, priority)
     assert classes["gentrain-production"] > classes["gentrain-experiment"]  # production may preempt experiments
 
 
+@pytest.mark.slow
 def test_the_kueue_gpu_overlay_uses_topology_aware_scheduling_and_its_quota_admits_it():
     docs = kustomize("kueue-gpu")
     by_kind = {d["kind"]: d for d in docs}
@@ -601,6 +618,7 @@ def test_the_kueue_gpu_overlay_uses_topology_aware_scheduling_and_its_quota_admi
     assert "alpha.jobset.sigs.k8s.io/exclusive-topology" not in js["metadata"].get("annotations", {})
 
 
+@pytest.mark.slow
 def test_podmonitor_release_label_defaults_to_kube_prometheus_stack_and_can_be_set(tmp_path):
     labelled = ("PodMonitor", "PrometheusRule")
     docs = kustomize("monitoring")
@@ -620,6 +638,7 @@ def test_podmonitor_release_label_defaults_to_kube_prometheus_stack_and_can_be_s
     assert "gentrain-monitoring-values" not in {d["metadata"]["name"] for d in docs}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("overlay", ["overlays/gpu", "kueue-gpu"])
 def test_the_image_pull_secret_component_adds_image_pull_secrets(overlay, tmp_path):
     def service_account(docs):
@@ -638,6 +657,7 @@ def test_the_image_pull_secret_component_adds_image_pull_secrets(overlay, tmp_pa
     validate([sa], tmp_path, "serviceaccount")
 
 
+@pytest.mark.slow
 def test_dockerfile_gpu_build_takes_torch_from_another_index_only_when_asked(tmp_path):
     """The TORCH_INDEX_URL build argument: empty (the default) installs PyPI's torch; a URL becomes pip's
     index for the torch step only. The step's shell command runs here with a pip that records its call."""
@@ -665,6 +685,7 @@ def test_dockerfile_gpu_build_takes_torch_from_another_index_only_when_asked(tmp
 # ---------------------------------------------------------------- manifest-driven local run
 
 
+@pytest.mark.slow
 def test_cpu_smoke_manifest_runs_as_two_local_pods(tmp_path):
     docs = kustomize("overlays/cpu-smoke")
     job = next(d for d in docs if d["kind"] == "Job")

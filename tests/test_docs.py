@@ -15,6 +15,7 @@ import subprocess
 import sys
 import typing
 
+import pytest
 from conftest import REPO, clean_env
 from pydantic import BaseModel
 
@@ -28,6 +29,7 @@ CONTRACT = REPO / "docs" / "contract.md"
 _LINK = re.compile(r"!?\[[^\]]*\]\(([^)\s]+)(?:\s+\"[^\"]*\")?\)")
 
 
+@pytest.mark.slow
 def test_the_site_builds_strict_and_offline(tmp_path):
     # The venv's own mkdocs; strict: true in mkdocs.yml. Only offline plugins are configured (search).
     r = subprocess.run(
@@ -144,6 +146,7 @@ def test_the_contract_names_every_command_and_flag():
     assert not missing, f"docs/contract.md (Command line) does not name: {missing}"
 
 
+@pytest.mark.slow
 def test_no_file_refers_to_a_file_outside_the_repository():
     """Code, comments and docs point into the repo: the contract is docs/contract.md, not a design
     note users do not have."""
@@ -162,6 +165,7 @@ def test_no_file_refers_to_a_file_outside_the_repository():
     assert not found, f"these lines refer to a file outside the repository: {found}"
 
 
+@pytest.mark.slow
 def test_no_python_file_needs_a_hand_layout_kept_from_the_formatter():
     """Layout is ruff format's: a `fmt: skip`/`fmt: off` marks code whose shape fights the formatter."""
     tracked = subprocess.run(["git", "ls-files", "*.py"], cwd=REPO, capture_output=True, text=True, check=True)

@@ -45,6 +45,7 @@ def checkpoint_tensors(root: str, step: int) -> dict[str, dict[str, torch.Tensor
     return {n: store.read_tensors(info, n) for n in info.manifest["files"] if n.endswith(".safetensors")}
 
 
+@pytest.mark.slow
 def test_two_phases_per_part_optimizers_and_a_frozen_encoder_kept_out_of_checkpoints(tmp_path, encoder_url):
     r = run_cli("train", *probe_args(tmp_path, encoder_url, "train.val_every_steps=3", max_steps=6), env=ENV)
     assert r.returncode == 0, r.stderr[-3000:]
@@ -77,6 +78,7 @@ def test_two_phases_per_part_optimizers_and_a_frozen_encoder_kept_out_of_checkpo
     assert out.exists()
 
 
+@pytest.mark.slow
 def test_optimizer_override_for_an_unknown_part_is_a_config_error(tmp_path, encoder_url):
     r = run_cli("train", *probe_args(tmp_path, encoder_url, "optim.discriminatr.lr=1e-4", max_steps=2), env=ENV)
     assert r.returncode == 2
@@ -126,6 +128,7 @@ def test_sigkilled_rank_under_torchrun_resumes_bit_identical_without_unused_para
                 assert torch.equal(a[name][key], b[name][key]), f"step {step} {name}:{key} differs"
 
 
+@pytest.mark.slow
 def test_resume_with_changed_frozen_weights_is_refused_and_a_moved_source_uses_the_pinned_step(tmp_path):
     ddpm_root = tmp_path / "ddpm"
     url = train_ddpm(ddpm_root, max_steps=3)

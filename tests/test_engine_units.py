@@ -393,6 +393,7 @@ def test_frozen_records_are_stored_redacted_and_a_resume_matches_them_by_digest(
 # ---------------------------------------------------------------------------------------------- trackers
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("tracker", ["tensorboard", "wandb"])
 def test_a_tracker_whose_package_cannot_be_imported_exits_2_naming_the_extra(tmp_path, tracker):
     # A package that is found (find_spec, the metadata of a real install may even exist) but fails to

@@ -51,6 +51,7 @@ def test_shipped_digits_features_fid_kid_are_zero_on_the_same_set_small_across_d
     assert across["fid"] == pytest.approx(frechet(fa, fb), rel=1e-4)
 
 
+@pytest.mark.slow
 def test_feature_networks_that_are_not_there_are_exit_2_errors_naming_the_file(tmp_path):
     from trainer.config import ConfigError
 

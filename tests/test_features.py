@@ -12,6 +12,7 @@ from trainer.loop import Trainer
 from trainer.registry import load_config
 
 
+@pytest.mark.slow
 def test_class_conditional_v_prediction_with_guidance(tmp_path):
     r = run_cli(
         "train",

@@ -90,6 +90,7 @@ def lora_runs(tmp_path_factory, s3, base_folders):
     return runs
 
 
+@pytest.mark.slow
 def test_pretrained_folders_on_s3_start_the_run_and_lora_trains_only_the_adapters(s3, base_folders, lora_runs):
     bucket, options = s3
     url, _ = lora_runs["straight"]
@@ -121,6 +122,7 @@ def test_pretrained_folders_on_s3_start_the_run_and_lora_trains_only_the_adapter
     assert manifest["inputs"]["stage2.pretrained"]["digest"].startswith("blake3:")
 
 
+@pytest.mark.slow
 def test_lora_run_resumes_bit_identically_after_sigkill(s3, lora_runs):
     bucket, options = s3
     (a_url, _), (b_url, resumed) = lora_runs["straight"], lora_runs["killed"]
@@ -134,6 +136,7 @@ def test_lora_run_resumes_bit_identically_after_sigkill(s3, lora_runs):
             assert torch.equal(a[name][k], b[name][k]), f"{name}: {k}"
 
 
+@pytest.mark.slow
 def test_exported_lora_loads_back_in_diffusers_and_samples_like_the_merged_model(tmp_path, s3, base_folders, lora_runs):
     from diffusers import UNet2DConditionModel
 
@@ -253,6 +256,7 @@ def test_ddpm_unet_starts_from_a_folder_with_lora_and_half_precision_base(tmp_pa
         assert torch.isfinite(unet(x, tt).sample).all()
 
 
+@pytest.mark.slow
 def test_pretrained_and_lora_errors_name_the_key(tmp_path, base_folders, s3):
     _, options = s3
 

@@ -106,7 +106,7 @@ def _has_reason(lines: list[str], stmt: ast.stmt) -> bool:
 
 def test_every_function_level_import_of_trainer_says_why():
     unexplained = set()
-    for path in MODULES:
+    for path in [*MODULES, *sorted((REPO / "bench").glob("*.py"))]:
         lines = path.read_text(encoding="utf-8").splitlines()
         for stmt, module, in_function in _imports(path):
             if in_function and module.startswith("trainer") and not _has_reason(lines, stmt):
@@ -228,6 +228,7 @@ def test_sample_loads_a_checkpoints_own_text_encoder_only_when_the_user_names_it
     assert "is not a folder" in err and "--text-encoder" not in err, err
 
 
+@pytest.mark.slow
 def test_a_config_with_text_but_without_sentence_transformers_exits_2_naming_the_extra(tmp_path):
     shim = tmp_path / "shim" / "sentence_transformers"
     shim.mkdir(parents=True)

@@ -62,6 +62,7 @@ def wait_until(condition, what: str, timeout: float = 120):
     raise AssertionError(f"timed out after {timeout}s waiting for {what}")
 
 
+@pytest.mark.slow
 def test_prometheus_sees_steps_rise_to_the_newest_checkpoint(tmp_path):
     # The run is open-ended and stopped by SIGTERM once Prometheus has seen the step rise, so
     # the test holds on a CPU twice as fast or twice as slow; the exporter lingers until the
@@ -111,6 +112,7 @@ def test_prometheus_sees_steps_rise_to_the_newest_checkpoint(tmp_path):
         prom.stop()
 
 
+@pytest.mark.slow
 def test_two_rank_torchrun_job_reports_samples_from_both_ranks_once(tmp_path):
     port = free_port()
     prom = PrometheusServer([f"127.0.0.1:{port}"], tmp_path).start()
@@ -148,6 +150,7 @@ def test_two_rank_torchrun_job_reports_samples_from_both_ranks_once(tmp_path):
         prom.stop()
 
 
+@pytest.mark.slow
 def test_tensorboard_tracker_writes_scalars_and_grids(tmp_path):
     pytest.importorskip("tensorboard")
     from conftest import run_cli

@@ -26,6 +26,7 @@ def rules_dir(tmp_path):
     return tmp_path
 
 
+@pytest.mark.slow
 @needs_promtool
 def test_alert_rules_are_valid(rules_dir):
     r = subprocess.run(["promtool", "check", "rules", "rules.yaml"], cwd=rules_dir, capture_output=True, text=True)
@@ -33,6 +34,7 @@ def test_alert_rules_are_valid(rules_dir):
     assert "4 rules found" in r.stdout
 
 
+@pytest.mark.slow
 @needs_promtool
 def test_each_alert_fires_and_stays_quiet_in_promtool_unit_tests(rules_dir):
     tests = yaml.safe_load((rules_dir / "rules.test.yaml").read_text())["tests"]
@@ -62,6 +64,7 @@ def exported_names(tmp_path_factory) -> set[str]:
     return set(re.findall(r"^# TYPE (\S+) ", text, re.M))
 
 
+@pytest.mark.slow
 def test_dashboard_uses_only_exported_metrics(exported_names):
     dash = json.loads((MON / "grafana-dashboard.json").read_text())
     exprs = [t["expr"] for p in dash["panels"] for t in p["targets"]]
@@ -76,6 +79,7 @@ def test_dashboard_uses_only_exported_metrics(exported_names):
         assert needed in titles
 
 
+@pytest.mark.slow
 def test_alert_rules_use_only_exported_metrics(exported_names):
     rule = yaml.safe_load((MON / "prometheusrule.yaml").read_text())
     exprs = [r["expr"] for g in rule["spec"]["groups"] for r in g["rules"]]

@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import signal
 
+import pytest
 from conftest import clean_env, run_cli, tiny
 from helpers import assert_identical, final_weights, kill_group, start_cli, wait_for_log
 
 
+@pytest.mark.slow
 def test_sigterm_then_resume_in_a_new_process_is_bit_identical(tmp_path):
     steps = 60
     straight = tmp_path / "straight"
@@ -43,6 +45,7 @@ def test_sigterm_then_resume_in_a_new_process_is_bit_identical(tmp_path):
     )
 
 
+@pytest.mark.slow
 def test_a_finished_run_restarted_does_nothing_more(tmp_path):
     args = tiny(tmp_path, max_steps=4)
     assert run_cli("train", *args).returncode == 0
@@ -67,6 +70,7 @@ def start_long_run(tmp_path, *extra: str):
     return start_cli("train", *args, env=clean_env(), log_path=log), log
 
 
+@pytest.mark.slow
 def test_second_signal_exits_at_once(tmp_path):
     import time
 
@@ -82,6 +86,7 @@ def test_second_signal_exits_at_once(tmp_path):
     assert "second signal SIGTERM, exiting now" in log.read_text()
 
 
+@pytest.mark.slow
 def test_emergency_save_that_cannot_finish_in_time_keeps_the_previous_checkpoint(tmp_path):
     # A digits-size model (~250 ms/step) and a grace period of 50 ms: by the time all ranks
     # agree to stop at the end of the step, there is no time left to write a checkpoint.

@@ -169,6 +169,7 @@ IDS = {  # every run so far drew with these ids: they never change (see trainer.
     Stream.FID_CHUNK: 0xE7A1,
     Stream.STEP_GLOBAL: 3,
     Stream.JOINT_IMAGES: 5,
+    Stream.AUTOENCODER: 6,
 }
 
 

@@ -153,6 +153,7 @@ def test_member_headers_are_read_like_tarfile_and_broken_ones_raise():
 # ---------------------------------------------------------------- pack and index
 
 
+@pytest.mark.slow
 def test_pack_round_trip_keeps_pixels_captions_classes_and_embeddings_and_index_rebuilds_the_same(tmp_path):
     src = tmp_path / "src"
     make_folder(src)
@@ -208,6 +209,7 @@ def test_pack_round_trip_keeps_pixels_captions_classes_and_embeddings_and_index_
     assert [e["nsamples"] for e in listed["shardlist"]] == [4, 4, 2]
 
 
+@pytest.mark.slow
 def test_shards_without_index_are_a_config_error_naming_the_fix(tmp_path):
     src = tmp_path / "src"
     make_folder(src, per_class=1)
@@ -222,6 +224,7 @@ def test_shards_without_index_are_a_config_error_naming_the_fix(tmp_path):
 # ---------------------------------------------------------------- S3: bytes, faults
 
 
+@pytest.mark.slow
 def test_s3_reads_fetch_only_the_used_samples_and_faults_are_skipped_counted_and_the_job_finishes(tmp_path, s3_server):
     src = tmp_path / "src"
     make_folder(src, per_class=6)

@@ -33,9 +33,11 @@ from servers import S3_CREDENTIALS, S3Server
 pytestmark = pytest.mark.slow
 
 GRACE_SECONDS = 3
-# The bound is what the feature promises; the margin covers the interpreter's start of the exit and
-# the launcher's bookkeeping on a loaded machine, not the save.
-EXIT_MARGIN_SECONDS = 3
+# The stalled upload never ends on its own (the proxy holds it until the test releases it), so an exit
+# 143 at all, with the log line naming the cut-short wait, is the proof that the grace period cut it.
+# The margin only bounds the interpreter's exit and the launcher's bookkeeping, generously: a loaded CI
+# machine must not fail the test for being slow.
+EXIT_MARGIN_SECONDS = 30
 _WRITES = ("PUT", "POST", "DELETE")
 
 

@@ -34,6 +34,7 @@ def gentrain(env: dict[str, str], cwd: Path, *args: str) -> subprocess.Completed
     )
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("args", "extra"),
     [

@@ -81,6 +81,7 @@ def _run_beside(mods: Path, *args: str):
 # ---------------------------------------------------------------- 7: a checkpoint never chooses code
 
 
+@pytest.mark.slow
 def test_sample_refuses_a_task_import_path_that_only_the_checkpoint_names(trained, tmp_path):
     root = _copy(trained, tmp_path)
     _rewrite_manifests(root, _name_task)
@@ -93,6 +94,7 @@ def test_sample_refuses_a_task_import_path_that_only_the_checkpoint_names(traine
     assert not marker.exists()
 
 
+@pytest.mark.slow
 def test_a_task_given_on_the_command_line_must_match_the_checkpoints(trained, tmp_path):
     root = _copy(trained, tmp_path)
     _rewrite_manifests(root, _name_task)
@@ -115,6 +117,7 @@ def test_a_task_given_on_the_command_line_must_match_the_checkpoints(trained, tm
     assert "must be the same" not in r.stderr and "import path" not in r.stderr
 
 
+@pytest.mark.slow
 def test_eval_and_export_refuse_a_task_import_path_from_the_checkpoint(trained, tmp_path):
     root = _copy(trained, tmp_path)
     _rewrite_manifests(root, _name_task)
@@ -128,6 +131,7 @@ def test_eval_and_export_refuse_a_task_import_path_from_the_checkpoint(trained, 
     assert not marker.exists()
 
 
+@pytest.mark.slow
 def test_a_frozen_parts_source_run_may_name_only_built_in_tasks(trained, tmp_path, monkeypatch):
     root = _copy(trained, tmp_path)
     _rewrite_manifests(root, _name_task)
@@ -150,6 +154,7 @@ def _all_text(folder: Path) -> dict[Path, bytes]:
     return {p: p.read_bytes() for p in folder.rglob("*") if p.is_file()}
 
 
+@pytest.mark.slow
 def test_credentials_never_reach_checkpoints_trackers_or_logs_and_checkpoints_are_private(tmp_path):
     options = json.dumps(_storage_options())
     settings = [
@@ -180,11 +185,16 @@ def test_credentials_never_reach_checkpoints_trackers_or_logs_and_checkpoints_ar
     manifest = json.loads((root / "step-000000004" / "manifest.json").read_text())
     assert manifest["config"]["checkpoint"]["storage_options"]["key"] == REDACTED
 
-    for path in [root / "LATEST", *root.glob("step-*"), *root.glob("step-*/*")]:
+    written = [
+        p for base in (root, tmp_path / "copy") for p in (base / "LATEST", *base.glob("step-*"), *base.glob("step-*/*"))
+    ]
+    assert len(written) > 6
+    for path in written:  # the run's root and the consolidated copy alike
         mode = stat.S_IMODE(path.stat().st_mode)
         assert not mode & 0o007, f"{path} is {oct(mode)}: others may read it"
 
 
+@pytest.mark.slow
 def test_consolidate_redacts_a_manifest_written_before_redaction(trained, tmp_path):
     root = _copy(trained, tmp_path)
     _rewrite_manifests(root, lambda doc: doc["config"]["checkpoint"].update(storage_options=_storage_options()))
@@ -285,6 +295,7 @@ def test_inception_weights_that_would_run_code_are_refused_unrun(tmp_path, conta
     assert not marker.exists()
 
 
+@pytest.mark.slow
 def test_eval_refuses_inception_weights_named_by_a_checkpoint_that_would_run_code(trained, tmp_path):
     marker = tmp_path / "UNPICKLED"
     weights = tmp_path / "inception.pth"

@@ -84,6 +84,7 @@ def test_moving_digits_config_and_batches():
         load_config(CLIP_PROBE, ["data.source=video"])
 
 
+@pytest.mark.slow
 def test_moving_digits_train_validate_preview_and_resume_clips(tmp_path):
     """The loop, validation and previews carry (N, T, C, H, W) batches unchanged (the probe task checks them),
     and a resumed run continues the joint image+video sequence of an uninterrupted loader."""
@@ -205,6 +206,7 @@ def test_gif_and_mp4_decode_to_the_encoded_frames_with_stride(tmp_path):
     assert short.load(0, 0, False) is None and short.load(1, 0, False) is None
 
 
+@pytest.mark.slow
 def test_broken_and_short_clips_are_skipped_and_counted(tmp_path):
     data = tmp_path / "clips"
     for cls in ("moving", "still"):

@@ -204,6 +204,7 @@ def test_video_tokenizer_refuses_image_batches(tmp_path, capsys):
 # ---------------------------------------------------------------- video MaskGIT
 
 
+@pytest.mark.slow
 def test_video_maskgit_refuses_a_mismatched_tokenizer(tmp_path, tokenizer, capsys):
     cases = {
         "model.codebook_size=64": "has 32 codes",
@@ -222,6 +223,7 @@ def test_video_maskgit_refuses_a_mismatched_tokenizer(tmp_path, tokenizer, capsy
     assert not (tmp_path / "run/checkpoints").exists() or not list((tmp_path / "run/checkpoints").iterdir())
 
 
+@pytest.mark.slow
 def test_video_maskgit_refuses_an_image_tokenizer(tmp_path, capsys):
     """A 2D VQ-GAN run's codes are images, not token slices: exit 2 naming the key, URL and run kind."""
     image = [*VQGAN, f"run.dir={tmp_path}/vqgan", "train.max_steps=1"]
@@ -234,6 +236,7 @@ def test_video_maskgit_refuses_an_image_tokenizer(tmp_path, capsys):
     assert not (tmp_path / "run/checkpoints").exists() or not list((tmp_path / "run/checkpoints").iterdir())
 
 
+@pytest.mark.slow
 def test_video_maskgit_samples_gifs_named_by_caption_with_the_frames_asked_for(tmp_path, tokenizer, capsys):
     r = run_cli("train", *maskgit_args(tmp_path, tokenizer, "train.val_every_steps=2", max_steps=2))
     assert r.returncode == 0, r.stderr[-3000:]

@@ -80,6 +80,7 @@ def step_lines(log: str) -> dict[int, str]:
 # ---------------------------------------------------------------- VQ-GAN
 
 
+@pytest.mark.slow
 def test_vqgan_discriminator_starts_late_with_its_own_optimizer_and_penalty_on_configured_steps(tmp_path):
     r = run_cli(
         "train",
@@ -168,6 +169,7 @@ def test_quantizers_encode_and_decode_what_the_forward_reconstructs(quantizer):
 # ---------------------------------------------------------------- MaskGIT
 
 
+@pytest.mark.slow
 def test_maskgit_trains_on_a_pinned_frozen_tokenizer_and_samples_through_it(tmp_path, tokenizer):
     r = run_cli("train", *maskgit_args(tmp_path, tokenizer, "train.val_every_steps=4", max_steps=4), env=ENV)
     assert r.returncode == 0, r.stderr[-3000:]
@@ -192,6 +194,7 @@ def test_maskgit_trains_on_a_pinned_frozen_tokenizer_and_samples_through_it(tmp_
     assert not np.array_equal(grids[1], grids[8])  # one-shot vs iterative decoding
 
 
+@pytest.mark.slow
 def test_maskgit_refuses_a_tokenizer_of_another_geometry(tmp_path, tokenizer):
     r = run_cli("train", *maskgit_args(tmp_path, tokenizer, "model.codebook_size=8192", max_steps=1), env=ENV)
     assert r.returncode == 2
@@ -203,6 +206,7 @@ def test_maskgit_refuses_a_tokenizer_of_another_geometry(tmp_path, tokenizer):
     assert not (tmp_path / "run" / "checkpoints").exists() or not list((tmp_path / "run" / "checkpoints").iterdir())
 
 
+@pytest.mark.slow
 def test_maskgit_resume_with_a_changed_tokenizer_is_refused(tmp_path):
     tok_root = tmp_path / "tok"
     url = train_vqgan(tok_root, max_steps=2)
@@ -368,6 +372,7 @@ def test_vqgan_under_fsdp_matches_ddp_and_refuses_the_gradient_penalty(tmp_path)
     torch.testing.assert_close(torch.tensor(losses["fsdp"]), torch.tensor(losses["ddp"]), rtol=1e-4, atol=1e-6)
 
 
+@pytest.mark.slow
 def test_token_cache_is_keyed_by_tokenizer_digest_and_changes_nothing(tmp_path, tokenizer):
     cache = tmp_path / "cache"
     plain = run_cli("train", *maskgit_args(tmp_path / "a", tokenizer, max_steps=3), env=ENV)
@@ -392,6 +397,7 @@ def test_token_cache_is_keyed_by_tokenizer_digest_and_changes_nothing(tmp_path, 
         assert all(torch.equal(a[k], b[k]) for k in a), run
 
 
+@pytest.mark.slow
 def test_perceptual_loss_needs_user_given_vgg_weights(tmp_path):
     from safetensors.torch import save_file
 
@@ -409,6 +415,7 @@ def test_perceptual_loss_needs_user_given_vgg_weights(tmp_path):
     assert "generator/perceptual=" in r.stderr
 
 
+@pytest.mark.slow
 def test_maskgit_text_conditioning_plugs_in_the_shared_text_encoder(tmp_path, tokenizer):
     """Captions (the digits carry "a handwritten seven"-style ones) through the offline sentence encoder."""
     text = ["model.num_classes=null", "model.text.max_tokens=4", f"model.text.cache_dir={tmp_path}/text"]

@@ -230,6 +230,11 @@ def cmd_sample(args: argparse.Namespace) -> int:
         scheduler=args.scheduler or s.scheduler,
         guidance_scale=s.guidance_scale if args.guidance_scale is None else args.guidance_scale,
         **_conditions(args, store, info),
+        **(
+            {"images": _held_out_images(cfg, args.num, args.seed)}
+            if getattr(task, "samples_reconstruct", False)
+            else {}
+        ),
     )
     if images.ndim == 4:
         written = [save_grid(images, args.out)]
@@ -298,6 +303,19 @@ def cmd_eval(args: argparse.Namespace) -> int:
         print(json.dumps(result))
         print(f"fid={values['fid']:.4f} kid={values['kid']:.5f} (±{values['kid_std']:.5f}) -> {url}")
     return EXIT_OK
+
+
+def _held_out_images(cfg, num: int, seed: int):
+    """`num` held-out images of the run's data (the training set when it holds none out), chosen by `seed`,
+    for a task that samples by reconstructing (an autoencoder)."""
+    import torch
+
+    from trainer.data import SampleRef, build_splits, collate  # torch-heavy (see the module doc)
+
+    train, val, _ = build_splits(cfg)
+    held = val or train
+    order = torch.randperm(len(held), generator=torch.Generator().manual_seed(seed))[:num].tolist()
+    return collate([held[SampleRef(index=i, position=k, aug_seed=0)] for k, i in enumerate(order)])["images"]
 
 
 def _conditions(args: argparse.Namespace, store, info) -> dict[str, Any]:

@@ -31,6 +31,7 @@ from trainer.elastic import (
     exit_now,
     run_within,
 )
+from trainer.engine.calibrate import Calibrator
 from trainer.engine.evaluate import Evaluator
 from trainer.engine.parts import FrozenPart, Part, build_parts
 from trainer.engine.preview import Previewer
@@ -133,6 +134,15 @@ class Trainer:
             run_dir=cfg.run_dir,
             report=self.reporter.on_previews,
         )
+        self.calibrator = Calibrator(
+            self.task,
+            self.parts,
+            self.frozen,
+            self.train_set,
+            runtime=runtime,
+            every_steps=cfg.checkpoint.every_steps,
+            chunk_size=self.step_runner.chunk_size,
+        )
         self.evaluator = Evaluator(
             self.task, self.parts, self.frozen, held_out, runtime=runtime, cfg=cfg, report=self.reporter.on_eval
         )
@@ -176,12 +186,14 @@ class Trainer:
             if agree_to_stop(self.stop_request.requested, self.device):
                 return self.stop_for_preemption()
             if progress.step < cfg.train.max_steps:
+                self.calibrator.maybe_run(progress.step)  # before the save: it holds what was measured
                 self.checkpoints.maybe_save(progress.step)
                 self.validator.maybe_run(progress.step)
                 self.evaluator.maybe_run(progress.step)
                 self.previewer.maybe_run(progress.step)
             self.checkpoints.report_background_failure()
 
+        self.calibrator.run()
         self.checkpoints.save(progress.step, sync=True, final=True)
         self.validator.maybe_run(progress.step, last=True)
         self.evaluator.maybe_run(progress.step, last=True)

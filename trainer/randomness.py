@@ -56,6 +56,7 @@ class Stream(enum.Enum):
     DIFFUSION = (0, 2)  # noise, timestep and condition dropout of the diffusion tasks
     MASKGIT = (1, 2)  # masks and condition dropout
     CASCADE_STAGE = (100, 2, 1000)  # stage k (1, 2, ...) uses id 100 + k: the stages draw independently
+    AUTOENCODER = (6, 2)  # the KL autoencoder's posterior sample
     # keys (epoch, sample index): SampleRef.aug_seed
     AUGMENT = (2, 2)
     # keys (epoch, window number): the sample order within a window of shards
@@ -77,7 +78,7 @@ class Stream(enum.Enum):
 
 
 # The streams keyed (step, position in the global batch), the only ones `sample_generators` draws.
-_PER_SAMPLE = (Stream.DIFFUSION, Stream.MASKGIT, Stream.CASCADE_STAGE)
+_PER_SAMPLE = (Stream.DIFFUSION, Stream.MASKGIT, Stream.CASCADE_STAGE, Stream.AUTOENCODER)
 
 
 def stream_seed(seed: int, stream: Stream, *keys: int, substream: int = 0) -> int:

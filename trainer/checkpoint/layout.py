@@ -39,6 +39,11 @@ def step_dir_name(step: int) -> str:
     return f"step-{step:09d}"
 
 
+def eval_result_name(step: int) -> str:
+    """`gentrain eval`'s result for a step: beside the step dirs in the root (retention leaves it alone)."""
+    return f"eval-{step:09d}.json"
+
+
 def parse_step_dir(name: str) -> int | None:
     """The step of a step dir's base name, or None for any other name."""
     m = _STEP_DIR.match(name)
@@ -80,6 +85,11 @@ def replicated_file(group: str) -> str:
 def rank_files(rank: int) -> tuple[str, str]:
     """Rank `rank`'s RNG state: tensors, then values."""
     return f"rank-{rank:05d}.safetensors", f"rank-{rank:05d}.json"
+
+
+def is_tensor_file(name: str) -> bool:
+    """A payload file of tensors (safetensors); every other payload file is JSON."""
+    return name.endswith(".safetensors")
 
 
 def is_rank_json(name: str) -> bool:

@@ -49,6 +49,7 @@ from trainer.checkpoint.layout import (
     TRAINER_JSON,
     group_name,
     is_rank_json,
+    is_tensor_file,
     parse_group_file,
     parse_step_dir,
     step_dir_name,
@@ -340,9 +341,9 @@ class CheckpointStore:
         try:
             raw = self.fs.cat_file(posixpath.join(d, MANIFEST))
         except FileNotFoundError:
-            return CheckpointInfo(url, step, False, "no manifest.json (incomplete or interrupted save)")
+            return CheckpointInfo(url, step, False, f"no {MANIFEST} (incomplete or interrupted save)")
         except OSError as e:  # a file named like a step dir (NotADirectoryError), a dir named manifest.json, ...
-            return CheckpointInfo(url, step, False, f"manifest.json cannot be read ({type(e).__name__}: {e})")
+            return CheckpointInfo(url, step, False, f"{MANIFEST} cannot be read ({type(e).__name__}: {e})")
         try:
             manifest = parse_manifest(raw, step)
         except CheckpointCorrupt as e:
@@ -498,7 +499,7 @@ class CheckpointStore:
             try:
                 if name not in skip:
                     self.verify_file(info, name)
-                if name.endswith(".safetensors"):
+                if is_tensor_file(name):
                     parsed[name] = self.read_safetensors_header(info, name)[0]
                 elif name.endswith(".json"):
                     parsed[name] = self.read_json(info, name)

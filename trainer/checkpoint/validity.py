@@ -27,6 +27,7 @@ from typing import Annotated, Any
 from pydantic import BaseModel, ConfigDict, Field, StrictFloat, StrictInt, StrictStr, ValidationError, model_validator
 
 from trainer.checkpoint.format import SAFETENSORS_DTYPES
+from trainer.checkpoint.layout import MANIFEST
 from trainer.errors import CheckpointCorrupt
 
 FORMAT_VERSION = 2  # 2: blake3 digests, sharded layout; 1 (sha256, one writer) still loads
@@ -186,15 +187,15 @@ def _model(schema: type[BaseModel], doc: Any, what: str) -> BaseModel:
 
 def parse_manifest(raw: bytes, step: int) -> dict[str, Any]:
     """The manifest as a dict, checked against its schema and the step dir it is in; CheckpointCorrupt if not."""
-    doc = parse_json(raw, "manifest.json")
+    doc = parse_json(raw, MANIFEST)
     if not isinstance(doc, dict):
-        raise CheckpointCorrupt(f"manifest.json holds a {type(doc).__name__}, not an object")
-    _model(Manifest, doc, "manifest.json")
+        raise CheckpointCorrupt(f"{MANIFEST} holds a {type(doc).__name__}, not an object")
+    _model(Manifest, doc, MANIFEST)
     if doc["step"] != step:
-        raise CheckpointCorrupt(f"manifest.json says step {doc['step']}, but it is in the dir of step {step}")
+        raise CheckpointCorrupt(f"{MANIFEST} says step {doc['step']}, but it is in the dir of step {step}")
     for name in doc["files"]:
-        if not FILE_NAME.match(name) or name == "manifest.json" or ".." in name:
-            raise CheckpointCorrupt(f"manifest.json lists a file named {name!r}, which is not a payload file name")
+        if not FILE_NAME.match(name) or name == MANIFEST or ".." in name:
+            raise CheckpointCorrupt(f"{MANIFEST} lists a file named {name!r}, which is not a payload file name")
     return doc
 
 

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
 from contextlib import AbstractContextManager, contextmanager, nullcontext
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -175,7 +176,24 @@ def shard_from_rank0(
             del whole
         for b in module.buffers():
             dist.broadcast(b.data, src=0)
+    follow_rank0_buffers(module)
     return module
+
+
+def follow_rank0_buffers(module: nn.Module) -> None:
+    """Before each forward of `module`, give every rank rank 0's buffers, as DDP does (its
+    `broadcast_buffers`). FSDP2 leaves buffers to each rank: a buffer a forward updates from the rank's
+    own batch (LeCAM's anchors) would drift apart across ranks, and a sharded checkpoint, which keeps
+    rank 0's copy, could not resume such a run exactly. Modules without buffers get no hook."""
+    if next(module.buffers(), None) is None:
+        return
+
+    def broadcast(mod: nn.Module, args: Any) -> None:
+        with torch.no_grad():
+            for b in mod.buffers():
+                dist.broadcast(b, src=0)
+
+    module.register_forward_pre_hook(broadcast)
 
 
 @torch.no_grad()

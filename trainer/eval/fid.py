@@ -29,6 +29,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from trainer.checkpoint.layout import eval_result_name
 from trainer.data import collate
 from trainer.data.sampler import SampleRef
 from trainer.engine.services import ProcessServices
@@ -190,7 +191,7 @@ def write_result(root_url: str, storage_options: dict | None, step: int, result:
 
     import fsspec
 
-    url = f"{root_url.rstrip('/')}/eval-{step:09d}.json"
+    url = f"{root_url.rstrip('/')}/{eval_result_name(step)}"
     fs, path = fsspec.core.url_to_fs(url, **(storage_options or {}))
     fs.pipe_file(path, json.dumps(result, indent=1).encode())
     return url

@@ -13,7 +13,11 @@ A task
 - returns per-sample **losses** plus named terms for a phase (`loss`);
 - returns named per-sample **validation metrics** (`validate`);
 - makes **previews** (`previews`): image grids (N, C, H, W) or videos
-  (N, T, C, H, W), from noise or from a real held-out batch.
+  (N, T, C, H, W), from noise or from a real held-out batch;
+- may **calibrate** (`calibration_size`, `calibrate`): measure its current
+  weights on a fixed sample of training images before each checkpoint save
+  and keep the result in a part's buffers, saved with that part (an
+  autoencoder's latent scaling factor).
 
 Inside `forward` and `loss`, `modules[name]` is the DDP-wrapped part when
 that part learns in the current phase, else the bare module with gradients
@@ -27,7 +31,7 @@ intent (`trainer.engine.services`); it never sees a rank.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
@@ -156,6 +160,9 @@ class Task:
     # False when the loss is not a per-sample sum (e.g. a GAN's adaptive weight computed from a
     # chunk's gradients): the engine then refuses train.micro_batch_size instead of changing the update.
     micro_batch_invariant: ClassVar[bool] = True
+    # True when `sample` reconstructs real images (an autoencoder): `gentrain sample` then passes
+    # held-out images as `images=` (N, C, H, W) in [-1, 1].
+    samples_reconstruct: ClassVar[bool] = False
 
     def __init__(self, model_cfg: BaseModel, ctx: TaskContext):
         self.cfg = model_cfg
@@ -221,6 +228,17 @@ class Task:
         self, phase: Phase, modules: Mapping[str, nn.Module], batch: Batch, outputs: Mapping[str, Any], info: StepInfo
     ) -> Loss:
         raise NotImplementedError
+
+    # ---- measurements saved with the weights
+    def calibration_size(self) -> int:
+        """How many training images `calibrate` measures (0: the task has nothing to measure)."""
+        return 0
+
+    def calibrate(self, modules: Mapping[str, nn.Module], batches: Iterable[Batch]) -> None:
+        """Measure the current weights on a fixed sample of training images (the first `calibration_size()`
+        of the training set, in chunks, the same on every process) and store the result in a part's buffers,
+        which its checkpoint saves. Called by the engine before each checkpoint save, in eval mode, with
+        gradients off and the EMA weights swapped in where a part keeps them."""
 
     # ---- evaluation and output
     def validate(self, modules: Mapping[str, nn.Module], batch: Batch) -> dict[str, torch.Tensor]:
