@@ -743,3 +743,26 @@ def test_dit_denoisers_refuse_fsdp_and_the_others_do_not():
     mmdit = {"kind": "mmdit", "caption_channels": 8, "pooled_channels": 8}
     stages = [StageConfig(image_size=4, backbone=mmdit), StageConfig(image_size=8, **TINY_UNET)]
     assert CascadeTask(CascadeConfig(stages=stages), TaskContext(8, 1, 0)).fsdp_refusal() is None
+
+
+def test_ddpm_trains_with_dream_as_the_core_computes_it():
+    """DREAM (epsilon only) reaches ddpm through the core: the task's loss is the core's with DREAM's extra
+    no-grad forward, differs from plain epsilon, and every parameter gets a gradient."""
+    cfg = DiffusionModelConfig(dream=True, dream_detail_preservation=0.8, num_classes=CLASSES, **TINY_UNET)
+    task = DDPMTask(cfg, TaskContext(8, 1, SEED, num_classes=CLASSES))
+    torch.manual_seed(0)
+    unet = task.build({})["unet"]
+    batch = _batch()
+    mine = task.loss(Phase("unet", "unet"), {"unet": unet}, batch, None, StepInfo(STEP))
+    x0 = batch.images
+    gens = sample_generators(SEED, STEP, batch.positions)
+    noise = per_sample_randn(gens, x0.shape[1:])
+    draw = task.objective.draw(gens, len(batch), CPU, x0.dtype)
+    labels = labels_or_null(batch.labels, per_sample_rand(gens) < cfg.cond_drop_prob, CLASSES)
+    _assert_same_loss(mine, build_objective(cfg).loss(_unet_fn(unet), x0, noise, draw, {"labels": labels}))
+    plain = DDPMTask(cfg.model_copy(update={"dream": False}), TaskContext(8, 1, SEED, num_classes=CLASSES))
+    plain.build({})
+    other = plain.loss(Phase("unet", "unet"), {"unet": unet}, batch, None, StepInfo(STEP))
+    assert not torch.equal(mine.per_sample, other.per_sample)
+    mine.per_sample.mean().backward()
+    assert all(p.grad is not None for p in unet.parameters())
