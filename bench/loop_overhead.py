@@ -83,7 +83,7 @@ def minimal_iterations(steps: int) -> list[float]:
     opt = build_optimizer(unet, cfg)
     sched = build_lr_schedule(opt, cfg)
     data = DigitsDataset(cfg.data.image_size).images
-    noise_sched = task.noise_scheduler
+    noise_sched = task.objective.train_scheduler
     g = torch.Generator().manual_seed(0)
     rng = np.random.default_rng(0)
     perm, pos = rng.permutation(len(data)), 0

@@ -89,8 +89,9 @@ def _keys(model: type[BaseModel], prefix: str = "") -> list[str]:
                 out += _keys(subs[0], f"{key}[i].")
             elif origin is dict:
                 out += _keys(subs[0], f"{key}.<part>.")
-            else:
-                out += _keys(subs[0], f"{key}.")
+            else:  # a section, or a union of sections (a kind-discriminated model.backbone): every member's keys
+                for sub in subs:
+                    out += [k for k in _keys(sub, f"{key}.") if k not in out]
     return out
 
 

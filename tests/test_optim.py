@@ -53,7 +53,7 @@ def test_constant_schedule_after_warmup():
 
 
 def test_min_snr_weights_match_the_paper():
-    from trainer.tasks.ddpm import min_snr_weights
+    from trainer.diffusion import min_snr_weights
 
     snr = torch.tensor([0.5, 5.0, 50.0])
     eps = min_snr_weights(snr, 5.0, "epsilon")

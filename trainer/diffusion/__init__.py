@@ -24,6 +24,7 @@ guidance and the class-label helpers are in `guidance.py`. A task composes the t
 
 from trainer.diffusion.backbones import (
     BACKBONES,
+    DIT_FSDP_REFUSAL,
     Backbone,
     BackboneConfig,
     DiTBackbone,
@@ -43,6 +44,7 @@ from trainer.diffusion.guidance import (
     cfg_combine,
     check_num_classes,
     default_labels,
+    guide,
     labels_or_null,
 )
 from trainer.diffusion.objectives import (
@@ -64,6 +66,7 @@ from trainer.diffusion.objectives import (
 
 __all__ = [
     "BACKBONES",
+    "DIT_FSDP_REFUSAL",
     "EDM",
     "OBJECTIVES",
     "SAMPLERS",
@@ -93,6 +96,7 @@ __all__ = [
     "check_num_classes",
     "default_labels",
     "edm_loss_weight",
+    "guide",
     "labels_or_null",
     "min_snr_weights",
     "parse_backbone",

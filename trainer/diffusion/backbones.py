@@ -20,7 +20,8 @@ Built from `model.backbone.*` (`BackboneConfig`, discriminated by `kind`):
 - `mmdit`: SD3Transformer2DModel, caption tokens in joint attention plus a pooled embedding (Esser et al. 2024).
 
 The diffusers module is `backbone.model`; `call(model, x, t, cond)` runs one without the wrapper (a part
-saved as the bare diffusers module keeps its state-dict keys). `fsdp_unit_classes` names the blocks that
+saved as the bare diffusers module keeps its state-dict keys): the backbone's own module, or a wrapper of it
+(DDP), whose architecture `call` reads from `backbone.model`. `fsdp_unit_classes` names the blocks that
 become FSDP units.
 """
 
@@ -196,12 +197,19 @@ class UNetBackbone(Backbone):
     _unit_lists = ("down_blocks", "up_blocks")
 
     @classmethod
-    def build(cls, c: UNetBackboneConfig, sample_size: int, channels: int, num_classes: int | None) -> UNetBackbone:
+    def build(
+        cls,
+        c: UNetBackboneConfig,
+        sample_size: int,
+        channels: int,
+        num_classes: int | None,
+        in_channels: int | None = None,
+    ) -> UNetBackbone:
         # One extra embedding row is the "no label" class used for guidance.
         class_rows = (num_classes + 1) if num_classes else None
         shape = dict(
             sample_size=sample_size,
-            in_channels=channels,
+            in_channels=in_channels or channels,
             out_channels=channels,
             block_out_channels=tuple(c.block_out_channels),
             layers_per_block=c.layers_per_block,
@@ -226,7 +234,8 @@ class UNetBackbone(Backbone):
 
     def call(self, model, x, t, cond):
         labels = cond.get("labels")
-        if isinstance(model, UNet2DConditionModel):
+        # The built module decides: `model` may be a DDP wrapper around it.
+        if isinstance(self.model, UNet2DConditionModel):
             mask = cond.get("caption_mask")
             return model(x, t, cond["captions"], class_labels=labels, encoder_attention_mask=mask).sample
         return model(x, t, class_labels=labels).sample
@@ -239,17 +248,33 @@ def _check_patches(kind: str, sample_size: int, patch_size: int) -> None:
         )
 
 
+# diffusers' DiT conditions its output layer with its first block's embedding, called after every block has run:
+# with the blocks as FSDP2 units that embedding's weights are sharded again by then (measured: a mixed
+# Tensor/DTensor addmm). Tasks refuse train.parallel=fsdp for it with this reason.
+DIT_FSDP_REFUSAL = (
+    "diffusers' DiTTransformer2DModel calls its first block's embedding again after the last block, which "
+    "per-block FSDP units cannot serve; use train.parallel=ddp, or a pixart or mmdit backbone"
+)
+
+
 class DiTBackbone(Backbone):
     kind = "dit"
     _unit_lists = ("transformer_blocks",)
 
     @classmethod
-    def build(cls, c: DiTBackboneConfig, sample_size: int, channels: int, num_classes: int | None) -> DiTBackbone:
+    def build(
+        cls,
+        c: DiTBackboneConfig,
+        sample_size: int,
+        channels: int,
+        num_classes: int | None,
+        in_channels: int | None = None,
+    ) -> DiTBackbone:
         _check_patches(cls.kind, sample_size, c.patch_size)
         model = DiTTransformer2DModel(
             num_attention_heads=c.num_attention_heads,
             attention_head_dim=c.attention_head_dim,
-            in_channels=channels,
+            in_channels=in_channels or channels,
             out_channels=channels,
             num_layers=c.num_layers,
             dropout=c.dropout,
@@ -283,7 +308,14 @@ class PixArtBackbone(Backbone):
         self.pixel_scale = pixel_scale
 
     @classmethod
-    def build(cls, c: PixArtBackboneConfig, sample_size: int, channels: int, num_classes: int | None = None):
+    def build(
+        cls,
+        c: PixArtBackboneConfig,
+        sample_size: int,
+        channels: int,
+        num_classes: int | None = None,
+        in_channels: int | None = None,
+    ):
         if num_classes:
             raise ConfigError(
                 "the pixart backbone is conditioned on captions, not class labels: unset model.num_classes"
@@ -292,7 +324,7 @@ class PixArtBackbone(Backbone):
         model = PixArtTransformer2DModel(
             num_attention_heads=c.num_attention_heads,
             attention_head_dim=c.attention_head_dim,
-            in_channels=channels,
+            in_channels=in_channels or channels,
             out_channels=channels,
             num_layers=c.num_layers,
             dropout=c.dropout,
@@ -316,7 +348,7 @@ class PixArtBackbone(Backbone):
 
     def call(self, model, x, t, cond):
         added = {"resolution": None, "aspect_ratio": None}
-        if model.use_additional_conditions:
+        if self.model.use_additional_conditions:  # the built module's: `model` may be a DDP wrapper around it
             # As diffusers' PixArt pipelines: the output image's (height, width) in pixels and height / width.
             n, (h, w) = x.shape[0], x.shape[-2:]
             res = cond.get("resolution")
@@ -340,7 +372,14 @@ class MMDiTBackbone(Backbone):
     _unit_lists = ("transformer_blocks",)
 
     @classmethod
-    def build(cls, c: MMDiTBackboneConfig, sample_size: int, channels: int, num_classes: int | None = None):
+    def build(
+        cls,
+        c: MMDiTBackboneConfig,
+        sample_size: int,
+        channels: int,
+        num_classes: int | None = None,
+        in_channels: int | None = None,
+    ):
         if num_classes:
             raise ConfigError(
                 "the mmdit backbone is conditioned on captions, not class labels: unset model.num_classes"
@@ -349,7 +388,7 @@ class MMDiTBackbone(Backbone):
         model = SD3Transformer2DModel(
             sample_size=sample_size,
             patch_size=c.patch_size,
-            in_channels=channels,
+            in_channels=in_channels or channels,
             out_channels=channels,
             num_layers=c.num_layers,
             attention_head_dim=c.attention_head_dim,
@@ -374,9 +413,14 @@ BACKBONES: dict[str, type[Backbone]] = {c.kind: c for c in (UNetBackbone, DiTBac
 
 
 def build_backbone(
-    cfg: Mapping | BaseModel, sample_size: int, channels: int, num_classes: int | None = None
+    cfg: Mapping | BaseModel,
+    sample_size: int,
+    channels: int,
+    num_classes: int | None = None,
+    in_channels: int | None = None,
 ) -> Backbone:
     """The backbone `cfg.kind` names, for inputs of `channels` x `sample_size`^2 (pixels or latents),
-    class-conditional on `num_classes` classes when set (and when the kind takes labels)."""
+    class-conditional on `num_classes` classes when set (and when the kind takes labels). `in_channels`:
+    inputs wider than the output (a super-resolution stage's image and its low-resolution condition)."""
     c = parse_backbone(cfg)
-    return BACKBONES[c.kind].build(c, sample_size, channels, num_classes)
+    return BACKBONES[c.kind].build(c, sample_size, channels, num_classes, in_channels)

@@ -25,10 +25,16 @@ def cfg_batch(cond: Mapping[str, Tensor], uncond: Mapping[str, Tensor]) -> dict[
     return {k: torch.cat([cond[k], uncond[k] if k in uncond else cond[k]]) for k in cond}
 
 
-def cfg_combine(out: Tensor, scale: float) -> Tensor:
-    """Mix the output of a `cfg_batch` forward: uncond + scale * (cond - uncond)."""
-    cond, uncond = out.chunk(2)
+def guide(cond: Tensor, uncond: Tensor, scale: float) -> Tensor:
+    """The guided prediction uncond + scale * (cond - uncond) (scale 1: cond; larger: further from uncond).
+    The one formula of every guided task, for outputs from one batched forward or from two."""
     return uncond + scale * (cond - uncond)
+
+
+def cfg_combine(out: Tensor, scale: float) -> Tensor:
+    """Mix the output of a `cfg_batch` forward: `guide` of its conditional and unconditional halves."""
+    cond, uncond = out.chunk(2)
+    return guide(cond, uncond, scale)
 
 
 @dataclass(frozen=True)

@@ -19,99 +19,87 @@ and as `image_embed_tokens` extra context tokens), read from the data or
 computed from each training image by a frozen `model.image_encoder`
 (trainer/conditioning/image.py).
 
-Objectives per stage: epsilon / v (DDPM noise schedule, min-SNR weighting,
-optional DREAM for epsilon), rectified flow (`prediction_type: flow`, SD3's
-timestep densities and loss weights, a flow-matching Euler sampler), or the
-elucidated preconditioning (`prediction_type: edm`, Karras et al. 2022, as
-imagen-pytorch's ElucidatedImagen: lognormal sigmas, c_skip/c_out/c_in/c_noise
-and the loss weight, sampled by diffusers' EDM schedulers), all from
-diffusers' own functions.
+Objectives per stage come from the diffusion core (trainer/diffusion/objectives.py):
+epsilon / v (DDPM noise schedule, min-SNR weighting, optional DREAM for
+epsilon), rectified flow (`prediction_type: flow`, SD3's timestep densities
+and loss weights, a flow-matching Euler sampler), or the elucidated
+preconditioning (`prediction_type: edm`, Karras et al. 2022, as
+imagen-pytorch's ElucidatedImagen), all from diffusers' own functions; so do
+classifier-free guidance and the class-label helpers (trainer/diffusion/guidance.py).
 """
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Mapping
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import numpy as np
 import torch
 import torch.nn.functional as F
-from diffusers import (
-    DDPMScheduler,
-    EDMDPMSolverMultistepScheduler,
-    EDMEulerScheduler,
-    FlowMatchEulerDiscreteScheduler,
-    UNet2DConditionModel,
-)
+from diffusers import DDPMScheduler, UNet2DConditionModel
 from diffusers.models.embeddings import TimestepEmbedding, Timesteps
-from diffusers.training_utils import (
-    compute_density_for_timestep_sampling,
-    compute_dream_and_update_latents,
-    compute_loss_weighting_for_sd3,
-)
+from diffusers.models.modeling_outputs import Transformer2DModelOutput
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 from torch import nn
 
 from trainer.conditioning.image import ImageEncoder
 from trainer.conditioning.text import TextEncoder, TextEncoderConfig
+from trainer.diffusion import (
+    DIT_FSDP_REFUSAL,
+    DiTBackboneConfig,
+    Guidance,
+    MMDiTBackboneConfig,
+    PixArtBackboneConfig,
+    build_backbone,
+    build_objective,
+    check_num_classes,
+    default_labels,
+    labels_or_null,
+)
+from trainer.diffusion.backbones import unet_block_types
 from trainer.errors import ConfigError
 from trainer.models.finetune import EXTRAS_NAME, load_weights, prepare_unet
-from trainer.randomness import Stream, per_sample_rand, per_sample_randint, per_sample_randn, sample_generators
+from trainer.randomness import Stream, per_sample_rand, per_sample_randn, sample_generators
 from trainer.tasks.base import Batch, Loss, Phase, PreviewContext, StepInfo, Task, TaskContext
-from trainer.tasks.ddpm import (
-    NoiseConfig,
-    architecture_hints,
-    diffusion_loss,
-    inference_scheduler,
-    noise_scheduler_for,
-    unet_block_types,
-)
+from trainer.tasks.ddpm import NoiseConfig, architecture_hints, changed_unet_keys
 
 log = logging.getLogger(__name__)
 
 _AUG_TIMESTEPS = 1000  # the noise-augmentation schedule (cosine), shared by all stages
 
 
-class EDMConfig(BaseModel):
-    """`edm.*`: the elucidated preconditioning's constants (Karras et al. 2022, arXiv:2206.00364, table 1),
-    the defaults of the paper and of imagen-pytorch's ElucidatedImagen."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    sigma_data: float = Field(0.5, gt=0, description="standard deviation of the data (images in [-1, 1])")
-    p_mean: float = Field(-1.2, description="training: ln(sigma) ~ N(p_mean, p_std^2)")
-    p_std: float = Field(1.2, gt=0)
-    sigma_min: float = Field(0.002, gt=0, description="sampling: the schedule's ends")
-    sigma_max: float = Field(80.0, gt=0)
-    rho: float = Field(7.0, gt=0, description="sampling: Karras schedule curvature")
+# A stage's transformer denoiser (the core's backbones); a stage without one is its conditioned UNet.
+StageBackboneConfig = Annotated[
+    DiTBackboneConfig | PixArtBackboneConfig | MMDiTBackboneConfig, Field(discriminator="kind")
+]
 
 
 class StageConfig(NoiseConfig):
-    """One stage: its resolution, UNet, objective and low-resolution augmentation."""
+    """One stage: its resolution, denoiser (a UNet, or a transformer `backbone`), objective (the core's keys, as
+    `model.*` of ddpm) and low-resolution augmentation."""
 
     image_size: int = Field(..., ge=4)
-    prediction_type: Literal["epsilon", "v_prediction", "flow", "edm"] = "epsilon"
-    edm: EDMConfig = Field(default_factory=EDMConfig, description="prediction_type=edm: its constants")
-    dream: bool = Field(False, description="DREAM (arXiv:2312.00210), epsilon prediction only")
-    dream_detail_preservation: float = Field(1.0, gt=0)
-    weighting_scheme: Literal["logit_normal", "mode", "sigma_sqrt", "cosmap", "none"] = Field(
-        "logit_normal", description="flow: SD3's timestep density and loss weighting"
-    )
-    logit_mean: float = 0.0
-    logit_std: float = Field(1.0, gt=0)
-    mode_scale: float = 1.29
     noise_aug_max: float = Field(0.5, ge=0, le=1, description="training: level drawn in [0, max) (fraction of T)")
     noise_aug_sample: float = Field(0.1, ge=0, le=1, description="sampling: the fixed level")
     gradient_checkpointing: bool = False
+    backbone: StageBackboneConfig | None = Field(
+        None,
+        description="a transformer denoiser (kind: dit | pixart | mmdit) instead of the stage's UNet; null = the UNet",
+    )
 
     @model_validator(mode="after")
-    def _dream_needs_epsilon(self) -> StageConfig:
-        if self.dream and self.prediction_type != "epsilon":
+    def _a_unet_or_a_backbone(self) -> StageConfig:
+        if self.backbone is None:
+            return self
+        both = changed_unet_keys(self)
+        if both:
             raise ValueError(
-                f"dream=true needs prediction_type=epsilon (diffusers implements DREAM for epsilon only), "
-                f"got {self.prediction_type}"
+                f"{', '.join(both)} shape the stage's UNet, but this stage's denoiser is model.backbone "
+                f"(kind {self.backbone.kind}): remove them"
             )
+        if self.pretrained is not None:
+            raise ValueError("pretrained is a diffusers UNet folder: a stage with a backbone starts from scratch")
         return self
 
 
@@ -134,6 +122,25 @@ class CascadeConfig(BaseModel):
         sizes = [s.image_size for s in self.stages]
         if any(b <= a for a, b in zip(sizes, sizes[1:], strict=False)):
             raise ValueError(f"model.stages image_size must increase from stage to stage, got {sizes}")
+        return self
+
+    @model_validator(mode="after")
+    def _dit_takes_labels_only(self) -> CascadeConfig:
+        # diffusers' DiT conditions on a timestep and a class label, nothing else: no captions, image embeddings
+        # or augmentation level of a low-resolution image (pixart and mmdit take those as tokens).
+        for i, s in enumerate(self.stages):
+            if s.backbone is None or s.backbone.kind != "dit":
+                continue
+            if i > 0:
+                raise ValueError(
+                    f"model.stages[{i}].backbone.kind=dit: a super-resolution stage is told its low-resolution "
+                    "image's augmentation level, which DiT has no input for; use pixart or mmdit (or the UNet)"
+                )
+            if self.has_context:
+                raise ValueError(
+                    f"model.stages[{i}].backbone.kind=dit conditions on class labels only: use pixart or mmdit for "
+                    "model.text or model.image_embed_dim"
+                )
         return self
 
     @property
@@ -216,6 +223,75 @@ class StageNet(nn.Module):
         return self.unet(x, t, hidden, class_labels=vec, encoder_attention_mask=attn_mask)
 
 
+class TransformerStageNet(nn.Module):
+    """A stage whose denoiser is a transformer backbone of the diffusion core (`model.stages[i].backbone`).
+
+    As in StageNet, the backbone sees [noisy image, augmented low-res image] as channels. DiT takes the class
+    label itself (stage 1 only, see CascadeConfig). PixArt and MMDiT read every condition as caption tokens
+    of their `caption_channels`: one token from the condition vector (class + augmentation level + pooled
+    text + image embedding, `pooled_channels` wide for MMDiT, which also gets it as its pooled embedding),
+    then the text's tokens and the image embedding's tokens.
+    """
+
+    def __init__(self, s: StageConfig, cfg: CascadeConfig, channels: int, lowres: bool):
+        super().__init__()
+        b = s.backbone
+        assert b is not None
+        self.lowres = lowres
+        labels = cfg.num_classes if b.kind == "dit" else None
+        in_channels = channels * (2 if lowres else 1)
+        self.backbone = build_backbone(b, s.image_size, channels, labels, in_channels=in_channels)
+        if s.gradient_checkpointing:
+            self.backbone.model.enable_gradient_checkpointing()
+        self.tokens = b.kind != "dit"
+        if not self.tokens:
+            return
+        width = b.caption_channels
+        self.vec_dim = vec = b.pooled_channels if b.kind == "mmdit" else width
+        self.width = width
+        self.class_embed = nn.Embedding(cfg.num_classes + 1, vec) if cfg.num_classes else None
+        if lowres:
+            self.aug_proj = Timesteps(64, flip_sin_to_cos=True, downscale_freq_shift=0)
+            self.aug_embed = TimestepEmbedding(64, vec)
+        if cfg.text is not None:
+            self.text_pooled = nn.Linear(cfg.text.width, vec)
+            self.text_tokens = nn.Linear(cfg.text.width, width)
+        self.embed_tokens_n = cfg.image_embed_tokens
+        if cfg.image_embed_dim is not None:
+            self.embed_vector = nn.Linear(cfg.image_embed_dim, vec)
+            self.embed_tokens = nn.Linear(cfg.image_embed_dim, cfg.image_embed_tokens * width)
+        self.vec_token = nn.Linear(vec, width)
+
+    def forward(self, x: torch.Tensor, t: torch.Tensor, cond: Mapping[str, torch.Tensor]):
+        """Returns a diffusers output (`.sample`), as StageNet does."""
+        n = x.shape[0]
+        if self.lowres:
+            x = torch.cat([x, cond["lowres"]], dim=1)
+        if not self.tokens:
+            labels = {"labels": cond["labels"]} if "labels" in cond else {}
+            return Transformer2DModelOutput(sample=self.backbone(x, t, labels))
+        vec = torch.zeros(n, self.vec_dim, device=x.device, dtype=x.dtype)
+        if self.class_embed is not None:
+            vec = vec + self.class_embed(cond["labels"])
+        if self.lowres:
+            vec = vec + self.aug_embed(self.aug_proj(cond["aug_t"]).to(x.dtype))
+        tokens, masks = [], []
+        if "text_pooled" in cond:
+            vec = vec + self.text_pooled(cond["text_pooled"])
+            tokens.append(self.text_tokens(cond["text_tokens"]))
+            masks.append(cond["text_mask"])
+        if "image_embed" in cond:
+            e = cond["image_embed"]
+            vec = vec + self.embed_vector(e)
+            tokens.append(self.embed_tokens(e).view(n, self.embed_tokens_n, self.width))
+            masks.append(torch.ones(n, self.embed_tokens_n, device=x.device))
+        tokens.insert(0, self.vec_token(vec)[:, None])
+        masks.insert(0, torch.ones(n, 1, device=x.device))
+        given = {"captions": torch.cat(tokens, dim=1), "caption_mask": torch.cat(masks, dim=1), "pooled": vec}
+        conds = {k: v for k, v in given.items() if k in self.backbone.accepts}
+        return Transformer2DModelOutput(sample=self.backbone(x, t, conds))
+
+
 def stage_hints(prefix: str) -> dict[str, str]:
     """diffusers UNet2DConditionModel config fields -> the gentrain keys that set them."""
     context = "model.text / model.image_embed_dim (cross-attention when either is set)"
@@ -239,26 +315,9 @@ def resize(images: torch.Tensor, size: int) -> torch.Tensor:
     return F.interpolate(images, size=(size, size), mode="bilinear", align_corners=False)
 
 
-def edm_scheduler(e: EDMConfig, kind: str):
-    """diffusers' EDM sampler for `sample.scheduler` (ddim -> EDMEulerScheduler, dpm -> EDMDPMSolverMultistepScheduler).
-
-    Its `precondition_*` functions are also the training's, so training and sampling cannot disagree.
-    prediction_type "epsilon" is diffusers' name for EDM's own F-parametrization (c_out > 0).
-    """
-    cls = EDMDPMSolverMultistepScheduler if kind == "dpm" else EDMEulerScheduler
-    return cls(
-        sigma_min=e.sigma_min, sigma_max=e.sigma_max, sigma_data=e.sigma_data, rho=e.rho, prediction_type="epsilon"
-    )
-
-
-def edm_loss_weight(sigma: torch.Tensor, sigma_data: float) -> torch.Tensor:
-    """lambda(sigma) = (sigma^2 + sigma_data^2) / (sigma * sigma_data)^2 (EDM eq. 8, table 1): with it the
-    effective target of the network output has unit variance at every noise level."""
-    return (sigma**2 + sigma_data**2) / (sigma * sigma_data) ** 2
-
-
-def _cat(a: Mapping[str, torch.Tensor], b: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    return {k: torch.cat([a[k], b[k]]) for k in a}
+def _net(net: nn.Module):
+    """A stage's network as the core calls one: (x, t, conditions) -> output."""
+    return lambda x, t, cond: net(x, t, cond).sample
 
 
 class CascadeTask(Task):
@@ -277,8 +336,7 @@ class CascadeTask(Task):
                 f"{ctx.image_size}; the last stage trains on the data's images: set data.image_size="
                 f"{c.stages[-1].image_size}"
             )
-        if c.num_classes and ctx.num_classes and c.num_classes != ctx.num_classes:
-            raise ConfigError(f"model.num_classes={c.num_classes} but the dataset has {ctx.num_classes} classes")
+        check_num_classes(c.num_classes, ctx.num_classes)
         if ctx.stages is not None:
             bad = [k for k in ctx.stages if not 1 <= k <= n]
             if bad or len(set(ctx.stages)) != len(ctx.stages):
@@ -287,7 +345,7 @@ class CascadeTask(Task):
                     "once; e.g. train.stages=[2] trains only the second stage"
                 )
         self.channels = ctx.channels
-        self.schedulers = [self._train_scheduler(s) for s in c.stages]
+        self.objectives = [build_objective(s) for s in c.stages]
         self.aug_scheduler = DDPMScheduler(num_train_timesteps=_AUG_TIMESTEPS, beta_schedule="squaredcos_cap_v2")
         self.text = TextEncoder(c.text, ctx.storage_options) if c.text is not None else None
         self._inputs: dict[str, dict] = {}
@@ -300,13 +358,11 @@ class CascadeTask(Task):
                     f"model.image_embed_dim={self.image_encoder.dim} (it is {c.image_embed_dim})"
                 )
 
-    @staticmethod
-    def _train_scheduler(s: StageConfig):
-        if s.prediction_type == "flow":
-            return FlowMatchEulerDiscreteScheduler(num_train_timesteps=s.num_train_timesteps)
-        if s.prediction_type == "edm":
-            return edm_scheduler(s.edm, "ddim")
-        return noise_scheduler_for(s)
+    def fsdp_refusal(self) -> str | None:
+        dit = [i for i, s in enumerate(self.cfg.stages) if s.backbone is not None and s.backbone.kind == "dit"]
+        if dit:
+            return f"model.stages[{dit[0]}].backbone.kind=dit: {DIT_FSDP_REFUSAL}"
+        return None
 
     # ---- parts
     @classmethod
@@ -320,6 +376,9 @@ class CascadeTask(Task):
     def build(self, frozen) -> dict[str, nn.Module]:
         nets = {}
         for k, s in enumerate(self.cfg.stages, 1):
+            if s.backbone is not None:
+                nets[f"stage{k}"] = TransformerStageNet(s, self.cfg, self.channels, lowres=k > 1)
+                continue
             net = nets[f"stage{k}"] = StageNet(s, self.cfg, self.channels, lowres=k > 1)
             key = f"model.stages[{k - 1}]"
             folder = prepare_unet(
@@ -355,6 +414,12 @@ class CascadeTask(Task):
 
     def export_unets(self, modules) -> dict[str, tuple[nn.Module, dict[str, torch.Tensor]]]:
         """Each stage's diffusers UNet plus its gentrain conditioning layers (for `checkpoints export`)."""
+        transformers = [name for name, net in modules.items() if isinstance(net, TransformerStageNet)]
+        if transformers:
+            raise ConfigError(
+                f"{', '.join(transformers)} of this cascade {'is' if len(transformers) == 1 else 'are'} a transformer "
+                "backbone, not a diffusers UNet: nothing to export as UNets"
+            )
         return {
             name: (net.unet, {k: v for k, v in net.state_dict().items() if not k.startswith("unet.")})
             for name, net in modules.items()
@@ -380,8 +445,7 @@ class CascadeTask(Task):
         if c.num_classes:
             if labels is None:
                 labels = torch.full((n,), -1, dtype=torch.long)
-            labels = labels.to(device)
-            cond["labels"] = torch.where(drop | (labels < 0), c.num_classes, labels)
+            cond["labels"] = labels_or_null(labels.to(device), drop, c.num_classes)
         if self.text is not None:
             if captions is None:
                 raise ConfigError(
@@ -426,24 +490,12 @@ class CascadeTask(Task):
         s = self.cfg.stages[k - 1]
         x0 = resize(batch.images, s.image_size)
         n, device = x0.shape[0], x0.device
+        # Per sample: its noise, its noise level (the objective's draw), its condition dropout, then (stage > 1)
+        # its augmentation level and augmentation noise.
         gens = sample_generators(self.seed, step, batch.positions, Stream.CASCADE_STAGE, substream=k)
         noise = per_sample_randn(gens, x0.shape[1:]).to(device, x0.dtype)
-        sched = self.schedulers[k - 1]
-        if s.prediction_type == "flow":
-            u = torch.cat(
-                [
-                    compute_density_for_timestep_sampling(
-                        s.weighting_scheme, 1, s.logit_mean, s.logit_std, s.mode_scale, generator=g
-                    )
-                    for g in gens
-                ]
-            )
-            index = (u * sched.config.num_train_timesteps).long().clamp(max=sched.config.num_train_timesteps - 1)
-            t = sched.timesteps[index].to(device)
-        elif s.prediction_type == "edm":
-            sigma = (s.edm.p_mean + s.edm.p_std * per_sample_randn(gens, (1,))).exp().view(n).to(device, x0.dtype)
-        else:
-            t = per_sample_randint(gens, s.num_train_timesteps).to(device)
+        objective = self.objectives[k - 1]
+        draw = objective.draw(gens, n, device, x0.dtype)
         drop = per_sample_rand(gens) < self.cfg.cond_drop_prob
         cond = self.conditions(n, device, drop, batch.labels, batch.captions, self.image_embeds(batch))
         if k > 1:
@@ -454,29 +506,7 @@ class CascadeTask(Task):
                 k, low, aug_t, per_sample_randn(gens, (low.shape[1], s.image_size, s.image_size))
             )
             cond["aug_t"] = aug_t.to(device)
-
-        if s.prediction_type == "flow":
-            sigma = sched.sigmas[index].to(device, x0.dtype).view(n, 1, 1, 1)
-            noisy = (1.0 - sigma) * x0 + sigma * noise
-            pred = net(noisy, t, cond).sample
-            weight = compute_loss_weighting_for_sd3(s.weighting_scheme, sigma).view(n)
-            mse = F.mse_loss(pred.float(), (noise - x0).float(), reduction="none").mean(dim=(1, 2, 3))
-            return Loss(mse * weight, {"mse": mse.detach()})
-        if s.prediction_type == "edm":
-            sig = sigma.view(n, 1, 1, 1)
-            noisy = x0 + sig * noise
-            out = net(sched.precondition_inputs(noisy, sig), sched.precondition_noise(sigma), cond).sample
-            denoised = sched.precondition_outputs(noisy, out, sig)
-            mse = F.mse_loss(denoised.float(), x0.float(), reduction="none").mean(dim=(1, 2, 3))
-            return Loss(mse * edm_loss_weight(sigma.float(), s.edm.sigma_data), {"mse": mse.detach()})
-        noisy = sched.add_noise(x0, noise, t)
-        target = noise if s.prediction_type == "epsilon" else sched.get_velocity(x0, noise, t)
-        if s.dream:
-            noisy, target = compute_dream_and_update_latents(
-                net, sched, t, noise, noisy, target, cond, s.dream_detail_preservation
-            )
-        pred = net(noisy, t, cond).sample
-        return diffusion_loss(sched, s, pred, target, t)
+        return objective.loss(_net(net), x0, noise, draw, cond)
 
     def loss(self, phase: Phase, modules, batch: Batch, outputs, info: StepInfo) -> Loss:
         k = int(phase.part.removeprefix("stage"))
@@ -576,27 +606,9 @@ class CascadeTask(Task):
             cond["aug_t"] = aug_t.to(device)
         uncond = None
         if self.conditional and guidance_scale != 1.0:
-            uncond = self._uncond(cond, n, device)
-            uncond.update({key: cond[key] for key in ("lowres", "aug_t") if key in cond})
-        train_sched = self.schedulers[k - 1]
-        if s.prediction_type == "flow":
-            sched = FlowMatchEulerDiscreteScheduler.from_config(train_sched.config)
-        elif s.prediction_type == "edm":
-            sched = edm_scheduler(s.edm, scheduler)
-        else:
-            sched = inference_scheduler(train_sched, scheduler)
-        sched.set_timesteps(inference_steps)
-        x = x * getattr(sched, "init_noise_sigma", 1.0)
-        both = _cat(cond, uncond) if uncond is not None else None
-        for t in sched.timesteps:
-            model_in = sched.scale_model_input(x, t) if hasattr(sched, "scale_model_input") else x
-            if both is not None:
-                cond_out, uncond_out = net(torch.cat([model_in, model_in]), t, both).sample.chunk(2)
-                out = uncond_out + guidance_scale * (cond_out - uncond_out)
-            else:
-                out = net(model_in, t, cond).sample
-            x = sched.step(out, t, x).prev_sample
-        return x
+            uncond = self._uncond(cond, n, device)  # lacks lowres and aug_t: both halves get the same ones
+        guidance = Guidance(cond, uncond, guidance_scale)
+        return self.objectives[k - 1].denoise(_net(net), x, inference_steps, scheduler, guidance)
 
     @torch.no_grad()
     def sample(
@@ -647,7 +659,7 @@ class CascadeTask(Task):
         if labels is not None and ((labels < 0) | (labels >= c.num_classes)).any():
             raise ConfigError(f"--class must be in 0..{c.num_classes - 1}")
         if labels is None and c.num_classes:
-            labels = torch.arange(num) % c.num_classes
+            labels = default_labels(num, c.num_classes)
         if labels is not None:
             labels = torch.as_tensor(labels).long().expand(num) if torch.as_tensor(labels).ndim == 0 else labels
         if self.text is not None and prompts is None:

@@ -1,30 +1,47 @@
-"""DDPM task (`task: ddpm`): diffusers UNet2DModel + DDPMScheduler, epsilon or v targets, min-SNR weighting, CFG."""
+"""DDPM task (`task: ddpm`): one denoiser trained on the diffusion core (trainer/diffusion).
+
+The objective (`model.prediction_type`: epsilon, v_prediction, flow or edm, with their keys) and the
+backbone (`model.backbone.kind`: unet, dit, pixart or mmdit; the UNet's shape also at `model.*`, as before
+the backbone section existed) come from the core; this task adds the conditions: the data's class labels
+(`model.num_classes`) and captions embedded by the frozen shared text encoder (`model.text`: caption tokens
+for pixart, mmdit or a unet with `caption_channels`, the pooled embedding for mmdit), one dropout draw per
+sample dropping them together for classifier-free guidance, and its sampling interface.
+"""
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Mapping
-from typing import Any, Literal
+from typing import Any
 
 import torch
-import torch.nn.functional as F
-from diffusers import DDIMScheduler, DDPMScheduler, DPMSolverMultistepScheduler, UNet2DModel
-from diffusers.training_utils import compute_snr
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 from torch import nn
 
+from trainer.conditioning.text import TextEncoder, TextEncoderConfig
+from trainer.diffusion import (
+    DIT_FSDP_REFUSAL,
+    Backbone,
+    BackboneConfig,
+    Guidance,
+    ObjectiveConfig,
+    UNetBackboneConfig,
+    build_backbone,
+    build_objective,
+    check_num_classes,
+    default_labels,
+    labels_or_null,
+)
 from trainer.errors import ConfigError
 from trainer.models.finetune import FinetuneFields, prepare_unet
-from trainer.randomness import (
-    per_sample_rand,
-    per_sample_randint,
-    per_sample_randn,
-    sample_generators,
-)
-from trainer.tasks.base import Batch, Loss, Phase, StepInfo, Task, TaskContext
+from trainer.randomness import per_sample_rand, per_sample_randn, sample_generators
+from trainer.tasks.base import Batch, Loss, Phase, PreviewContext, StepInfo, Task, TaskContext
+
+log = logging.getLogger(__name__)
 
 
 class UNetShapeConfig(BaseModel):
-    """The UNet's shape; shared by DDPM and every cascade stage."""
+    """The UNet's shape; shared by DDPM (`model.*`, when `model.backbone` is not set) and every cascade stage."""
 
     model_config = ConfigDict(extra="forbid")
 
@@ -45,45 +62,76 @@ class UNetShapeConfig(BaseModel):
         return self
 
 
-class NoiseConfig(UNetShapeConfig, FinetuneFields):
-    """The UNet plus its noise schedule and objective, and where its weights start (`pretrained`, `lora`);
-    shared by DDPM and every cascade stage."""
+_UNET_SHAPE_KEYS = frozenset(UNetShapeConfig.model_fields)
 
-    prediction_type: Literal["epsilon", "v_prediction"] = "epsilon"
-    num_train_timesteps: int = Field(1000, ge=2)
-    beta_schedule: Literal["linear", "scaled_linear", "squaredcos_cap_v2"] = "squaredcos_cap_v2"
-    snr_gamma: float | None = Field(5.0, gt=0, description="min-SNR-gamma weighting; null = off")
+
+def changed_unet_keys(c: BaseModel) -> list[str]:
+    """The UNet shape keys of `c` that differ from their defaults (by value, not by whether they were typed:
+    a config read back from a checkpoint has every key set)."""
+    fields = UNetShapeConfig.model_fields
+    return sorted(k for k in fields if getattr(c, k) != fields[k].get_default(call_default_factory=True))
+
+
+class NoiseConfig(UNetShapeConfig, FinetuneFields, ObjectiveConfig):
+    """The UNet, its objective (the core's `ObjectiveConfig`: epsilon, v_prediction, flow or edm and their
+    keys) and where its weights start (`pretrained`, `lora`); shared by DDPM and every cascade stage."""
 
 
 class DiffusionModelConfig(NoiseConfig):
     num_classes: int | None = Field(None, ge=2, description="class-conditional when set")
-    cond_drop_prob: float = Field(0.1, ge=0, lt=1, description="label dropout for CFG")
-
-
-def noise_scheduler_for(c: NoiseConfig, prediction_type: str | None = None) -> DDPMScheduler:
-    """The training noise schedule of a DDPM-style model (diffusers' DDPMScheduler)."""
-    return DDPMScheduler(
-        num_train_timesteps=c.num_train_timesteps,
-        beta_schedule=c.beta_schedule,
-        prediction_type=prediction_type or c.prediction_type,
+    cond_drop_prob: float = Field(0.1, ge=0, lt=1, description="label (and caption) dropout for CFG")
+    text: TextEncoderConfig | None = Field(
+        None, description="caption conditioning (pixart, mmdit, or a unet with caption_channels); null = none"
+    )
+    backbone: BackboneConfig | None = Field(
+        None,
+        description="the denoiser (kind: unet | dit | pixart | mmdit) and its shape; null = the UNet of model.block_out_channels etc., "
+        "which a backbone set here overrides",
     )
 
+    @model_validator(mode="after")
+    def _captions_need_text(self) -> DiffusionModelConfig:
+        d = self.denoiser
+        width = getattr(d, "caption_channels", None)
+        what = f"model.backbone.kind={d.kind}" + (" with caption_channels" if d.kind == "unet" else "")
+        if width is not None and self.text is None:
+            raise ValueError(
+                f"{what} is conditioned on captions: set model.text (model.text={{}} is the shipped "
+                "all-MiniLM-L6-v2 encoder, 384 wide) and give the data captions"
+            )
+        if width is None and self.text is not None:
+            raise ValueError(
+                "model.text: this denoiser cannot read captions; use model.backbone.kind pixart or mmdit, or a "
+                "unet with model.backbone.caption_channels, or remove model.text"
+            )
+        if width is not None and width != self.text.width:
+            raise ValueError(
+                f"model.backbone.caption_channels={width} but model.text.width={self.text.width}: the caption "
+                "token embeddings are the text encoder's width"
+            )
+        pooled = getattr(d, "pooled_channels", None)
+        if pooled is not None and pooled != self.text.width:
+            raise ValueError(
+                f"model.backbone.pooled_channels={pooled} but model.text.width={self.text.width}: the pooled "
+                "caption embedding is the text encoder's width"
+            )
+        if d.kind in ("pixart", "mmdit") and self.num_classes is not None:
+            raise ValueError(
+                f"model.backbone.kind={d.kind} is conditioned on captions, not class labels: unset model.num_classes"
+            )
+        return self
 
-def inference_scheduler(noise_scheduler: DDPMScheduler, kind: str):
-    """A sampler (`sample.scheduler`: ddim | dpm) with the training schedule's settings."""
-    cls = {"ddim": DDIMScheduler, "dpm": DPMSolverMultistepScheduler}[kind]
-    return cls.from_config(noise_scheduler.config)
+    @property
+    def ignored_shape_keys(self) -> list[str]:
+        """UNet keys set at `model.*` that `model.backbone` overrides (a preset's, under a backbone override)."""
+        return changed_unet_keys(self) if self.backbone is not None else []
 
-
-def unet_block_types(c: UNetShapeConfig, attn_down: str = "AttnDownBlock2D", attn_up: str = "AttnUpBlock2D"):
-    """(down, up) block types: plain blocks, attention in the lowest resolution when `attention`."""
-    n = len(c.block_out_channels)
-    down = ["DownBlock2D"] * n
-    up = ["UpBlock2D"] * n
-    if c.attention and n > 1:
-        down[-1] = attn_down
-        up[0] = attn_up
-    return tuple(down), tuple(up)
+    @property
+    def denoiser(self) -> BaseModel:
+        """The backbone config: `model.backbone`, else a unet of the shape keys at `model.*`."""
+        if self.backbone is not None:
+            return self.backbone
+        return UNetBackboneConfig(**{k: getattr(self, k) for k in _UNET_SHAPE_KEYS})
 
 
 def architecture_hints(prefix: str) -> dict[str, str]:
@@ -100,107 +148,143 @@ def architecture_hints(prefix: str) -> dict[str, str]:
     }
 
 
-def diffusion_loss(
-    noise_scheduler: DDPMScheduler, c: NoiseConfig, pred: torch.Tensor, target: torch.Tensor, t: torch.Tensor
-) -> Loss:
-    """Per-sample MSE, min-SNR weighted when `snr_gamma` is set; the unweighted MSE is logged."""
-    mse = F.mse_loss(pred.float(), target.float(), reduction="none").mean(dim=tuple(range(1, pred.ndim)))
-    if c.snr_gamma is None:
-        return Loss(mse, {"mse": mse.detach()})
-    snr = compute_snr(noise_scheduler, t)
-    return Loss(mse * min_snr_weights(snr, c.snr_gamma, c.prediction_type), {"mse": mse.detach()})
+def _backbone_hints(c: DiffusionModelConfig) -> dict[str, str]:
+    """Hints for the configured denoiser: the UNet's keys at `model.*` or under `model.backbone`; a transformer's
+    diffusers config fields carry the names of `model.backbone.*`."""
+    d = c.denoiser
+    if d.kind == "unet":
+        return architecture_hints("model.backbone" if c.backbone is not None else "model")
+    hints = {name: f"model.backbone.{name}" for name in type(d).model_fields if name != "kind"}
+    hints.update(
+        in_channels="data.channels",
+        out_channels="data.channels",
+        sample_size="data.image_size",
+        num_embeds_ada_norm="model.num_classes",
+    )
+    return hints
 
 
-def min_snr_weights(snr: torch.Tensor, gamma: float, prediction_type: str) -> torch.Tensor:
-    """Per-sample loss weights of min-SNR-gamma (Hang et al. 2023, arXiv:2303.09556).
-
-    The weight is min(SNR, gamma) / SNR for epsilon targets and
-    min(SNR, gamma) / (SNR + 1) for v targets, as in diffusers' training scripts.
-    """
-    clipped = torch.clamp(snr, max=gamma)
-    if prediction_type == "epsilon":
-        return clipped / snr
-    return clipped / (snr + 1)
+def part_name(c: DiffusionModelConfig) -> str:
+    """The trainable part: `unet` (as before the backbone section, so checkpoints and optim.unet keep their
+    names) or `transformer`."""
+    return "unet" if c.denoiser.kind == "unet" else "transformer"
 
 
 class DDPMTask(Task):
-    """Denoising diffusion (Ho et al. 2020) with one part, `unet`."""
+    """Denoising diffusion (Ho et al. 2020) with one part, `unet` (or `transformer`), on the diffusion core."""
 
     ModelConfig = DiffusionModelConfig
     cfg: DiffusionModelConfig
 
     def __init__(self, model_cfg: DiffusionModelConfig, ctx: TaskContext):
         super().__init__(model_cfg, ctx)
-        c = self.cfg
         self.image_size = ctx.image_size
         self.channels = ctx.channels
-        if c.num_classes and ctx.num_classes and c.num_classes != ctx.num_classes:
-            raise ConfigError(f"model.num_classes={c.num_classes} but the dataset has {ctx.num_classes} classes")
-        self.noise_scheduler = noise_scheduler_for(c)
+        check_num_classes(self.cfg.num_classes, ctx.num_classes)
+        self.objective = build_objective(self.cfg)
+        if self.cfg.ignored_shape_keys:
+            log.warning(
+                "model.backbone (kind %s) is the denoiser; the UNet keys model.%s are ignored",
+                self.cfg.backbone.kind,
+                ", model.".join(self.cfg.ignored_shape_keys),
+            )
+        self.part = part_name(self.cfg)
+        self.text = TextEncoder(self.cfg.text, ctx.storage_options) if self.cfg.text is not None else None
+        self.backbone: Backbone | None = None  # set by `build`: how to call the part
         self._inputs: dict[str, dict] = {}
 
     @classmethod
     def trainable_part_names(cls, model_cfg: DiffusionModelConfig) -> list[str]:
-        return ["unet"]
+        return [part_name(model_cfg)]
 
     @property
     def conditional(self) -> bool:
-        return self.cfg.num_classes is not None
+        return self.cfg.num_classes is not None or self.text is not None
+
+    def fsdp_refusal(self) -> str | None:
+        if self.cfg.denoiser.kind == "dit":
+            return f"model.backbone.kind=dit: {DIT_FSDP_REFUSAL}"
+        return None
 
     def build(self, frozen) -> dict[str, nn.Module]:
         c = self.cfg
-        down, up = unet_block_types(c)
-        unet = UNet2DModel(
-            sample_size=self.image_size,
-            in_channels=self.channels,
-            out_channels=self.channels,
-            block_out_channels=tuple(c.block_out_channels),
-            layers_per_block=c.layers_per_block,
-            down_block_types=down,
-            up_block_types=up,
-            norm_num_groups=c.norm_num_groups,
-            dropout=c.dropout,
-            # One extra embedding row is the "no label" class used for CFG.
-            num_class_embeds=(c.num_classes + 1) if self.conditional else None,
-        )
-        folder = prepare_unet(
-            unet, c, "model", architecture_hints("model"), self.ctx.storage_options, self.ctx.load_pretrained
-        )
+        self.backbone = build_backbone(c.denoiser, self.image_size, self.channels, c.num_classes)
+        # The part is the bare diffusers module: its state-dict keys are those of checkpoints written before
+        # the backbone section existed.
+        net = self.backbone.model
+        folder = prepare_unet(net, c, "model", _backbone_hints(c), self.ctx.storage_options, self.ctx.load_pretrained)
         if folder is not None:
-            self._inputs["unet.pretrained"] = folder.record
-        return {"unet": unet}
+            self._inputs[f"{self.part}.pretrained"] = folder.record
+        return {self.part: net}
 
     def inputs(self) -> dict[str, dict]:
-        return dict(self._inputs)
+        out = dict(self._inputs)
+        if self.text is not None:
+            out["text_encoder"] = {"source": self.cfg.text.encoder, "digest": self.text.digest, "pin": True}
+        return out
 
     def export_unets(self, modules) -> dict[str, tuple[nn.Module, dict[str, torch.Tensor]]]:
+        if self.part != "unet":
+            raise ConfigError(
+                f"this DDPM model's denoiser is a {self.cfg.denoiser.kind} backbone, not a diffusers UNet: "
+                "nothing to export as a UNet"
+            )
         return {"unet": (modules["unet"], {})}
 
-    def _null_label(self) -> int:
-        assert self.cfg.num_classes is not None
-        return self.cfg.num_classes
+    def _net(self, module: nn.Module):
+        """The part as the core calls a network: (x, t, conditions) -> output."""
+        backbone = self.backbone
+        assert backbone is not None, "build() first"
+        return lambda x, t, cond: backbone.call(module, x, t, cond)
+
+    def conditions(
+        self,
+        n: int,
+        device: torch.device,
+        drop: torch.Tensor,
+        labels: torch.Tensor | None = None,
+        captions: list[str] | None = None,
+    ) -> dict[str, torch.Tensor]:
+        """The denoiser's conditions; samples with `drop` set get the null class and the empty caption."""
+        cond: dict[str, torch.Tensor] = {}
+        drop = drop.to(device)
+        if self.cfg.num_classes is not None:
+            labels = torch.full((n,), -1, dtype=torch.long) if labels is None else labels
+            cond["labels"] = labels_or_null(labels.to(device), drop, self.cfg.num_classes)
+        if self.text is not None:
+            if captions is None:
+                raise ConfigError(
+                    "model.text is set but the data has no captions: put a .txt beside each image (or use "
+                    "shards with a txt field), or remove model.text"
+                )
+            emb = self.text.encode(["" if d else cap for cap, d in zip(captions, drop.tolist(), strict=True)], device)
+            every = {"captions": emb.tokens, "caption_mask": emb.mask, "pooled": emb.pooled}
+            assert self.backbone is not None, "build() first"
+            cond.update({k: v for k, v in every.items() if k in self.backbone.accepts})
+        return cond
 
     def loss(self, phase: Phase, modules: Mapping[str, nn.Module], batch: Batch, outputs, info: StepInfo) -> Loss:
         x0 = batch.images
         device = x0.device
+        # The sample's noise first, then its noise level, then its condition dropout (the draws' order is the
+        # checkpointed runs' contract: a resumed run draws what an uninterrupted one would).
         gens = sample_generators(self.seed, info.step, batch.positions)
         noise = per_sample_randn(gens, x0.shape[1:]).to(device, x0.dtype)
-        t = per_sample_randint(gens, self.noise_scheduler.config.num_train_timesteps).to(device)
-        labels = None
+        draw = self.objective.draw(gens, len(batch), device, x0.dtype)
+        cond = {}
         if self.conditional:
             drop = per_sample_rand(gens).to(device) < self.cfg.cond_drop_prob
-            labels = torch.where(drop | (batch.labels < 0), self._null_label(), batch.labels)
+            cond = self.conditions(len(batch), device, drop, batch.labels, batch.captions)
+        return self.objective.loss(self._net(modules[self.part]), x0, noise, draw, cond)
 
-        noisy = self.noise_scheduler.add_noise(x0, noise, t)
-        if self.cfg.prediction_type == "epsilon":
-            target = noise
-        else:
-            target = self.noise_scheduler.get_velocity(x0, noise, t)
-        pred = modules["unet"](noisy, t, class_labels=labels).sample
-        return diffusion_loss(self.noise_scheduler, self.cfg, pred, target, t)
-
-    def inference_scheduler(self, kind: str):
-        return inference_scheduler(self.noise_scheduler, kind)
+    def previews(self, modules, ctx: PreviewContext) -> dict[str, torch.Tensor]:
+        """`samples` from noise; a caption-conditioned model draws the held-out batch's captions."""
+        prompts = None
+        if self.text is not None and ctx.batch is not None and ctx.batch.captions:
+            caps = ctx.batch.captions
+            prompts = [caps[i % len(caps)] for i in range(ctx.num)]
+        with ctx.preferred_weights():
+            return {"samples": self.sample(modules, ctx.num, ctx.seed, ctx.device, prompts=prompts, **ctx.options)}
 
     @torch.no_grad()
     def sample(
@@ -213,35 +297,38 @@ class DDPMTask(Task):
         scheduler: str = "ddim",
         guidance_scale: float = 1.0,
         labels: torch.Tensor | None = None,
+        prompts: list[str] | None = None,
         **unused: Any,
     ) -> torch.Tensor:
-        asked = [k for k in ("prompts", "image_embeds", "stop_at_stage", "frames") if unused.get(k) is not None]
-        if asked or (labels is not None and not self.conditional):
-            what = ", ".join(asked) or "labels (--class)"
-            raise ConfigError(
-                f"this DDPM model takes no {what}: it is {'class-conditional' if self.conditional else 'unconditional'}"
-            )
-        unet = modules["unet"]
-        sched = self.inference_scheduler(scheduler)
-        sched.set_timesteps(inference_steps)
+        c = self.cfg
+        asked = [k for k in ("image_embeds", "stop_at_stage", "frames") if unused.get(k) is not None]
+        if prompts is not None and self.text is None:
+            asked.insert(0, "prompts")
+        if labels is not None and c.num_classes is None:
+            asked.append("labels (--class)")
+        if asked:
+            kinds = [k for k, on in (("class", c.num_classes is not None), ("caption", self.text is not None)) if on]
+            what = f"{'- and '.join(kinds)}-conditional" if kinds else "unconditional"
+            raise ConfigError(f"this DDPM model takes no {', '.join(asked)}: it is {what}")
         g = torch.Generator().manual_seed(seed)
-        shape = (num, self.channels, self.image_size, self.image_size)
-        x = torch.randn(shape, generator=g).to(device) * sched.init_noise_sigma
-        if self.conditional and labels is None:
-            labels = torch.arange(num) % self.cfg.num_classes
-        use_cfg = self.conditional and guidance_scale != 1.0
-        if labels is not None:
-            labels = labels.to(device)
-            null = torch.full_like(labels, self._null_label())
-        for t in sched.timesteps:
-            model_in = sched.scale_model_input(x, t)
-            if use_cfg:
-                both = unet(torch.cat([model_in, model_in]), t, class_labels=torch.cat([labels, null])).sample
-                cond, uncond = both.chunk(2)
-                out = uncond + guidance_scale * (cond - uncond)
-            else:
-                out = unet(model_in, t, class_labels=labels).sample
-            x = sched.step(out, t, x).prev_sample
+        x = torch.randn((num, self.channels, self.image_size, self.image_size), generator=g).to(device)
+        guidance = Guidance({})
+        if self.conditional:
+            if c.num_classes is not None and labels is None:
+                labels = default_labels(num, c.num_classes)
+            if self.text is not None:
+                if prompts is None:
+                    log.warning("caption-conditioned DDPM sampled without a prompt: unconditional samples")
+                    prompts = [""] * num
+                prompts = (list(prompts) * num)[:num]
+            cond = self.conditions(num, device, torch.zeros(num, dtype=torch.bool), labels, prompts)
+            uncond = None
+            if guidance_scale != 1.0:
+                uncond = self.conditions(num, device, torch.ones(num, dtype=torch.bool), labels, prompts)
+            guidance = Guidance(cond, uncond, guidance_scale)
+        x = self.objective.denoise(self._net(modules[self.part]), x, inference_steps, scheduler, guidance)
+        if self.text is not None:
+            log.info(self.text.usage())
         return ((x.float().clamp(-1, 1) + 1) / 2).cpu()
 
 

@@ -31,6 +31,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from torch import nn
 
 from trainer.conditioning.text import TextEncoder, TextEncoderConfig
+from trainer.diffusion.guidance import check_num_classes, default_labels, guide, labels_or_null
 from trainer.errors import ConfigError
 from trainer.randomness import Stream, per_sample_rand, sample_generators
 from trainer.registry import task_class
@@ -185,10 +186,8 @@ class MaskTransformer(nn.Module):
         token embeddings, the null class / null caption where `cond.drop` (classifier-free guidance)."""
         parts, masks = [], []
         if cond.labels is not None:
-            null = self.classes.num_embeddings - 1
-            labels = torch.where(cond.labels < 0, null, cond.labels)
-            if cond.drop is not None:
-                labels = torch.where(cond.drop, null, labels)
+            drop = cond.drop if cond.drop is not None else torch.zeros_like(cond.labels, dtype=torch.bool)
+            labels = labels_or_null(cond.labels, drop, self.classes.num_embeddings - 1)
             parts.append(self.classes(labels)[:, None])
             masks.append(torch.ones(len(labels), 1, dtype=torch.bool, device=labels.device))
         if cond.text is not None:
@@ -275,8 +274,7 @@ class MaskGITTask(Task):
 
     def __init__(self, model_cfg: MaskGITConfig, ctx: TaskContext):
         super().__init__(model_cfg, ctx)
-        if model_cfg.num_classes and ctx.num_classes and model_cfg.num_classes != ctx.num_classes:
-            raise ConfigError(f"model.num_classes={model_cfg.num_classes} but the dataset has {ctx.num_classes}")
+        check_num_classes(model_cfg.num_classes, ctx.num_classes)
         self.num_codes = 0
         self.grid = 0
         self.cache: TokenCache | None = None
@@ -437,7 +435,7 @@ class MaskGITTask(Task):
         cond = uncond = None
         if self.conditional:
             if labels is None:
-                labels = torch.arange(num) % (self.cfg.num_classes or 1)
+                labels = default_labels(num, self.cfg.num_classes or 1)
             labels = labels.to(device)
             if self.text is not None and prompts is None:
                 prompts = [""] * num
@@ -450,7 +448,9 @@ class MaskGITTask(Task):
             logits = transformer(x, cond).float()
             if guided:
                 uncond_logits = transformer(x, uncond).float()
-                logits = logits + (guidance_scale - 1.0) * (logits - uncond_logits)
+                # The one guidance formula, uncond + s (cond - uncond); maskgit wrote it as cond + (s - 1)(cond -
+                # uncond) before issue 25: the same logits up to rounding in their last bit.
+                logits = guide(logits, uncond_logits, guidance_scale)
             logits = logits.cpu()
             probs = F.softmax(logits / temperature, dim=-1)
             drawn = torch.multinomial(probs.view(-1, self.num_codes), 1, generator=g).view(num, length)
