@@ -7,8 +7,14 @@ from __future__ import annotations
 import re
 
 import pytest
+import torch
 from conftest import tiny
+from elastic_helpers import start_torchrun
+from test_elastic import finish, standalone
 from test_vqgan_maskgit import _kill_and_compare
+
+from trainer.checkpoint import CheckpointStore
+from trainer.checkpoint.weights import read_weights
 
 _TRANSFORMER = "num_layers: 2, num_attention_heads: 2, attention_head_dim: 8"
 # dit and pixart with dropout (draws from the global RNG, which the checkpoint's RNG files must restore);
@@ -65,3 +71,56 @@ def test_a_sigkilled_rank_resumes_bit_identical(tmp_path, backbone, parallel):
             "transformer.optimizer.safetensors",
         } <= set(a)
     assert {"rank-00000.safetensors", "rank-00001.safetensors"} <= set(a)
+
+
+@pytest.mark.slow
+def test_dit_under_fsdp_takes_the_same_steps_as_under_ddp(tmp_path):
+    """DiT's first block is called again after the last (its embedding conditions the output layer) and stays
+    gathered for it: the gradients that second call adds must reach the sharded block. Same data, draws and
+    per-rank chunks under DDP and FSDP: the logged losses and gradient norms agree to float rounding (the
+    norm is summed over shards under FSDP), and the weights to the Adam bound of tests/test_fsdp.py (a weight
+    moves at most lr * (1 - b1) / sqrt(1 - b2) per step; twice the sum over steps)."""
+    steps, lr, warmup = 4, 1e-3, 2
+    spec, extra, _ = BACKBONES["dit"]
+    logs = {}
+    for parallel in ("ddp", "fsdp"):
+        args = tiny(
+            tmp_path / parallel,
+            f"model.backbone={spec}",
+            *extra,
+            f"train.lr={lr}",
+            f"train.warmup_steps={warmup}",
+            "train.lr_schedule=constant",
+            "checkpoint.every_steps=0",
+            f"train.parallel={parallel}",
+            max_steps=steps,
+        )
+        log = tmp_path / f"{parallel}.log"
+        proc = start_torchrun(standalone(2, max_restarts=0), args, log)
+        assert finish(proc, log) == 0, log.read_text()[-4000:]
+        logs[parallel] = log.read_text()
+
+    def logged(name: str, text: str) -> torch.Tensor:
+        return torch.tensor([float(v) for v in re.findall(rf"transformer/{name}=([0-9.e+-]+)", text)])
+
+    for name in ("loss", "grad_norm"):
+        a, b = logged(name, logs["ddp"]), logged(name, logs["fsdp"])
+        assert len(a) == len(b) == steps
+        torch.testing.assert_close(b, a, rtol=1e-4, atol=0)
+    wa, wb = (full_weights(f"{tmp_path}/{p}/run/checkpoints") for p in ("ddp", "fsdp"))
+    assert wa.keys() == wb.keys() and any(k.startswith("transformer_blocks.0.norm1.emb.") for k in wa)
+    bound = 2 * sum(lr * min(1.0, (t + 1) / warmup) for t in range(steps)) * (1 - 0.9) / (1 - 0.999) ** 0.5
+    worst = max((wa[k] - wb[k]).abs().max().item() for k in wa)
+    assert worst <= bound, (worst, bound)
+
+
+def full_weights(root: str) -> dict[str, torch.Tensor]:
+    """The transformer's whole weights, whichever layout wrote the checkpoint."""
+    store = CheckpointStore(root)
+    info = store.latest_valid()
+    files = info.manifest["files"]
+    return read_weights(
+        store,
+        info,
+        "transformer.model.safetensors" if "transformer.model.safetensors" in files else "transformer.model",
+    )
