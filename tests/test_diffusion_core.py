@@ -728,41 +728,33 @@ def test_cascade_with_transformer_stages_trains_checkpoints_and_samples_through_
     assert not torch.equal(guided, task.sample(modules, guidance_scale=1.0, **kw))
 
 
-def test_dit_denoisers_refuse_fsdp_and_the_others_do_not():
-    """diffusers' DiT calls its first block's embedding after the last block, which per-block FSDP2 units have
-    resharded by then (measured under torchrun: a mixed Tensor/DTensor addmm); pixart and mmdit train under
-    FSDP (their blocks are used once each)."""
-    dit = DiffusionModelConfig(backbone={"kind": "dit", **TINY_TRANSFORMER})
-    assert (
-        "DiTTransformer2DModel calls its first block's embedding" in DDPMTask(dit, TaskContext(8, 1, 0)).fsdp_refusal()
-    )
-    assert DDPMTask(DiffusionModelConfig(), TaskContext(8, 1, 0)).fsdp_refusal() is None
-    stages = [StageConfig(image_size=4, backbone={"kind": "dit"}), StageConfig(image_size=8, **TINY_UNET)]
+def test_every_transformer_block_is_an_fsdp_unit_and_dits_first_stays_gathered_after_forward():
+    """What the engine shards (trainer.engine.shard) of a ddpm part and a cascade stage: each transformer block
+    is its own FSDP unit. diffusers' DiT calls its first block's embedding again after the last block, so that
+    unit keeps its weights gathered from its forward to its backward instead of DiT being refused under FSDP
+    (tests/test_diffusion_fsdp.py trains every transformer under torchrun with FSDP)."""
+    # The engine layer: the units it makes of a part.
+    from trainer.engine.shard import fsdp_units, gathered_units
+
+    dit = DDPMTask(DiffusionModelConfig(backbone={"kind": "dit", **TINY_TRANSFORMER}), TaskContext(8, 1, 0))
+    assert dit.fsdp_refusal() is None
+    part = dit.build({})[dit.part]
+    assert fsdp_units(part) == list(part.transformer_blocks) == dit.backbone.fsdp_units
+    assert len(part.transformer_blocks) == TINY_TRANSFORMER["num_layers"]
+    assert gathered_units(part) == [part.transformer_blocks[0]]
+    for case in ("pixart", "mmdit"):
+        net = build_backbone(BACKBONE_CASES[case][0], 8, 3).model
+        assert fsdp_units(net) == list(net.transformer_blocks) and gathered_units(net) == []
+
+    stages = [
+        StageConfig(image_size=4, backbone={"kind": "dit", **TINY_TRANSFORMER}),
+        StageConfig(image_size=8, **TINY_UNET),
+    ]
     task = CascadeTask(CascadeConfig(stages=stages), TaskContext(8, 1, 0))
-    assert task.fsdp_refusal().startswith("model.stages[0].backbone.kind=dit: ")
-    mmdit = {"kind": "mmdit", "caption_channels": 8, "pooled_channels": 8}
-    stages = [StageConfig(image_size=4, backbone=mmdit), StageConfig(image_size=8, **TINY_UNET)]
-    assert CascadeTask(CascadeConfig(stages=stages), TaskContext(8, 1, 0)).fsdp_refusal() is None
-
-
-def test_ddpm_trains_with_dream_as_the_core_computes_it():
-    """DREAM (epsilon only) reaches ddpm through the core: the task's loss is the core's with DREAM's extra
-    no-grad forward, differs from plain epsilon, and every parameter gets a gradient."""
-    cfg = DiffusionModelConfig(dream=True, dream_detail_preservation=0.8, num_classes=CLASSES, **TINY_UNET)
-    task = DDPMTask(cfg, TaskContext(8, 1, SEED, num_classes=CLASSES))
-    torch.manual_seed(0)
-    unet = task.build({})["unet"]
-    batch = _batch()
-    mine = task.loss(Phase("unet", "unet"), {"unet": unet}, batch, None, StepInfo(STEP))
-    x0 = batch.images
-    gens = sample_generators(SEED, STEP, batch.positions)
-    noise = per_sample_randn(gens, x0.shape[1:])
-    draw = task.objective.draw(gens, len(batch), CPU, x0.dtype)
-    labels = labels_or_null(batch.labels, per_sample_rand(gens) < cfg.cond_drop_prob, CLASSES)
-    _assert_same_loss(mine, build_objective(cfg).loss(_unet_fn(unet), x0, noise, draw, {"labels": labels}))
-    plain = DDPMTask(cfg.model_copy(update={"dream": False}), TaskContext(8, 1, SEED, num_classes=CLASSES))
-    plain.build({})
-    other = plain.loss(Phase("unet", "unet"), {"unet": unet}, batch, None, StepInfo(STEP))
-    assert not torch.equal(mine.per_sample, other.per_sample)
-    mine.per_sample.mean().backward()
-    assert all(p.grad is not None for p in unet.parameters())
+    assert task.fsdp_refusal() is None
+    stage = task.build({})["stage1"]
+    blocks = stage.backbone.model.transformer_blocks
+    assert fsdp_units(stage) == list(blocks) and gathered_units(stage) == [blocks[0]]
+    stage.backbone.model.fsdp_gathered_units = ("pos_embed",)
+    with pytest.raises(ValueError, match="name no FSDP unit: backbone.model.pos_embed"):
+        gathered_units(stage)

@@ -224,9 +224,9 @@ def test_maskgit_resume_with_a_changed_tokenizer_is_refused(tmp_path):
 # ---------------------------------------------------------------- distributed, exact resume
 
 
-def _kill_and_compare(tmp_path, make_args, kill_at: int, steps: int) -> dict[str, dict[str, torch.Tensor]]:
+def _kill_and_compare(tmp_path, make_args, kill_at: int, steps: int, **env: str) -> dict[str, dict[str, torch.Tensor]]:
     ref_log = tmp_path / "ref.log"
-    ref = start_torchrun(standalone(2), make_args(tmp_path / "ref"), ref_log, PYTHONPATH=str(REPO / "tests"))
+    ref = start_torchrun(standalone(2), make_args(tmp_path / "ref"), ref_log, PYTHONPATH=str(REPO / "tests"), **env)
     assert finish(ref, ref_log) == 0, ref_log.read_text()[-4000:]
     log = tmp_path / "killed.log"
     proc = start_torchrun(
@@ -235,6 +235,7 @@ def _kill_and_compare(tmp_path, make_args, kill_at: int, steps: int) -> dict[str
         log,
         PYTHONPATH=str(REPO / "tests"),
         PROBE_TASK_KILL=f"1:{kill_at}",
+        **env,
     )
     rc = finish(proc, log)
     text = log.read_text()

@@ -24,7 +24,6 @@ guidance and the class-label helpers are in `guidance.py`. A task composes the t
 
 from trainer.diffusion.backbones import (
     BACKBONES,
-    DIT_FSDP_REFUSAL,
     Backbone,
     BackboneConfig,
     DiTBackbone,
@@ -66,7 +65,6 @@ from trainer.diffusion.objectives import (
 
 __all__ = [
     "BACKBONES",
-    "DIT_FSDP_REFUSAL",
     "EDM",
     "OBJECTIVES",
     "SAMPLERS",

@@ -22,7 +22,9 @@ Built from `model.backbone.*` (`BackboneConfig`, discriminated by `kind`):
 The diffusers module is `backbone.model`; `call(model, x, t, cond)` runs one without the wrapper (a part
 saved as the bare diffusers module keeps its state-dict keys): the backbone's own module, or a wrapper of it
 (DDP), whose architecture `call` reads from `backbone.model`. `fsdp_unit_classes` names the blocks that
-become FSDP units.
+become FSDP units (every transformer block; a UNet's down and up blocks); a unit the model calls again after
+its own forward is named in the model's `fsdp_gathered_units` and stays gathered until its backward (DiT's
+first block).
 """
 
 from __future__ import annotations
@@ -146,10 +148,15 @@ class Backbone(nn.Module):
 
     kind: ClassVar[str]
     _unit_lists: ClassVar[tuple[str, ...]] = ()  # the model's ModuleLists whose elements are FSDP units
+    # Units (submodule names of the model) the model uses again after their own forward: FSDP keeps them
+    # gathered until their backward (trainer.engine.shard.gathered_units reads the model's attribute).
+    _gathered_units: ClassVar[tuple[str, ...]] = ()
 
     def __init__(self, model: nn.Module, accepts: set[str], requires: set[str] | None = None):
         super().__init__()
         self.model = model
+        if self._gathered_units:  # on the module the engine shards: the part is the bare diffusers module
+            model.fsdp_gathered_units = self._gathered_units
         self.accepts = frozenset(accepts)
         self.requires = frozenset(requires or ())
 
@@ -248,18 +255,18 @@ def _check_patches(kind: str, sample_size: int, patch_size: int) -> None:
         )
 
 
-# diffusers' DiT conditions its output layer with its first block's embedding, called after every block has run:
-# with the blocks as FSDP2 units that embedding's weights are sharded again by then (measured: a mixed
-# Tensor/DTensor addmm). Tasks refuse train.parallel=fsdp for it with this reason.
-DIT_FSDP_REFUSAL = (
-    "diffusers' DiTTransformer2DModel calls its first block's embedding again after the last block, which "
-    "per-block FSDP units cannot serve; use train.parallel=ddp, or a pixart or mmdit backbone"
-)
-
-
 class DiTBackbone(Backbone):
     kind = "dit"
     _unit_lists = ("transformer_blocks",)
+    # diffusers' DiT conditions its output layer with `transformer_blocks[0].norm1.emb`, called after the last
+    # block has run: with every block an FSDP unit, block 0 would have resharded by then (a mixed Tensor/DTensor
+    # addmm, seen under torchrun). Block 0 stays a unit (sharded between steps, its gradient reduced in its own
+    # backward) but keeps its weights gathered from its forward to its backward (FSDP2's
+    # reshard_after_forward=False), so the second call uses them and its gradient joins block 0's. Chosen over
+    # leaving block 0 to the root unit (same memory: one block whole from its forward to the end of backward,
+    # but not a unit) and over an extra FSDP forward method (the call is to a submodule inside forward, not a
+    # method of the part).
+    _gathered_units = ("transformer_blocks.0",)
 
     @classmethod
     def build(

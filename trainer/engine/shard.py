@@ -18,6 +18,7 @@ and every rank starts from exactly the weights one process would have built
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterable, Iterator
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from typing import Any
@@ -33,6 +34,8 @@ from torch.distributed.fsdp import (
     register_fsdp_forward_method,
 )
 from torch.distributed.tensor import DTensor, distribute_tensor
+
+log = logging.getLogger("gentrain")
 
 _PARAM_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -52,6 +55,24 @@ def fsdp_units(module: nn.Module) -> list[nn.Module]:
     return units
 
 
+def gathered_units(module: nn.Module) -> list[nn.Module]:
+    """Units whose parameters stay gathered from their forward until their backward (FSDP2's
+    `reshard_after_forward=False`): those the part or any module in it names, by submodule name relative to
+    itself, in an attribute `fsdp_gathered_units` (a cascade stage holds the backbone's diffusers module).
+    For a unit the model calls again after its own forward (diffusers' DiT runs its first block's embedding
+    after the last block): it stays a unit, sharded between steps, its gradient reduced in its own backward,
+    and costs one block's whole parameters from its forward to its backward."""
+    names: set[str] = set()
+    for prefix, m in module.named_modules():
+        names.update(f"{prefix}.{n}" if prefix else n for n in getattr(m, "fsdp_gathered_units", ()))
+    found = {name: m for name, m in module.named_modules() if name in names}
+    units = {id(u) for u in fsdp_units(module)}
+    wrong = sorted(names - set(found)) + sorted(n for n, m in found.items() if id(m) not in units)
+    if wrong:
+        raise ValueError(f"fsdp_gathered_units in {type(module).__name__} name no FSDP unit: {', '.join(wrong)}")
+    return [found[n] for n in sorted(found)]
+
+
 def mixed_precision(precision: str) -> MixedPrecisionPolicy:
     """Compute in bf16/fp16 (parameters gathered in that dtype), reduce gradients in fp32."""
     return MixedPrecisionPolicy(param_dtype=_PARAM_DTYPES.get(precision), reduce_dtype=torch.float32)
@@ -63,13 +84,26 @@ def shard_module(module: nn.Module, precision: str, cpu_offload: bool) -> nn.Mod
     FSDP2 gathers a unit's parameters in hooks around `forward`; a part used
     through other methods (a tokenizer's `encode_indices` / `decode_indices`)
     names them in a class attribute `fsdp_forward_methods`, and they get the
-    same hooks.
+    same hooks. Units a part names in `fsdp_gathered_units` stay gathered after their forward
+    (`gathered_units`).
     """
     kwargs = {"mp_policy": mixed_precision(precision)}
     if cpu_offload:
         kwargs["offload_policy"] = CPUOffloadPolicy()
-    for unit in fsdp_units(module):
-        fully_shard(unit, **kwargs)
+    gathered = {id(u) for u in gathered_units(module)}
+    units = fsdp_units(module)
+    classes = ", ".join(sorted({type(u).__name__ for u in units})) or "none"  # before fully_shard renames them
+    for unit in units:
+        fully_shard(unit, reshard_after_forward=id(unit) not in gathered, **kwargs)
+    log.info(
+        "fsdp: %s sharded as %d units (%s) plus the rest%s",
+        type(module).__name__,
+        len(units),
+        classes,
+        f"; {', '.join(n for n, m in module.named_modules() if id(m) in gathered)} kept gathered after forward"
+        if gathered
+        else "",
+    )
     fully_shard(module, **kwargs)
     for name in getattr(module, "fsdp_forward_methods", ()):
         register_fsdp_forward_method(module, name)

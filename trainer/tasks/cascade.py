@@ -46,7 +46,6 @@ from torch import nn
 from trainer.conditioning.image import ImageEncoder
 from trainer.conditioning.text import TextEncoder, TextEncoderConfig
 from trainer.diffusion import (
-    DIT_FSDP_REFUSAL,
     DiTBackboneConfig,
     Guidance,
     MMDiTBackboneConfig,
@@ -357,12 +356,6 @@ class CascadeTask(Task):
                     f"model.image_encoder={c.image_encoder} gives {self.image_encoder.dim}-wide embeddings: set "
                     f"model.image_embed_dim={self.image_encoder.dim} (it is {c.image_embed_dim})"
                 )
-
-    def fsdp_refusal(self) -> str | None:
-        dit = [i for i, s in enumerate(self.cfg.stages) if s.backbone is not None and s.backbone.kind == "dit"]
-        if dit:
-            return f"model.stages[{dit[0]}].backbone.kind=dit: {DIT_FSDP_REFUSAL}"
-        return None
 
     # ---- parts
     @classmethod

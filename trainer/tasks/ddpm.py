@@ -20,7 +20,6 @@ from torch import nn
 
 from trainer.conditioning.text import TextEncoder, TextEncoderConfig
 from trainer.diffusion import (
-    DIT_FSDP_REFUSAL,
     Backbone,
     BackboneConfig,
     Guidance,
@@ -200,11 +199,6 @@ class DDPMTask(Task):
     @property
     def conditional(self) -> bool:
         return self.cfg.num_classes is not None or self.text is not None
-
-    def fsdp_refusal(self) -> str | None:
-        if self.cfg.denoiser.kind == "dit":
-            return f"model.backbone.kind=dit: {DIT_FSDP_REFUSAL}"
-        return None
 
     def build(self, frozen) -> dict[str, nn.Module]:
         c = self.cfg

@@ -1,0 +1,126 @@
+"""The diffusion core's transformer backbones under `torchrun --nproc-per-node=2` (gloo, CPU), with DDP and with
+FSDP (every transformer block its own unit): a rank SIGKILLed mid-run and restarted ends bit-identical to an
+uninterrupted run (every tensor of the final checkpoint: weights, EMA, optimizer, every rank's RNG state)."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+from conftest import tiny
+from elastic_helpers import start_torchrun
+from test_elastic import finish, standalone
+from test_vqgan_maskgit import _kill_and_compare
+
+from trainer.checkpoint import CheckpointStore
+from trainer.checkpoint.weights import read_weights
+
+_TRANSFORMER = "num_layers: 2, num_attention_heads: 2, attention_head_dim: 8"
+# dit and pixart with dropout (draws from the global RNG, which the checkpoint's RNG files must restore);
+# pixart and mmdit read captions ("a handwritten seven") through the shipped 384-wide sentence encoder.
+BACKBONES = {
+    "dit": (f"{{kind: dit, {_TRANSFORMER}, dropout: 0.1}}", ["model.num_classes=10"], "DiTTransformer2DModel"),
+    "pixart": (
+        f"{{kind: pixart, {_TRANSFORMER}, dropout: 0.1, caption_channels: 384}}",
+        ["model.num_classes=null", "model.text={max_tokens: 8, cache_dir: TEXT}"],
+        "PixArtTransformer2DModel",
+    ),
+    "mmdit": (
+        f"{{kind: mmdit, {_TRANSFORMER}, caption_channels: 384, pooled_channels: 384}}",
+        ["model.num_classes=null", "model.text={max_tokens: 8, cache_dir: TEXT}"],
+        "SD3Transformer2DModel",
+    ),
+}
+BLOCKS = {"dit": "BasicTransformerBlock", "pixart": "BasicTransformerBlock", "mmdit": "JointTransformerBlock"}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("parallel", ["ddp", "fsdp"])
+@pytest.mark.parametrize("backbone", list(BACKBONES))
+def test_a_sigkilled_rank_resumes_bit_identical(tmp_path, backbone, parallel):
+    steps = 6
+    spec, extra, cls = BACKBONES[backbone]
+    text = str(tmp_path / "text")  # one caption cache for both runs: each caption encoded alone, so the same bytes
+
+    def args(root):
+        return tiny(
+            root,
+            "task=probe_tasks:KillableDDPM",
+            f"model.backbone={spec}",
+            *(e.replace("TEXT", text) for e in extra),
+            "checkpoint.every_steps=3",
+            f"train.parallel={parallel}",
+            max_steps=steps,
+        )
+
+    # Rank 1 dies in step 5; the restart resumes from step 3.
+    a = _kill_and_compare(tmp_path, args, kill_at=5, steps=steps, HF_HUB_OFFLINE="1")
+    log = (tmp_path / "killed.log").read_text()
+    assert re.search(rf"world_size=2 restart=1 parallel={parallel} .*resumed_from=\S+step-000000003", log), log[-3000:]
+    if parallel == "fsdp":  # weights, EMA and optimizer state in per-rank slices
+        assert {"transformer.model.rank-00001.safetensors", "transformer.ema.rank-00000.safetensors"} <= set(a)
+        assert {"transformer.optimizer.rank-00001.safetensors"} <= set(a)
+        gathered = "; transformer_blocks.0 kept gathered after forward" if backbone == "dit" else ""
+        # the transformer blocks are the units (2 layers), every attempt
+        assert log.count(f"fsdp: {cls} sharded as 2 units ({BLOCKS[backbone]}) plus the rest{gathered}\n") == 2
+    else:
+        assert {
+            "transformer.model.safetensors",
+            "transformer.ema.safetensors",
+            "transformer.optimizer.safetensors",
+        } <= set(a)
+    assert {"rank-00000.safetensors", "rank-00001.safetensors"} <= set(a)
+
+
+@pytest.mark.slow
+def test_dit_under_fsdp_takes_the_same_steps_as_under_ddp(tmp_path):
+    """DiT's first block is called again after the last (its embedding conditions the output layer) and stays
+    gathered for it: the gradients that second call adds must reach the sharded block. Same data, draws and
+    per-rank chunks under DDP and FSDP: the logged losses and gradient norms agree to float rounding (the
+    norm is summed over shards under FSDP), and the weights to the Adam bound of tests/test_fsdp.py (a weight
+    moves at most lr * (1 - b1) / sqrt(1 - b2) per step; twice the sum over steps)."""
+    steps, lr, warmup = 4, 1e-3, 2
+    spec, extra, _ = BACKBONES["dit"]
+    logs = {}
+    for parallel in ("ddp", "fsdp"):
+        args = tiny(
+            tmp_path / parallel,
+            f"model.backbone={spec}",
+            *extra,
+            f"train.lr={lr}",
+            f"train.warmup_steps={warmup}",
+            "train.lr_schedule=constant",
+            "checkpoint.every_steps=0",
+            f"train.parallel={parallel}",
+            max_steps=steps,
+        )
+        log = tmp_path / f"{parallel}.log"
+        proc = start_torchrun(standalone(2, max_restarts=0), args, log)
+        assert finish(proc, log) == 0, log.read_text()[-4000:]
+        logs[parallel] = log.read_text()
+
+    def logged(name: str, text: str) -> torch.Tensor:
+        return torch.tensor([float(v) for v in re.findall(rf"transformer/{name}=([0-9.e+-]+)", text)])
+
+    for name in ("loss", "grad_norm"):
+        a, b = logged(name, logs["ddp"]), logged(name, logs["fsdp"])
+        assert len(a) == len(b) == steps
+        torch.testing.assert_close(b, a, rtol=1e-4, atol=0)
+    wa, wb = (full_weights(f"{tmp_path}/{p}/run/checkpoints") for p in ("ddp", "fsdp"))
+    assert wa.keys() == wb.keys() and any(k.startswith("transformer_blocks.0.norm1.emb.") for k in wa)
+    bound = 2 * sum(lr * min(1.0, (t + 1) / warmup) for t in range(steps)) * (1 - 0.9) / (1 - 0.999) ** 0.5
+    worst = max((wa[k] - wb[k]).abs().max().item() for k in wa)
+    assert worst <= bound, (worst, bound)
+
+
+def full_weights(root: str) -> dict[str, torch.Tensor]:
+    """The transformer's whole weights, whichever layout wrote the checkpoint."""
+    store = CheckpointStore(root)
+    info = store.latest_valid()
+    files = info.manifest["files"]
+    return read_weights(
+        store,
+        info,
+        "transformer.model.safetensors" if "transformer.model.safetensors" in files else "transformer.model",
+    )
