@@ -11,15 +11,25 @@ training on different frozen weights.
 from __future__ import annotations
 
 import logging
+import posixpath
 from collections.abc import Mapping
 from typing import Any
 
 import torch
+from accelerate import init_empty_weights
 
 from trainer.checkpoint.format import entry_digest, new_digest, torch_dtype
-from trainer.checkpoint.layout import TRAINER_JSON, group_name, parse_group, parts_with_weights, whole_file
+from trainer.checkpoint.layout import (
+    TRAINER_JSON,
+    group_name,
+    parse_group,
+    parse_step_dir,
+    parts_with_weights,
+    whole_file,
+)
 from trainer.checkpoint.sharded import ShardIndex, files_of_group, load_group
 from trainer.checkpoint.store import CheckpointInfo, CheckpointStore, resolve_checkpoint
+from trainer.conditioning.text import check_stored_encoders
 from trainer.config import Config
 from trainer.config.redact import redact
 from trainer.data import is_video
@@ -203,6 +213,78 @@ def load_for_inference(
             raise CheckpointCorrupt(f"{info.url}: the weights of {name!r} ({what}) do not fit its model: {e}") from e
         module.to(device).eval().requires_grad_(False)
     return cfg, task, modules
+
+
+def _frozen_for_shapes(store: CheckpointStore, info: CheckpointInfo, name: str) -> FrozenWeights:
+    """A frozen part's source config and record, without its weights: what `build` needs to shape the
+    other parts (a MaskGIT's codebook size). The source is the step the checkpoint recorded, checked
+    cheaply (manifest and sizes); its weights are neither read nor hashed."""
+    record = (info.manifest.get("frozen") or {}).get(name)
+    if record is None:
+        raise ConfigError(f"frozen part {name!r}: {info.url} records no source for it")
+    url = str(record["url"]).rstrip("/")
+    base = posixpath.basename(url)
+    step = parse_step_dir(base)
+    if step is None:
+        raise ConfigError(f"frozen part {name!r}: its recorded source {url!r} is not a step dir")
+    source = CheckpointStore(url[: -len(base) - 1] or ".", store.storage_options).check(step)
+    if not source.valid:
+        raise ConfigError(f"frozen part {name!r}: its recorded source {url} is not valid ({source.reason})")
+    return FrozenWeights(config_of(source, flag=None), {}, dict(record))
+
+
+def _saved_shapes(index: ShardIndex, group: str) -> dict[str, list[int]]:
+    """{key: global shape} of a group, from shards.json (sharded) or the whole file's safetensors header."""
+    return {key: list(entry["shape"]) for key, entry in index.group(group).items()}
+
+
+def fit_problems(store: CheckpointStore, info: CheckpointInfo, task_name: str | None = None) -> list[str]:
+    """Weights that do not fit the model the checkpoint's config builds, as `<file>: <what>` lines; none if
+    every part's model and EMA weights have exactly the model's names and shapes (what `load_for_inference`
+    and a resume would refuse, found from headers alone).
+
+    The modules' parameters are built on the meta device (no memory; buffers, small, stay real); only
+    safetensors headers and shards.json are read. Frozen parts are not in checkpoints and are skipped.
+    Raises ConfigError when no model can be built from the checkpoint: its config names a task by import
+    path and `task_name` is not that task (nothing is imported), it holds no config, or a text encoder or
+    frozen source it needs is not available. Call it on a checkpoint that `CheckpointStore.verify` passed.
+    """
+    cfg = config_of(info, task_name)
+    options = dict(store.storage_options)
+    cfg.checkpoint.storage_options = options
+    cfg.data.storage_options = dict(options)
+    check_stored_encoders(cfg.model_cfg, None, f"checkpoint {info.url}")
+    frames = cfg.data.num_frames if is_video(cfg) else 1
+    ctx = TaskContext(
+        cfg.data.image_size, cfg.data.channels, cfg.seed, None, options, num_frames=frames, load_pretrained=False
+    )
+    task = task_class(cfg.task)(cfg.model_cfg, ctx)
+    frozen = {name: _frozen_for_shapes(store, info, name) for name in task.frozen_sources()}
+    with init_empty_weights(include_buffers=False):  # buffers stay real: some builds compute with them
+        modules = task.build(frozen)
+    index = ShardIndex(store, info)
+    problems = []
+    for part, module in modules.items():
+        if part in frozen:
+            continue
+        want = {key: list(t.shape) for key, t in module.state_dict().items()}
+        if not index.has(group_name(part, "model")):
+            problems.append(f"{info.url}: no weights of part {part!r}, which its config builds")
+            continue
+        for kind in ("model", "ema"):
+            group = group_name(part, kind)
+            if not index.has(group):
+                continue
+            shards = files_of_group(info, group)
+            what = shards[0] if shards == [whole_file(group)] else group
+            saved = _saved_shapes(index, group)
+            missing, extra = sorted(set(want) - set(saved)), sorted(set(saved) - set(want))
+            if missing or extra:
+                problems.append(f"{what}: its names do not fit the model's (missing {missing[:3]}, extra {extra[:3]})")
+            for key in sorted(set(want) & set(saved)):
+                if saved[key] != want[key]:
+                    problems.append(f"{what}: {key} has shape {saved[key]}, the model's is {want[key]}")
+    return problems
 
 
 def consolidate(
