@@ -253,7 +253,7 @@ def _grow(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return tensors
 
 
-def _fit_checkpoint(root: Path, step: int, grown: bool, sharded: bool = False, task: str | None = None):
+def _fit_checkpoint(root: Path, step: int, grown: bool, sharded: bool = False, task: str | None = None, **model):
     """A checkpoint of the tiny digits-ddpm model written in-process (no training): its weights, one 4-d
     weight grown in both files when `grown`, in one file per kind or as one rank's shards with shards.json."""
     cfg = load_config("digits-ddpm", TINY)
@@ -266,6 +266,7 @@ def _fit_checkpoint(root: Path, step: int, grown: bool, sharded: bool = False, t
     doc = cfg.to_dict()
     if task is not None:
         doc["task"] = task
+    doc["model"].update(model)
     files: dict = {}
     if not sharded:
         files = {"unet.model.safetensors": weights, "unet.ema.safetensors": dict(weights)}
@@ -308,6 +309,20 @@ def test_fit_problems_import_no_task_a_checkpoint_names_by_import_path_unless_th
     assert "nowhere_module_xyz" not in sys.modules
     with pytest.raises(ConfigError, match="must be the same"):
         fit_problems(store, info, "ddpm")
+
+
+def test_fit_problems_says_when_the_checkpoints_config_builds_no_model(tmp_path, monkeypatch):
+    store, info, *_ = _fit_checkpoint(tmp_path, 2, grown=False, norm_num_groups=5)
+    with pytest.raises(ConfigError, match="divisible by model.norm_num_groups=5"):
+        fit_problems(store, info)  # the schema's check
+    store, info, *_ = _fit_checkpoint(tmp_path, 4, grown=False)
+
+    def fails(self, frozen):  # a config that passes the schema and fails in a model's constructor
+        raise ValueError("8 channels in 5 groups")
+
+    monkeypatch.setattr(task_class("ddpm"), "build", fails)
+    with pytest.raises(ConfigError, match=r"builds no model \(ValueError: 8 channels in 5 groups\)"):
+        fit_problems(store, info)
 
 
 @pytest.mark.slow

@@ -246,8 +246,9 @@ def fit_problems(store: CheckpointStore, info: CheckpointInfo, task_name: str | 
     The modules' parameters are built on the meta device (no memory; buffers, small, stay real); only
     safetensors headers and shards.json are read. Frozen parts are not in checkpoints and are skipped.
     Raises ConfigError when no model can be built from the checkpoint: its config names a task by import
-    path and `task_name` is not that task (nothing is imported), it holds no config, or a text encoder or
-    frozen source it needs is not available. Call it on a checkpoint that `CheckpointStore.verify` passed.
+    path and `task_name` is not that task (nothing is imported), it holds no config or one that builds no
+    model, or a text encoder or frozen source it needs is not available. Call it on a checkpoint that
+    `CheckpointStore.verify` passed.
     """
     cfg = config_of(info, task_name)
     options = dict(store.storage_options)
@@ -258,10 +259,13 @@ def fit_problems(store: CheckpointStore, info: CheckpointInfo, task_name: str | 
     ctx = TaskContext(
         cfg.data.image_size, cfg.data.channels, cfg.seed, None, options, num_frames=frames, load_pretrained=False
     )
-    task = task_class(cfg.task)(cfg.model_cfg, ctx)
-    frozen = {name: _frozen_for_shapes(store, info, name) for name in task.frozen_sources()}
-    with init_empty_weights(include_buffers=False):  # buffers stay real: some builds compute with them
-        modules = task.build(frozen)
+    try:
+        task = task_class(cfg.task)(cfg.model_cfg, ctx)
+        frozen = {name: _frozen_for_shapes(store, info, name) for name in task.frozen_sources()}
+        with init_empty_weights(include_buffers=False):  # buffers stay real: some builds compute with them
+            modules = task.build(frozen)
+    except (ValueError, TypeError, KeyError, IndexError, RuntimeError) as e:  # a config that passed its schema
+        raise ConfigError(f"its config builds no model ({type(e).__name__}: {str(e)[:200]})") from None
     index = ShardIndex(store, info)
     problems = []
     for part, module in modules.items():
