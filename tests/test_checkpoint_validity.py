@@ -311,6 +311,15 @@ def test_fit_problems_import_no_task_a_checkpoint_names_by_import_path_unless_th
         fit_problems(store, info, "ddpm")
 
 
+def test_fit_problems_load_no_text_encoder_a_checkpoint_names_unless_the_user_names_it(tmp_path):
+    doc = load_config("digits-cascade-text").to_dict()
+    doc["model"]["text"]["encoder"] = str(tmp_path / "someones-encoder")
+    store = CheckpointStore(str(tmp_path / "ckpt"))
+    store.write(2, {"a.json": b"{}"}, {"config": doc})
+    with pytest.raises(ConfigError, match="--text-encoder"):
+        fit_problems(store, store.check(2))
+
+
 def test_fit_problems_says_when_the_checkpoints_config_builds_no_model(tmp_path, monkeypatch):
     store, info, *_ = _fit_checkpoint(tmp_path, 2, grown=False, norm_num_groups=5)
     with pytest.raises(ConfigError, match="divisible by model.norm_num_groups=5"):

@@ -107,6 +107,7 @@ def _parser() -> argparse.ArgumentParser:
     cl.add_argument("root")
     cl.add_argument("--storage-options", type=json.loads, default={})
     cl.add_argument("--task", default=None, metavar="TASK", help=_TASK_HELP)
+    cl.add_argument("--text-encoder", default=None, metavar="PATH_OR_URL", help=_TEXT_ENCODER_HELP)
     cv = csub.add_parser(
         "verify",
         help="check sizes and digests of every file (every rank's shards), and that the weights fit the model "
@@ -115,6 +116,7 @@ def _parser() -> argparse.ArgumentParser:
     cv.add_argument("url", help="one checkpoint, or a root (verifies the newest valid one)")
     cv.add_argument("--storage-options", type=json.loads, default={})
     cv.add_argument("--task", default=None, metavar="TASK", help=_TASK_HELP)
+    cv.add_argument("--text-encoder", default=None, metavar="PATH_OR_URL", help=_TEXT_ENCODER_HELP)
     cc = csub.add_parser("consolidate", help="copy a (sharded) checkpoint as one file per part, for inference")
     cc.add_argument("url", help="one checkpoint, or a root (the newest valid one)")
     cc.add_argument("out", help="checkpoint root to write the copy under (any fsspec URL)")
@@ -361,7 +363,7 @@ def _human_bytes(n: int) -> str:
     return str(n)
 
 
-def _check(store, info, task: str | None) -> tuple[list[str], str | None]:
+def _check(store, info, args: argparse.Namespace) -> tuple[list[str], str | None]:
     """`verify`'s and `list`'s check of one checkpoint: (problems, none if valid; why the weights were not
     checked against a model, or None). Files first (sizes, digests, structure), then whether the weights fit
     the model the checkpoint's config builds, as sampling and resuming need them to."""
@@ -372,7 +374,7 @@ def _check(store, info, task: str | None) -> tuple[list[str], str | None]:
     if problems:
         return problems, None
     try:
-        return fit_problems(store, info, task), None
+        return fit_problems(store, info, args.task, args.text_encoder), None
     except ConfigError as e:  # no model to compare with (an import-path task without --task, no config, ...)
         return [], _REDACT.clean(str(e))
     except CheckpointError as e:
@@ -394,7 +396,7 @@ def cmd_checkpoints(args: argparse.Namespace) -> int:
         unchecked = []
         for i in infos:
             # The same check as `verify` (digests, structure, fit to the model), so the two always agree.
-            problems, skipped = _check(store, i, args.task)
+            problems, skipped = _check(store, i, args)
             status = "valid" if not problems else f"INVALID: {'; '.join(problems)}"
             if i.step == hint:
                 status += " (LATEST)"
@@ -423,7 +425,7 @@ def cmd_checkpoints(args: argparse.Namespace) -> int:
             f"{_human_bytes(result.total_bytes)}, from {info.url} (world size {info.manifest.get('world_size')})"
         )
         return EXIT_OK
-    problems, skipped = _check(store, info, args.task)
+    problems, skipped = _check(store, info, args)
     if problems:
         print(f"INVALID: {info.url}")
         for p in problems:

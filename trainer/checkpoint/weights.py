@@ -238,7 +238,9 @@ def _saved_shapes(index: ShardIndex, group: str) -> dict[str, list[int]]:
     return {key: list(entry["shape"]) for key, entry in index.group(group).items()}
 
 
-def fit_problems(store: CheckpointStore, info: CheckpointInfo, task_name: str | None = None) -> list[str]:
+def fit_problems(
+    store: CheckpointStore, info: CheckpointInfo, task_name: str | None = None, text_encoder: str | None = None
+) -> list[str]:
     """Weights that do not fit the model the checkpoint's config builds, as `<file>: <what>` lines; none if
     every part's model and EMA weights have exactly the model's names and shapes (what `load_for_inference`
     and a resume would refuse, found from headers alone).
@@ -246,15 +248,16 @@ def fit_problems(store: CheckpointStore, info: CheckpointInfo, task_name: str | 
     The modules' parameters are built on the meta device (no memory; buffers, small, stay real); only
     safetensors headers and shards.json are read. Frozen parts are not in checkpoints and are skipped.
     Raises ConfigError when no model can be built from the checkpoint: its config names a task by import
-    path and `task_name` is not that task (nothing is imported), it holds no config or one that builds no
-    model, or a text encoder or frozen source it needs is not available. Call it on a checkpoint that
+    path and `task_name` is not that task (nothing is imported), it names a text encoder other than the
+    packaged one and `text_encoder` is not that one (none is loaded), it holds no config or one that builds
+    no model, or a frozen source it needs is not available. Call it on a checkpoint that
     `CheckpointStore.verify` passed.
     """
     cfg = config_of(info, task_name)
     options = dict(store.storage_options)
     cfg.checkpoint.storage_options = options
     cfg.data.storage_options = dict(options)
-    check_stored_encoders(cfg.model_cfg, None, f"checkpoint {info.url}")
+    check_stored_encoders(cfg.model_cfg, text_encoder, f"checkpoint {info.url}")
     frames = cfg.data.num_frames if is_video(cfg) else 1
     ctx = TaskContext(
         cfg.data.image_size, cfg.data.channels, cfg.seed, None, options, num_frames=frames, load_pretrained=False
