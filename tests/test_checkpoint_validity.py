@@ -294,12 +294,13 @@ def _fit_checkpoint(root: Path, step: int, grown: bool, sharded: bool = False, t
 @pytest.mark.parametrize("sharded", [False, True], ids=["whole-files", "sharded"])
 def test_fit_problems_name_each_file_and_key_that_does_not_fit_the_model(tmp_path, sharded):
     store, info, *_ = _fit_checkpoint(tmp_path, 2, grown=False, sharded=sharded)
-    assert fit_problems(store, info) == []
+    cache: dict = {}
+    assert fit_problems(store, info, cache=cache) == []
     store, info, key, shape = _fit_checkpoint(tmp_path, 4, grown=True, sharded=sharded)
     files = ["unet.model", "unet.ema"] if sharded else ["unet.model.safetensors", "unet.ema.safetensors"]
-    assert fit_problems(store, info) == [
-        f"{name}: {key} has shape {[shape[0] + 1, *shape[1:]]}, the model's is {shape}" for name in files
-    ]
+    want = [f"{name}: {key} has shape {[shape[0] + 1, *shape[1:]]}, the model's is {shape}" for name in files]
+    assert fit_problems(store, info) == want
+    assert fit_problems(store, info, cache=cache) == want and len(cache) == 1  # one config: built once
 
 
 def test_fit_problems_import_no_task_a_checkpoint_names_by_import_path_unless_the_user_names_it(tmp_path):

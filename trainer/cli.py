@@ -363,7 +363,7 @@ def _human_bytes(n: int) -> str:
     return str(n)
 
 
-def _check(store, info, args: argparse.Namespace) -> tuple[list[str], str | None]:
+def _check(store, info, args: argparse.Namespace, cache: dict | None = None) -> tuple[list[str], str | None]:
     """`verify`'s and `list`'s check of one checkpoint: (problems, none if valid; why the weights were not
     checked against a model, or None). Files first (sizes, digests, structure), then whether the weights fit
     the model the checkpoint's config builds, as sampling and resuming need them to."""
@@ -374,7 +374,7 @@ def _check(store, info, args: argparse.Namespace) -> tuple[list[str], str | None
     if problems:
         return problems, None
     try:
-        return fit_problems(store, info, args.task, args.text_encoder), None
+        return fit_problems(store, info, args.task, args.text_encoder, cache), None
     except ConfigError as e:  # no model to compare with (an import-path task without --task, no config, ...)
         return [], _REDACT.clean(str(e))
     except CheckpointError as e:
@@ -393,10 +393,10 @@ def cmd_checkpoints(args: argparse.Namespace) -> int:
             return EXIT_OK
         hint = store.latest_hint()
         print(f"{'step':>10}  {'time (UTC)':<25}  {'size':>9}  status")
-        unchecked = []
+        unchecked, shapes = [], {}  # the model of each config is built once for the whole root
         for i in infos:
             # The same check as `verify` (digests, structure, fit to the model), so the two always agree.
-            problems, skipped = _check(store, i, args)
+            problems, skipped = _check(store, i, args, shapes)
             status = "valid" if not problems else f"INVALID: {'; '.join(problems)}"
             if i.step == hint:
                 status += " (LATEST)"

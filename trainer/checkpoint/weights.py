@@ -10,6 +10,7 @@ training on different frozen weights.
 
 from __future__ import annotations
 
+import json
 import logging
 import posixpath
 from collections.abc import Mapping
@@ -238,21 +239,22 @@ def _saved_shapes(index: ShardIndex, group: str) -> dict[str, list[int]]:
     return {key: list(entry["shape"]) for key, entry in index.group(group).items()}
 
 
-def fit_problems(
-    store: CheckpointStore, info: CheckpointInfo, task_name: str | None = None, text_encoder: str | None = None
-) -> list[str]:
-    """Weights that do not fit the model the checkpoint's config builds, as `<file>: <what>` lines; none if
-    every part's model and EMA weights have exactly the model's names and shapes (what `load_for_inference`
-    and a resume would refuse, found from headers alone).
-
-    The modules' parameters are built on the meta device (no memory; buffers, small, stay real); only
-    safetensors headers and shards.json are read. Frozen parts are not in checkpoints and are skipped.
-    Raises ConfigError when no model can be built from the checkpoint: its config names a task by import
-    path and `task_name` is not that task (nothing is imported), it names a text encoder other than the
-    packaged one and `text_encoder` is not that one (none is loaded), it holds no config or one that builds
-    no model, or a frozen source it needs is not available. Call it on a checkpoint that
-    `CheckpointStore.verify` passed.
-    """
+def model_shapes(
+    store: CheckpointStore,
+    info: CheckpointInfo,
+    task_name: str | None = None,
+    text_encoder: str | None = None,
+    cache: dict[str, Any] | None = None,
+) -> dict[str, dict[str, list[int]]]:
+    """{part: {key: shape}} of every trainable part the checkpoint's config builds (its state dict: parameters
+    and persistent buffers); frozen parts are not in checkpoints and are left out. See `fit_problems`.
+    `cache` (a dict the caller keeps) holds the shapes by config and frozen sources: `checkpoints list`
+    builds each model once for all the checkpoints of a root."""
+    key = json.dumps(
+        [info.manifest.get("config"), info.manifest.get("frozen"), task_name, text_encoder], sort_keys=True
+    )
+    if cache is not None and key in cache:
+        return cache[key]
     cfg = config_of(info, task_name)
     options = dict(store.storage_options)
     cfg.checkpoint.storage_options = options
@@ -269,12 +271,39 @@ def fit_problems(
             modules = task.build(frozen)
     except (ValueError, TypeError, KeyError, IndexError, RuntimeError) as e:  # a config that passed its schema
         raise ConfigError(f"its config builds no model ({type(e).__name__}: {str(e)[:200]})") from None
+    shapes = {
+        part: {k: list(t.shape) for k, t in module.state_dict().items()}
+        for part, module in modules.items()
+        if part not in frozen
+    }
+    if cache is not None:
+        cache[key] = shapes
+    return shapes
+
+
+def fit_problems(
+    store: CheckpointStore,
+    info: CheckpointInfo,
+    task_name: str | None = None,
+    text_encoder: str | None = None,
+    cache: dict[str, Any] | None = None,
+) -> list[str]:
+    """Weights that do not fit the model the checkpoint's config builds, as `<file>: <what>` lines; none if
+    every part's model and EMA weights have exactly the model's names and shapes (what `load_for_inference`
+    and a resume would refuse, found from headers alone).
+
+    The modules' parameters are built on the meta device (no memory; buffers, small, stay real), once per
+    config with a `cache` (see `model_shapes`); only safetensors headers and shards.json are read. Frozen parts are not in
+    checkpoints and are skipped. Raises ConfigError when no model can be built from the checkpoint: its
+    config names a task by import path and `task_name` is not that task (nothing is imported), it names a
+    text encoder other than the packaged one and `text_encoder` is not that one (none is loaded), it holds
+    no config or one that builds no model, or a frozen source it needs is not available. Call it on a
+    checkpoint that `CheckpointStore.verify` passed.
+    """
+    models = model_shapes(store, info, task_name, text_encoder, cache)
     index = ShardIndex(store, info)
     problems = []
-    for part, module in modules.items():
-        if part in frozen:
-            continue
-        want = {key: list(t.shape) for key, t in module.state_dict().items()}
+    for part, want in models.items():
         if not index.has(group_name(part, "model")):
             problems.append(f"{info.url}: no weights of part {part!r}, which its config builds")
             continue
