@@ -228,7 +228,10 @@ def _frozen_for_shapes(store: CheckpointStore, info: CheckpointInfo, name: str) 
     step = parse_step_dir(base)
     if step is None:
         raise ConfigError(f"frozen part {name!r}: its recorded source {url!r} is not a step dir")
-    source = CheckpointStore(url[: -len(base) - 1] or ".", store.storage_options).check(step)
+    try:
+        source = CheckpointStore(url[: -len(base) - 1] or ".", store.storage_options).check(step)
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"frozen part {name!r}: cannot open its recorded source {url!r}: {e}") from None
     if not source.valid:
         raise ConfigError(f"frozen part {name!r}: its recorded source {url} is not valid ({source.reason})")
     return FrozenWeights(config_of(source, flag=None), {}, dict(record))
