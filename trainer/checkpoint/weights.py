@@ -34,7 +34,7 @@ from trainer.conditioning.text import check_stored_encoders
 from trainer.config import Config
 from trainer.config.redact import redact
 from trainer.data import is_video
-from trainer.errors import CheckpointCorrupt, ConfigError
+from trainer.errors import CheckpointCorrupt, CheckpointError, ConfigError
 from trainer.registry import check_stored_task, config_from_dict, task_class
 from trainer.tasks.base import FrozenSource, FrozenWeights, TaskContext
 
@@ -272,6 +272,8 @@ def model_shapes(
         frozen = {name: _frozen_for_shapes(store, info, name) for name in task.frozen_sources()}
         with init_empty_weights(include_buffers=False):  # buffers stay real: some builds compute with them
             modules = task.build(frozen)
+    except (ConfigError, CheckpointError):  # a ValueError and a RuntimeError: their own messages
+        raise
     except (ValueError, TypeError, KeyError, IndexError, RuntimeError) as e:  # a config that passed its schema
         raise ConfigError(f"its config builds no model ({type(e).__name__}: {str(e)[:200]})") from None
     shapes = {
