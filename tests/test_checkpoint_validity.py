@@ -23,7 +23,7 @@ from trainer.checkpoint.layout import eval_result_name
 from trainer.checkpoint.weights import fit_problems
 from trainer.errors import ConfigError
 from trainer.registry import load_config, task_class
-from trainer.tasks.base import TaskContext
+from trainer.tasks.base import FrozenWeights, TaskContext
 
 STEPS = ("unet.model.safetensors", "unet.ema.safetensors", "unet.optimizer.safetensors")
 
@@ -310,6 +310,32 @@ def test_fit_problems_import_no_task_a_checkpoint_names_by_import_path_unless_th
     assert "nowhere_module_xyz" not in sys.modules
     with pytest.raises(ConfigError, match="must be the same"):
         fit_problems(store, info, "ddpm")
+
+
+def test_fit_problems_skip_a_frozen_part_and_shape_the_others_from_its_recorded_sources_config(tmp_path):
+    vq_cfg = load_config("digits-vqgan")
+    source = CheckpointStore(str(tmp_path / "vq"))
+    source.write(2, {"a.json": b"{}"}, {"config": vq_cfg.to_dict()})  # its config only: no weights are read
+    cfg = load_config("digits-maskgit", [f"model.tokenizer.url={tmp_path / 'vq'}", "model.dim=16", "model.depth=1"])
+    record = {"url": source.url_for(2), "step": 2, "file": "generator.ema.safetensors", "digest": "blake3:00"}
+    ctx = TaskContext(cfg.data.image_size, cfg.data.channels, cfg.seed, load_pretrained=False)
+    modules = task_class(cfg.task)(cfg.model_cfg, ctx).build({"tokenizer": FrozenWeights(vq_cfg, {}, record)})
+    assert set(modules) == {"tokenizer", "transformer"}
+    weights = dict(modules["transformer"].state_dict())
+    store = CheckpointStore(str(tmp_path / "mg"))
+    meta = {"config": cfg.to_dict(), "frozen": {"tokenizer": record}}
+    store.write(2, {"transformer.model.safetensors": weights, "transformer.ema.safetensors": weights}, meta)
+    assert fit_problems(store, store.check(2)) == []  # no tokenizer files: frozen parts are skipped
+    key = sorted(k for k, t in weights.items() if t.ndim == 2)[0]
+    grown = {**weights, key: torch.zeros(weights[key].shape[0] + 1, weights[key].shape[1])}
+    store.write(4, {"transformer.model.safetensors": grown, "transformer.ema.safetensors": weights}, meta)
+    assert fit_problems(store, store.check(4)) == [
+        f"transformer.model.safetensors: {key} has shape {list(grown[key].shape)}, "
+        f"the model's is {list(weights[key].shape)}"
+    ]
+    shutil.rmtree(tmp_path / "vq")
+    with pytest.raises(ConfigError, match="frozen part 'tokenizer': its recorded source .* is not valid"):
+        fit_problems(store, store.check(2))
 
 
 def test_fit_problems_load_no_text_encoder_a_checkpoint_names_unless_the_user_names_it(tmp_path):
