@@ -17,7 +17,6 @@ from collections.abc import Mapping
 from typing import Any
 
 import torch
-from accelerate import init_empty_weights
 
 from trainer.checkpoint.format import entry_digest, new_digest, torch_dtype
 from trainer.checkpoint.layout import (
@@ -267,6 +266,8 @@ def model_shapes(
     ctx = TaskContext(
         cfg.data.image_size, cfg.data.channels, cfg.seed, None, options, num_frames=frames, load_pretrained=False
     )
+    from accelerate import init_empty_weights  # about a second to import: only the fit check needs it
+
     try:
         task = task_class(cfg.task)(cfg.model_cfg, ctx)
         frozen = {name: _frozen_for_shapes(store, info, name) for name in task.frozen_sources()}
