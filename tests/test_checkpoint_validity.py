@@ -14,11 +14,16 @@ from pathlib import Path
 import pytest
 import torch
 from ckpt_tamper import edit_json, edit_tensors, flip_byte, manifest, read_tensors, replace_file, step_dir
-from conftest import REPO, clean_env, run_cli, tiny
+from conftest import REPO, TINY, clean_env, run_cli, tiny
 from helpers import assert_tensors_equal
 
 from trainer.checkpoint import CheckpointStore
+from trainer.checkpoint.format import DTYPE_NAMES
 from trainer.checkpoint.layout import eval_result_name
+from trainer.checkpoint.weights import fit_problems
+from trainer.errors import ConfigError
+from trainer.registry import load_config, task_class
+from trainer.tasks.base import FrozenWeights, TaskContext
 
 STEPS = ("unet.model.safetensors", "unet.ema.safetensors", "unet.optimizer.safetensors")
 
@@ -239,6 +244,156 @@ def test_sample_says_which_weights_do_not_fit_the_model_when_model_and_ema_agree
     no_traceback(r)
     assert "gentrain: checkpoint error:" in r.stderr and "do not fit its model" in r.stderr, r.stderr[-2000:]
     assert "unet.ema.safetensors" in r.stderr
+
+
+def _grow(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The first 4-d weight one output channel wider: the same edit in model and EMA keeps them consistent."""
+    key = sorted(k for k in tensors if tensors[k].ndim == 4)[0]
+    tensors[key] = torch.zeros(tensors[key].shape[0] + 1, *tensors[key].shape[1:])
+    return tensors
+
+
+def _fit_checkpoint(root: Path, step: int, grown: bool, sharded: bool = False, task: str | None = None, **model):
+    """A checkpoint of the tiny digits-ddpm model written in-process (no training): its weights, one 4-d
+    weight grown in both files when `grown`, in one file per kind or as one rank's shards with shards.json."""
+    cfg = load_config("digits-ddpm", TINY)
+    ctx = TaskContext(cfg.data.image_size, cfg.data.channels, cfg.seed, load_pretrained=False)
+    weights = dict(task_class(cfg.task)(cfg.model_cfg, ctx).build({})["unet"].state_dict())
+    key = sorted(k for k in weights if weights[k].ndim == 4)[0]
+    shape = list(weights[key].shape)
+    if grown:
+        weights = _grow(weights)
+    doc = cfg.to_dict()
+    if task is not None:
+        doc["task"] = task
+    doc["model"].update(model)
+    files: dict = {}
+    if not sharded:
+        files = {"unet.model.safetensors": weights, "unet.ema.safetensors": dict(weights)}
+    else:
+        index = {}
+        for kind in ("model", "ema"):
+            name = f"unet.{kind}.rank-00000.safetensors"
+            files[name] = dict(weights)
+            index[f"unet.{kind}"] = {
+                k: {
+                    "dtype": DTYPE_NAMES[t.dtype],
+                    "shape": list(t.shape),
+                    "chunks": [{"file": name, "offsets": [0] * t.ndim, "sizes": list(t.shape)}],
+                }
+                for k, t in weights.items()
+            }
+        files["shards.json"] = json.dumps({"version": 1, "world_size": 1, "tensors": index}).encode()
+    store = CheckpointStore(str(root))
+    store.write(step, files, {"config": doc, "world_size": 1})
+    info = store.check(step)
+    assert info.valid and not store.verify(info), "a consistent checkpoint: only its model tells"
+    return store, info, key, shape
+
+
+@pytest.mark.parametrize("sharded", [False, True], ids=["whole-files", "sharded"])
+def test_fit_problems_name_each_file_and_key_that_does_not_fit_the_model(tmp_path, sharded):
+    store, info, *_ = _fit_checkpoint(tmp_path, 2, grown=False, sharded=sharded)
+    cache: dict = {}
+    assert fit_problems(store, info, cache=cache) == []
+    store, info, key, shape = _fit_checkpoint(tmp_path, 4, grown=True, sharded=sharded)
+    files = ["unet.model", "unet.ema"] if sharded else ["unet.model.safetensors", "unet.ema.safetensors"]
+    want = [f"{name}: {key} has shape {[shape[0] + 1, *shape[1:]]}, the model's is {shape}" for name in files]
+    assert fit_problems(store, info) == want
+    assert fit_problems(store, info, cache=cache) == want and len(cache) == 1  # one config: built once
+
+
+def test_fit_problems_import_no_task_a_checkpoint_names_by_import_path_unless_the_user_names_it(tmp_path):
+    store, info, *_ = _fit_checkpoint(tmp_path, 2, grown=True, task="nowhere_module_xyz:Task")
+    with pytest.raises(ConfigError, match="import path"):
+        fit_problems(store, info)
+    assert "nowhere_module_xyz" not in sys.modules
+    with pytest.raises(ConfigError, match="must be the same"):
+        fit_problems(store, info, "ddpm")
+
+
+def test_fit_problems_skip_a_frozen_part_and_shape_the_others_from_its_recorded_sources_config(tmp_path):
+    vq_cfg = load_config("digits-vqgan")
+    source = CheckpointStore(str(tmp_path / "vq"))
+    source.write(2, {"a.json": b"{}"}, {"config": vq_cfg.to_dict()})  # its config only: no weights are read
+    cfg = load_config("digits-maskgit", [f"model.tokenizer.url={tmp_path / 'vq'}", "model.dim=16", "model.depth=1"])
+    record = {"url": source.url_for(2), "step": 2, "file": "generator.ema.safetensors", "digest": "blake3:00"}
+    ctx = TaskContext(cfg.data.image_size, cfg.data.channels, cfg.seed, load_pretrained=False)
+    modules = task_class(cfg.task)(cfg.model_cfg, ctx).build({"tokenizer": FrozenWeights(vq_cfg, {}, record)})
+    assert set(modules) == {"tokenizer", "transformer"}
+    weights = dict(modules["transformer"].state_dict())
+    store = CheckpointStore(str(tmp_path / "mg"))
+    meta = {"config": cfg.to_dict(), "frozen": {"tokenizer": record}}
+    store.write(2, {"transformer.model.safetensors": weights, "transformer.ema.safetensors": weights}, meta)
+    assert fit_problems(store, store.check(2)) == []  # no tokenizer files: frozen parts are skipped
+    key = sorted(k for k, t in weights.items() if t.ndim == 2)[0]
+    grown = {**weights, key: torch.zeros(weights[key].shape[0] + 1, weights[key].shape[1])}
+    store.write(4, {"transformer.model.safetensors": grown, "transformer.ema.safetensors": weights}, meta)
+    assert fit_problems(store, store.check(4)) == [
+        f"transformer.model.safetensors: {key} has shape {list(grown[key].shape)}, "
+        f"the model's is {list(weights[key].shape)}"
+    ]
+    shutil.rmtree(tmp_path / "vq")
+    with pytest.raises(ConfigError, match="frozen part 'tokenizer': its recorded source .* is not valid"):
+        fit_problems(store, store.check(2))
+
+
+def test_fit_problems_load_no_text_encoder_a_checkpoint_names_unless_the_user_names_it(tmp_path):
+    doc = load_config("digits-cascade-text").to_dict()
+    doc["model"]["text"]["encoder"] = str(tmp_path / "someones-encoder")
+    store = CheckpointStore(str(tmp_path / "ckpt"))
+    store.write(2, {"a.json": b"{}"}, {"config": doc})
+    with pytest.raises(ConfigError, match="--text-encoder"):
+        fit_problems(store, store.check(2))
+
+
+def test_fit_problems_says_when_the_checkpoints_config_builds_no_model(tmp_path, monkeypatch):
+    store, info, *_ = _fit_checkpoint(tmp_path, 2, grown=False, norm_num_groups=5)
+    with pytest.raises(ConfigError, match="divisible by model.norm_num_groups=5"):
+        fit_problems(store, info)  # the schema's check
+    store, info, *_ = _fit_checkpoint(tmp_path, 4, grown=False)
+
+    def fails(self, frozen):  # a config that passes the schema and fails in a model's constructor
+        raise ValueError("8 channels in 5 groups")
+
+    monkeypatch.setattr(task_class("ddpm"), "build", fails)
+    with pytest.raises(ConfigError, match=r"builds no model \(ValueError: 8 channels in 5 groups\)"):
+        fit_problems(store, info)
+
+
+@pytest.mark.slow
+def test_verify_and_list_say_which_weights_do_not_fit_the_model_when_model_and_ema_agree_on_a_wrong_shape(root):
+    ok = run_cli("checkpoints", "verify", str(root))
+    assert ok.returncode == 0 and "weights fit the model" in ok.stdout, ok.stdout + ok.stderr[-2000:]
+    for name in ("unet.model.safetensors", "unet.ema.safetensors"):
+        edit_tensors(root, 4, name, _grow)
+    key = sorted(k for k, t in read_tensors(root, 4, "unet.ema.safetensors").items() if t.ndim == 4)[0]
+    for url in (str(root), str(step_dir(root, 4))):
+        r = run_cli("checkpoints", "verify", url)
+        assert r.returncode == 1, r.stdout + r.stderr[-2000:]
+        no_traceback(r)
+        assert f"INVALID: {step_dir(root, 4)}" in r.stdout, r.stdout
+        assert f"unet.ema.safetensors: {key} has shape [" in r.stdout, r.stdout
+        assert f"unet.model.safetensors: {key} has shape [" in r.stdout, r.stdout
+    r = run_cli("checkpoints", "verify", str(step_dir(root, 2)))
+    assert r.returncode == 0 and "weights fit the model" in r.stdout, r.stdout + r.stderr[-2000:]
+    listed = run_cli("checkpoints", "list", str(root))
+    assert listed.returncode == 0, listed.stderr[-2000:]
+    no_traceback(listed)
+    rows = {line.split()[0]: line for line in listed.stdout.splitlines()[1:]}
+    assert "INVALID" in rows["4"] and f"unet.ema.safetensors: {key} has shape" in rows["4"], listed.stdout
+    assert "INVALID" not in rows["2"] and " valid" in rows["2"], listed.stdout
+
+
+@pytest.mark.slow
+def test_verify_says_it_did_not_check_the_fit_of_a_checkpoint_whose_task_is_an_import_path(tmp_path):
+    _fit_checkpoint(tmp_path, 2, grown=True, task="nowhere_module_xyz:Task")
+    r = run_cli("checkpoints", "verify", str(tmp_path))
+    assert r.returncode == 0, r.stdout + r.stderr[-2000:]
+    no_traceback(r)
+    assert "weights not checked against a model" in r.stdout and "--task nowhere_module_xyz:Task" in r.stdout
+    listed = run_cli("checkpoints", "list", str(tmp_path))
+    assert listed.returncode == 0 and "step 2: weights not checked against a model" in listed.stdout, listed.stdout
 
 
 # ------------------------------------------------------------------ 5. links are never followed

@@ -106,11 +106,17 @@ def _parser() -> argparse.ArgumentParser:
     cl = csub.add_parser("list", help="table of the checkpoints under a root")
     cl.add_argument("root")
     cl.add_argument("--storage-options", type=json.loads, default={})
+    cl.add_argument("--task", default=None, metavar="TASK", help=_TASK_HELP)
+    cl.add_argument("--text-encoder", default=None, metavar="PATH_OR_URL", help=_TEXT_ENCODER_HELP)
     cv = csub.add_parser(
-        "verify", help="check sizes and digests of every file (every rank's shards); exit 1 when invalid"
+        "verify",
+        help="check sizes and digests of every file (every rank's shards), and that the weights fit the model "
+        "the checkpoint's config builds; exit 1 when invalid",
     )
     cv.add_argument("url", help="one checkpoint, or a root (verifies the newest valid one)")
     cv.add_argument("--storage-options", type=json.loads, default={})
+    cv.add_argument("--task", default=None, metavar="TASK", help=_TASK_HELP)
+    cv.add_argument("--text-encoder", default=None, metavar="PATH_OR_URL", help=_TEXT_ENCODER_HELP)
     cc = csub.add_parser("consolidate", help="copy a (sharded) checkpoint as one file per part, for inference")
     cc.add_argument("url", help="one checkpoint, or a root (the newest valid one)")
     cc.add_argument("out", help="checkpoint root to write the copy under (any fsspec URL)")
@@ -357,6 +363,24 @@ def _human_bytes(n: int) -> str:
     return str(n)
 
 
+def _check(store, info, args: argparse.Namespace, cache: dict | None = None) -> tuple[list[str], str | None]:
+    """`verify`'s and `list`'s check of one checkpoint: (problems, none if valid; why the weights were not
+    checked against a model, or None). Files first (sizes, digests, structure), then whether the weights fit
+    the model the checkpoint's config builds, as sampling and resuming need them to."""
+    # Imports torch and the tasks: only `checkpoints list` and `verify` get here.
+    from trainer.checkpoint.weights import fit_problems
+
+    problems = [info.reason] if not info.valid else store.verify(info)
+    if problems:
+        return problems, None
+    try:
+        return fit_problems(store, info, args.task, args.text_encoder, cache), None
+    except ConfigError as e:  # no model to compare with (an import-path task without --task, no config, ...)
+        return [], _REDACT.clean(str(e))
+    except CheckpointError as e:
+        return [str(e)], None
+
+
 def cmd_checkpoints(args: argparse.Namespace) -> int:
     _setup_logging()
     from trainer.checkpoint import CheckpointStore, resolve_checkpoint  # torch-heavy (see the module doc)
@@ -369,13 +393,18 @@ def cmd_checkpoints(args: argparse.Namespace) -> int:
             return EXIT_OK
         hint = store.latest_hint()
         print(f"{'step':>10}  {'time (UTC)':<25}  {'size':>9}  status")
+        unchecked, shapes = [], {}  # the model of each config is built once for the whole root
         for i in infos:
-            # The same check as `verify` (digests and structure, streamed), so the two always agree.
-            problems = [i.reason] if not i.valid else store.verify(i)
+            # The same check as `verify` (digests, structure, fit to the model), so the two always agree.
+            problems, skipped = _check(store, i, args, shapes)
             status = "valid" if not problems else f"INVALID: {'; '.join(problems)}"
             if i.step == hint:
                 status += " (LATEST)"
             print(f"{i.step:>10}  {i.time_utc or '-':<25}  {_human_bytes(i.total_bytes):>9}  {status}")
+            if skipped:
+                unchecked.append(f"step {i.step}: weights not checked against a model: {skipped}")
+        for line in unchecked:
+            print(line)
         return EXIT_OK
 
     store, info = resolve_checkpoint(args.url, args.storage_options)
@@ -396,7 +425,7 @@ def cmd_checkpoints(args: argparse.Namespace) -> int:
             f"{_human_bytes(result.total_bytes)}, from {info.url} (world size {info.manifest.get('world_size')})"
         )
         return EXIT_OK
-    problems = store.verify(info)
+    problems, skipped = _check(store, info, args)
     if problems:
         print(f"INVALID: {info.url}")
         for p in problems:
@@ -404,10 +433,13 @@ def cmd_checkpoints(args: argparse.Namespace) -> int:
         return EXIT_INVALID_CHECKPOINT
     files = info.manifest["files"]
     algorithms = sorted({"blake3" if "blake3" in e else "sha256" for e in files.values()})
+    fit = "weights fit the model" if skipped is None else "weights not checked against a model"
     print(
         f"valid: {info.url} (step {info.step}, {len(files)} files, {_human_bytes(info.total_bytes)}, "
-        f"{'+'.join(algorithms)} checked)"
+        f"{'+'.join(algorithms)} checked, {fit})"
     )
+    if skipped is not None:
+        print(f"  weights not checked against a model: {skipped}")
     return EXIT_OK
 
 

@@ -10,20 +10,30 @@ training on different frozen weights.
 
 from __future__ import annotations
 
+import json
 import logging
+import posixpath
 from collections.abc import Mapping
 from typing import Any
 
 import torch
 
 from trainer.checkpoint.format import entry_digest, new_digest, torch_dtype
-from trainer.checkpoint.layout import TRAINER_JSON, group_name, parse_group, parts_with_weights, whole_file
+from trainer.checkpoint.layout import (
+    TRAINER_JSON,
+    group_name,
+    parse_group,
+    parse_step_dir,
+    parts_with_weights,
+    whole_file,
+)
 from trainer.checkpoint.sharded import ShardIndex, files_of_group, load_group
 from trainer.checkpoint.store import CheckpointInfo, CheckpointStore, resolve_checkpoint
+from trainer.conditioning.text import check_stored_encoders
 from trainer.config import Config
 from trainer.config.redact import redact
 from trainer.data import is_video
-from trainer.errors import CheckpointCorrupt, ConfigError
+from trainer.errors import CheckpointCorrupt, CheckpointError, ConfigError
 from trainer.registry import check_stored_task, config_from_dict, task_class
 from trainer.tasks.base import FrozenSource, FrozenWeights, TaskContext
 
@@ -203,6 +213,120 @@ def load_for_inference(
             raise CheckpointCorrupt(f"{info.url}: the weights of {name!r} ({what}) do not fit its model: {e}") from e
         module.to(device).eval().requires_grad_(False)
     return cfg, task, modules
+
+
+def _frozen_for_shapes(store: CheckpointStore, info: CheckpointInfo, name: str) -> FrozenWeights:
+    """A frozen part's source config and record, without its weights: what `build` needs to shape the
+    other parts (a MaskGIT's codebook size). The source is the step the checkpoint recorded, checked
+    cheaply (manifest and sizes); its weights are neither read nor hashed."""
+    record = (info.manifest.get("frozen") or {}).get(name)
+    if record is None:
+        raise ConfigError(f"frozen part {name!r}: {info.url} records no source for it")
+    url = str(record["url"]).rstrip("/")
+    base = posixpath.basename(url)
+    step = parse_step_dir(base)
+    if step is None:
+        raise ConfigError(f"frozen part {name!r}: its recorded source {url!r} is not a step dir")
+    try:
+        source = CheckpointStore(url[: -len(base) - 1] or ".", store.storage_options).check(step)
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"frozen part {name!r}: cannot open its recorded source {url!r}: {e}") from None
+    if not source.valid:
+        raise ConfigError(f"frozen part {name!r}: its recorded source {url} is not valid ({source.reason})")
+    return FrozenWeights(config_of(source, flag=None), {}, dict(record))
+
+
+def _saved_shapes(index: ShardIndex, group: str) -> dict[str, list[int]]:
+    """{key: global shape} of a group, from shards.json (sharded) or the whole file's safetensors header."""
+    return {key: list(entry["shape"]) for key, entry in index.group(group).items()}
+
+
+def model_shapes(
+    store: CheckpointStore,
+    info: CheckpointInfo,
+    task_name: str | None = None,
+    text_encoder: str | None = None,
+    cache: dict[str, Any] | None = None,
+) -> dict[str, dict[str, list[int]]]:
+    """{part: {key: shape}} of every trainable part the checkpoint's config builds (its state dict: parameters
+    and persistent buffers); frozen parts are not in checkpoints and are left out. See `fit_problems`.
+    `cache` (a dict the caller keeps) holds the shapes by config and frozen sources: `checkpoints list`
+    builds each model once for all the checkpoints of a root."""
+    key = json.dumps(
+        [info.manifest.get("config"), info.manifest.get("frozen"), task_name, text_encoder], sort_keys=True
+    )
+    if cache is not None and key in cache:
+        return cache[key]
+    cfg = config_of(info, task_name)
+    options = dict(store.storage_options)
+    cfg.checkpoint.storage_options = options
+    cfg.data.storage_options = dict(options)
+    check_stored_encoders(cfg.model_cfg, text_encoder, f"checkpoint {info.url}")
+    frames = cfg.data.num_frames if is_video(cfg) else 1
+    ctx = TaskContext(
+        cfg.data.image_size, cfg.data.channels, cfg.seed, None, options, num_frames=frames, load_pretrained=False
+    )
+    from accelerate import init_empty_weights  # about a second to import: only the fit check needs it
+
+    try:
+        task = task_class(cfg.task)(cfg.model_cfg, ctx)
+        frozen = {name: _frozen_for_shapes(store, info, name) for name in task.frozen_sources()}
+        with init_empty_weights(include_buffers=False):  # buffers stay real: some builds compute with them
+            modules = task.build(frozen)
+    except (ConfigError, CheckpointError):  # a ValueError and a RuntimeError: their own messages
+        raise
+    except (ValueError, TypeError, KeyError, IndexError, RuntimeError) as e:  # a config that passed its schema
+        raise ConfigError(f"its config builds no model ({type(e).__name__}: {str(e)[:200]})") from None
+    shapes = {
+        part: {k: list(t.shape) for k, t in module.state_dict().items()}
+        for part, module in modules.items()
+        if part not in frozen
+    }
+    if cache is not None:
+        cache[key] = shapes
+    return shapes
+
+
+def fit_problems(
+    store: CheckpointStore,
+    info: CheckpointInfo,
+    task_name: str | None = None,
+    text_encoder: str | None = None,
+    cache: dict[str, Any] | None = None,
+) -> list[str]:
+    """Weights that do not fit the model the checkpoint's config builds, as `<file>: <what>` lines; none if
+    every part's model and EMA weights have exactly the model's names and shapes (what `load_for_inference`
+    and a resume would refuse, found from headers alone).
+
+    The modules' parameters are built on the meta device (no memory; buffers, small, stay real), once per
+    config with a `cache` (see `model_shapes`); only safetensors headers and shards.json are read. Frozen parts are not in
+    checkpoints and are skipped. Raises ConfigError when no model can be built from the checkpoint: its
+    config names a task by import path and `task_name` is not that task (nothing is imported), it names a
+    text encoder other than the packaged one and `text_encoder` is not that one (none is loaded), it holds
+    no config or one that builds no model, or a frozen source it needs is not available. Call it on a
+    checkpoint that `CheckpointStore.verify` passed.
+    """
+    models = model_shapes(store, info, task_name, text_encoder, cache)
+    index = ShardIndex(store, info)
+    problems = []
+    for part, want in models.items():
+        if not index.has(group_name(part, "model")):
+            problems.append(f"{info.url}: no weights of part {part!r}, which its config builds")
+            continue
+        for kind in ("model", "ema"):
+            group = group_name(part, kind)
+            if not index.has(group):
+                continue
+            shards = files_of_group(info, group)
+            what = shards[0] if shards == [whole_file(group)] else group
+            saved = _saved_shapes(index, group)
+            missing, extra = sorted(set(want) - set(saved)), sorted(set(saved) - set(want))
+            if missing or extra:
+                problems.append(f"{what}: its names do not fit the model's (missing {missing[:3]}, extra {extra[:3]})")
+            for key in sorted(set(want) & set(saved)):
+                if saved[key] != want[key]:
+                    problems.append(f"{what}: {key} has shape {saved[key]}, the model's is {want[key]}")
+    return problems
 
 
 def consolidate(
