@@ -59,7 +59,8 @@ def test_freed_buffers_are_reused_without_page_faults():
     assert kept["applied"]
     # With glibc's defaults each step faults its buffers in again (10k faults here, the
     # count depends on the machine's page and huge-page settings); kept, they are reused.
-    assert kept["faults"] <= max(default["faults"] // 10, 64), (kept, default)
+    # About a tenth measured on a quiet machine; a quarter leaves room for a loaded one (page reclaim).
+    assert kept["faults"] <= max(default["faults"] // 4, 64), (kept, default)
 
 
 def test_a_user_allocator_setting_is_left_alone(monkeypatch):

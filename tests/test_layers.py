@@ -248,17 +248,21 @@ def test_a_config_with_text_but_without_sentence_transformers_exits_2_naming_the
 _STARTS_PROCESSES = {"run_cli", "start_cli", "Popen", "subprocess", "torchrun", "S3Server", "GCSServer", "kill_group"}
 
 
-def _names_used(fn: ast.FunctionDef | ast.AsyncFunctionDef) -> set[str]:
-    names = {x.id for x in ast.walk(fn) if isinstance(x, ast.Name)}
-    names |= {x.attr for x in ast.walk(fn) if isinstance(x, ast.Attribute)}
-    return names | {a.arg for a in fn.args.args}
-
-
 def _starts_processes(funcs: dict, name: str, seen: frozenset = frozenset()) -> bool:
+    """Whether `funcs[name]` uses a process-starting name, or calls a function (or, for a test or fixture,
+    takes a fixture) of its module that does."""
     if name not in funcs or name in seen:
         return False
-    names = _names_used(funcs[name])
-    return bool(names & _STARTS_PROCESSES) or any(_starts_processes(funcs, n, seen | {name}) for n in names)
+    fn = funcs[name]
+    names = {x.id for x in ast.walk(fn) if isinstance(x, ast.Name)}
+    names |= {x.attr for x in ast.walk(fn) if isinstance(x, ast.Attribute)}
+    if names & _STARTS_PROCESSES:
+        return True
+    followed = {x.func.id for x in ast.walk(fn) if isinstance(x, ast.Call) and isinstance(x.func, ast.Name)}
+    # Arguments name fixtures only for tests and fixtures; a helper's `root` is just a value.
+    if fn.name.startswith("test_") or any("fixture" in ast.unparse(d) for d in fn.decorator_list):
+        followed |= {a.arg for a in fn.args.args}
+    return any(_starts_processes(funcs, n, seen | {name}) for n in followed)
 
 
 def test_every_test_that_starts_a_process_is_marked_slow():

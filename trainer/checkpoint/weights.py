@@ -101,7 +101,10 @@ def config_of(info: CheckpointInfo, task: str | None = None, flag: str | None = 
         raise ConfigError(f"checkpoint {info.url}: its manifest holds no config (a mapping) to build the model from")
     stored = tree.get("task", Config.model_fields["task"].default)
     check_stored_task(stored, task, f"checkpoint {info.url}", flag)
-    return config_from_dict(tree)
+    try:
+        return config_from_dict(tree)
+    except ConfigError as e:  # the store's config, not the user's: a checkpoint that cannot be used (exit 1)
+        raise CheckpointCorrupt(f"checkpoint {info.url}: the config in its manifest is not valid: {e}") from None
 
 
 def _load(store: CheckpointStore, info: CheckpointInfo, source: FrozenSource) -> FrozenWeights:
