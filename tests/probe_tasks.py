@@ -12,7 +12,7 @@
 of global step STEP on the first attempt, so tests kill at an exact point
 instead of racing a running job (`PROBE_TASK_KILL_SIGNAL=TERM` sends SIGTERM
 instead). `KillableVQGAN`, `KillableMaskGIT`, `KillableVideoTokenizer`,
-`KillableVideoMaskGIT` and `KillableAutoencoder` are the real tasks plus that switch.
+`KillableVideoMaskGIT`, `KillableAutoencoder` and `KillableDDPM` are the real tasks plus that switch.
 
 `PROBE_TASK_OVERLAP=1` holds every background snapshot copy until the
 training thread reaches a fence or an optimizer step has completed (see
@@ -36,6 +36,7 @@ from torch import nn
 from trainer.registry import task_class
 from trainer.tasks.autoencoder import AutoencoderTask
 from trainer.tasks.base import Batch, FrozenSource, Loss, Phase, PreviewContext, StepInfo, Task
+from trainer.tasks.ddpm import DDPMTask
 from trainer.tasks.maskgit import MaskGITTask
 from trainer.tasks.video_maskgit import VideoMaskGITTask
 from trainer.tasks.video_tokenizer import VideoTokenizerTask
@@ -244,3 +245,9 @@ class KillableAutoencoder(AutoencoderTask):
     def forward(self, modules, batch: Batch, step: int):
         maybe_die(step)
         return super().forward(modules, batch, step)
+
+
+class KillableDDPM(DDPMTask):
+    def loss(self, phase, modules, batch: Batch, outputs, info: StepInfo):
+        maybe_die(info.step)
+        return super().loss(phase, modules, batch, outputs, info)
