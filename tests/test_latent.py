@@ -136,7 +136,8 @@ def test_a_diffusers_folder_on_loopback_s3_is_the_frozen_autoencoder(tmp_path, s
         fs.put_file(os.path.join(local, name), f"{bucket}/vae/{name}")
     t = train(tmp_path, f"{bucket}/vae", f"checkpoint.storage_options={json.dumps(options)}")
     assert t.frozen["autoencoder"].module.latent_scale == 0.5
-    assert sample(f"{tmp_path}/run/checkpoints").shape == (4, 1, 8, 8)
+    # Sampling reads the autoencoder from S3 again (digest-checked), with the storage options the user gives.
+    assert sample(f"{tmp_path}/run/checkpoints", options).shape == (4, 1, 8, 8)
 
 
 def test_geometry_mismatches_are_refused_naming_both_numbers(tmp_path, autoencoder_run):
