@@ -171,12 +171,16 @@ def test_a_changed_autoencoder_at_resume_exits_2_naming_it_and_keeps_the_last_ch
     args = ldm(tmp_path, folder, "checkpoint.every_steps=2", max_steps=2)
     r = run_cli("train", *args, env=ENV)
     assert r.returncode == 0, r.stderr[-3000:]
+    # The same folder again: the resume passes the pin.
+    r = run_cli("train", *ldm(tmp_path, folder, "checkpoint.every_steps=1", max_steps=3), env=ENV)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "resumed_from=" in r.stderr
     vae_folder(tmp_path / "vae", seed=1)  # other weights at the same URL
-    r = run_cli("train", *ldm(tmp_path, folder, "checkpoint.every_steps=2", max_steps=4), env=ENV)
+    r = run_cli("train", *ldm(tmp_path, folder, "checkpoint.every_steps=1", max_steps=4), env=ENV)
     assert r.returncode == 2, r.stderr[-3000:]
     assert "frozen part 'autoencoder'" in r.stderr and folder in r.stderr
     store = CheckpointStore(f"{tmp_path}/run/checkpoints")
-    assert store.latest_valid().step == 2
+    assert store.latest_valid().step == 3
 
 
 @pytest.mark.slow
