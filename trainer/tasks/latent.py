@@ -159,8 +159,8 @@ class LatentSpace:
 
     def _posterior(self, module: nn.Module, images: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(mean, std) of q(z | images), float32."""
-        dist = self._vae(module).encode(images).latent_dist
-        return dist.mean.float(), dist.std.float()
+        posterior = self._vae(module).encode(images).latent_dist
+        return posterior.mean.float(), posterior.std.float()
 
     @torch.no_grad()
     def encode(self, module: nn.Module, images: torch.Tensor, step: int, positions: list[int]) -> torch.Tensor:
