@@ -15,7 +15,7 @@ import torch
 from conftest import REPO, clean_env, run_cli, tiny
 from diffusers import AutoencoderKL
 from helpers import assert_tensors_equal, kill_group, start_cli
-from test_vqgan_maskgit import tensors
+from test_vqgan_maskgit import _kill_and_compare, tensors
 
 from trainer.checkpoint import CheckpointStore
 from trainer.checkpoint.weights import file_digest, load_for_inference
@@ -206,6 +206,22 @@ def test_sigkill_mid_step_then_resume_is_bit_identical_to_an_uninterrupted_run(t
     a, b = tensors(f"{tmp_path}/ref/run/checkpoints", steps), tensors(killed, steps)
     assert {"unet.ema.safetensors", "unet.optimizer.safetensors", "rank-00000.safetensors"} <= set(a)
     assert_tensors_equal(a, b)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("parallel", ["ddp", "fsdp"])
+def test_under_torchrun_a_sigkilled_rank_resumes_bit_identical(tmp_path, autoencoder_run, parallel):
+    """Two workers (DDP, or FSDP with the UNet sharded and the frozen autoencoder whole on each): rank 1 dies
+    in step 4, torchrun restarts both, the run ends bit-identical to an uninterrupted one; no checkpoint file
+    holds the autoencoder."""
+    steps = 6
+
+    def args(root):
+        extra = ["model.num_classes=10", "checkpoint.every_steps=2", "task=probe_tasks:KillableDDPM"]
+        return ldm(root, autoencoder_run, *extra, f"train.parallel={parallel}", max_steps=steps)
+
+    a = _kill_and_compare(tmp_path, args, kill_at=4, steps=steps)
+    assert "rank-00001.safetensors" in a and not any(name.startswith("autoencoder") for name in a)
 
 
 def test_the_latent_cache_fills_once_then_is_reused_and_changes_no_weight(tmp_path, autoencoder_run):

@@ -226,7 +226,7 @@ class DDPMTask(Task):
         c = self.cfg
         size, channels, extra = self.image_size, self.channels, {}
         if c.autoencoder is not None:
-            self.latent = LatentSpace(c.autoencoder, frozen[AUTOENCODER], size, channels, self.seed)
+            self.latent = LatentSpace(c.autoencoder, frozen[AUTOENCODER], size, channels, self.seed, self.ctx.services)
             channels, size = self.latent.shape[0], self.latent.side
             extra[AUTOENCODER] = self.latent.build()
             if c.denoiser.kind == "unet":

@@ -30,6 +30,7 @@ from diffusers import AutoencoderKL
 from pydantic import BaseModel, ConfigDict, Field
 from torch import nn
 
+from trainer.engine.services import ProcessServices
 from trainer.errors import ConfigError
 from trainer.randomness import Stream, per_sample_randn, sample_generators
 from trainer.registry import task_class
@@ -106,8 +107,17 @@ def _geometry(weights: FrozenWeights, url: str) -> Geometry:
 class LatentSpace:
     """The frozen autoencoder's geometry and the encode/decode of the diffusion task's latent space."""
 
-    def __init__(self, c: LatentAutoencoderConfig, weights: FrozenWeights, image_size: int, channels: int, seed: int):
+    def __init__(
+        self,
+        c: LatentAutoencoderConfig,
+        weights: FrozenWeights,
+        image_size: int,
+        channels: int,
+        seed: int,
+        services: ProcessServices | None = None,
+    ):
         self.cfg = c
+        self.services = services
         self.weights = weights
         self.seed = seed
         url = weights.record["url"]
@@ -157,8 +167,18 @@ class LatentSpace:
             return module.scaling_factor, 0.0
         return module.latent_scale, module.latent_shift
 
+    def _check_whole(self, module: nn.Module) -> None:
+        """The encoder and decoder are called outside the module's forward, which a sharded module's weight
+        gathering hooks do not see: a sharded autoencoder is refused (every process alike, exit 2)."""
+        if self.services is not None and self.services.calls_are_collective(module):
+            raise ConfigError(
+                "train.shard_frozen=true: the latent diffusion autoencoder cannot be sharded yet; set "
+                "train.shard_frozen=false (a KL autoencoder is small next to the denoiser)"
+            )
+
     def _posterior(self, module: nn.Module, images: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(mean, std) of q(z | images), float32."""
+        self._check_whole(module)
         posterior = self._vae(module).encode(images).latent_dist
         return posterior.mean.float(), posterior.std.float()
 
@@ -179,6 +199,7 @@ class LatentSpace:
     @torch.no_grad()
     def decode(self, module: nn.Module, latents: torch.Tensor) -> torch.Tensor:
         """Scaled latents -> images in [-1, 1]."""
+        self._check_whole(module)
         scale, shift = self._scale_shift(module)
         vae = self._vae(module)
         z = (latents / scale + shift).to(next(vae.parameters()).dtype)
