@@ -15,10 +15,12 @@ import torch
 from conftest import REPO, clean_env, run_cli, tiny
 from diffusers import AutoencoderKL
 from helpers import assert_tensors_equal, kill_group, start_cli
+from PIL import Image
 from test_vqgan_maskgit import _kill_and_compare, tensors
 
 from trainer.checkpoint import CheckpointStore
 from trainer.checkpoint.weights import file_digest, load_for_inference
+from trainer.cli import main as cli_main
 from trainer.elastic import DistEnv
 from trainer.errors import ConfigError
 from trainer.loop import Trainer
@@ -125,6 +127,11 @@ def test_a_diffusers_autoencoderkl_folder_is_the_frozen_autoencoder_with_its_sca
     torch.testing.assert_close(latent.encode(module, image, 0, [0]), (mean - 0.25) * 0.5)
     latent.cfg = kept
     assert sample(f"{tmp_path}/run/checkpoints").shape == (4, 1, 8, 8)
+    # `gentrain sample` too decodes through the folder's autoencoder (reading it again, digest-checked).
+    out = tmp_path / "grid.png"
+    assert cli_main(["sample", f"{tmp_path}/run/checkpoints", "--num", "4", "--steps", "2", "--out", str(out)]) == 0
+    with Image.open(out) as grid:
+        assert grid.size[0] > 0 and grid.size[0] == grid.size[1]
 
 
 @pytest.mark.slow
