@@ -147,6 +147,26 @@ def test_a_diffusers_folder_on_loopback_s3_is_the_frozen_autoencoder(tmp_path, s
     assert sample(f"{tmp_path}/run/checkpoints", options).shape == (4, 1, 8, 8)
 
 
+def test_a_run_root_is_pinned_to_its_step_when_the_autoencoder_run_moves_on_and_a_step_dir_works(tmp_path):
+    small = ["model.disc_channels=8", "model.disc_layers=1", "model.scale_samples=24", "checkpoint.every_steps=2"]
+
+    def autoencoder(max_steps: int) -> None:
+        cfg = load_config("digits-autoencoder", tiny(tmp_path / "ae", *small, max_steps=max_steps), environ={})
+        assert Trainer(cfg, DistEnv()).fit() == 0
+
+    autoencoder(2)
+    root = f"{tmp_path}/ae/run/checkpoints"
+    first = train(tmp_path / "ld", root, "checkpoint.every_steps=2", max_steps=2)
+    assert first.frozen["autoencoder"].record["url"] == f"{root}/step-000000002"
+    autoencoder(4)  # the autoencoder run trains on: its root now resolves to step 4
+    resumed = train(tmp_path / "ld", root, "checkpoint.every_steps=2", max_steps=3)
+    assert resumed.checkpoints.resumed_from.endswith("step-000000002")
+    assert resumed.frozen["autoencoder"].record == first.frozen["autoencoder"].record  # the pinned step's weights
+    fresh = train(tmp_path / "step", f"{root}/step-000000004", max_steps=1)
+    assert fresh.frozen["autoencoder"].record["url"] == f"{root}/step-000000004"
+    assert fresh.frozen["autoencoder"].record["digest"] != first.frozen["autoencoder"].record["digest"]
+
+
 def test_geometry_mismatches_are_refused_naming_both_numbers(tmp_path, autoencoder_run):
     def refused(url: str, *extra: str) -> str:
         args = ldm(tmp_path, url, *extra)
