@@ -16,7 +16,7 @@ from conftest import REPO, clean_env, run_cli, tiny
 from diffusers import AutoencoderKL
 from helpers import assert_tensors_equal, kill_group, start_cli
 from PIL import Image
-from test_vqgan_maskgit import _kill_and_compare, tensors
+from test_vqgan_maskgit import _kill_and_compare, tensors, train_vqgan
 
 from trainer.checkpoint import CheckpointStore
 from trainer.checkpoint.weights import file_digest, load_for_inference
@@ -145,6 +145,17 @@ def test_a_diffusers_folder_on_loopback_s3_is_the_frozen_autoencoder(tmp_path, s
     assert t.frozen["autoencoder"].module.latent_scale == 0.5
     # Sampling reads the autoencoder from S3 again (digest-checked), with the storage options the user gives.
     assert sample(f"{tmp_path}/run/checkpoints", options).shape == (4, 1, 8, 8)
+
+
+@pytest.mark.slow
+def test_an_image_vqgan_run_is_a_frozen_autoencoder_in_ldms_vq_setting(tmp_path):
+    """The diffusion learns the VQ-GAN's pre-quantization latents (scale 1); sampling quantizes, then decodes."""
+    tokenizer = train_vqgan(tmp_path / "vq")
+    t = train(tmp_path / "ld", tokenizer, "checkpoint.every_steps=2")
+    assert t.parts["unet"].module.config.in_channels == 4 and t.task.latent.shape == (4, 4, 4)
+    saved = tensors(f"{tmp_path}/ld/run/checkpoints", 2)
+    assert not any(name.startswith("autoencoder") for name in saved)
+    assert sample(f"{tmp_path}/ld/run/checkpoints").shape == (4, 1, 8, 8)
 
 
 def test_a_run_root_is_pinned_to_its_step_when_the_autoencoder_run_moves_on_and_a_step_dir_works(tmp_path):

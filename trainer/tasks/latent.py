@@ -4,7 +4,9 @@ The autoencoder is a frozen part named `autoencoder`, loaded by the engine like 
 `trainer.checkpoint.weights.load_frozen`): from a gentrain `autoencoder` run (a run root or one step dir;
 EMA weights by default; its measured `scaling_factor` buffer comes with the weights) or from a diffusers
 `AutoencoderKL` folder (config.json + diffusion_pytorch_model.safetensors, e.g. Stable Diffusion's VAE; its
-`scaling_factor` and `shift_factor` are read from config.json), on any fsspec store. Either way it is
+`scaling_factor` and `shift_factor` are read from config.json), on any fsspec store; an image VQ-GAN run
+works too (LDM's VQ setting: the diffusion learns the encoder's latents before quantization, scale 1, and
+decoding quantizes them first). Either way it is
 digest-pinned in every checkpoint (a changed digest at resume exits 2), never optimized and never saved.
 
 Latents are `(z - shift) * scale`, z a posterior sample `mean + std * eps` (`sample_posterior: true`, the
@@ -36,6 +38,8 @@ from trainer.randomness import Stream, per_sample_randn, sample_generators
 from trainer.registry import task_class
 from trainer.tasks.autoencoder import AutoencoderTask, KLAutoencoder
 from trainer.tasks.base import FrozenSource, FrozenWeights
+from trainer.tasks.video_tokenizer import VideoTokenizerTask
+from trainer.tasks.vqgan import VQAutoencoder, VQGANTask
 
 log = logging.getLogger(__name__)
 
@@ -95,10 +99,12 @@ def _geometry(weights: FrozenWeights, url: str) -> Geometry:
         return Geometry(
             int(config.get("in_channels", 3)), int(config.get("latent_channels", 4)), 2 ** (len(blocks) - 1)
         )
-    if not issubclass(task_class(config.task), AutoencoderTask):
+    task = task_class(config.task)
+    is_vqgan = issubclass(task, VQGANTask) and not issubclass(task, VideoTokenizerTask)
+    if not issubclass(task, AutoencoderTask) and not is_vqgan:
         raise ConfigError(
             f"model.autoencoder.url={url}: a {config.task!r} run, not an autoencoder (train one with the "
-            "digits-autoencoder preset or task: autoencoder), nor a diffusers AutoencoderKL folder"
+            "digits-autoencoder preset or task: autoencoder) or an image VQ-GAN, nor a diffusers AutoencoderKL folder"
         )
     m = config.model_cfg
     return Geometry(config.data.channels, m.latent_channels, m.downsample)
@@ -155,6 +161,8 @@ class LatentSpace:
         config = self.weights.config
         if isinstance(config, dict):
             return FolderAutoencoderKL.from_config({k: v for k, v in config.items() if not k.startswith("_")})
+        if issubclass(task_class(config.task), VQGANTask):
+            return VQAutoencoder(config.model_cfg, config.data.channels)
         return KLAutoencoder(config.model_cfg, config.data.channels, config.data.image_size)
 
     @staticmethod
@@ -165,6 +173,8 @@ class LatentSpace:
     def _scale_shift(module: nn.Module) -> tuple[Any, float]:
         if isinstance(module, KLAutoencoder):
             return module.scaling_factor, 0.0
+        if isinstance(module, VQAutoencoder):  # LDM's VQ setting: the latents as they are (scale 1)
+            return 1.0, 0.0
         return module.latent_scale, module.latent_shift
 
     def _check_whole(self, module: nn.Module) -> None:
@@ -179,6 +189,9 @@ class LatentSpace:
     def _posterior(self, module: nn.Module, images: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(mean, std) of q(z | images), float32."""
         self._check_whole(module)
+        if isinstance(module, VQAutoencoder):  # the encoder's latents before quantization: no posterior noise
+            z = module.quant_conv(module.encoder(images)).float()
+            return z, torch.zeros_like(z)
         posterior = self._vae(module).encode(images).latent_dist
         return posterior.mean.float(), posterior.std.float()
 
@@ -201,6 +214,9 @@ class LatentSpace:
         """Scaled latents -> images in [-1, 1]."""
         self._check_whole(module)
         scale, shift = self._scale_shift(module)
+        if isinstance(module, VQAutoencoder):  # LDM's VQ setting: quantization is the first layer of decoding
+            z = latents.to(module.post_quant_conv.weight.dtype)
+            return module.decoder(module.post_quant_conv(module.quantize(z)[0])).clamp(-1, 1)
         vae = self._vae(module)
         z = (latents / scale + shift).to(next(vae.parameters()).dtype)
         return vae.decode(z).sample.clamp(-1, 1)
