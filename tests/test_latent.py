@@ -16,6 +16,7 @@ from conftest import REPO, clean_env, run_cli, tiny
 from diffusers import AutoencoderKL
 from helpers import assert_tensors_equal, kill_group, start_cli
 from PIL import Image
+from test_elastic import standalone
 from test_vqgan_maskgit import _kill_and_compare, tensors, train_vqgan
 
 from trainer.checkpoint import CheckpointStore
@@ -260,6 +261,14 @@ def test_under_torchrun_a_sigkilled_rank_resumes_bit_identical(tmp_path, autoenc
 
     a = _kill_and_compare(tmp_path, args, kill_at=4, steps=steps)
     assert "rank-00001.safetensors" in a and not any(name.startswith("autoencoder") for name in a)
+
+
+@pytest.mark.slow
+def test_a_sharded_autoencoder_is_refused_with_exit_2(tmp_path, autoencoder_run):
+    args = ldm(tmp_path, autoencoder_run, "train.parallel=fsdp", "train.shard_frozen=true")
+    r = run_cli("launch", *standalone(2, max_restarts=0), "--", *args, env=ENV)
+    assert r.returncode == 2, r.stderr[-3000:]
+    assert "train.shard_frozen=true: the latent diffusion autoencoder cannot be sharded" in r.stderr
 
 
 def test_the_latent_cache_fills_once_then_is_reused_and_changes_no_weight(tmp_path, autoencoder_run):
