@@ -227,8 +227,10 @@ class LatentCache:
 
     The design of MaskGIT's token cache: a folder per autoencoder digest, an entry per BLAKE3 hash of the
     image tensor's bytes (augmented images get their own entry), written atomically (concurrent ranks may
-    write the same entry). Cached and fresh posteriors are identical (the frozen encoder runs in eval mode),
-    so the posterior sample drawn from them, and the weights trained, do not depend on the cache.
+    write the same entry). The frozen encoder runs in eval mode with no batch statistics, so a cached
+    posterior is the one a fresh encode gives (bit-identical weights with and without the cache are tested
+    on CPU; a backend whose convolutions round differently by batch size could differ in the last bits,
+    as any change of batch composition would).
     """
 
     def __init__(self, root: str, digest: str):
