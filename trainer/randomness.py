@@ -56,7 +56,7 @@ class Stream(enum.Enum):
     DIFFUSION = (0, 2)  # noise, timestep and condition dropout of the diffusion tasks
     MASKGIT = (1, 2)  # masks and condition dropout
     CASCADE_STAGE = (100, 2, 1000)  # stage k (1, 2, ...) uses id 100 + k: the stages draw independently
-    AUTOENCODER = (6, 2)  # the KL autoencoder's posterior sample
+    AUTOENCODER = (6, 2)  # a KL posterior sample: the autoencoder task's, and a latent ddpm's frozen one
     # keys (epoch, sample index): SampleRef.aug_seed
     AUGMENT = (2, 2)
     # keys (epoch, window number): the sample order within a window of shards

@@ -16,6 +16,7 @@ import posixpath
 from collections.abc import Mapping
 from typing import Any
 
+import fsspec
 import torch
 
 from trainer.checkpoint.format import entry_digest, new_digest, torch_dtype
@@ -34,6 +35,7 @@ from trainer.config import Config
 from trainer.config.redact import redact
 from trainer.data import is_video
 from trainer.errors import CheckpointCorrupt, CheckpointError, ConfigError
+from trainer.models.finetune import CONFIG_NAME, WEIGHTS_NAME, read_folder
 from trainer.registry import check_stored_task, config_from_dict, task_class
 from trainer.tasks.base import FrozenSource, FrozenWeights, TaskContext
 
@@ -123,10 +125,46 @@ def _resolve(url: str, storage_options: Mapping[str, Any]) -> tuple[CheckpointSt
     return store, info if info is not None and info.valid else None
 
 
+def _is_folder(url: str, storage_options: Mapping[str, Any]) -> bool:
+    """Whether `url` is a diffusers save_pretrained folder (it holds config.json), not a run's checkpoints."""
+    try:
+        fs, root = fsspec.core.url_to_fs(url, **dict(storage_options))
+        return fs.isfile(f"{root.rstrip('/')}/{CONFIG_NAME}")
+    except (OSError, ValueError):
+        return False
+
+
+def _load_folder(
+    part: str, source: FrozenSource, storage_options: Mapping[str, Any], pinned: Mapping[str, Any] | None
+) -> FrozenWeights:
+    """A frozen part from a diffusers folder of `source.folder_class`: its config.json (as the weights' config)
+    and weights, pinned by the blake3 digest of both files (a changed config, e.g. a VAE's scaling_factor,
+    counts as a change)."""
+    folder = read_folder(source.url, f"frozen part {part!r} ({source.url})", storage_options)
+    found = folder.config.get("_class_name")
+    if found != source.folder_class:
+        raise ConfigError(
+            f"frozen part {part!r}: the diffusers folder {source.url} holds a {found}, not a {source.folder_class}"
+        )
+    record = {"url": source.url, "step": 0, "file": WEIGHTS_NAME, "digest": folder.record["digest"]}
+    record["format"] = "diffusers"
+    if pinned is not None and pinned["digest"] != record["digest"]:
+        raise ConfigError(
+            f"frozen part {part!r}: this run was trained with {pinned['url']} ({pinned['digest']}), but {source.url} "
+            f"now gives {record['digest']}. Resuming would train on different frozen weights. Restore that "
+            "folder, or start a new run (a new checkpoint.url)."
+        )
+    log.info("frozen part %s: diffusers %s at %s (%s)", part, found, source.url, record["digest"])
+    return FrozenWeights(folder.config, folder.tensors, record)
+
+
 def load_frozen(
     part: str, source: FrozenSource, storage_options: Mapping[str, Any], pinned: Mapping[str, Any] | None = None
 ) -> FrozenWeights:
-    """Resolve and load a frozen part; with `pinned` (a resume), insist on the recorded digest."""
+    """Resolve and load a frozen part; with `pinned` (a resume), insist on the recorded digest. A source with a
+    `folder_class` may name a diffusers folder of that class instead of a run."""
+    if source.folder_class is not None and _is_folder(source.url, storage_options):
+        return _load_folder(part, source, storage_options, pinned)
     store, info = _resolve(source.url, storage_options)
     if pinned is None:
         if info is None:

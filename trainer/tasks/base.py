@@ -98,13 +98,17 @@ class FrozenSource:
     url: str
     part: str  # the part's name in that run
     use_ema: bool = True
+    # A diffusers class (e.g. "AutoencoderKL") whose save_pretrained folder (config.json +
+    # diffusion_pytorch_model.safetensors) `url` may name instead of a run: `FrozenWeights.config` is then
+    # the folder's config.json (a dict) and its tensors the folder's, digest-pinned the same way.
+    folder_class: str | None = None
 
 
 @dataclass
 class FrozenWeights:
     """A resolved frozen source: the source run's config, the weights, and where exactly they came from."""
 
-    config: Any  # trainer.config.Config of the source run
+    config: Any  # trainer.config.Config of the source run; a diffusers folder's config.json (a dict)
     tensors: dict[str, torch.Tensor]
     record: dict[str, Any]  # url, step, file, digest: saved in this run's checkpoints
 

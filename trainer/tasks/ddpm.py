@@ -6,6 +6,11 @@ the backbone section existed) come from the core; this task adds the conditions:
 (`model.num_classes`) and captions embedded by the frozen shared text encoder (`model.text`: caption tokens
 for pixart, mmdit or a unet with `caption_channels`, the pooled embedding for mmdit), one dropout draw per
 sample dropping them together for classifier-free guidance, and its sampling interface.
+
+Latent diffusion (`model.autoencoder`, see trainer/tasks/latent.py): the denoiser works on the latents of a
+frozen, digest-pinned KL autoencoder (a gentrain autoencoder run or a diffusers AutoencoderKL folder): images
+are encoded on the fly (or read from the latent cache) and scaled, the backbone is built for the latent
+channels and side, and samples are decoded through the autoencoder.
 """
 
 from __future__ import annotations
@@ -34,7 +39,9 @@ from trainer.diffusion import (
 from trainer.errors import ConfigError
 from trainer.models.finetune import FinetuneFields, prepare_unet
 from trainer.randomness import per_sample_rand, per_sample_randn, sample_generators
-from trainer.tasks.base import Batch, Loss, Phase, PreviewContext, StepInfo, Task, TaskContext
+from trainer.tasks.base import Batch, FrozenSource, Loss, Phase, PreviewContext, StepInfo, Task, TaskContext
+from trainer.tasks.latent import PART as AUTOENCODER
+from trainer.tasks.latent import LatentAutoencoderConfig, LatentSpace, frozen_source
 
 log = logging.getLogger(__name__)
 
@@ -86,6 +93,9 @@ class DiffusionModelConfig(NoiseConfig):
         None,
         description="the denoiser (kind: unet | dit | pixart | mmdit) and its shape; null = the UNet of model.block_out_channels etc., "
         "which a backbone set here overrides",
+    )
+    autoencoder: LatentAutoencoderConfig | None = Field(
+        None, description="latent diffusion: the frozen autoencoder whose latents the denoiser learns; null = pixels"
     )
 
     @model_validator(mode="after")
@@ -190,6 +200,7 @@ class DDPMTask(Task):
         self.part = part_name(self.cfg)
         self.text = TextEncoder(self.cfg.text, ctx.storage_options) if self.cfg.text is not None else None
         self.backbone: Backbone | None = None  # set by `build`: how to call the part
+        self.latent: LatentSpace | None = None  # set by `build` in latent diffusion
         self._inputs: dict[str, dict] = {}
 
     @classmethod
@@ -200,16 +211,33 @@ class DDPMTask(Task):
     def conditional(self) -> bool:
         return self.cfg.num_classes is not None or self.text is not None
 
+    def frozen_sources(self) -> dict[str, FrozenSource]:
+        if self.cfg.autoencoder is None:
+            return {}
+        return {AUTOENCODER: frozen_source(self.cfg.autoencoder)}
+
     def build(self, frozen) -> dict[str, nn.Module]:
         c = self.cfg
-        self.backbone = build_backbone(c.denoiser, self.image_size, self.channels, c.num_classes)
+        size, channels, extra = self.image_size, self.channels, {}
+        if c.autoencoder is not None:
+            self.latent = LatentSpace(c.autoencoder, frozen[AUTOENCODER], size, channels, self.seed, self.ctx.services)
+            channels, size = self.latent.shape[0], self.latent.side
+            extra[AUTOENCODER] = self.latent.build()
+            if c.denoiser.kind == "unet":
+                down = 2 ** (len(c.denoiser.block_out_channels) - 1)
+                if size % down:
+                    raise ConfigError(
+                        f"the autoencoder's {size}x{size} latents are not divisible by the UNet's downsampling "
+                        f"factor {down} (2 ** (len(block_out_channels) - 1)): use fewer UNet levels or larger images"
+                    )
+        self.backbone = build_backbone(c.denoiser, size, channels, c.num_classes)
         # The part is the bare diffusers module: its state-dict keys are those of checkpoints written before
         # the backbone section existed.
         net = self.backbone.model
         folder = prepare_unet(net, c, "model", _backbone_hints(c), self.ctx.storage_options, self.ctx.load_pretrained)
         if folder is not None:
             self._inputs[f"{self.part}.pretrained"] = folder.record
-        return {self.part: net}
+        return {self.part: net, **extra}
 
     def inputs(self) -> dict[str, dict]:
         out = dict(self._inputs)
@@ -259,6 +287,8 @@ class DDPMTask(Task):
 
     def loss(self, phase: Phase, modules: Mapping[str, nn.Module], batch: Batch, outputs, info: StepInfo) -> Loss:
         x0 = batch.images
+        if self.latent is not None:
+            x0 = self.latent.encode(modules[AUTOENCODER], x0, info.step, batch.positions)
         device = x0.device
         # The sample's noise first, then its noise level, then its condition dropout (the draws' order is the
         # checkpointed runs' contract: a resumed run draws what an uninterrupted one would).
@@ -305,7 +335,8 @@ class DDPMTask(Task):
             what = f"{'- and '.join(kinds)}-conditional" if kinds else "unconditional"
             raise ConfigError(f"this DDPM model takes no {', '.join(asked)}: it is {what}")
         g = torch.Generator().manual_seed(seed)
-        x = torch.randn((num, self.channels, self.image_size, self.image_size), generator=g).to(device)
+        shape = self.latent.shape if self.latent is not None else (self.channels, self.image_size, self.image_size)
+        x = torch.randn((num, *shape), generator=g).to(device)
         guidance = Guidance({})
         if self.conditional:
             if c.num_classes is not None and labels is None:
@@ -323,6 +354,8 @@ class DDPMTask(Task):
         x = self.objective.denoise(self._net(modules[self.part]), x, inference_steps, scheduler, guidance)
         if self.text is not None:
             log.info(self.text.usage())
+        if self.latent is not None:
+            x = self.latent.decode(modules[AUTOENCODER], x)
         return ((x.float().clamp(-1, 1) + 1) / 2).cpu()
 
 
