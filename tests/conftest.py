@@ -61,7 +61,9 @@ def run_cli(
     GENTRAIN_TEST_FORK=0."""
     env = env or clean_env()
     if cwd is None and _forkable(env) and os.environ.get("GENTRAIN_TEST_FORK", "1") != "0":
-        return _zygote().run([str(a) for a in args], env, timeout)
+        server = _zygote()
+        if server is not None:
+            return server.run([str(a) for a in args], env, timeout)
     return subprocess.run(
         [sys.executable, "-m", "trainer", *args],
         capture_output=True,
@@ -162,12 +164,21 @@ class _Zygote:
 
 
 _ZYGOTE: _Zygote | None = None
+_ZYGOTE_FAILED: str | None = None
 
 
-def _zygote() -> _Zygote:
-    global _ZYGOTE
-    if _ZYGOTE is None:
-        _ZYGOTE = _Zygote()
+def _zygote() -> _Zygote | None:
+    """The fork server, started on first use; None (runs start fresh interpreters) if it cannot start,
+    e.g. where a socket path under TMPDIR would be too long."""
+    global _ZYGOTE, _ZYGOTE_FAILED
+    if _ZYGOTE is None and _ZYGOTE_FAILED is None:
+        try:
+            _ZYGOTE = _Zygote()
+        except (OSError, RuntimeError) as e:
+            _ZYGOTE_FAILED = str(e)
+            import warnings
+
+            warnings.warn(f"CLI runs start fresh interpreters: {e}", stacklevel=2)
     return _ZYGOTE
 
 

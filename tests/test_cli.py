@@ -56,7 +56,11 @@ def test_sample_from_an_empty_root_fails_clearly(tmp_path):
 @pytest.mark.slow
 def test_a_run_forked_by_the_test_server_matches_a_fresh_interpreter(tmp_path):
     """tests/zygote.py stands in for `python -m trainer` in most CLI tests: same exit codes, same output."""
+    import conftest
     from conftest import _zygote, clean_env
+
+    server = _zygote()
+    assert server is not None, f"the fork server did not start: {conftest._ZYGOTE_FAILED}"
 
     runs = [
         ["presets"],
@@ -64,10 +68,10 @@ def test_a_run_forked_by_the_test_server_matches_a_fresh_interpreter(tmp_path):
         ["checkpoints", "verify", str(tmp_path / "none")],
     ]
     for args in runs:
-        forked = _zygote().run(args, clean_env(), timeout=300)
+        forked = server.run(args, clean_env(), timeout=300)
         fresh = subprocess.run(
             [sys.executable, "-m", "trainer", *args], capture_output=True, text=True, env=clean_env(), timeout=300
         )
         assert (forked.returncode, forked.stdout) == (fresh.returncode, fresh.stdout), args
         assert forked.stderr.splitlines()[-1:] == fresh.stderr.splitlines()[-1:], args
-    assert [r.returncode for r in (_zygote().run(a, clean_env(), timeout=300) for a in runs)] == [0, 2, 1]
+    assert [r.returncode for r in (server.run(a, clean_env(), timeout=300) for a in runs)] == [0, 2, 1]
