@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 from torch import nn
 
 from trainer.models.perceptual import PerceptualConfig, VGGPerceptual
@@ -39,6 +39,29 @@ class AdversarialConfig(BaseModel):
     grad_penalty_weight: float = Field(10.0, ge=0)
     lecam_weight: float = Field(0.0, ge=0, description="LeCAM regularizer (Tseng et al. 2021); 0 = off")
     lecam_decay: float = Field(0.999, gt=0, lt=1)
+
+
+class ConvAutoencoderShape(BaseModel):
+    """The shape keys of the convolutional autoencoders the GAN tasks train (the VQ-GAN, the KL
+    autoencoder): each level after the first halves the resolution."""
+
+    block_out_channels: list[int] = Field(default=[32, 64, 64], min_length=1)
+    layers_per_block: int = Field(1, ge=1)
+    norm_num_groups: int = Field(8, ge=1)
+
+    @model_validator(mode="after")
+    def _check_groups(self) -> ConvAutoencoderShape:
+        bad = [c for c in self.block_out_channels if c % self.norm_num_groups]
+        if bad:
+            raise ValueError(
+                f"model.block_out_channels {self.block_out_channels}: every entry must be divisible by "
+                f"model.norm_num_groups={self.norm_num_groups}"
+            )
+        return self
+
+    @property
+    def downsample(self) -> int:
+        return 2 ** (len(self.block_out_channels) - 1)
 
 
 class PatchDiscriminator(nn.Module):

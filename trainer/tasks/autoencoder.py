@@ -27,23 +27,19 @@ from typing import Any
 import torch
 from diffusers import AutoencoderKL
 from diffusers.models.autoencoders.vae import DiagonalGaussianDistribution
-from pydantic import ConfigDict, Field, model_validator
+from pydantic import ConfigDict, Field
 from torch import nn
 
 from trainer.errors import ConfigError
-from trainer.models.gan import AdversarialConfig, AdversarialLosses, PatchDiscriminator
+from trainer.models.gan import AdversarialConfig, AdversarialLosses, ConvAutoencoderShape, PatchDiscriminator
 from trainer.models.perceptual import VGGPerceptual
 from trainer.randomness import Stream, per_sample_randn, sample_generators
 from trainer.tasks.base import Batch, Loss, Phase, PreviewContext, StepInfo, Task, TaskContext, bare
 
 
-class AutoencoderConfig(AdversarialConfig):
+class AutoencoderConfig(ConvAutoencoderShape, AdversarialConfig):
     model_config = ConfigDict(extra="forbid")
 
-    # autoencoder (each level after the first halves the resolution)
-    block_out_channels: list[int] = Field(default=[32, 64, 64], min_length=1)
-    layers_per_block: int = Field(1, ge=1)
-    norm_num_groups: int = Field(8, ge=1)
     latent_channels: int = Field(4, ge=1)
     attention: bool = Field(False, description="self-attention in the encoder's and decoder's middle blocks")
     kl_weight: float = Field(1e-4, ge=0, description="weight of the KL term (per latent element)")
@@ -53,20 +49,6 @@ class AutoencoderConfig(AdversarialConfig):
     scale_samples: int = Field(
         512, ge=1, description="training images the latent scaling factor (1 / std of their latents) is measured on"
     )
-
-    @model_validator(mode="after")
-    def _check(self) -> AutoencoderConfig:
-        bad = [c for c in self.block_out_channels if c % self.norm_num_groups]
-        if bad:
-            raise ValueError(
-                f"model.block_out_channels {self.block_out_channels}: every entry must be divisible by "
-                f"model.norm_num_groups={self.norm_num_groups}"
-            )
-        return self
-
-    @property
-    def downsample(self) -> int:
-        return 2 ** (len(self.block_out_channels) - 1)
 
 
 def latent_geometry(cfg: Any) -> tuple[int, int]:

@@ -25,13 +25,14 @@ from typing import Any
 
 import torch
 from diffusers.models.autoencoders.vae import Decoder, Encoder
-from pydantic import ConfigDict, Field, model_validator
+from pydantic import ConfigDict
 from torch import nn
 
 from trainer.errors import ConfigError
 from trainer.models.gan import (
     AdversarialConfig,
     AdversarialLosses,
+    ConvAutoencoderShape,
     PatchDiscriminator,
     frames,
     per_sample,
@@ -41,27 +42,8 @@ from trainer.models.quantize import CodebookConfig, QuantizedAutoencoder
 from trainer.tasks.base import Batch, Loss, Phase, PreviewContext, StepInfo, Task, TaskContext, bare
 
 
-class VQGANConfig(CodebookConfig, AdversarialConfig):
+class VQGANConfig(ConvAutoencoderShape, CodebookConfig, AdversarialConfig):
     model_config = ConfigDict(extra="forbid")
-
-    # autoencoder (each level after the first halves the resolution)
-    block_out_channels: list[int] = Field(default=[32, 64, 64], min_length=1)
-    layers_per_block: int = Field(1, ge=1)
-    norm_num_groups: int = Field(8, ge=1)
-
-    @model_validator(mode="after")
-    def _check(self) -> VQGANConfig:
-        bad = [c for c in self.block_out_channels if c % self.norm_num_groups]
-        if bad:
-            raise ValueError(
-                f"model.block_out_channels {self.block_out_channels}: every entry must be divisible by "
-                f"model.norm_num_groups={self.norm_num_groups}"
-            )
-        return self
-
-    @property
-    def downsample(self) -> int:
-        return 2 ** (len(self.block_out_channels) - 1)
 
 
 def tokenizer_geometry(cfg: Any) -> tuple[int, int]:
