@@ -109,6 +109,40 @@ def test_a_class_conditional_pixel_unet_exports_folders_without_a_pipeline_and_s
     assert json.loads((out / "scheduler" / "scheduler_config.json").read_text())["prediction_type"] == "v_prediction"
 
 
+@pytest.mark.parametrize(
+    ("prediction", "scheduler", "pipeline"),
+    [
+        ("epsilon", "dpm", "DDPMPipeline"),
+        ("v_prediction", "ddim", "DDIMPipeline"),
+        ("flow", "ddim", "DDPMPipeline"),
+        ("edm", "ddim", None),
+    ],
+)
+def test_each_objective_and_sampler_of_a_pixel_unet_gets_the_pipeline_that_samples_it(
+    tmp_path, prediction, scheduler, pipeline
+):
+    overrides = [f"model.prediction_type={prediction}", f"sample.scheduler={scheduler}"]
+    cfg = load_config("digits-ddpm", tiny(tmp_path, *overrides), environ={})
+    task = task_class(cfg.task)(cfg.model_cfg, TaskContext(8, 1, 0, load_pretrained=False))
+    modules = task.build({})
+    torch.manual_seed(0)
+    with torch.no_grad():  # fresh weights, moved off diffusers' initialization (zeroed output layers)
+        for p in modules["unet"].parameters():
+            p.add_(torch.randn_like(p) * 0.05)
+    export = task.export(modules, cfg.sample)
+    assert export.pipeline == pipeline, export.reason
+    write_export(export, str(tmp_path / "out"), "card")
+    if pipeline is None:
+        assert "edm" in export.reason and not (tmp_path / "out" / "model_index.json").exists()
+        return
+    pipe = _pipeline(tmp_path / "out")
+    assert type(pipe).__name__ == pipeline
+    ref = task.sample(modules, 4, seed=3, device=CPU, inference_steps=4, scheduler=scheduler)
+    got = pipe(batch_size=4, num_inference_steps=4, generator=torch.Generator().manual_seed(3), output_type="pt")
+    torch.testing.assert_close(got.images, ref, atol=ATOL, rtol=0)
+    assert ref.std() > 0.1
+
+
 @pytest.fixture(scope="module")
 def latent_dit(tmp_path_factory) -> str:
     """A tiny class-conditional latent DiT (v-prediction) on a tiny digits-autoencoder run (measured scaling
