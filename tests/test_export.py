@@ -97,6 +97,19 @@ def test_an_unconditional_pixel_unet_exports_as_a_ddim_pipeline_that_samples_lik
     assert torch.equal(run(pipe), ref)
 
 
+def test_an_export_to_a_remote_url_writes_the_same_files(tmp_path, capsys):
+    import fsspec
+
+    root = str(GOLDEN / "digits-ddpm" / "checkpoints")
+    _export(root, tmp_path / "local", capsys)
+    assert cli_main(["checkpoints", "export", root, "memory://exports/ddpm"]) == 0
+    fs = fsspec.filesystem("memory")
+    local = sorted(str(p.relative_to(tmp_path / "local")) for p in (tmp_path / "local").rglob("*") if p.is_file())
+    remote = sorted(p.removeprefix("/exports/ddpm/") for p in fs.find("/exports/ddpm"))
+    assert remote == local and "model_index.json" in remote
+    assert fs.cat("/exports/ddpm/model_index.json") == (tmp_path / "local" / "model_index.json").read_bytes()
+
+
 def test_a_class_conditional_pixel_unet_exports_folders_without_a_pipeline_and_says_why(tmp_path, capsys):
     out = tmp_path / "cfg"
     printed = _export(str(GOLDEN / "digits-cfg" / "checkpoints"), out, capsys)

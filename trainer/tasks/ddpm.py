@@ -370,7 +370,8 @@ class DDPMTask(Task):
             if self.latent is not None and vae is None:
                 notes.append("no vae/ folder: the latents are decoded by the gentrain autoencoder run")
         notes.append(
-            f"sampling as the run does: {sched_name}, {steps} steps, guidance scale {scale}; images in [-1, 1]"
+            f"the run samples with {sched_name}, {steps} steps, guidance scale {scale} (sample.*); the denoiser "
+            "works on images (or latents) in [-1, 1]"
         )
         return Export(
             models=models,
