@@ -15,7 +15,7 @@ import sys
 from typing import Any
 
 from trainer.config import preset_names, preset_summary, split_preset
-from trainer.config.redact import RedactingFilter
+from trainer.config.redact import RedactingFilter, redact, redact_text
 from trainer.errors import EXIT_INVALID_CHECKPOINT, EXIT_OK, EXIT_USAGE, CheckpointError, ConfigError
 from trainer.registry import load_config
 
@@ -444,19 +444,49 @@ def cmd_checkpoints(args: argparse.Namespace) -> int:
 
 
 def _export(args: argparse.Namespace, store, info) -> int:
+    """Diffusers folders of the checkpoint's model (the task's `export`), a model card, and model_index.json
+    when a diffusers pipeline runs the model (trainer/models/export.py)."""
     import torch
 
-    from trainer.models.finetune import write_folder  # torch-heavy (see the module doc)
+    from trainer.models.export import model_card, write_export  # torch-heavy (see the module doc)
 
     if not info.valid:
         print(_REDACT.clean(f"INVALID: {info.url}: {info.reason}"), file=sys.stderr)
         return EXIT_INVALID_CHECKPOINT
-    _, task, modules = _load_for_inference(args, store, info, torch.device("cpu"))
+    cfg, task, modules = _load_for_inference(args, store, info, torch.device("cpu"))
+    _REDACT.add_secrets({"storage_options": args.storage_options, "config": cfg.to_dict()})
+    # The digits' labels are their digits; other sources' class names are not in the checkpoint.
+    names = [str(i) for i in range(10)] if cfg.data.source == "digits" else None
+    export = task.export(modules, cfg.sample, names)
     out = args.out.rstrip("/")
-    for part, (unet, extras) in task.export_unets(modules).items():
-        for url in write_folder(unet, f"{out}/{part}", extras, args.storage_options):
-            print(f"wrote {url}")
-    print(f"exported {info.url} (step {info.step}, {'online' if args.no_ema else 'EMA'} weights) to {out}")
+    weights = ".model.safetensors" if args.no_ema else ".ema.safetensors"
+    files = info.manifest.get("files", {})
+    digests = {
+        f: f"{algo}:{entry[algo]}"
+        for f, entry in files.items()
+        if f.endswith(weights) and f.removesuffix(weights) in export.models
+        for algo in ("blake3", "sha256")
+        if algo in entry
+    }
+    card = model_card(
+        export,
+        task=cfg.task,
+        step=info.step,
+        use_ema=not args.no_ema,
+        checkpoint_url=redact_text(info.url),
+        digests=digests,
+        config=redact(cfg.to_dict()),
+    )
+    for url in write_export(export, out, _REDACT.clean(card), args.storage_options):
+        print(_REDACT.clean(f"wrote {url}"))
+    if export.pipeline:
+        how = f"a diffusers {export.pipeline}: DiffusionPipeline.from_pretrained({out!r})"
+    else:
+        how = f"diffusers folders without model_index.json: {export.reason}"
+    print(
+        _REDACT.clean(f"exported {info.url} (step {info.step}, {'online' if args.no_ema else 'EMA'} weights) to {out}")
+    )
+    print(_REDACT.clean(f"  {how} (see {out}/README.md)"))
     return EXIT_OK
 
 

@@ -114,6 +114,25 @@ class FrozenWeights:
 
 
 @dataclass
+class Export:
+    """What `gentrain checkpoints export` writes for a checkpoint (see trainer/models/export.py).
+
+    `models`: folder name -> (a diffusers model, gentrain tensors that belong with it, written beside its
+    weights); `schedulers`: folder name -> a diffusers scheduler. With `pipeline` (a diffusers pipeline class
+    name) the folders are that pipeline's components and model_index.json is written (plus `index_extra`,
+    e.g. DiTPipeline's `id2label`); without it, `reason` says why no diffusers pipeline runs the model.
+    `usage` is the Python that loads and runs the export, for the model card."""
+
+    models: dict[str, tuple[nn.Module, dict[str, torch.Tensor]]]
+    schedulers: dict[str, Any] = field(default_factory=dict)
+    pipeline: str | None = None
+    reason: str | None = None
+    usage: str = ""
+    index_extra: dict[str, Any] = field(default_factory=dict)
+    notes: list[str] = field(default_factory=list)  # more lines for the model card
+
+
+@dataclass
 class TaskContext:
     """What a task knows about its run besides `model.*`."""
 
@@ -214,6 +233,16 @@ class Task:
         """Diffusers UNets to export (`gentrain checkpoints export`), by part: (the UNet, extra tensors that
         belong with it). Tasks without one refuse."""
         raise ConfigError(f"{type(self).__name__} has no diffusers UNet to export")
+
+    def export(self, modules: Mapping[str, nn.Module], sample: Any, class_names: list[str] | None = None) -> Export:
+        """What `gentrain checkpoints export` writes (`sample`: the run's `sample.*` section, its scheduler, steps
+        and guidance scale; `class_names`: the data's class names by label, when known). Default: the
+        UNets of `export_unets`, each in a folder of its part's name, without a pipeline. Tasks without a
+        diffusers model refuse (ConfigError)."""
+        return Export(
+            models=self.export_unets(modules),
+            reason=f"no diffusers pipeline runs a gentrain {type(self).__name__}: its UNets are exported on their own",
+        )
 
     def build(self, frozen: Mapping[str, FrozenWeights]) -> dict[str, nn.Module]:
         """Every part, trainable and frozen, freshly initialized (the engine loads frozen weights)."""

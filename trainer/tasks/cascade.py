@@ -60,7 +60,7 @@ from trainer.diffusion.backbones import unet_block_types
 from trainer.errors import ConfigError
 from trainer.models.finetune import EXTRAS_NAME, load_weights, prepare_unet
 from trainer.randomness import Stream, per_sample_rand, per_sample_randn, sample_generators
-from trainer.tasks.base import Batch, Loss, Phase, PreviewContext, StepInfo, Task, TaskContext
+from trainer.tasks.base import Batch, Export, Loss, Phase, PreviewContext, StepInfo, Task, TaskContext
 from trainer.tasks.ddpm import NoiseConfig, architecture_hints, changed_unet_keys
 
 log = logging.getLogger(__name__)
@@ -417,6 +417,17 @@ class CascadeTask(Task):
             name: (net.unet, {k: v for k, v in net.state_dict().items() if not k.startswith("unet.")})
             for name, net in modules.items()
         }
+
+    def export(self, modules, sample, class_names: list[str] | None = None) -> Export:
+        """Each stage's UNet folder (as `export_unets`), no pipeline: no diffusers pipeline chains gentrain stages."""
+        return Export(
+            models=self.export_unets(modules),
+            reason=(
+                "each stage is a diffusers UNet2DConditionModel plus gentrain's conditioning layers (low-resolution "
+                "image, augmentation level, labels, text, embeddings; gentrain_conditioning.safetensors beside its "
+                "weights), which no diffusers pipeline runs: the stages are exported one folder each"
+            ),
+        )
 
     def phases(self, step: int, part_steps: Mapping[str, int]) -> list[Phase]:
         return [Phase(name, name) for name in self.learning_parts()]

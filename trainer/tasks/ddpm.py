@@ -37,9 +37,10 @@ from trainer.diffusion import (
     labels_or_null,
 )
 from trainer.errors import ConfigError
+from trainer.models.export import DIT_PIPELINE_NULL_CLASS, dit_for_pipeline
 from trainer.models.finetune import FinetuneFields, prepare_unet
 from trainer.randomness import per_sample_rand, per_sample_randn, sample_generators
-from trainer.tasks.base import Batch, FrozenSource, Loss, Phase, PreviewContext, StepInfo, Task, TaskContext
+from trainer.tasks.base import Batch, Export, FrozenSource, Loss, Phase, PreviewContext, StepInfo, Task, TaskContext
 from trainer.tasks.latent import PART as AUTOENCODER
 from trainer.tasks.latent import LatentAutoencoderConfig, LatentSpace, frozen_source
 
@@ -252,6 +253,143 @@ class DDPMTask(Task):
                 "nothing to export as a UNet"
             )
         return {"unet": (modules["unet"], {})}
+
+    def _no_pipeline(self, vae_problem: str | None) -> str | None:
+        """Why no diffusers pipeline samples this model as `gentrain sample` does; None when one does."""
+        c, kind, objective = self.cfg, self.cfg.denoiser.kind, self.objective.name
+        if self.text is not None:
+            pooled = ", plus the pooled embedding" if kind == "mmdit" else ""
+            return (
+                f"diffusers' text-to-image pipelines load their own CLIP/T5 text encoder and tokenizer; this {kind} "
+                f"is conditioned on the frozen sentence encoder {c.text.encoder!r} ({c.text.width} wide: caption "
+                f"token embeddings and mask{pooled}; the empty caption is the unconditional one), which no diffusers "
+                "pipeline runs"
+            )
+        if objective == "edm":
+            return (
+                "prediction_type=edm: its samplers need the start noise scaled by init_noise_sigma and EDM's input "
+                "preconditioning (scheduler.scale_model_input): DDPMPipeline and DDIMPipeline apply neither, "
+                "DiTPipeline only the second"
+            )
+        if kind == "unet" and c.num_classes is not None:
+            return (
+                "DDIMPipeline and DDPMPipeline call the UNet without class labels; this UNet is class-conditional "
+                f"(class_labels 0..{c.num_classes - 1}; row {c.num_classes} of its class table is the null class "
+                "for classifier-free guidance)"
+            )
+        if kind == "unet" and self.latent is not None:
+            return (
+                "no diffusers pipeline samples a UNet2DModel in an AutoencoderKL's latent space (LDMPipeline decodes "
+                "with a VQModel): sample the latents with the UNet and the scheduler, then decode them with the vae"
+            )
+        if kind == "unet":
+            return None
+        if kind != "dit":
+            return f"no diffusers pipeline runs a gentrain {kind} backbone without captions"
+        if self.latent is None:
+            return "DiTPipeline decodes latents through a VAE; this DiT denoises pixels"
+        if vae_problem is not None:
+            return vae_problem
+        if objective == "flow":
+            return (
+                "prediction_type=flow: DiTPipeline calls scheduler.scale_model_input, which the flow-matching "
+                "Euler scheduler lacks"
+            )
+        if (c.num_classes or 1) > DIT_PIPELINE_NULL_CLASS:
+            return f"DiTPipeline's null class is label {DIT_PIPELINE_NULL_CLASS}, one of this model's classes"
+        return None
+
+    def export(self, modules, sample, class_names: list[str] | None = None) -> Export:
+        """The denoiser, its autoencoder (latent diffusion) and the run's sampling scheduler as diffusers folders,
+        and the diffusers pipeline that samples them as `gentrain sample` does, where one exists:
+
+        - an unconditional pixel UNet2DModel: DDIMPipeline (`sample.scheduler=ddim`) or DDPMPipeline (dpm: its
+          loop is any scheduler's own steps; rectified flow with its Euler scheduler);
+        - a latent DiT on a KL autoencoder: DiTPipeline, its label tables padded so the pipeline's null class
+          1000 is gentrain's null row (`trainer.models.export.dit_for_pipeline`);
+        - anything else (captions, class-conditional UNets, pixel DiTs, EDM, VQ-GAN or shifted latents): the
+          folders only, `Export.reason` says why (`_no_pipeline`)."""
+        c, kind, name = self.cfg, self.cfg.denoiser.kind, self.part
+        net = modules[name]
+        scheduler = self.objective.inference_scheduler(sample.scheduler)
+        sched_name = type(scheduler).__name__
+        models: dict[str, tuple[nn.Module, dict[str, torch.Tensor]]] = {name: (net, {})}
+        vae, vae_problem = None, None
+        if self.latent is not None:
+            vae, vae_problem = self.latent.diffusers_vae(modules[AUTOENCODER])
+            if vae is not None:
+                models["vae"] = (vae, {})
+        reason = self._no_pipeline(vae_problem)
+        steps, scale = sample.inference_steps, sample.guidance_scale
+        gen = "generator=torch.Generator().manual_seed(0)"
+        pipeline, notes, extra = None, [], {}
+        if reason is None and kind == "unet":
+            pipeline = (
+                "DDIMPipeline" if sample.scheduler == "ddim" and self.objective.name != "flow" else "DDPMPipeline"
+            )
+            eta = "eta=0.0, " if pipeline == "DDIMPipeline" else ""
+            call = f"images = pipe(batch_size=4, num_inference_steps={steps}, {eta}{gen}).images"
+        elif reason is None:
+            pipeline = "DiTPipeline"
+            classes = c.num_classes or 1  # gentrain's unconditional DiT is a DiT of one class, label 0
+            models[name] = (dit_for_pipeline(net, classes), {})
+            guide = scale if c.num_classes is not None else 1.0
+            labels = list(range(min(4, classes)))
+            call = (
+                f"images = pipe(class_labels={labels}, guidance_scale={guide}, num_inference_steps={steps}, "
+                f"{gen}).images"
+            )
+            notes.append(
+                f"the transformer's label tables have 1001 rows (num_embeds_ada_norm=1000): rows 0..{classes - 1} "
+                "are the trained classes, row 1000 (DiTPipeline's null class, used when guidance_scale > 1) is the "
+                f"trained null class, rows {classes}..999 are copies of it and unused"
+            )
+            if c.num_classes is None:
+                notes.append("unconditional: use class_labels=[0] * n and guidance_scale=1 (no guidance)")
+            elif class_names is not None:
+                extra["id2label"] = {str(i): n for i, n in enumerate(class_names[: c.num_classes])}
+        else:
+            cls = type(models[name][0]).__name__
+            imports = sorted({cls, sched_name} | ({"AutoencoderKL"} if vae is not None else set()))
+            load = [
+                f"from diffusers import {', '.join(imports)}",
+                "",
+                'folder = "path/to/this/folder"',
+                f'{name} = {cls}.from_pretrained(folder, subfolder="{name}")',
+                f'scheduler = {sched_name}.from_pretrained(folder, subfolder="scheduler")',
+            ]
+            if vae is not None:
+                shift = " + vae.config.shift_factor" if vae.config.get("shift_factor") else ""
+                load.append(
+                    'vae = AutoencoderKL.from_pretrained(folder, subfolder="vae")  '
+                    f"# images = vae.decode(latents / vae.config.scaling_factor{shift}).sample"
+                )
+            if kind == "dit":
+                rows = (c.num_classes or 1) + 1
+                notes.append(f"the transformer's label tables have {rows} rows: the classes, then the null class")
+            if self.latent is not None and vae is None:
+                notes.append("no vae/ folder: the latents are decoded by the gentrain autoencoder run")
+        notes.append(
+            f"the run samples with {sched_name}, {steps} steps, guidance scale {scale} (sample.*); the denoiser "
+            "works on images (or latents) in [-1, 1]"
+        )
+        if pipeline is not None:
+            load = [
+                "import torch",
+                "from diffusers import DiffusionPipeline",
+                "",
+                f'pipe = DiffusionPipeline.from_pretrained("path/to/this/folder")  # {pipeline}, {sched_name}',
+                call,
+            ]
+        return Export(
+            models=models,
+            schedulers={"scheduler": scheduler},
+            pipeline=pipeline,
+            reason=reason,
+            usage="\n".join(load),
+            index_extra=extra,
+            notes=notes,
+        )
 
     def _net(self, module: nn.Module):
         """The part as the core calls a network: (x, t, conditions) -> output."""

@@ -34,6 +34,7 @@ from torch import nn
 
 from trainer.engine.services import ProcessServices
 from trainer.errors import ConfigError
+from trainer.models.export import plain_autoencoder_kl
 from trainer.randomness import Stream, per_sample_randn, sample_generators
 from trainer.registry import task_class
 from trainer.tasks.autoencoder import AutoencoderTask, KLAutoencoder
@@ -176,6 +177,26 @@ class LatentSpace:
         if isinstance(module, VQAutoencoder):  # LDM's VQ setting: the latents as they are (scale 1)
             return 1.0, 0.0
         return module.latent_scale, module.latent_shift
+
+    def diffusers_vae(self, module: nn.Module) -> tuple[AutoencoderKL | None, str | None]:
+        """For `gentrain checkpoints export`: (the autoencoder as a plain diffusers AutoencoderKL whose
+        config.json carries the scaling factor decoding uses, or None; why DiTPipeline, which decodes
+        `vae.decode(latents / scaling_factor)`, cannot decode these latents, or None when it can)."""
+        if isinstance(module, VQAutoencoder):
+            return None, (
+                "the latents are a VQ-GAN's (decoding quantizes them first), which no diffusers AutoencoderKL "
+                "decodes: decode them with the gentrain vqgan run"
+            )
+        scale, shift = self._scale_shift(module)
+        if isinstance(module, KLAutoencoder):  # the measured factor is a float32 buffer; JSON keeps it exactly
+            return plain_autoencoder_kl(module.vae, float(scale)), None
+        vae = plain_autoencoder_kl(module, float(scale), float(shift) if shift else None)
+        if shift:
+            return vae, (
+                f"the autoencoder's latents are shifted (shift_factor={shift}) and DiTPipeline decodes "
+                "latents / scaling_factor without the shift: decode latents / scaling_factor + shift_factor yourself"
+            )
+        return vae, None
 
     def _check_whole(self, module: nn.Module) -> None:
         """The encoder and decoder are called outside the module's forward, which a sharded module's weight
