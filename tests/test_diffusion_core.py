@@ -178,9 +178,8 @@ def test_every_cascade_stage_samples_with_the_core_sampler(prediction_type, kind
     labels = default_labels(4, CLASSES)
     cond = task.conditions(4, CPU, torch.zeros(4, dtype=torch.bool), labels)
     with torch.no_grad():
-        today = task._run_stage(
-            1, net, None, cond, range(4), 11, CPU, inference_steps=3, scheduler=kind, guidance_scale=3.0
-        )
+        request = SampleRequest(num=4, seed=11, inference_steps=3, scheduler=kind, guidance_scale=3.0)
+        today = task._run_stage(1, net, None, cond, range(4), request, CPU)
 
     gens = sample_generators(11, 0, range(4), Stream.CASCADE_STAGE, substream=1)
     x = per_sample_randn(gens, (1, 8, 8))
