@@ -318,7 +318,7 @@ def _request(args: argparse.Namespace):
     import numpy as np
     import torch
 
-    from trainer.tasks.sampling import SampleRequest  # torch-heavy (see the module doc)
+    from trainer.tasks.sampling import SampleRequest  # only `sample` needs it (see the module doc)
 
     image_embeds = None
     if args.embeddings is not None:
