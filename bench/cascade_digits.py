@@ -27,6 +27,7 @@ from trainer.checkpoint.layout import TRAINER_JSON  # noqa: E402
 from trainer.checkpoint.weights import load_for_inference  # noqa: E402
 from trainer.data import build_splits  # noqa: E402
 from trainer.data.sampler import SampleRef  # noqa: E402
+from trainer.tasks.sampling import SampleRequest  # noqa: E402
 
 
 def main() -> None:
@@ -60,11 +61,9 @@ def main() -> None:
     for k in range(1, len(cfg.model_cfg.stages) + 1):
         if steps.get(f"stage{k}", 0) == 0:
             break
-        images = task.sample(
-            modules,
-            len(labels),
-            args.seed,
-            device,
+        request = SampleRequest(
+            num=len(labels),
+            seed=args.seed,
             labels=labels,
             stop_at_stage=k,
             part_steps=steps,
@@ -72,6 +71,7 @@ def main() -> None:
             guidance_scale=guidance,
             batch_size=100,
         )
+        images = task.sample(modules, request, device)
         size = cfg.model_cfg.stages[k - 1].image_size
         real_k = torch.nn.functional.interpolate((real + 1) / 2, size=(size, size), mode="area")
         out[f"stage{k}"] = {

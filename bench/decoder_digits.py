@@ -28,6 +28,7 @@ from trainer.checkpoint.layout import TRAINER_JSON  # noqa: E402
 from trainer.checkpoint.weights import load_for_inference  # noqa: E402
 from trainer.data import build_splits  # noqa: E402
 from trainer.data.sampler import SampleRef  # noqa: E402
+from trainer.tasks.sampling import SampleRequest  # noqa: E402
 
 
 def main() -> None:
@@ -65,11 +66,9 @@ def main() -> None:
     for k in range(1, len(cfg.model_cfg.stages) + 1):
         if steps.get(f"stage{k}", 0) == 0:
             break
-        images = task.sample(
-            modules,
-            len(refs),
-            args.seed,
-            device,
+        request = SampleRequest(
+            num=len(refs),
+            seed=args.seed,
             image_embeds=embeds,
             stop_at_stage=k,
             part_steps=steps,
@@ -77,6 +76,7 @@ def main() -> None:
             guidance_scale=guidance,
             batch_size=100,
         )
+        images = task.sample(modules, request, device)
         out[f"stage{k}"] = {"image_size": images.shape[-1], "source_class_rate": class_accuracy(clf, images, labels)}
     print(json.dumps(out, indent=1))
 

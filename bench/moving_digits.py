@@ -41,6 +41,7 @@ from trainer.data.sampler import SampleRef
 from trainer.data.video import DIRECTIONS, moving_caption
 from trainer.eval.features import build_cnn, shipped_digits
 from trainer.media import save_gif
+from trainer.tasks.sampling import SampleRequest
 
 INK = 0.5  # share of a frame's peak above which a pixel is ink
 
@@ -189,19 +190,16 @@ def main() -> None:
                 conditions = {"prompts": [moving_caption(int(a), int(b)) for a, b in zip(d, r, strict=True)]}
             else:
                 conditions = {"labels": r * 10 + d}
-            samples.append(
-                task.sample(
-                    modules,
-                    len(d),
-                    args.seed + i,
-                    device,
-                    inference_steps=steps,
-                    guidance_scale=guidance,
-                    temperature=args.temperature,
-                    choice_temperature=args.choice_temperature,
-                    **conditions,
-                )
+            request = SampleRequest(
+                num=len(d),
+                seed=args.seed + i,
+                inference_steps=steps,
+                guidance_scale=guidance,
+                temperature=args.temperature,
+                choice_temperature=args.choice_temperature,
+                **conditions,
             )
+            samples.append(task.sample(modules, request, device))
         samples = torch.cat(samples)
         out["samples"] = judge(samples, digits, directions, net)
         if args.gif:  # the first clip of every prompt: a row per digit, a column per direction

@@ -117,15 +117,15 @@ def sample(name: str, checkpoints: Path, use_ema: bool) -> torch.Tensor:
     from trainer.checkpoint import resolve_checkpoint
     from trainer.checkpoint.layout import TRAINER_JSON
     from trainer.checkpoint.weights import load_for_inference
+    from trainer.tasks.sampling import SampleRequest
 
     store, info = resolve_checkpoint(str(checkpoints), {})
     assert info is not None and info.valid, f"{checkpoints}: {info.reason if info else 'no checkpoint'}"
     _, task, modules = load_for_inference(store, info, use_ema, torch.device("cpu"))
     parts = store.read_json(info, TRAINER_JSON)["parts"]
-    opts = dict(CASES[name].sample)
-    num, seed = opts.pop("num"), opts.pop("seed")
     part_steps = {n: int(p["step"]) for n, p in parts.items()}
-    return task.sample(modules, num, seed=seed, device=torch.device("cpu"), part_steps=part_steps, **opts)
+    request = SampleRequest(**CASES[name].sample, part_steps=part_steps)
+    return task.sample(modules, request, torch.device("cpu"))
 
 
 def weight_files(checkpoints: Path, step: int) -> dict[str, dict[str, torch.Tensor]]:

@@ -208,8 +208,8 @@ class GanProbeTask(Task):
         return {"reconstruction": (rows.clamp(-1, 1) + 1) / 2}
 
     @torch.no_grad()
-    def sample(self, modules, num: int, seed: int, device: torch.device, **unused) -> torch.Tensor:
-        g = torch.Generator().manual_seed(seed)
+    def sample(self, modules, request, device: torch.device) -> torch.Tensor:
+        num, g = request.num, torch.Generator().manual_seed(request.seed)
         x = torch.rand((num, self.ctx.channels, self.ctx.image_size, self.ctx.image_size), generator=g) * 2 - 1
         batch = Batch(x.to(device), torch.full((num,), -1), torch.arange(num), list(range(num)))
         return ((self.forward(modules, batch, -1)["reconstruction"].clamp(-1, 1) + 1) / 2).cpu()

@@ -23,6 +23,7 @@ from trainer.loop import Trainer
 from trainer.registry import load_config
 from trainer.tasks.autoencoder import AutoencoderTask, KLAutoencoder, latent_geometry
 from trainer.tasks.base import TaskContext
+from trainer.tasks.sampling import SampleRequest
 
 ENV = clean_env(PYTHONPATH=str(REPO / "tests"))
 
@@ -102,12 +103,14 @@ def test_sample_writes_reconstructions_of_held_out_images(run, tmp_path):
     # Direct: each cell is the input image | a 1-pixel gap | its reconstruction.
     modules = {n: p.module.eval() for n, p in t.parts.items()}
     images = torch.rand(3, 1, 8, 8) * 2 - 1
-    cells = t.task.sample(modules, 3, seed=0, device=t.device, images=images)
+    cells = t.task.sample(modules, SampleRequest(num=3, images=images), t.device)
     assert cells.shape == (3, 1, 8, 17)
     assert torch.allclose(cells[..., :8], (images + 1) / 2)
     # Without images (FID evaluation) it decodes draws of the scaled latent space, seeded.
-    drawn = t.task.sample(modules, 2, seed=1, device=t.device)
-    assert drawn.shape == (2, 1, 8, 8) and torch.equal(drawn, t.task.sample(modules, 2, seed=1, device=t.device))
+    drawn = t.task.sample(modules, SampleRequest(num=2, seed=1), t.device)
+    assert drawn.shape == (2, 1, 8, 8) and torch.equal(
+        drawn, t.task.sample(modules, SampleRequest(num=2, seed=1), t.device)
+    )
     with Image.open(out) as im:
         assert im.width > im.height  # cells twice as wide as tall
 

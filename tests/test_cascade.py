@@ -20,6 +20,7 @@ from trainer.checkpoint import CheckpointStore
 from trainer.checkpoint.weights import load_for_inference
 from trainer.errors import ConfigError
 from trainer.registry import load_config
+from trainer.tasks.sampling import SampleRequest
 
 YAML = str(REPO / "tests" / "cascade.yaml")
 ENV = clean_env(PYTHONPATH=str(REPO / "tests"))
@@ -102,12 +103,13 @@ def test_guidance_changes_samples_and_chunking_does_not(both_stages):
     info = store.latest_valid()
     _, task, modules = load_for_inference(store, info, use_ema=True, device=torch.device("cpu"))
     steps = {"stage1": 3, "stage2": 3}
-    kw = dict(inference_steps=3, part_steps=steps, labels=torch.tensor([1, 7, 7, 3]))
-    g1 = task.sample(modules, 4, seed=0, device=torch.device("cpu"), guidance_scale=1.0, **kw)
-    g5 = task.sample(modules, 4, seed=0, device=torch.device("cpu"), guidance_scale=5.0, **kw)
-    g5_chunked = task.sample(modules, 4, seed=0, device=torch.device("cpu"), guidance_scale=5.0, batch_size=3, **kw)
+    cpu = torch.device("cpu")
+    request = SampleRequest(num=4, inference_steps=3, part_steps=steps, labels=torch.tensor([1, 7, 7, 3]))
+    g1 = task.sample(modules, request.replace(guidance_scale=1.0), cpu)
+    g5 = task.sample(modules, request.replace(guidance_scale=5.0), cpu)
+    g5_chunked = task.sample(modules, request.replace(guidance_scale=5.0, batch_size=3), cpu)
     assert g1.shape == (4, 1, 8, 8)
-    low = task.sample(modules, 4, seed=0, device=torch.device("cpu"), stop_at_stage=1, **kw)
+    low = task.sample(modules, request.replace(stop_at_stage=1), cpu)
     assert low.shape == (4, 1, 4, 4)
     assert (g1 - g5).abs().max() > 1e-3
     # Per-sample noise: a chunked grid holds the same samples (up to float batching effects).
@@ -289,7 +291,7 @@ def test_flow_matching_dream_and_edm_lower_the_loss_on_the_digits_and_sample(sta
         after = task.stage_loss(1, net, held_out, -1).per_sample.mean().item()
     assert after < ratio * before, (before, after)
     with torch.no_grad():
-        images = task.sample({"stage1": net.eval()}, 8, seed=0, device=torch.device("cpu"), inference_steps=10)
+        images = task.sample({"stage1": net.eval()}, SampleRequest(num=8, inference_steps=10), torch.device("cpu"))
     saturated = ((images == 0) | (images == 1)).float().mean().item()
     print(f"{stage}: held-out loss {before:.3f} -> {after:.3f}; saturated pixels in samples {saturated:.2f}")
     assert images.shape == (8, 1, 8, 8) and torch.isfinite(images).all()
@@ -323,17 +325,10 @@ def test_digits_cascade_preset_trained_briefly_draws_the_requested_digits_above_
     store = CheckpointStore(f"{tmp_path}/run/checkpoints")
     _, task, modules = load_for_inference(store, store.latest_valid(), use_ema=True, device=torch.device("cpu"))
     labels = torch.arange(10).repeat_interleave(10)
-    images = task.sample(
-        modules,
-        100,
-        seed=0,
-        device=torch.device("cpu"),
-        labels=labels,
-        stop_at_stage=1,
-        inference_steps=20,
-        guidance_scale=3.0,
-        part_steps={"stage1": 200},
+    request = SampleRequest(
+        num=100, labels=labels, stop_at_stage=1, inference_steps=20, guidance_scale=3.0, part_steps={"stage1": 200}
     )
+    images = task.sample(modules, request, torch.device("cpu"))
     rate = class_accuracy(fit_digits_classifier(), images, labels)
     print(f"requested-class rate after 200 steps of stage 1: {rate:.2f}")
     assert rate > 0.3, rate
@@ -411,11 +406,9 @@ def test_digits_decoder_preset_embeds_images_with_the_shipped_cnn_and_samples_fr
     assert code == 0 and Image.open(out).size[0] >= 32
     store = CheckpointStore(root)
     _, task, modules = load_for_inference(store, store.latest_valid(), use_ema=True, device=torch.device("cpu"))
-    kw = dict(
-        seed=0, device=torch.device("cpu"), inference_steps=2, guidance_scale=3.0, part_steps={"stage1": 3, "stage2": 3}
-    )
-    a = task.sample(modules, 2, image_embeds=e[:2], **kw)
-    b = task.sample(modules, 2, image_embeds=e[2:4], **kw)
+    request = SampleRequest(num=2, inference_steps=2, guidance_scale=3.0, part_steps={"stage1": 3, "stage2": 3})
+    a = task.sample(modules, request.replace(image_embeds=e[:2]), torch.device("cpu"))
+    b = task.sample(modules, request.replace(image_embeds=e[2:4]), torch.device("cpu"))
     assert a.shape == (2, 1, 32, 32) and (a - b).abs().max() > 1e-4  # the embedding steers the decoder
 
 

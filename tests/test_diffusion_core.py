@@ -37,6 +37,7 @@ from trainer.randomness import Stream, per_sample_rand, per_sample_randn, sample
 from trainer.tasks.base import Batch, Phase, StepInfo, TaskContext
 from trainer.tasks.cascade import CascadeConfig, CascadeTask, StageConfig
 from trainer.tasks.ddpm import DDPMTask, DiffusionModelConfig
+from trainer.tasks.sampling import SampleRequest, check_request
 
 CPU = torch.device("cpu")
 SEED, STEP, CLASSES = 7, 3, 10
@@ -158,7 +159,8 @@ def test_the_ddpm_task_samples_with_the_core_sampler(prediction_type, kind, scal
     task = DDPMTask(cfg, TaskContext(8, 1, SEED, num_classes=CLASSES))
     torch.manual_seed(0)
     unet = task.build({})["unet"].eval()
-    today = task.sample({"unet": unet}, 4, 11, CPU, inference_steps=3, scheduler=kind, guidance_scale=scale)
+    request = SampleRequest(num=4, seed=11, inference_steps=3, scheduler=kind, guidance_scale=scale)
+    today = task.sample({"unet": unet}, request, CPU)
 
     x = torch.randn((4, 1, 8, 8), generator=torch.Generator().manual_seed(11))
     labels = default_labels(4, CLASSES)
@@ -176,9 +178,8 @@ def test_every_cascade_stage_samples_with_the_core_sampler(prediction_type, kind
     labels = default_labels(4, CLASSES)
     cond = task.conditions(4, CPU, torch.zeros(4, dtype=torch.bool), labels)
     with torch.no_grad():
-        today = task._run_stage(
-            1, net, None, cond, range(4), 11, CPU, inference_steps=3, scheduler=kind, guidance_scale=3.0
-        )
+        request = SampleRequest(num=4, seed=11, inference_steps=3, scheduler=kind, guidance_scale=3.0)
+        today = task._run_stage(1, net, None, cond, range(4), request, CPU)
 
     gens = sample_generators(11, 0, range(4), Stream.CASCADE_STAGE, substream=1)
     x = per_sample_randn(gens, (1, 8, 8))
@@ -490,7 +491,7 @@ def test_ddpm_trains_flow_edm_and_every_backbone_on_the_digits(run, tmp_path, mo
     print(f"{run}: held-out loss {before:.3f} -> {after:.3f}; best constant output {floor:.3f}")
     assert after < before and after < floor, (before, after, floor)
     prompts = ["a handwritten seven"] if text else None
-    images = task.sample({task.part: net.eval()}, 8, seed=0, device=CPU, inference_steps=10, prompts=prompts)
+    images = task.sample({task.part: net.eval()}, SampleRequest(num=8, inference_steps=10, prompts=prompts), CPU)
     assert images.shape == (8, 1, 8, 8) and torch.isfinite(images).all() and images.std() > 0.05
 
 
@@ -541,14 +542,17 @@ def test_ddpm_with_a_transformer_backbone_trains_checkpoints_and_samples_through
     text = task.text is not None
     if text:
         assert info.manifest["inputs"]["text_encoder"]["digest"] == task.text.digest
-    kw = dict(num=4, seed=1, device=CPU, inference_steps=2, prompts=["a handwritten seven"] if text else None)
-    guided = task.sample(modules, guidance_scale=3.0, **kw)
+    request = SampleRequest(num=4, seed=1, inference_steps=2, prompts=["a handwritten seven"] if text else None)
+    guided = task.sample(modules, request.replace(guidance_scale=3.0), CPU)
     assert guided.shape == (4, 1, 8, 8) and torch.isfinite(guided).all()
-    assert not torch.equal(guided, task.sample(modules, guidance_scale=1.0, **kw))
+    assert not torch.equal(guided, task.sample(modules, request.replace(guidance_scale=1.0), CPU))
     with pytest.raises(ConfigError, match="backbone, not a diffusers UNet"):
         task.export_unets(modules)
-    with pytest.raises(ConfigError, match="this DDPM model takes no"):
-        task.sample(modules, labels=torch.zeros(4, dtype=torch.long) if text else None, **{**kw, "prompts": ["x"]})
+    # The condition this model lacks is refused by the sampling contract, naming the flag.
+    asked = request.replace(labels=torch.zeros(4, dtype=torch.long), prompts=["x"])
+    refused, kind = ("--class", "captions") if text else ("--prompt", "class labels")
+    with pytest.raises(ConfigError, match=f"^{refused}: this ddpm checkpoint is conditioned on {kind} "):
+        check_request(asked, task.sample_accepts(), "ddpm")
 
 
 @pytest.mark.parametrize(
@@ -648,7 +652,7 @@ def test_cascade_stages_train_on_transformer_backbones(run):
     print(f"{run}: held-out loss {before:.3f} -> {after:.3f}; best constant output {floor:.3f}")
     assert after < before and after < floor, (before, after, floor)
     modules = {name: m.eval() for name, m in nets.items()}
-    images = task.sample(modules, 4, seed=0, device=CPU, inference_steps=4, guidance_scale=2.0)
+    images = task.sample(modules, SampleRequest(num=4, inference_steps=4, guidance_scale=2.0), CPU)
     assert images.shape == (4, 1, 8, 8) and torch.isfinite(images).all()
     with pytest.raises(ConfigError, match=f"stage{k} of this cascade is a transformer backbone"):
         task.export_unets(modules)
@@ -722,10 +726,10 @@ def test_cascade_with_transformer_stages_trains_checkpoints_and_samples_through_
     info = store.latest_valid()
     assert {"stage1.model.safetensors", "stage2.model.safetensors"} <= set(info.manifest["files"])
     _, task, modules = load_for_inference(store, info, True, CPU)
-    kw = dict(num=4, seed=1, device=CPU, inference_steps=2, **conditions)
-    guided = task.sample(modules, guidance_scale=3.0, **kw)
+    request = SampleRequest(num=4, seed=1, inference_steps=2, **conditions)
+    guided = task.sample(modules, request.replace(guidance_scale=3.0), CPU)
     assert guided.shape == (4, 1, 8, 8) and torch.isfinite(guided).all()
-    assert not torch.equal(guided, task.sample(modules, guidance_scale=1.0, **kw))
+    assert not torch.equal(guided, task.sample(modules, request.replace(guidance_scale=1.0), CPU))
 
 
 def test_every_transformer_block_is_an_fsdp_unit_and_dits_first_stays_gathered_after_forward():

@@ -10,6 +10,7 @@ from PIL import Image
 from trainer.elastic import DistEnv
 from trainer.loop import Trainer
 from trainer.registry import load_config
+from trainer.tasks.sampling import SampleRequest
 
 
 @pytest.mark.slow
@@ -45,13 +46,13 @@ def test_guidance_changes_samples_and_labels_select_classes(tmp_path):
     t = Trainer(cfg, DistEnv())
     assert t.fit() == 0
     modules = {n: p.module.eval() for n, p in t.parts.items()}
-    kw = dict(num=4, seed=3, device=t.device, inference_steps=3)
-    plain = t.task.sample(modules, guidance_scale=1.0, **kw)
-    guided = t.task.sample(modules, guidance_scale=4.0, **kw)
+    request = SampleRequest(num=4, seed=3, inference_steps=3)
+    plain = t.task.sample(modules, request.replace(guidance_scale=1.0), t.device)
+    guided = t.task.sample(modules, request.replace(guidance_scale=4.0), t.device)
     assert not torch.equal(plain, guided)
-    again = t.task.sample(modules, guidance_scale=4.0, **kw)
+    again = t.task.sample(modules, request.replace(guidance_scale=4.0), t.device)
     assert torch.equal(guided, again)  # seeded
-    fives = t.task.sample(modules, guidance_scale=4.0, labels=torch.full((4,), 5), **kw)
+    fives = t.task.sample(modules, request.replace(guidance_scale=4.0, labels=torch.full((4,), 5)), t.device)
     assert not torch.equal(fives, guided)
 
 

@@ -18,6 +18,7 @@ from trainer.cli import main as cli_main
 from trainer.errors import ConfigError
 from trainer.registry import load_config, task_class
 from trainer.tasks.base import TaskContext
+from trainer.tasks.sampling import SampleRequest
 
 YAML = str(REPO / "tests" / "cascade.yaml")
 
@@ -168,17 +169,17 @@ def test_exported_lora_loads_back_in_diffusers_and_samples_like_the_merged_model
     _, task, modules = load_for_inference(
         store, store.check(6), use_ema=True, device=CPU, task_name="cascade_probe:KillableCascadeTask"
     )
-    kw = dict(seed=0, device=CPU, labels=torch.tensor([1, 7, 3]), inference_steps=3, guidance_scale=2.0)
+    request = SampleRequest(num=3, labels=torch.tensor([1, 7, 3]), inference_steps=3, guidance_scale=2.0)
 
     def sample_with(unet: torch.nn.Module) -> torch.Tensor:
         net = modules["stage2"]
         kept, net.unet = net.unet, unet.eval()
         try:
-            return task.sample(modules, 3, **kw)
+            return task.sample(modules, request, CPU)
         finally:
             net.unet = kept
 
-    trained = task.sample(modules, 3, **kw)  # gentrain's own adapted module
+    trained = task.sample(modules, request, CPU)  # gentrain's own adapted module
     # diffusers' own loader: the base folder plus the exported adapters.
     adapted = UNet2DConditionModel.from_pretrained(tmp_path / "base2")
     adapted.load_lora_adapter(str(out / "stage2-lora"), prefix=None, weight_name="pytorch_lora_weights.safetensors")

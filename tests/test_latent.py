@@ -26,6 +26,7 @@ from trainer.elastic import DistEnv
 from trainer.errors import ConfigError
 from trainer.loop import Trainer
 from trainer.registry import load_config
+from trainer.tasks.sampling import SampleRequest
 
 ENV = clean_env(PYTHONPATH=str(REPO / "tests"), HF_HUB_OFFLINE="1")
 CPU = torch.device("cpu")
@@ -81,8 +82,9 @@ def train(tmp_path, url: str, *extra: str, max_steps: int = 2) -> Trainer:
 def sample(root: str, storage_options=None) -> torch.Tensor:
     store = CheckpointStore(root, storage_options)
     _, task, modules = load_for_inference(store, store.latest_valid(), True, CPU)
-    images = task.sample(modules, 4, 0, CPU, inference_steps=2)
-    assert torch.equal(images, task.sample(modules, 4, 0, CPU, inference_steps=2))  # the seed fixes them
+    request = SampleRequest(num=4, seed=0, inference_steps=2)
+    images = task.sample(modules, request, CPU)
+    assert torch.equal(images, task.sample(modules, request, CPU))  # the seed fixes them
     return images
 
 

@@ -293,7 +293,7 @@ def test_video_maskgit_samples_gifs_named_by_caption_with_the_frames_asked_for(t
         sheets[temperature] = np.asarray(Image.open(t_out))
     assert not np.array_equal(sheets["0.05"], sheets["20"])
     assert main(["sample", tokenizer, "--num", "1", "--temperature", "0.5", "--out", str(out)]) == 2
-    assert "--temperature applies to token models" in capsys.readouterr().err
+    assert "--temperature: this video-tokenizer checkpoint is unconditional" in capsys.readouterr().err
 
 
 # ---------------------------------------------------------------- distributed, exact resume

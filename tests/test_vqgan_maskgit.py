@@ -441,4 +441,4 @@ def test_maskgit_text_conditioning_plugs_in_the_shared_text_encoder(tmp_path, to
     )
     assert r.returncode == 0 and out.exists(), r.stderr[-3000:]
     r = run_cli("sample", root, "--num", "2", "--class", "7", "--out", str(out), env=ENV)
-    assert r.returncode == 2 and "not class-conditional" in r.stderr
+    assert r.returncode == 2 and "--class: this maskgit checkpoint is conditioned on captions" in r.stderr

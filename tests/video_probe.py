@@ -82,5 +82,5 @@ class ClipProbeTask(Task):
         return {"reconstruction": ((pair.clamp(-1, 1) + 1) / 2).float().cpu()}
 
     @torch.no_grad()
-    def sample(self, modules, num: int, seed: int, device: torch.device, **unused) -> torch.Tensor:
+    def sample(self, modules, request, device: torch.device) -> torch.Tensor:
         raise NotImplementedError("the clip probe only reconstructs")

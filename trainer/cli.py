@@ -7,7 +7,6 @@ and config errors answer at once. Each command imports the layers it runs inside
 from __future__ import annotations
 
 import argparse
-import inspect
 import json
 import logging
 import os
@@ -210,6 +209,7 @@ def cmd_sample(args: argparse.Namespace) -> int:
     # torch-heavy layers, imported by the commands that use them (see the module doc)
     from trainer.checkpoint import resolve_checkpoint
     from trainer.media import contact_sheet, save_gif, save_grid, save_media, slugify
+    from trainer.tasks.sampling import check_request
 
     _REDACT.add_secrets({"storage_options": args.storage_options})
     store, info = resolve_checkpoint(args.checkpoint, args.storage_options)
@@ -219,29 +219,18 @@ def cmd_sample(args: argparse.Namespace) -> int:
         return EXIT_INVALID_CHECKPOINT
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     cfg, task, modules = _load_for_inference(args, store, info, device)
+    # The sampling contract (trainer/tasks/sampling.py): the user's request, refused once against what this
+    # checkpoint's task declares, then the run's sample.* settings for what the user left out.
+    request = _request(args)
+    check_request(request, task.sample_accepts(), cfg.task)
     s = cfg.sample
-    if args.temperature is not None and "temperature" not in inspect.signature(task.sample).parameters:
-        raise ConfigError(
-            f"--temperature applies to token models (MaskGIT: the temperature of its token draws); "
-            f"{info.url} is a {cfg.task!r} run"
-        )
-    if args.temperature is not None and args.temperature <= 0:
-        raise ConfigError(f"--temperature {args.temperature}: must be greater than 0")
-    images = task.sample(
-        modules,
-        args.num,
-        seed=args.seed,
-        device=device,
-        inference_steps=args.steps or s.inference_steps,
-        scheduler=args.scheduler or s.scheduler,
-        guidance_scale=s.guidance_scale if args.guidance_scale is None else args.guidance_scale,
-        **_conditions(args, store, info),
-        **(
-            {"images": _held_out_images(cfg, args.num, args.seed)}
-            if getattr(task, "samples_reconstruct", False)
-            else {}
-        ),
+    request = request.with_defaults(
+        inference_steps=s.inference_steps, scheduler=s.scheduler, guidance_scale=s.guidance_scale
+    ).replace(
+        part_steps=_part_steps(store, info),
+        images=_held_out_images(cfg, args.num, args.seed) if task.samples_reconstruct else None,
     )
+    images = task.sample(modules, request, device)
     if images.ndim == 4:
         written = [save_grid(images, args.out)]
     elif args.prompt is not None:  # videos of a caption: <caption>.gif beside a contact sheet at --out
@@ -324,35 +313,44 @@ def _held_out_images(cfg, num: int, seed: int):
     return collate([held[SampleRef(index=i, position=k, aug_seed=0)] for k, i in enumerate(order)])["images"]
 
 
-def _conditions(args: argparse.Namespace, store, info) -> dict[str, Any]:
-    """What the user asked for (class, prompt, image embeddings, stages) plus each part's step count."""
+def _request(args: argparse.Namespace):
+    """What the user asked `gentrain sample` for, as a `SampleRequest`: each flag not given stays None."""
     import numpy as np
     import torch
 
-    from trainer.checkpoint.layout import TRAINER_JSON  # torch-heavy (see the module doc)
+    from trainer.tasks.sampling import SampleRequest  # only `sample` needs it (see the module doc)
 
-    out: dict[str, Any] = {}
-    if TRAINER_JSON in info.manifest["files"]:  # a consolidated checkpoint has weights only
-        parts = store.read_json(info, TRAINER_JSON)["parts"]
-        out["part_steps"] = {n: int(p["step"]) for n, p in parts.items()}
-    if args.class_label is not None:
-        out["labels"] = torch.full((args.num,), args.class_label, dtype=torch.long)
-    if args.prompt is not None:
-        out["prompts"] = [args.prompt] * args.num
+    image_embeds = None
     if args.embeddings is not None:
         try:
-            out["image_embeds"] = np.load(args.embeddings, allow_pickle=False)
+            image_embeds = np.load(args.embeddings, allow_pickle=False)
         except (OSError, ValueError) as e:
             raise ConfigError(f"--embeddings {args.embeddings}: not a readable .npy file ({e})") from None
-    if args.stop_at_stage is not None:
-        out["stop_at_stage"] = args.stop_at_stage
-    if args.frames is not None:
-        out["frames"] = args.frames
-    if args.batch_size is not None:
-        out["batch_size"] = args.batch_size
-    if args.temperature is not None:
-        out["temperature"] = args.temperature
-    return out
+    return SampleRequest(
+        num=args.num,
+        seed=args.seed,
+        inference_steps=args.steps,
+        scheduler=args.scheduler,
+        guidance_scale=args.guidance_scale,
+        labels=None if args.class_label is None else torch.full((args.num,), args.class_label, dtype=torch.long),
+        prompts=None if args.prompt is None else [args.prompt] * args.num,
+        image_embeds=image_embeds,
+        stop_at_stage=args.stop_at_stage,
+        frames=args.frames,
+        temperature=args.temperature,
+        batch_size=args.batch_size,
+    )
+
+
+def _part_steps(store, info) -> dict[str, int] | None:
+    """Each part's step count (a cascade refuses stages that never trained); None for a consolidated
+    checkpoint, which has weights only."""
+    from trainer.checkpoint.layout import TRAINER_JSON  # torch-heavy (see the module doc)
+
+    if TRAINER_JSON not in info.manifest["files"]:
+        return None
+    parts = store.read_json(info, TRAINER_JSON)["parts"]
+    return {n: int(p["step"]) for n, p in parts.items()}
 
 
 def _human_bytes(n: int) -> str:

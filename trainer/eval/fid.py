@@ -36,6 +36,7 @@ from trainer.engine.services import ProcessServices
 from trainer.errors import ConfigError
 from trainer.models.finetune import half_weights_autocast
 from trainer.randomness import Stream, stream_seed
+from trainer.tasks.sampling import SampleRequest
 
 log = logging.getLogger("gentrain")
 
@@ -166,7 +167,7 @@ def evaluate(
 
     def sample(count: int, s: int) -> torch.Tensor:
         with half_weights_autocast(modules, device):  # a LoRA run's half-precision base
-            return task.sample(modules, count, seed=s, device=device, **sample_options)
+            return task.sample(modules, SampleRequest(num=count, seed=s, **sample_options), device)
 
     services = ProcessServices()
     lockstep = world_size > 1 and any(services.calls_are_collective(module) for module in modules.values())
@@ -177,6 +178,8 @@ def evaluate(
 
 
 def sample_options(cfg) -> dict[str, Any]:
+    """The sampler settings of every evaluation request (`SampleRequest` fields): the run's `sample.*`, with
+    `eval.inference_steps` first."""
     s = cfg.sample
     return {
         "inference_steps": cfg.eval.inference_steps or s.inference_steps,

@@ -35,6 +35,7 @@ from trainer.models.gan import AdversarialConfig, AdversarialLosses, ConvAutoenc
 from trainer.models.perceptual import VGGPerceptual
 from trainer.randomness import Stream, per_sample_randn, sample_generators
 from trainer.tasks.base import Batch, Loss, Phase, PreviewContext, StepInfo, Task, TaskContext, bare
+from trainer.tasks.sampling import SampleRequest
 
 
 class AutoencoderConfig(ConvAutoencoderShape, AdversarialConfig):
@@ -254,13 +255,12 @@ class AutoencoderTask(Task):
         return {"reconstruction": self._reconstruction_cells(images, online, ema)}
 
     @torch.no_grad()
-    def sample(
-        self, modules, num: int, seed: int, device: torch.device, images: torch.Tensor | None = None, **unused: Any
-    ) -> torch.Tensor:
-        """With `images` (held-out images in [-1, 1]): input | reconstruction cells. Without: an autoencoder is
-        no generative prior, so it decodes latents drawn from N(0, I) in the scaled latent space (what its
-        latents look like to a diffusion model)."""
+    def sample(self, modules, request: SampleRequest, device: torch.device) -> torch.Tensor:
+        """With the request's `images` (held-out images in [-1, 1]): input | reconstruction cells. Without: an
+        autoencoder is no generative prior, so it decodes latents drawn from N(0, I) in the scaled latent space
+        (what its latents look like to a diffusion model)."""
         generator = modules["generator"]
+        num, seed, images = request.num, request.seed, request.images
         if images is not None:
             images = images[:num].to(device)
             return self._reconstruction_cells(images, generator(images)["reconstruction"])

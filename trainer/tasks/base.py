@@ -42,6 +42,7 @@ from torch import nn
 
 from trainer.engine.services import ProcessServices, process_services
 from trainer.errors import ConfigError
+from trainer.tasks.sampling import SampleRequest
 
 
 @dataclass
@@ -174,6 +175,10 @@ class PreviewContext:
         """EMA weights when `sample.use_ema` (the default), else the online weights."""
         return self.weights(self.use_ema)
 
+    def request(self, **options: Any) -> SampleRequest:
+        """The sampling request of a preview: `num`, `seed` and the sampler options, plus `options`."""
+        return SampleRequest(num=self.num, seed=self.seed, **{**self.options, **options})
+
 
 class Task:
     """A generative model made of named parts. Subclasses set `ModelConfig` and implement
@@ -184,7 +189,7 @@ class Task:
     # chunk's gradients): the engine then refuses train.micro_batch_size instead of changing the update.
     micro_batch_invariant: ClassVar[bool] = True
     # True when `sample` reconstructs real images (an autoencoder): `gentrain sample` then passes
-    # held-out images as `images=` (N, C, H, W) in [-1, 1].
+    # held-out images as the request's `images` (N, C, H, W) in [-1, 1].
     samples_reconstruct: ClassVar[bool] = False
 
     def __init__(self, model_cfg: BaseModel, ctx: TaskContext):
@@ -282,11 +287,16 @@ class Task:
     def previews(self, modules: Mapping[str, nn.Module], ctx: PreviewContext) -> dict[str, torch.Tensor]:
         """Named previews: images (N, C, H, W) or videos (N, T, C, H, W) in [0, 1], on CPU."""
         with ctx.preferred_weights():
-            return {"samples": self.sample(modules, ctx.num, ctx.seed, ctx.device, **ctx.options)}
+            return {"samples": self.sample(modules, ctx.request(), ctx.device)}
+
+    def sample_accepts(self) -> frozenset[str]:
+        """The options of a `SampleRequest` this task's `sample` reads (`trainer.tasks.sampling.OPTIONS`:
+        `labels`, `prompts`, `temperature`, ...), as this config builds it. `gentrain sample` refuses any
+        other option the user gives (`check_request`, exit 2). Default: none."""
+        return frozenset()
 
     @torch.no_grad()
-    def sample(
-        self, modules: Mapping[str, nn.Module], num: int, seed: int, device: torch.device, **kwargs: Any
-    ) -> torch.Tensor:
-        """`num` outputs in [0, 1] on CPU: images (num, C, H, W) or videos (num, T, C, H, W)."""
+    def sample(self, modules: Mapping[str, nn.Module], request: SampleRequest, device: torch.device) -> torch.Tensor:
+        """`request.num` outputs in [0, 1] on CPU: images (num, C, H, W) or videos (num, T, C, H, W). Reads
+        only the options `sample_accepts` declares (each None when not asked for: the task's default)."""
         raise NotImplementedError

@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Mapping
-from typing import Annotated, Any, Literal
+from typing import Annotated, Literal
 
 import numpy as np
 import torch
@@ -62,6 +62,7 @@ from trainer.models.finetune import EXTRAS_NAME, load_weights, prepare_unet
 from trainer.randomness import Stream, per_sample_rand, per_sample_randn, sample_generators
 from trainer.tasks.base import Batch, Export, Loss, Phase, PreviewContext, StepInfo, Task, TaskContext
 from trainer.tasks.ddpm import NoiseConfig, architecture_hints, changed_unet_keys
+from trainer.tasks.sampling import SampleRequest
 
 log = logging.getLogger(__name__)
 
@@ -533,7 +534,6 @@ class CascadeTask(Task):
             if steps.get(f"stage{k}", 1) > 0 or self.cfg.stages[k - 1].pretrained is not None
         ]
         out: dict[str, torch.Tensor] = {}
-        opts = dict(ctx.options)
         b = ctx.batch
         with ctx.preferred_weights():
             upto = 0
@@ -547,16 +547,8 @@ class CascadeTask(Task):
                 embeds = self.image_embeds(b) if has_embeds else None
                 if embeds is not None:
                     embeds = embeds.repeat((ctx.num + len(embeds) - 1) // len(embeds), 1)[: ctx.num]
-                out["samples"] = self.sample(
-                    modules,
-                    ctx.num,
-                    ctx.seed,
-                    ctx.device,
-                    stop_at_stage=upto,
-                    prompts=captions,
-                    image_embeds=embeds,
-                    **opts,
-                )
+                request = ctx.request(stop_at_stage=upto, prompts=captions, image_embeds=embeds)
+                out["samples"] = self.sample(modules, request, ctx.device)
             for k in (k for k in trained if k > 1 and b is not None):
                 low = resize(b.images, self.cfg.stages[k - 2].image_size)
                 cond = self.conditions(
@@ -567,7 +559,7 @@ class CascadeTask(Task):
                     b.captions,
                     self.image_embeds(b),
                 )
-                x = self._run_stage(k, modules[f"stage{k}"], low, cond, range(len(b)), ctx.seed, ctx.device, **opts)
+                x = self._run_stage(k, modules[f"stage{k}"], low, cond, range(len(b)), ctx.request(), ctx.device)
                 out[f"superres-stage{k}"] = ((x.float().clamp(-1, 1) + 1) / 2).cpu()
         return out
 
@@ -589,18 +581,16 @@ class CascadeTask(Task):
         low: torch.Tensor | None,
         cond: dict[str, torch.Tensor],
         positions: range,
-        seed: int,
+        request: SampleRequest,
         device: torch.device,
-        inference_steps: int = 50,
-        scheduler: str = "ddim",
-        guidance_scale: float = 1.0,
-        **unused: Any,
     ) -> torch.Tensor:
-        """Denoise stage k for the samples at `positions` of the grid; noise is drawn per sample (seed,
-        position), so chunking a large grid into batches does not change which noise a sample gets."""
+        """Denoise stage k for the samples at `positions` of the grid with the request's sampler settings;
+        noise is drawn per sample (seed, position), so chunking a large grid into batches does not change
+        which noise a sample gets."""
         s = self.cfg.stages[k - 1]
         n = len(positions)
-        gens = sample_generators(seed, 0, positions, Stream.CASCADE_STAGE, substream=k)
+        guidance_scale = request.option("guidance_scale", 1.0)
+        gens = sample_generators(request.seed, 0, positions, Stream.CASCADE_STAGE, substream=k)
         x = per_sample_randn(gens, (self.channels, s.image_size, s.image_size)).to(device)
         cond = dict(cond)
         if low is not None:
@@ -612,24 +602,27 @@ class CascadeTask(Task):
         if self.conditional and guidance_scale != 1.0:
             uncond = self._uncond(cond, n, device)  # lacks lowres and aug_t: both halves get the same ones
         guidance = Guidance(cond, uncond, guidance_scale)
-        return self.objectives[k - 1].denoise(_net(net), x, inference_steps, scheduler, guidance)
+        steps, scheduler = request.option("inference_steps", 50), request.option("scheduler", "ddim")
+        return self.objectives[k - 1].denoise(_net(net), x, steps, scheduler, guidance)
+
+    def sample_accepts(self) -> frozenset[str]:
+        c = self.cfg
+        conditions = {
+            "labels": bool(c.num_classes),
+            "prompts": self.text is not None,
+            "image_embeds": c.image_embed_dim is not None,
+        }
+        guided = {"guidance_scale"} if self.conditional else set()
+        return frozenset(
+            {"inference_steps", "scheduler", "stop_at_stage", "batch_size", *guided}
+            | {k for k, on in conditions.items() if on}
+        )
 
     @torch.no_grad()
-    def sample(
-        self,
-        modules: Mapping[str, nn.Module],
-        num: int,
-        seed: int,
-        device: torch.device,
-        labels: torch.Tensor | None = None,
-        prompts: list[str] | None = None,
-        image_embeds: torch.Tensor | np.ndarray | None = None,
-        stop_at_stage: int | None = None,
-        part_steps: Mapping[str, int] | None = None,
-        batch_size: int | None = None,
-        **options: Any,
-    ) -> torch.Tensor:
+    def sample(self, modules: Mapping[str, nn.Module], request: SampleRequest, device: torch.device) -> torch.Tensor:
         """Run stages 1..`stop_at_stage` (default all); refuses stages that were never trained."""
+        num, labels, prompts, image_embeds = request.num, request.labels, request.prompts, request.image_embeds
+        stop_at_stage, part_steps = request.stop_at_stage, request.part_steps
         n_stages = len(self.cfg.stages)
         last = stop_at_stage or n_stages
         if not 1 <= last <= n_stages:
@@ -649,17 +642,6 @@ class CascadeTask(Task):
                 f"{untrained}), or sample fewer stages with --stop-at-stage {untrained[0] - 1 or 1}."
             )
         c = self.cfg
-        wrong = [
-            flag
-            for flag, given, takes in (
-                ("--class", labels is not None, bool(c.num_classes)),
-                ("--prompt", prompts is not None, self.text is not None),
-                ("--embeddings", image_embeds is not None, c.image_embed_dim is not None),
-            )
-            if given and not takes
-        ]
-        if wrong:
-            raise ConfigError(f"this cascade is not conditioned on what {', '.join(wrong)} gives; drop it")
         if labels is not None and ((labels < 0) | (labels >= c.num_classes)).any():
             raise ConfigError(f"--class must be in 0..{c.num_classes - 1}")
         if labels is None and c.num_classes:
@@ -676,7 +658,7 @@ class CascadeTask(Task):
             embeds = torch.as_tensor(np.asarray(image_embeds), dtype=torch.float32)
             embeds = embeds.reshape(-1, embeds.shape[-1])
             embeds = embeds.repeat((num + len(embeds) - 1) // len(embeds), 1)[:num]
-        chunk = batch_size or num
+        chunk = request.batch_size or num
         images = None
         for k in range(1, last + 1):
             outs = []
@@ -693,7 +675,7 @@ class CascadeTask(Task):
                 )
                 low = images[sl] if images is not None else None
                 net = modules[f"stage{k}"]
-                outs.append(self._run_stage(k, net, low, cond, range(sl.start, sl.stop), seed, device, **options))
+                outs.append(self._run_stage(k, net, low, cond, range(sl.start, sl.stop), request, device))
             images = torch.cat(outs)
         if self.text is not None:
             log.info(self.text.usage())

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Mapping
-from typing import Any
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field, model_validator
@@ -43,6 +42,7 @@ from trainer.randomness import per_sample_rand, per_sample_randn, sample_generat
 from trainer.tasks.base import Batch, Export, FrozenSource, Loss, Phase, PreviewContext, StepInfo, Task, TaskContext
 from trainer.tasks.latent import PART as AUTOENCODER
 from trainer.tasks.latent import LatentAutoencoderConfig, LatentSpace, frozen_source
+from trainer.tasks.sampling import SampleRequest
 
 log = logging.getLogger(__name__)
 
@@ -446,32 +446,19 @@ class DDPMTask(Task):
             caps = ctx.batch.captions
             prompts = [caps[i % len(caps)] for i in range(ctx.num)]
         with ctx.preferred_weights():
-            return {"samples": self.sample(modules, ctx.num, ctx.seed, ctx.device, prompts=prompts, **ctx.options)}
+            return {"samples": self.sample(modules, ctx.request(prompts=prompts), ctx.device)}
+
+    def sample_accepts(self) -> frozenset[str]:
+        c = self.cfg
+        conditions = {"labels": c.num_classes is not None, "prompts": self.text is not None}
+        guided = {"guidance_scale"} if self.conditional else set()
+        return frozenset({"inference_steps", "scheduler", *guided, *(k for k, on in conditions.items() if on)})
 
     @torch.no_grad()
-    def sample(
-        self,
-        modules: Mapping[str, nn.Module],
-        num: int,
-        seed: int,
-        device: torch.device,
-        inference_steps: int = 50,
-        scheduler: str = "ddim",
-        guidance_scale: float = 1.0,
-        labels: torch.Tensor | None = None,
-        prompts: list[str] | None = None,
-        **unused: Any,
-    ) -> torch.Tensor:
+    def sample(self, modules: Mapping[str, nn.Module], request: SampleRequest, device: torch.device) -> torch.Tensor:
         c = self.cfg
-        asked = [k for k in ("image_embeds", "stop_at_stage", "frames") if unused.get(k) is not None]
-        if prompts is not None and self.text is None:
-            asked.insert(0, "prompts")
-        if labels is not None and c.num_classes is None:
-            asked.append("labels (--class)")
-        if asked:
-            kinds = [k for k, on in (("class", c.num_classes is not None), ("caption", self.text is not None)) if on]
-            what = f"{'- and '.join(kinds)}-conditional" if kinds else "unconditional"
-            raise ConfigError(f"this DDPM model takes no {', '.join(asked)}: it is {what}")
+        num, seed, labels, prompts = request.num, request.seed, request.labels, request.prompts
+        guidance_scale = request.option("guidance_scale", 1.0)
         g = torch.Generator().manual_seed(seed)
         shape = self.latent.shape if self.latent is not None else (self.channels, self.image_size, self.image_size)
         x = torch.randn((num, *shape), generator=g).to(device)
@@ -489,7 +476,8 @@ class DDPMTask(Task):
             if guidance_scale != 1.0:
                 uncond = self.conditions(num, device, torch.ones(num, dtype=torch.bool), labels, prompts)
             guidance = Guidance(cond, uncond, guidance_scale)
-        x = self.objective.denoise(self._net(modules[self.part]), x, inference_steps, scheduler, guidance)
+        steps, scheduler = request.option("inference_steps", 50), request.option("scheduler", "ddim")
+        x = self.objective.denoise(self._net(modules[self.part]), x, steps, scheduler, guidance)
         if self.text is not None:
             log.info(self.text.usage())
         if self.latent is not None:

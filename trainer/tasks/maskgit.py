@@ -36,6 +36,7 @@ from trainer.errors import ConfigError
 from trainer.randomness import Stream, per_sample_rand, sample_generators
 from trainer.registry import task_class
 from trainer.tasks.base import Batch, FrozenSource, Loss, Phase, PreviewContext, StepInfo, Task, TaskContext
+from trainer.tasks.sampling import SampleRequest
 from trainer.tasks.video_tokenizer import VideoTokenizerTask
 from trainer.tasks.vqgan import VQGANTask, tokenizer_geometry
 
@@ -312,9 +313,7 @@ class MaskGITTask(Task):
         return check_tokenizer_geometry(self.cfg, self.ctx, source, url, tokenizer_geometry(source))
 
     def token_layout(self, frames: int | None = None) -> tuple[int, ...]:
-        """Shape of one sample's token grid; images take no `frames`."""
-        if frames is not None:
-            raise ConfigError("--frames: this MaskGIT makes images, not videos")
+        """Shape of one sample's token grid; images take no `frames` (see `sample_accepts`)."""
         return (self.grid, self.grid)
 
     # ---- conditioning
@@ -399,39 +398,37 @@ class MaskGITTask(Task):
             caps = ctx.batch.captions
             prompts = [caps[i % len(caps)] for i in range(ctx.num)]
         with ctx.preferred_weights():
-            return {"samples": self.sample(modules, ctx.num, ctx.seed, ctx.device, prompts=prompts, **ctx.options)}
+            return {"samples": self.sample(modules, ctx.request(prompts=prompts), ctx.device)}
 
     # ---- sampling
+    def sample_accepts(self) -> frozenset[str]:
+        c = self.cfg
+        conditions = {"labels": c.num_classes is not None, "prompts": self.text is not None}
+        guided = {"guidance_scale"} if self.conditional else set()
+        return frozenset(
+            {
+                "inference_steps",
+                "temperature",
+                "choice_temperature",
+                *guided,
+                *(k for k, on in conditions.items() if on),
+            }
+        )
+
     @torch.no_grad()
-    def sample(
-        self,
-        modules: Mapping[str, nn.Module],
-        num: int,
-        seed: int,
-        device: torch.device,
-        inference_steps: int = 12,
-        guidance_scale: float = 1.0,
-        labels: torch.Tensor | None = None,
-        prompts: list[str] | None = None,
-        temperature: float | None = None,
-        choice_temperature: float | None = None,
-        frames: int | None = None,
-        **unused: Any,
-    ) -> torch.Tensor:
+    def sample(self, modules: Mapping[str, nn.Module], request: SampleRequest, device: torch.device) -> torch.Tensor:
         """Iterative parallel decoding: at step t keep the most confident predictions and re-mask the rest,
         `L * cos(pi/2 * t/T)` of them, with Gumbel noise on the confidences annealed to zero. `frames`:
         video models only (see `token_layout`)."""
         transformer = modules["transformer"]
-        temperature = self.cfg.temperature if temperature is None else temperature
-        choice_temperature = self.cfg.choice_temperature if choice_temperature is None else choice_temperature
-        g = torch.Generator().manual_seed(seed)
+        num, labels, prompts, frames = request.num, request.labels, request.prompts, request.frames
+        temperature = request.option("temperature", self.cfg.temperature)
+        choice_temperature = request.option("choice_temperature", self.cfg.choice_temperature)
+        guidance_scale = request.option("guidance_scale", 1.0)
+        g = torch.Generator().manual_seed(request.seed)
         layout = self.token_layout(frames)
         length = math.prod(layout)
         tokens = torch.full((num, length), self.num_codes, dtype=torch.long)
-        if labels is not None and self.cfg.num_classes is None:
-            raise ConfigError("--class: this MaskGIT is not class-conditional (model.num_classes is not set)")
-        if prompts is not None and self.text is None:
-            raise ConfigError("--prompt: this MaskGIT is not text-conditional (model.text is not set)")
         cond = uncond = None
         if self.conditional:
             if labels is None:
@@ -442,7 +439,7 @@ class MaskGITTask(Task):
             cond = self.condition(labels, prompts, None, device)
             uncond = replace(cond, drop=torch.ones(num, dtype=torch.bool, device=device))
         guided = cond is not None and guidance_scale != 1.0
-        steps = max(1, inference_steps)
+        steps = max(1, request.option("inference_steps", 12))
         for t in range(steps):
             x = tokens.to(device)
             logits = transformer(x, cond).float()

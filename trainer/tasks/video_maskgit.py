@@ -70,6 +70,9 @@ class VideoMaskGITTask(MaskGITTask):
         d = source.data
         return TaskContext(d.image_size, d.channels, source.seed, num_frames=d.num_frames, services=self.ctx.services)
 
+    def sample_accepts(self) -> frozenset[str]:
+        return super().sample_accepts() | {"frames"}
+
     def token_layout(self, frames: int | None = None) -> tuple[int, ...]:
         """(slices, h, w) for `frames` frames (default: the trained clip length); frames off the
         1 + k * temporal_patch grid round up to the next slice, and `decode_tokens` trims them."""

@@ -42,6 +42,7 @@ from trainer.errors import ConfigError
 from trainer.models.gan import AdversarialConfig, PatchDiscriminator
 from trainer.models.quantize import CodebookConfig, QuantizedAutoencoder
 from trainer.tasks.base import Batch, TaskContext
+from trainer.tasks.sampling import SampleRequest
 from trainer.tasks.vqgan import VQGANTask
 
 
@@ -286,11 +287,11 @@ class VideoTokenizerTask(VQGANTask):
         return (torch.arange(t, device=frames.device)[None] < frames[:, None]).float()
 
     @torch.no_grad()
-    def sample(self, modules, num: int, seed: int, device: torch.device, **unused: Any) -> torch.Tensor:
+    def sample(self, modules, request: SampleRequest, device: torch.device) -> torch.Tensor:
         """Not a generative prior: decodes uniformly random codes (shows what codes look like over time)."""
-        g = torch.Generator().manual_seed(seed)
+        g = torch.Generator().manual_seed(request.seed)
         side = self.ctx.image_size // self.cfg.patch_size
-        shape = (num, self.cfg.slices(self.ctx.num_frames), side, side)
+        shape = (request.num, self.cfg.slices(self.ctx.num_frames), side, side)
         idx = torch.randint(0, self.cfg.num_codes, shape, generator=g).to(device)
         return ((modules["generator"].decode_indices(idx).float() + 1) / 2).cpu()
 

@@ -40,6 +40,7 @@ from trainer.models.gan import (
 from trainer.models.perceptual import VGGPerceptual
 from trainer.models.quantize import CodebookConfig, QuantizedAutoencoder
 from trainer.tasks.base import Batch, Loss, Phase, PreviewContext, StepInfo, Task, TaskContext, bare
+from trainer.tasks.sampling import SampleRequest
 
 
 class VQGANConfig(ConvAutoencoderShape, CodebookConfig, AdversarialConfig):
@@ -230,11 +231,11 @@ class VQGANTask(Task):
         return {"reconstruction": (cells + 1) / 2}
 
     @torch.no_grad()
-    def sample(self, modules, num: int, seed: int, device: torch.device, **unused: Any) -> torch.Tensor:
+    def sample(self, modules, request: SampleRequest, device: torch.device) -> torch.Tensor:
         """A VQ-GAN is not a generative prior: decode uniformly random codes (shows what codes look like)."""
         side = self.ctx.image_size // self.cfg.downsample
-        g = torch.Generator().manual_seed(seed)
-        idx = torch.randint(0, self.cfg.num_codes, (num, side, side), generator=g).to(device)
+        g = torch.Generator().manual_seed(request.seed)
+        idx = torch.randint(0, self.cfg.num_codes, (request.num, side, side), generator=g).to(device)
         return ((modules["generator"].decode_indices(idx).float() + 1) / 2).cpu()
 
 
