@@ -29,6 +29,7 @@ from trainer.data.datasets import digit_caption  # noqa: E402
 from trainer.data.sampler import SampleRef  # noqa: E402
 from trainer.media import save_grid  # noqa: E402
 from trainer.tasks.latent import AUTOENCODER  # noqa: E402
+from trainer.tasks.sampling import SampleRequest  # noqa: E402
 
 
 def main() -> None:
@@ -46,19 +47,13 @@ def main() -> None:
     s = cfg.sample
     labels = torch.arange(10).repeat_interleave(args.per_class)
     captioned = cfg.model_cfg.text is not None
-    request = {"prompts": [digit_caption(int(k)) for k in labels]} if captioned else {"labels": labels}
+    conditions = {"prompts": [digit_caption(int(k)) for k in labels]} if captioned else {"labels": labels}
     steps = args.steps or s.inference_steps
     guidance = s.guidance_scale if args.guidance_scale is None else args.guidance_scale
-    images = task.sample(
-        modules,
-        len(labels),
-        args.seed,
-        device,
-        inference_steps=steps,
-        scheduler=s.scheduler,
-        guidance_scale=guidance,
-        **request,
+    request = SampleRequest(
+        len(labels), seed=args.seed, inference_steps=steps, scheduler=s.scheduler, guidance_scale=guidance, **conditions
     )
+    images = task.sample(modules, request, device)
     clf = fit_digits_classifier()
     _, val, _ = build_splits(cfg)
     refs = [SampleRef(index=i, position=i, aug_seed=0) for i in range(len(val))]

@@ -123,10 +123,23 @@ def test_cascade_config_errors_name_the_key():
         load_config(YAML, ["model.stages=[{image_size: 8, dream: true, prediction_type: flow}]"], {})
 
 
+# UNet stages replicated; a DiT first stage (its blocks FSDP units) under a UNet super-resolution stage, sharded.
+LAYOUTS = {
+    "unet-ddp": [],
+    "dit-fsdp": [
+        "train.parallel=fsdp",
+        "model.stages=[{image_size: 4, backbone: {kind: dit, patch_size: 1, num_layers: 2, num_attention_heads: 2, "
+        "attention_head_dim: 8, dropout: 0.1}}, {image_size: 8, block_out_channels: [8, 16], norm_num_groups: 4, "
+        "attention: false, dropout: 0.1}]",
+    ],
+}
+
+
 @pytest.mark.slow
-def test_two_stages_under_torchrun_resume_bit_identical_after_sigkill_and_sample_on_one_process(tmp_path):
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_two_stages_under_torchrun_resume_bit_identical_after_sigkill_and_sample_on_one_process(tmp_path, layout):
     steps = 10
-    common = ["checkpoint.every_steps=3", "task=cascade_probe:KillableCascadeTask"]
+    common = ["checkpoint.every_steps=3", "task=cascade_probe:KillableCascadeTask", *LAYOUTS[layout]]
 
     def args(name: str) -> list[str]:
         return [YAML, f"run.dir={tmp_path / name}/run", f"train.max_steps={steps}", *common]
@@ -143,7 +156,12 @@ def test_two_stages_under_torchrun_resume_bit_identical_after_sigkill_and_sample
 
     a, _ = checkpoint_files(f"{tmp_path}/ref/run/checkpoints", steps)
     b, _ = checkpoint_files(f"{tmp_path}/killed/run/checkpoints", steps)
-    assert {"stage1.ema.safetensors", "stage2.optimizer.safetensors", "rank-00001.safetensors"} <= set(a)
+    if layout == "dit-fsdp":  # both stages' weights, EMA and optimizer state in per-rank slices
+        assert {"stage1.model.rank-00001.safetensors", "stage2.optimizer.rank-00000.safetensors"} <= set(a)
+        assert "fsdp: DiTTransformer2DModel sharded as 2 units (BasicTransformerBlock)" in text
+    else:
+        assert {"stage1.ema.safetensors", "stage2.optimizer.safetensors"} <= set(a)
+    assert "rank-00001.safetensors" in a
     assert a.keys() == b.keys()
     for name in a:  # both stages' weights, EMA and optimizers, every rank's global RNG state
         assert_tensors_equal(a[name], b[name], name)

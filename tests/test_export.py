@@ -43,6 +43,7 @@ from trainer.loop import Trainer
 from trainer.models.export import model_card, write_export
 from trainer.registry import load_config, task_class
 from trainer.tasks.base import TaskContext
+from trainer.tasks.sampling import SampleRequest
 
 CPU = torch.device("cpu")
 GOLDEN = REPO / "tests" / "golden"
@@ -83,7 +84,7 @@ def test_an_unconditional_pixel_unet_exports_as_a_ddim_pipeline_that_samples_lik
     assert "DDIMPipeline" in card and "blake3:" in card and "step 2" in card
 
     seed, steps = 5, 3
-    ref = task.sample(modules, 4, seed=seed, device=CPU, inference_steps=steps, scheduler="ddim")
+    ref = task.sample(modules, SampleRequest(4, seed=seed, inference_steps=steps, scheduler="ddim"), CPU)
 
     def run(p):
         g = torch.Generator().manual_seed(seed)
@@ -150,7 +151,7 @@ def test_each_objective_and_sampler_of_a_pixel_unet_gets_the_pipeline_that_sampl
         return
     pipe = _pipeline(tmp_path / "out")
     assert type(pipe).__name__ == pipeline
-    ref = task.sample(modules, 4, seed=3, device=CPU, inference_steps=4, scheduler=scheduler)
+    ref = task.sample(modules, SampleRequest(4, seed=3, inference_steps=4, scheduler=scheduler), CPU)
     got = pipe(batch_size=4, num_inference_steps=4, generator=torch.Generator().manual_seed(3), output_type="pt")
     torch.testing.assert_close(got.images, ref, atol=ATOL, rtol=0)
     assert ref.std() > 0.1
@@ -207,16 +208,15 @@ def test_a_latent_dit_exports_as_a_dit_pipeline_that_samples_like_gentrain_with_
     labels, seed, steps = [3, 7, 0, 9], 11, 3
     diffs = {}
     for scale in (1.0, 2.0):
-        ref = task.sample(
-            modules,
+        request = SampleRequest(
             4,
             seed=seed,
-            device=CPU,
             inference_steps=steps,
             scheduler=cfg.sample.scheduler,
             guidance_scale=scale,
             labels=torch.tensor(labels),
         )
+        ref = task.sample(modules, request, CPU)
         g = torch.Generator().manual_seed(seed)
         got = pipe(class_labels=labels, guidance_scale=scale, generator=g, num_inference_steps=steps, output_type="pt")
         diffs[scale] = got.images
