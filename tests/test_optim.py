@@ -52,6 +52,50 @@ def test_constant_schedule_after_warmup():
     assert got[4:] == pytest.approx([0.01] * 16)
 
 
+def test_diffusers_schedules_after_warmup():
+    lr, warm, total = 0.01, 4, 24
+    base = [f"train.lr={lr}", f"train.warmup_steps={warm}", f"train.max_steps={total}"]
+    steps = range(warm, total + 1)
+    progress = [(s - warm) / (total - warm) for s in steps]
+    linear = lrs([*base, "train.lr_schedule=linear"], total + 1)
+    assert linear[:warm] == pytest.approx([lr * s / warm for s in range(warm)])
+    assert linear[warm:] == pytest.approx([lr * (1 - p) for p in progress], abs=1e-12)
+    # polynomial decays to diffusers' lr_end (1e-7); power 1 is a line to it, power 2 a parabola
+    end = 1e-7
+    for power in (1.0, 2.0):
+        poly = lrs([*base, "train.lr_schedule=polynomial", f"train.lr_power={power}"], total + 1)
+        assert poly[warm:] == pytest.approx([(lr - end) * (1 - p) ** power + end for p in progress], abs=1e-12)
+    # two hard restarts: cosine from lr to 0 over each half
+    restarts = lrs([*base, "train.lr_schedule=cosine_with_restarts", "train.lr_num_cycles=2"], total)
+    half = (total - warm) // 2
+    for k, s in enumerate(range(warm, total)):
+        within = (k % half) / half
+        assert restarts[s] == pytest.approx(lr * 0.5 * (1 + math.cos(math.pi * within)), abs=1e-12)
+    assert lrs([*base, "train.lr_schedule=constant_with_warmup"], total) == lrs(
+        [*base, "train.lr_schedule=constant"], total
+    )
+
+
+def test_a_resumed_schedule_continues_exactly():
+    cfg = load_config(
+        None, ["train.warmup_steps=3", "train.max_steps=30", "train.lr_schedule=cosine_with_restarts"], environ={}
+    )
+    opt = build_optimizer(nn.Linear(2, 2), cfg)
+    sched = build_lr_schedule(opt, cfg)
+    for _ in range(11):
+        opt.step()
+        sched.step()
+    state = sched.state_dict()
+    again = build_lr_schedule(build_optimizer(nn.Linear(2, 2), cfg), cfg)
+    again.load_state_dict(state)
+    for _ in range(19):
+        assert again.get_last_lr() == sched.get_last_lr()
+        opt.step()
+        sched.step()
+        again.optimizer.step()
+        again.step()
+
+
 def test_min_snr_weights_match_the_paper():
     from trainer.diffusion import min_snr_weights
 

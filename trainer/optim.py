@@ -36,6 +36,8 @@ class OptimSettings:
     eps: float
     warmup_steps: int
     lr_schedule: str
+    lr_num_cycles: int
+    lr_power: float
     max_grad_norm: float | None
     max_steps: int
 
@@ -55,6 +57,8 @@ class OptimSettings:
             eps=pick("eps", 1e-8),
             warmup_steps=pick("warmup_steps", t.warmup_steps),
             lr_schedule=pick("lr_schedule", t.lr_schedule),
+            lr_num_cycles=pick("lr_num_cycles", t.lr_num_cycles),
+            lr_power=pick("lr_power", t.lr_power),
             max_grad_norm=pick("max_grad_norm", t.max_grad_norm),
             max_steps=pick("max_steps", t.max_steps),
         )
@@ -77,10 +81,19 @@ def build_optimizer(module: nn.Module, cfg: Config, part: str | None = None) -> 
 def build_lr_schedule(
     optimizer: torch.optim.Optimizer, cfg: Config, part: str | None = None
 ) -> torch.optim.lr_scheduler.LRScheduler:
-    """Linear warmup over `warmup_steps`, then cosine decay to 0 at the part's max steps (or constant)."""
+    """Linear warmup over `warmup_steps`, then diffusers' schedule `lr_schedule` to the part's max steps:
+    cosine (to 0), constant, linear (to 0), cosine_with_restarts (`lr_num_cycles` hard restarts),
+    polynomial (`lr_power`, to diffusers' lr_end 1e-7). A LambdaLR: its state is the step count, so a resumed schedule continues exactly."""
     s = OptimSettings.for_part(cfg, part)
-    name = "cosine" if s.lr_schedule == "cosine" else "constant_with_warmup"
-    return get_scheduler(name, optimizer, num_warmup_steps=s.warmup_steps, num_training_steps=s.max_steps)
+    name = "constant_with_warmup" if s.lr_schedule in ("constant", "constant_with_warmup") else s.lr_schedule
+    return get_scheduler(
+        name,
+        optimizer,
+        num_warmup_steps=s.warmup_steps,
+        num_training_steps=s.max_steps,
+        num_cycles=s.lr_num_cycles,
+        power=s.lr_power,
+    )
 
 
 def build_ema(module: nn.Module, cfg: Config) -> EMAModel | None:

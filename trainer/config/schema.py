@@ -43,6 +43,11 @@ class RunConfig(_Section):
     dir: str | None = Field(None, description="local folder for logs and grids; default runs/<name>")
 
 
+# After `warmup_steps` of linear warmup: diffusers' `get_scheduler` names (what its training scripts'
+# --lr_scheduler takes); `constant` keeps the warmup, as `constant_with_warmup` does.
+LrSchedule = Literal["cosine", "constant", "constant_with_warmup", "linear", "cosine_with_restarts", "polynomial"]
+
+
 class TrainConfig(_Section):
     max_steps: int = Field(1000, ge=1)
     batch_size: int = Field(64, ge=1, description="global batch over all ranks and accumulation")
@@ -50,7 +55,9 @@ class TrainConfig(_Section):
     micro_batch_size: int | None = Field(None, ge=1, description="largest chunk per forward")
     lr: Finite = Field(2e-4, gt=0)
     warmup_steps: int = Field(0, ge=0)
-    lr_schedule: Literal["cosine", "constant"] = "cosine"
+    lr_schedule: LrSchedule = "cosine"
+    lr_num_cycles: int = Field(1, ge=1, description="cosine_with_restarts: hard restarts over the run")
+    lr_power: Finite = Field(1.0, gt=0, description="polynomial: the decay's power (1 = linear)")
     weight_decay: Finite = Field(0.0, ge=0)
     betas: Betas = (0.9, 0.999)
     max_grad_norm: Finite | None = Field(1.0, gt=0)
@@ -237,7 +244,9 @@ class OptimConfig(_Section):
     weight_decay: Finite | None = Field(None, ge=0)
     eps: Finite | None = Field(None, gt=0)
     warmup_steps: int | None = Field(None, ge=0)
-    lr_schedule: Literal["cosine", "constant"] | None = None
+    lr_schedule: LrSchedule | None = None
+    lr_num_cycles: int | None = Field(None, ge=1)
+    lr_power: Finite | None = Field(None, gt=0)
     max_grad_norm: Finite | None = Field(None, gt=0)
     max_steps: int | None = Field(
         None, ge=1, description="the part stops learning at this many of its own steps (and its schedule ends there)"
