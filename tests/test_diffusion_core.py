@@ -187,6 +187,32 @@ def test_every_cascade_stage_samples_with_the_core_sampler(prediction_type, kind
     assert torch.equal(build_objective(s).denoise(_stage_fn(net), x, 3, kind, guidance), today)
 
 
+@pytest.mark.parametrize("prediction_type", ["epsilon", "v_prediction"])
+@pytest.mark.parametrize("kind", ["ddim", "dpm"])
+def test_latent_samplers_never_clip_what_pixel_samplers_clip(prediction_type, kind):
+    """An oracle denoiser of one point x0 = 3 (a latent outside [-1, 1]): the latent sampler lands on it; the
+    pixel sampler's DDIM clips its x0 prediction to 1 (diffusers' default for images, what golden runs keep)."""
+    target = torch.full((2, 4, 2, 2), 3.0)
+
+    def sample(pixels: bool) -> torch.Tensor:
+        objective = build_objective(ObjectiveConfig(prediction_type=prediction_type), pixels=pixels)
+        abar = objective.train_scheduler.alphas_cumprod
+
+        def oracle(x, t, cond):
+            a = abar[int(t)].sqrt()
+            s = (1 - abar[int(t)]).sqrt()
+            eps = (x - a * target) / s
+            return eps if prediction_type == "epsilon" else a * eps - s * target
+
+        return objective.denoise(
+            oracle, torch.randn(target.shape, generator=torch.Generator().manual_seed(0)), 10, kind
+        )
+
+    torch.testing.assert_close(sample(pixels=False), target, atol=1e-3, rtol=0)
+    if kind == "ddim":
+        assert sample(pixels=True).max() <= 1.0 + 1e-6
+
+
 def test_each_objective_names_its_inference_scheduler():
     names = {
         (name, kind): type(cls(ObjectiveConfig(prediction_type=name)).inference_scheduler(kind)).__name__

@@ -145,8 +145,11 @@ class Objective:
     # always has (its default is 5.0, so refusing it there would refuse configs that train today).
     uses_snr_gamma: ClassVar[bool] = False
 
-    def __init__(self, cfg: Any):
+    def __init__(self, cfg: Any, pixels: bool = True):
         self.cfg = cfg
+        # Samplers that predict x0 clip it to [-1, 1] for pixels (diffusers' default), never for latents,
+        # whose range is the autoencoder's (clipping them draws noise).
+        self.pixels = pixels
         if self._field("dream") and not self.supports_dream:
             raise ConfigError(
                 f"dream=true: DREAM applies to the epsilon objective only (diffusers implements it for epsilon), "
@@ -215,6 +218,7 @@ class _DDPMObjective(Objective):
             num_train_timesteps=self._field("num_train_timesteps"),
             beta_schedule=self._field("beta_schedule"),
             prediction_type=self.name,
+            clip_sample=self.pixels,
         )
 
     def _inference_scheduler(self, kind: str):
@@ -339,9 +343,10 @@ class EDM(Objective):
 OBJECTIVES: dict[str, type[Objective]] = {c.name: c for c in (Epsilon, VPrediction, RectifiedFlow, EDM)}
 
 
-def build_objective(cfg: Any) -> Objective:
-    """The objective `cfg.prediction_type` names (default epsilon), configured by `cfg`."""
+def build_objective(cfg: Any, pixels: bool = True) -> Objective:
+    """The objective `cfg.prediction_type` names (default epsilon), configured by `cfg`; `pixels=False` for
+    a denoiser of latents (no clipping of predicted samples)."""
     kind = getattr(cfg, "prediction_type", "epsilon")
     if kind not in OBJECTIVES:
         raise ConfigError(f"prediction_type={kind!r}: choose one of {', '.join(OBJECTIVES)}")
-    return OBJECTIVES[kind](cfg)
+    return OBJECTIVES[kind](cfg, pixels)

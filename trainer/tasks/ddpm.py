@@ -191,7 +191,7 @@ class DDPMTask(Task):
         self.image_size = ctx.image_size
         self.channels = ctx.channels
         check_num_classes(self.cfg.num_classes, ctx.num_classes)
-        self.objective = build_objective(self.cfg)
+        self.objective = build_objective(self.cfg, pixels=self.cfg.autoencoder is None)
         if self.cfg.ignored_shape_keys:
             log.warning(
                 "model.backbone (kind %s) is the denoiser; the UNet keys model.%s are ignored",
