@@ -122,10 +122,14 @@ def _parser() -> argparse.ArgumentParser:
     cc.add_argument("--storage-options", type=json.loads, default={}, help="JSON passed to fsspec for both")
 
     ce = csub.add_parser(
-        "export", help="diffusion UNets as diffusers folders (merged), LoRA adapters alone beside them"
+        "export",
+        help="diffusers folders (denoisers merged, LoRA adapters alone beside them; autoencoders as "
+        "AutoencoderKL or VQModel) and a model card",
     )
     ce.add_argument("url", help="one checkpoint, or a root (the newest valid one)")
-    ce.add_argument("out", help="folder (any fsspec URL): OUT/<part>/ and, for LoRA parts, OUT/<part>-lora/")
+    ce.add_argument(
+        "out", help="folder (any fsspec URL): OUT/<folder>/ per model and, for LoRA parts, OUT/<part>-lora/"
+    )
     ce.add_argument("--no-ema", action="store_true", help="export the raw weights instead of the EMA weights")
     ce.add_argument("--storage-options", type=json.loads, default={}, help="JSON passed to fsspec for both")
     ce.add_argument("--task", default=None, metavar="TASK", help=_TASK_HELP)
@@ -459,10 +463,11 @@ def _export(args: argparse.Namespace, store, info) -> int:
     out = args.out.rstrip("/")
     weights = ".model.safetensors" if args.no_ema else ".ema.safetensors"
     files = info.manifest.get("files", {})
+    parts = {export.parts.get(folder, folder) for folder in export.models}
     digests = {
         f: f"{algo}:{entry[algo]}"
         for f, entry in files.items()
-        if f.endswith(weights) and f.removesuffix(weights) in export.models
+        if f.endswith(weights) and f.removesuffix(weights) in parts
         for algo in ("blake3", "sha256")
         if algo in entry
     }
