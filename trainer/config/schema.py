@@ -139,6 +139,9 @@ class LogConfig(_Section):
 class DataConfig(_Section):
     source: Literal["digits", "folder", "shards", "moving-digits", "video"] = "digits"
     path: str | None = Field(None, description="folder: images; video: clips (recursive)")
+    caption_column: str = Field(
+        "text", min_length=1, description="folder: the caption key of metadata.jsonl records (a .txt sidecar wins)"
+    )
     urls: str | list[str] | None = Field(
         None, description="shards: tar URLs/brace patterns on any fsspec store, or a shards.json list"
     )

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import json
 import logging
 import os
+import posixpath
 from importlib import resources
 from pathlib import Path
 from typing import BinaryIO, NamedTuple
@@ -19,6 +21,7 @@ from trainer.errors import ConfigError
 log = logging.getLogger(__name__)
 
 IMAGE_EXTENSIONS = (".png", ".jpg", ".jpeg", ".webp")
+METADATA_NAME = "metadata.jsonl"  # Hugging Face ImageFolder's captions file (`file_name` + columns)
 
 
 def load_digits_arrays() -> tuple[np.ndarray, np.ndarray]:
@@ -130,12 +133,75 @@ def read_embedding(f: BinaryIO) -> np.ndarray:
         raise ValueError(f"truncated ({e})") from None
 
 
+def read_metadata_captions(
+    scan: FolderScan, root: str, column: str, key: str = "data.path"
+) -> tuple[dict[Path, str], list[Path]]:
+    """Captions from every `metadata.jsonl` below `root` (Hugging Face ImageFolder's convention: one JSON
+    object per line, `file_name` the image's path relative to the metadata file's folder, the caption in
+    `column`), read once at start in sorted order, the same in every process. Returns (image -> caption,
+    the metadata files read). Lines that are blank are ignored; a record without `column` (or with null
+    there) gives no caption. Anything else malformed is the folder's mistake, found before training starts:
+    ConfigError (exit 2) naming the metadata file, the line and the defect (bad JSON, not an object, no
+    string `file_name`, a `file_name` outside the metadata file's folder or naming no image of the folder,
+    an image listed twice, a caption that is not a string)."""
+    images = frozenset(scan.files)
+    captions: dict[Path, str] = {}
+    where: dict[Path, str] = {}
+    metas = sorted(p for p in scan.others if p.name == METADATA_NAME)
+    for meta in metas:
+        try:
+            lines = meta.read_text(encoding="utf-8").splitlines()
+        except (OSError, UnicodeDecodeError) as e:
+            raise ConfigError(f"{key}={root!r}: cannot read {meta} ({e}); fix or remove it") from None
+        for number, line in enumerate(lines, 1):
+            if not line.strip():
+                continue
+            at = f"{meta}, line {number}"
+
+            def bad(why: str, at: str = at) -> ConfigError:
+                return ConfigError(
+                    f"{key}={root!r}: {at}: {why}; every line of a {METADATA_NAME} is a JSON object with "
+                    f'"file_name" (an image path relative to its folder) and an optional string "{column}" '
+                    "(data.caption_column)"
+                )
+
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise bad(f"not JSON ({e})") from None
+            if not isinstance(record, dict):
+                raise bad(f"a JSON {type(record).__name__}, not an object")
+            name = record.get("file_name")
+            if not isinstance(name, str) or not name:
+                raise bad(f'"file_name" is {name!r}, not a non-empty string')
+            rel = posixpath.normpath(name)
+            if posixpath.isabs(rel) or rel == ".." or rel.startswith("../"):
+                raise bad(f'"file_name" {name!r} is outside the folder of {meta.name}')
+            image = meta.parent.joinpath(*rel.split("/"))
+            if image not in images:
+                what = "a file of another type" if image in scan.others else "no file"
+                raise bad(f'"file_name" {name!r} names {what}, not a {"/".join(IMAGE_EXTENSIONS)} image of the folder')
+            if image in where:
+                raise bad(f'"file_name" {name!r}: that image is already listed at {where[image]}')
+            where[image] = at
+            caption = record.get(column)
+            if caption is None:
+                continue
+            if not isinstance(caption, str):
+                raise bad(f'"{column}" is a JSON {type(caption).__name__} ({caption!r}), not a string')
+            captions[image] = caption.strip()
+    return captions, metas
+
+
 class ImageFolderDataset:
     """Every png/jpg/jpeg/webp below `root` (recursive), resized on the short side and center-cropped.
 
     Labels come from the first-level subfolder names when there are any
     (sorted, like torchvision's ImageFolder), else -1. A `.txt` beside an
-    image (same stem) is its caption; a `.npy` beside it is its image
+    image (same stem) is its caption; so is its `caption_column` in a
+    `metadata.jsonl` at the root or in any subfolder (Hugging Face
+    ImageFolder's convention, `read_metadata_captions`; read at start, a
+    malformed line exits 2), where a `.txt` of the same image wins. A `.npy` beside it is its image
     embedding (`image_embed`, a 1-D float vector). Every embedding must have
     as many values as the first well-formed sidecar in file order (one
     header read at start-up, the same in every process, so the choice never
@@ -146,7 +212,9 @@ class ImageFolderDataset:
     `data.max_skipped_fraction` and each bad file is logged once per process.
     """
 
-    def __init__(self, root: str, image_size: int, channels: int = 3, key: str = "data.path"):
+    def __init__(
+        self, root: str, image_size: int, channels: int = 3, key: str = "data.path", caption_column: str = "text"
+    ):
         scan = scan_folder(root, IMAGE_EXTENSIONS, key)
         self.files, self.class_index, self.labels = scan.files, scan.class_index, scan.labels
         self.num_classes = len(self.class_index) or None
@@ -154,6 +222,20 @@ class ImageFolderDataset:
         self.channels = channels
         self.has_npy = [p.with_suffix(".npy") in scan.others for p in self.files]
         self.has_txt = [p.with_suffix(".txt") in scan.others for p in self.files]
+        captions, metas = read_metadata_captions(scan, root, caption_column, key)
+        # Per file: its metadata caption (None: none there). A .txt sidecar of the same image wins.
+        self.meta_captions = [captions.get(p) for p in self.files]
+        both = sum(1 for c, t in zip(self.meta_captions, self.has_txt, strict=True) if c is not None and t)
+        if metas:
+            log.info(
+                "%s: %d captions (column %r) from %d %s file(s)%s",
+                root,
+                len(captions),
+                caption_column,
+                len(metas),
+                METADATA_NAME,
+                f"; {both} image(s) also have a .txt caption, which is used instead" if both else "",
+            )
         self.embed_size, self.embed_source = self._first_embedding_size()
         self._skips: dict[str, str] = {}  # path -> why it was skipped (this process)
 
@@ -199,7 +281,8 @@ class ImageFolderDataset:
         return (x.contiguous(), self.labels[index], extras) if extras else (x.contiguous(), self.labels[index])
 
     def _extras(self, index: int) -> dict | None:
-        """Caption from `<stem>.txt`, image embedding from `<stem>.npy`, when they exist; None: unusable."""
+        """Caption from `<stem>.txt` (else from metadata.jsonl), image embedding from `<stem>.npy`, when they
+        exist; None: unusable."""
         path = self.files[index]
         extras: dict = {}
         if self.has_txt[index]:
@@ -209,6 +292,8 @@ class ImageFolderDataset:
             except (OSError, UnicodeDecodeError) as e:
                 self._skip(path, "image with an unreadable caption", f"{txt.name}: {e}")
                 return None
+        elif self.meta_captions[index] is not None:
+            extras["caption"] = self.meta_captions[index]
         if self.has_npy[index]:
             npy = path.with_suffix(".npy")
             try:
