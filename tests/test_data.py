@@ -93,6 +93,26 @@ def test_metadata_jsonl_captions_follow_hugging_face_imagefolder_and_a_txt_sidec
     assert _captions(other, tmp_path)["cats/0.png"] == "feline" and _captions(other, tmp_path)["dogs/0.png"] is None
 
 
+def test_data_pack_keeps_metadata_captions_where_no_txt_is_beside_the_image(tmp_path):
+    import tarfile
+
+    from trainer.data.pack import pack_folder
+
+    src = tmp_path / "src"
+    make_folder(src, n=4)  # cats/0.png 1.jpg, dogs/0.png 1.jpg
+    _jsonl(src / "metadata.jsonl", {"file_name": "cats/0.png", "caption": "a cat"}, {"file_name": "dogs/1.jpg"})
+    _jsonl(src / "cats" / "metadata.jsonl", {"file_name": "1.jpg", "caption": "loses"})
+    (src / "cats" / "1.txt").write_text("the sidecar")
+    pack_folder(str(src), str(tmp_path / "out"), 10, progress=False, shuffle_seed=None, caption_column="caption")
+    with tarfile.open(tmp_path / "out" / "000000.tar") as tf:
+        members = {m.name: tf.extractfile(m).read() for m in tf.getmembers()}
+    assert len([k for k in members if k.endswith((".png", ".jpg"))]) == 4  # the metadata files are no samples
+    assert {k: v.decode() for k, v in members.items() if k.endswith(".txt")} == {
+        "000000000.txt": "a cat",
+        "000000001.txt": "the sidecar",
+    }
+
+
 @pytest.mark.parametrize(
     "line, defect",
     [
