@@ -54,7 +54,7 @@ def _captions(ds: ImageFolderDataset, root) -> dict[str, str | None]:
     out = {}
     for i, p in enumerate(ds.files):
         item = ds.load(i, aug_seed=0, flip=False)
-        out[p.relative_to(root).as_posix()] = item[2].get("caption") if len(item) > 2 else None
+        out[p.relative_to(root).as_posix()] = "<skipped>" if item is None else (item[2:] or [{}])[0].get("caption")
     return out
 
 
@@ -111,6 +111,55 @@ def test_data_pack_keeps_metadata_captions_where_no_txt_is_beside_the_image(tmp_
         "000000000.txt": "a cat",
         "000000001.txt": "the sidecar",
     }
+
+
+def _remote_folder_loads_like_the_local_one(local, url: str, options: dict) -> None:
+    """`local` copied to `url`: the folder source reads the same files, labels, pixels and captions from it
+    (metadata.jsonl and .txt alike), and skips the same corrupt image."""
+    import torch
+
+    from trainer.storage import filesystem
+
+    fs, path = filesystem(url, options)
+    fs.put(str(local), path, recursive=True)
+    mine = ImageFolderDataset(str(local), image_size=8, channels=3)
+    theirs = ImageFolderDataset(url, image_size=8, channels=3, storage_options=options)
+    assert [p.relative_to(local) for p in mine.files] == [
+        p.relative_to(theirs.store.base()) for p in theirs.files
+    ] and (theirs.class_index, theirs.labels) == (mine.class_index, mine.labels)
+    assert _captions(theirs, theirs.store.base()) == _captions(mine, local)
+    for i in range(len(mine)):
+        a, b = mine.load(i, 0, False), theirs.load(i, 0, False)
+        assert (a is None) == (b is None), mine.files[i]
+        if a is not None:
+            assert torch.equal(a[0], b[0]) and a[1:] == b[1:]
+    broken = [i for i in range(len(theirs)) if theirs.load(i, 0, False) is None]
+    assert [theirs.files[i].name for i in broken] == ["broken.png"]
+    assert "unreadable image" in theirs.skip_reason(broken[0])
+
+
+def _captioned_folder(root) -> None:
+    make_folder(root, n=4)
+    (root / "cats" / "broken.png").write_bytes(b"\x89PNG\r\n\x1a\n" + b"garbage" * 10)
+    _jsonl(root / "metadata.jsonl", {"file_name": "cats/0.png", "text": "a cat"})
+    (root / "dogs" / "1.txt").write_text("a dog")
+
+
+def test_a_folder_on_an_fsspec_store_loads_like_the_local_one(tmp_path):
+    import fsspec
+
+    _captioned_folder(tmp_path / "local")
+    _remote_folder_loads_like_the_local_one(tmp_path / "local", "memory://images", {})
+    fsspec.filesystem("memory").rm("/images", recursive=True)
+    with pytest.raises(ConfigError, match=r"data\.path='memory://nothing': no such folder"):
+        ImageFolderDataset("memory://nothing", image_size=8)
+
+
+@pytest.mark.slow
+def test_a_folder_on_s3_loads_like_the_local_one(tmp_path, s3_server):
+    _captioned_folder(tmp_path / "local")
+    url = f"s3://{s3_server.make_bucket()}/images"
+    _remote_folder_loads_like_the_local_one(tmp_path / "local", url, s3_server.storage_options())
 
 
 @pytest.mark.parametrize(
