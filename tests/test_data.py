@@ -149,8 +149,11 @@ def test_a_folder_on_an_fsspec_store_loads_like_the_local_one(tmp_path):
     import fsspec
 
     _captioned_folder(tmp_path / "local")
-    _remote_folder_loads_like_the_local_one(tmp_path / "local", "memory://images", {})
-    fsspec.filesystem("memory").rm("/images", recursive=True)
+    url = f"memory://{tmp_path.name}/images"  # the memory store is one per process: a name of this test's own
+    try:
+        _remote_folder_loads_like_the_local_one(tmp_path / "local", url, {})
+    finally:
+        fsspec.filesystem("memory").rm(f"/{tmp_path.name}", recursive=True)
     with pytest.raises(ConfigError, match=r"data\.path='memory://nothing': no such folder"):
         ImageFolderDataset("memory://nothing", image_size=8)
 
