@@ -263,7 +263,121 @@ def test_export_still_refuses_a_dit_in_pixels_as_a_pipeline_but_writes_its_trans
 
 
 def test_a_task_with_nothing_to_export_refuses_with_a_reason():
-    cfg = load_config("digits-vqgan", ["data.image_size=8"], {})
+    cfg = load_config("digits-maskgit", ["data.image_size=8"], {})
     task = task_class(cfg.task)(cfg.model_cfg, TaskContext(8, cfg.data.channels, cfg.seed, load_pretrained=False))
     with pytest.raises(ConfigError, match="has no diffusers UNet to export"):  # the CLI: exit 2 with this line
         task.export({}, cfg.sample)
+
+
+# ---------------------------------------------------------------- autoencoders
+#
+# An autoencoder's export is the same network with the same weights: the KL autoencoder *is* a diffusers
+# AutoencoderKL, and the VQ-GAN's Encoder, quant_conv, post_quant_conv and Decoder are diffusers' own blocks
+# (only the codebook moves, from vector-quantize-pytorch's layout into quantize.embedding.weight). So the
+# encoder, the code choice and the decoder agree up to the BLAS alignment rounding of the module doc (about
+# one ulp per matmul: below ATOL). The VQModel's forward adds one rounding gentrain's eval forward does not
+# make: diffusers' straight-through z + (q - z), which differs from the code q by at most 2 ulp of
+# max(|q|, |z - q|) per element (asserted below), about 1e-6 here; through the tiny decoder that moved
+# the reconstructions by at most 1.2e-6 (measured on CPU), inside ATOL = 1e-5; the KL autoencoder's
+# reconstruction has no such step (measured: identical).
+
+
+def _digits(cfg, n: int = 8) -> torch.Tensor:
+    """n held-out digits in [-1, 1] (the run's validation split)."""
+    from trainer.data import SampleRef, build_splits
+
+    _, val, _ = build_splits(cfg)
+    return torch.stack([val[SampleRef(index=i, position=i, aug_seed=0)][0] for i in range(n)])
+
+
+def _card_names_the_generator_digest(out: Path, root: str) -> str:
+    store, info = resolve_checkpoint(root, {})
+    entry = info.manifest["files"]["generator.ema.safetensors"]
+    card = (out / "README.md").read_text()
+    assert f"`generator.ema.safetensors`: `blake3:{entry['blake3']}`" in card, card
+    assert "discriminator" not in {p.name for p in out.iterdir()}
+    return card
+
+
+def test_a_kl_autoencoder_exports_as_an_autoencoder_kl_with_its_measured_scaling_factor(tmp_path, capsys, latent_dit):
+    root = str(Path(latent_dit).parents[2] / "ae" / "run" / "checkpoints")  # the fixture's autoencoder run
+    out = tmp_path / "ae"
+    printed = _export(root, out, capsys)
+    assert "without model_index.json" in printed and not (out / "model_index.json").exists(), printed
+    assert sorted(p.name for p in out.iterdir()) == ["README.md", "vae"]
+    card = _card_names_the_generator_digest(out, root)
+    assert "AutoencoderKL.from_pretrained" in card
+    vae = AutoencoderKL.from_pretrained(str(out / "vae")).eval()
+    cfg, task, modules = _loaded(root)
+    generator = modules["generator"]
+    measured = float(generator.scaling_factor)
+    assert measured != 1.0 and vae.config.scaling_factor == measured  # float32 -> JSON -> float: exact
+    images = _digits(cfg)
+    with torch.no_grad():
+        ref = generator(images)["reconstruction"]  # gentrain's reconstruction: the posterior mean decoded
+        got = vae(images).sample  # sample_posterior=False: the mode, i.e. the mean
+        latents = vae.encode(images).latent_dist.mean * vae.config.scaling_factor
+    print(f"AutoencoderKL vs gentrain reconstruction: max |diff| {(got - ref).abs().max():.3g}")
+    torch.testing.assert_close(got, ref, atol=ATOL, rtol=0)
+    torch.testing.assert_close(latents, generator.encode_latents(images), atol=ATOL, rtol=0)
+    assert (ref - images).abs().max() > 100 * ATOL  # the bound is far below what the model changes
+
+
+def test_a_vqgan_exports_as_a_vqmodel_that_reconstructs_like_gentrain(tmp_path, capsys):
+    from diffusers import VQModel
+    from test_vqgan_maskgit import VQGAN
+
+    args = [*VQGAN[1:], f"run.dir={tmp_path}/run", "train.max_steps=2", "checkpoint.every_steps=2"]
+    assert Trainer(load_config("digits-vqgan", [*args, "model.disc_start_step=1"], environ={}), DistEnv()).fit() == 0
+    root = f"{tmp_path}/run/checkpoints"
+    out = tmp_path / "vq"
+    printed = _export(root, out, capsys)
+    assert "without model_index.json" in printed, printed
+    assert sorted(p.name for p in out.iterdir()) == ["README.md", "vqvae"]
+    assert "VQModel.from_pretrained" in _card_names_the_generator_digest(out, root)
+    vq = VQModel.from_pretrained(str(out / "vqvae")).eval()
+    cfg, task, modules = _loaded(root)
+    generator = modules["generator"]
+    assert vq.config.num_vq_embeddings == 32 and vq.config.vq_embed_dim == 4
+    assert torch.equal(vq.quantize.embedding.weight, generator.quantizer.codebook)  # the trained EMA codebook
+    images = _digits(cfg)
+    with torch.no_grad():
+        ref = generator(images)  # eval: the looked-up codes themselves, decoded
+        z = vq.encode(images).latents
+        torch.testing.assert_close(z, generator.quant_conv(generator.encoder(images)), atol=ATOL, rtol=0)
+        st, _, (_, _, idx) = vq.quantize(z)
+        assert torch.equal(idx.view(ref["indices"].shape), ref["indices"])  # the same codes: gentrain's tokens
+        q = generator.lookup_codes(ref["indices"])
+        assert ((st - q).abs() <= 2 * torch.finfo(q.dtype).eps * torch.maximum(q.abs(), (z - q).abs())).all()
+        got = vq(images).sample
+        codes = vq.decode(q, force_not_quantize=True).sample  # decoding the codes alone: no straight-through
+    print(f"VQModel vs gentrain reconstruction: max |diff| {(got - ref['reconstruction']).abs().max():.3g}")
+    torch.testing.assert_close(got, ref["reconstruction"], atol=ATOL, rtol=0)
+    torch.testing.assert_close(codes.clamp(-1, 1), generator.decode_indices(ref["indices"]), atol=ATOL, rtol=0)
+    assert (ref["reconstruction"] - images).abs().max() > 100 * ATOL
+
+
+@pytest.mark.parametrize("quantizer", ["lfq", "fsq"])
+def test_an_lfq_vqgan_exports_its_corner_codebook_and_fsq_is_refused(quantizer):
+    from diffusers import VQModel
+
+    from trainer.models.export import vq_model
+    from trainer.tasks.vqgan import VQAutoencoder, VQGANConfig
+
+    cfg = VQGANConfig(block_out_channels=[8, 16], norm_num_groups=4, quantizer=quantizer, codebook_size=16)
+    torch.manual_seed(0)
+    generator = VQAutoencoder(cfg, channels=1).eval()
+    if quantizer == "fsq":
+        with pytest.raises(ConfigError, match="fsq.*cannot express exactly"):
+            vq_model(generator, 1, 8)
+        return
+    vq = vq_model(generator, 1, 8)
+    assert isinstance(vq, VQModel) and vq.quantize.embedding.weight.shape == (16, 4)
+    assert set(vq.quantize.embedding.weight.unique().tolist()) == {-1.0, 1.0}  # the corners of {-1, 1}^4
+    x = torch.rand(8, 1, 8, 8) * 2 - 1
+    with torch.no_grad():
+        ref = generator(x)
+        idx = vq.quantize(vq.encode(x).latents)[2][2]
+        got = vq(x).sample
+    assert torch.equal(idx.view(ref["indices"].shape), ref["indices"])  # nearest corner = LFQ's sign choice
+    torch.testing.assert_close(got, ref["reconstruction"], atol=ATOL, rtol=0)

@@ -122,10 +122,14 @@ def _parser() -> argparse.ArgumentParser:
     cc.add_argument("--storage-options", type=json.loads, default={}, help="JSON passed to fsspec for both")
 
     ce = csub.add_parser(
-        "export", help="diffusion UNets as diffusers folders (merged), LoRA adapters alone beside them"
+        "export",
+        help="diffusers folders (denoisers merged, LoRA adapters alone beside them; autoencoders as "
+        "AutoencoderKL or VQModel) and a model card",
     )
     ce.add_argument("url", help="one checkpoint, or a root (the newest valid one)")
-    ce.add_argument("out", help="folder (any fsspec URL): OUT/<part>/ and, for LoRA parts, OUT/<part>-lora/")
+    ce.add_argument(
+        "out", help="folder (any fsspec URL): OUT/<folder>/ per model and, for LoRA parts, OUT/<part>-lora/"
+    )
     ce.add_argument("--no-ema", action="store_true", help="export the raw weights instead of the EMA weights")
     ce.add_argument("--storage-options", type=json.loads, default={}, help="JSON passed to fsspec for both")
     ce.add_argument("--task", default=None, metavar="TASK", help=_TASK_HELP)
@@ -133,13 +137,20 @@ def _parser() -> argparse.ArgumentParser:
 
     d = sub.add_parser("data", help="pack image folders into WebDataset shards, index shards made elsewhere")
     dsub = d.add_subparsers(dest="action", required=True)
-    dp = dsub.add_parser("pack", help="an image folder (class subfolders, .txt captions, .npy beside) into shards")
+    dp = dsub.add_parser(
+        "pack", help="an image folder (class subfolders, .txt or metadata.jsonl captions, .npy beside) into shards"
+    )
     dp.add_argument("src", help="local image folder")
     dp.add_argument("out_url", help="output folder on any fsspec store (s3://bucket/data, gs://..., a path)")
     dp.add_argument("--samples-per-shard", type=int, required=True)
     dp.add_argument("--storage-options", type=json.loads, default={}, help="JSON passed to fsspec")
     dp.add_argument("--shuffle-seed", type=int, default=0, help="samples are written in an order permuted by it")
     dp.add_argument("--no-shuffle", action="store_true", help="write the samples in the folder's sorted order")
+    dp.add_argument(
+        "--caption-column",
+        default="text",
+        help="the caption key of metadata.jsonl records, for images without a .txt (as data.caption_column)",
+    )
     di = dsub.add_parser("index", help="write the byte-offset index (and shards.json) for existing tar shards")
     di.add_argument("pattern", help="shard URL or brace pattern, e.g. s3://b/x/{00000..00099}.tar")
     di.add_argument("--storage-options", type=json.loads, default={})
@@ -459,10 +470,11 @@ def _export(args: argparse.Namespace, store, info) -> int:
     out = args.out.rstrip("/")
     weights = ".model.safetensors" if args.no_ema else ".ema.safetensors"
     files = info.manifest.get("files", {})
+    parts = {export.parts.get(folder, folder) for folder in export.models}
     digests = {
         f: f"{algo}:{entry[algo]}"
         for f, entry in files.items()
-        if f.endswith(weights) and f.removesuffix(weights) in export.models
+        if f.endswith(weights) and f.removesuffix(weights) in parts
         for algo in ("blake3", "sha256")
         if algo in entry
     }
@@ -495,7 +507,9 @@ def cmd_data(args: argparse.Namespace) -> int:
     progress = sys.stderr.isatty()
     if args.action == "pack":
         seed = None if args.no_shuffle else args.shuffle_seed
-        summary = pack_folder(args.src, args.out_url, args.samples_per_shard, args.storage_options, progress, seed)
+        summary = pack_folder(
+            args.src, args.out_url, args.samples_per_shard, args.storage_options, progress, seed, args.caption_column
+        )
         print(f"packed {args.src} into {args.out_url}: {summary.line()}")
     else:
         summary = index_shards(args.pattern, args.storage_options, progress)

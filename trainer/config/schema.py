@@ -145,12 +145,19 @@ class LogConfig(_Section):
 
 class DataConfig(_Section):
     source: Literal["digits", "folder", "shards", "moving-digits", "video"] = "digits"
-    path: str | None = Field(None, description="folder: images; video: clips (recursive)")
+    path: str | None = Field(
+        None, description="folder: images (a local folder or an fsspec URL); video: clips (recursive)"
+    )
+    caption_column: str = Field(
+        "text", min_length=1, description="folder: the caption key of metadata.jsonl records (a .txt sidecar wins)"
+    )
     urls: str | list[str] | None = Field(
         None, description="shards: tar URLs/brace patterns on any fsspec store, or a shards.json list"
     )
     val_urls: str | list[str] | None = Field(None, description="shards: validation shards (else val_fraction)")
-    storage_options: dict[str, Any] = Field(default_factory=dict, description="shards: passed to fsspec")
+    storage_options: dict[str, Any] = Field(
+        default_factory=dict, description="shards and folder URLs: passed to fsspec"
+    )
     shard_window: int = Field(8, ge=0, description="shards: shards shuffled together per epoch; 0 = all")
     read_retries: int = Field(3, ge=0, description="shards: retries (exponential backoff) before a shard is skipped")
     shuffle_block: int = Field(

@@ -51,7 +51,9 @@ def build_dataset(cfg: Config):
         return MovingDigitsDataset(d.image_size, d.channels, d.num_frames, d.path_jitter)
     if d.source == "video":
         return VideoFolderDataset(d.path, d.image_size, d.channels, d.num_frames, d.frame_stride)
-    return ImageFolderDataset(d.path, d.image_size, d.channels)
+    return ImageFolderDataset(
+        d.path, d.image_size, d.channels, caption_column=d.caption_column, storage_options=d.storage_options
+    )
 
 
 def build_splits(cfg: Config) -> tuple[Subset, Subset | None, int | None]:
@@ -80,7 +82,14 @@ def _image_dataset(cfg: Config):
     d = cfg.data
     if d.image_source == "digits":
         return DigitsDataset(d.image_size, d.channels)
-    return ImageFolderDataset(d.image_path, d.image_size, d.channels, key="data.image_path")
+    return ImageFolderDataset(
+        d.image_path,
+        d.image_size,
+        d.channels,
+        key="data.image_path",
+        caption_column=d.caption_column,
+        storage_options=d.storage_options,
+    )
 
 
 def joint_split(cfg: Config, clips, clip_classes: int | None):

@@ -1,12 +1,17 @@
-"""Image datasets: the built-in UCI digits and a recursive image folder; no torchvision."""
+"""Image datasets: the built-in UCI digits and a recursive image folder (local or on any fsspec store);
+no torchvision."""
 
 from __future__ import annotations
 
+import io
+import json
 import logging
 import os
+import posixpath
+from collections.abc import Mapping
 from importlib import resources
-from pathlib import Path
-from typing import BinaryIO, NamedTuple
+from pathlib import Path, PurePath, PurePosixPath
+from typing import Any, BinaryIO, NamedTuple
 
 import numpy as np
 import torch
@@ -19,6 +24,7 @@ from trainer.errors import ConfigError
 log = logging.getLogger(__name__)
 
 IMAGE_EXTENSIONS = (".png", ".jpg", ".jpeg", ".webp")
+METADATA_NAME = "metadata.jsonl"  # Hugging Face ImageFolder's captions file (`file_name` + columns)
 
 
 def load_digits_arrays() -> tuple[np.ndarray, np.ndarray]:
@@ -61,7 +67,7 @@ class DigitsDataset:
         return img, label, {"caption": digit_caption(label)}
 
 
-def short_reason(why: str, path: Path | None = None) -> str:
+def short_reason(why: str, path: PurePath | None = None) -> str:
     """`why` for the stop message and trainer.json: `path` (named beside it) shortened to its name, and at
     most 200 characters."""
     if path is not None:
@@ -69,30 +75,97 @@ def short_reason(why: str, path: Path | None = None) -> str:
     return why if len(why) <= 200 else why[:197] + "..."
 
 
+class FolderStore:
+    """Where a folder's files live: the local disk (paths as `Path`), or any fsspec store when the folder is
+    a URL (`s3://bucket/images`; paths as the store's `PurePosixPath`s, read whole with `cat_file`). One
+    filesystem per process, made again after a fork or unpickling (as the shard reader's)."""
+
+    def __init__(self, root: str, storage_options: Mapping[str, Any] | None = None):
+        import fsspec
+
+        protocol = fsspec.core.split_protocol(root)[0]
+        self.remote = protocol not in (None, "file", "local")
+        self.url = root
+        self.options = dict(storage_options or {})
+        self._fs, self._pid = None, None
+
+    def __getstate__(self) -> dict:
+        return {**self.__dict__, "_fs": None, "_pid": None}
+
+    @property
+    def fs(self):
+        if self._fs is None or self._pid != os.getpid():
+            from trainer.storage import filesystem
+
+            self._fs = filesystem(self.url, self.options)[0]
+            self._pid = os.getpid()
+        return self._fs
+
+    def base(self) -> PurePath:
+        if not self.remote:
+            import fsspec
+
+            return Path(fsspec.core.strip_protocol(self.url) if "://" in self.url else self.url)
+        return PurePosixPath(self.fs._strip_protocol(self.url))
+
+    def listing(self, base: PurePath) -> list[PurePath] | None:
+        """Every file below `base`, sorted; None when `base` is no folder (FileNotFoundError: none at all)."""
+        if not self.remote:
+            assert isinstance(base, Path)
+            if not base.exists():
+                raise FileNotFoundError(str(base))
+            return sorted(p for p in base.rglob("*") if p.is_file()) if base.is_dir() else None
+        fs = self.fs
+        if not fs.isdir(str(base)):
+            if fs.isfile(str(base)):
+                return None
+            raise FileNotFoundError(str(base))
+        return sorted(PurePosixPath(p) for p in fs.find(str(base)))
+
+    def open(self, path: PurePath) -> BinaryIO:
+        """A file's bytes: opened on the local disk, fetched whole from a store."""
+        if not self.remote:
+            return open(path, "rb")  # noqa: SIM115 - the caller closes it
+        return io.BytesIO(self.fs.cat_file(str(path)))
+
+
+# What reading a file of a store may raise besides OSError (a client's own errors): the file is then
+# unreadable like a corrupt one. Local files raise OSError only.
+_READ_ERRORS = (OSError, ValueError, RuntimeError)
+
+
 class FolderScan(NamedTuple):
-    files: list[Path]  # the files with the wanted extensions, sorted
+    files: list[PurePath]  # the files with the wanted extensions, sorted
     class_index: dict[str, int]  # first-level subfolder name -> class
     labels: list[int]  # each file's class, -1 at the top level
-    others: frozenset[Path]  # every other file (sidecars such as <stem>.npy among them)
+    others: frozenset[PurePath]  # every other file (sidecars such as <stem>.npy among them)
 
 
-def scan_folder(root: str | None, extensions: tuple[str, ...], key: str = "data.path") -> FolderScan:
+def scan_folder(
+    root: str | None, extensions: tuple[str, ...], key: str = "data.path", store: FolderStore | None = None
+) -> FolderScan:
     """Files with `extensions` below `root` (recursive, sorted), the class index of the first-level
     subfolder names (sorted, like torchvision's ImageFolder), each file's label (-1 at the top level) and
-    the other files found (one listing serves both). A `root` that holds none of them is the user's
-    mistake: ConfigError (exit 2) naming `key`, the value and what is read, never a traceback."""
+    the other files found (one listing serves both). `store`: where `root` is (default: the local disk).
+    A `root` that holds none of them is the user's mistake: ConfigError (exit 2) naming `key`, the value
+    and what is read, never a traceback."""
     wanted = f"a folder with {'/'.join(extensions)} files in it or below it"
     if not root:
         raise ConfigError(f"{key}={root!r}: empty; set it to {wanted}")
-    base = Path(root)
-    if not base.exists():
-        raise ConfigError(f"{key}={root!r}: no such folder; set it to {wanted}")
-    if not base.is_dir():
-        raise ConfigError(f"{key}={root!r} is a file, not a folder; set it to {wanted} (e.g. its parent folder)")
+    store = store or FolderStore(root)
     try:
-        listing = sorted(p for p in base.rglob("*") if p.is_file())
-    except OSError as e:
-        raise ConfigError(f"{key}={root!r}: cannot list it ({e}); set it to {wanted} this process can read") from None
+        base = store.base()
+        listing = store.listing(base)
+    except FileNotFoundError:
+        raise ConfigError(f"{key}={root!r}: no such folder; set it to {wanted}") from None
+    except ConfigError:
+        raise
+    except Exception as e:  # noqa: BLE001 - a store's client errors (credentials, network) name themselves
+        raise ConfigError(
+            f"{key}={root!r}: cannot list it ({type(e).__name__}: {e}); set it to {wanted} this process can read"
+        ) from None
+    if listing is None:
+        raise ConfigError(f"{key}={root!r} is a file, not a folder; set it to {wanted} (e.g. its parent folder)")
     files = [p for p in listing if p.suffix.lower() in extensions]
     if not files:
         found = f"{len(listing)} other files, e.g. {listing[0].name!r}" if listing else "nothing"
@@ -130,12 +203,77 @@ def read_embedding(f: BinaryIO) -> np.ndarray:
         raise ValueError(f"truncated ({e})") from None
 
 
+def read_metadata_captions(
+    scan: FolderScan, root: str, column: str, key: str = "data.path", store: FolderStore | None = None
+) -> tuple[dict[PurePath, str], list[PurePath]]:
+    """Captions from every `metadata.jsonl` below `root` (Hugging Face ImageFolder's convention: one JSON
+    object per line, `file_name` the image's path relative to the metadata file's folder, the caption in
+    `column`), read once at start in sorted order, the same in every process. Returns (image -> caption,
+    the metadata files read). Lines that are blank are ignored; a record without `column` (or with null
+    there) gives no caption. Anything else malformed is the folder's mistake, found before training starts:
+    ConfigError (exit 2) naming the metadata file, the line and the defect (bad JSON, not an object, no
+    string `file_name`, a `file_name` outside the metadata file's folder or naming no image of the folder,
+    an image listed twice, a caption that is not a string)."""
+    store = store or FolderStore(root)
+    images = frozenset(scan.files)
+    captions: dict[PurePath, str] = {}
+    where: dict[PurePath, str] = {}
+    metas = sorted(p for p in scan.others if p.name == METADATA_NAME)
+    for meta in metas:
+        try:
+            with store.open(meta) as f:
+                lines = f.read().decode("utf-8").splitlines()
+        except (*_READ_ERRORS, UnicodeDecodeError) as e:
+            raise ConfigError(f"{key}={root!r}: cannot read {meta} ({e}); fix or remove it") from None
+        for number, line in enumerate(lines, 1):
+            if not line.strip():
+                continue
+            at = f"{meta}, line {number}"
+
+            def bad(why: str, at: str = at) -> ConfigError:
+                return ConfigError(
+                    f"{key}={root!r}: {at}: {why}; every line of a {METADATA_NAME} is a JSON object with "
+                    f'"file_name" (an image path relative to its folder) and an optional string "{column}" '
+                    "(data.caption_column)"
+                )
+
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise bad(f"not JSON ({e})") from None
+            if not isinstance(record, dict):
+                raise bad(f"a JSON {type(record).__name__}, not an object")
+            name = record.get("file_name")
+            if not isinstance(name, str) or not name:
+                raise bad(f'"file_name" is {name!r}, not a non-empty string')
+            rel = posixpath.normpath(name)
+            if posixpath.isabs(rel) or rel == ".." or rel.startswith("../"):
+                raise bad(f'"file_name" {name!r} is outside the folder of {meta.name}')
+            image = meta.parent.joinpath(*rel.split("/"))
+            if image not in images:
+                what = "a file of another type" if image in scan.others else "no file"
+                raise bad(f'"file_name" {name!r} names {what}, not a {"/".join(IMAGE_EXTENSIONS)} image of the folder')
+            if image in where:
+                raise bad(f'"file_name" {name!r}: that image is already listed at {where[image]}')
+            where[image] = at
+            caption = record.get(column)
+            if caption is None:
+                continue
+            if not isinstance(caption, str):
+                raise bad(f'"{column}" is a JSON {type(caption).__name__} ({caption!r}), not a string')
+            captions[image] = caption.strip()
+    return captions, metas
+
+
 class ImageFolderDataset:
     """Every png/jpg/jpeg/webp below `root` (recursive), resized on the short side and center-cropped.
 
     Labels come from the first-level subfolder names when there are any
     (sorted, like torchvision's ImageFolder), else -1. A `.txt` beside an
-    image (same stem) is its caption; a `.npy` beside it is its image
+    image (same stem) is its caption; so is its `caption_column` in a
+    `metadata.jsonl` at the root or in any subfolder (Hugging Face
+    ImageFolder's convention, `read_metadata_captions`; read at start, a
+    malformed line exits 2), where a `.txt` of the same image wins. A `.npy` beside it is its image
     embedding (`image_embed`, a 1-D float vector). Every embedding must have
     as many values as the first well-formed sidecar in file order (one
     header read at start-up, the same in every process, so the choice never
@@ -146,14 +284,37 @@ class ImageFolderDataset:
     `data.max_skipped_fraction` and each bad file is logged once per process.
     """
 
-    def __init__(self, root: str, image_size: int, channels: int = 3, key: str = "data.path"):
-        scan = scan_folder(root, IMAGE_EXTENSIONS, key)
+    def __init__(
+        self,
+        root: str,
+        image_size: int,
+        channels: int = 3,
+        key: str = "data.path",
+        caption_column: str = "text",
+        storage_options: Mapping[str, Any] | None = None,
+    ):
+        self.store = FolderStore(root, storage_options)  # `root` may be a URL on any fsspec store
+        scan = scan_folder(root, IMAGE_EXTENSIONS, key, self.store)
         self.files, self.class_index, self.labels = scan.files, scan.class_index, scan.labels
         self.num_classes = len(self.class_index) or None
         self.image_size = image_size
         self.channels = channels
         self.has_npy = [p.with_suffix(".npy") in scan.others for p in self.files]
         self.has_txt = [p.with_suffix(".txt") in scan.others for p in self.files]
+        captions, metas = read_metadata_captions(scan, root, caption_column, key, self.store)
+        # Per file: its metadata caption (None: none there). A .txt sidecar of the same image wins.
+        self.meta_captions = [captions.get(p) for p in self.files]
+        both = sum(1 for c, t in zip(self.meta_captions, self.has_txt, strict=True) if c is not None and t)
+        if metas:
+            log.info(
+                "%s: %d captions (column %r) from %d %s file(s)%s",
+                root,
+                len(captions),
+                caption_column,
+                len(metas),
+                METADATA_NAME,
+                f"; {both} image(s) also have a .txt caption, which is used instead" if both else "",
+            )
         self.embed_size, self.embed_source = self._first_embedding_size()
         self._skips: dict[str, str] = {}  # path -> why it was skipped (this process)
 
@@ -166,9 +327,9 @@ class ImageFolderDataset:
             if has:
                 npy = path.with_suffix(".npy")
                 try:
-                    with open(npy, "rb") as f:
+                    with self.store.open(npy) as f:
                         return read_embedding(f).size, npy.name
-                except (OSError, ValueError):
+                except _READ_ERRORS:
                     continue  # skipped (and reported) when its own sample is loaded
         return None, None
 
@@ -177,7 +338,7 @@ class ImageFolderDataset:
         path = str(self.files[index])
         return f"{path} ({self._skips.get(path, 'unreadable')})"
 
-    def _skip(self, path: Path, what: str, why: str) -> None:
+    def _skip(self, path: PurePath, what: str, why: str) -> None:
         """Remember why `path` is skipped and log it, once per process."""
         if str(path) not in self._skips:
             self._skips[str(path)] = f"{what}: {short_reason(why, path)}"
@@ -186,9 +347,9 @@ class ImageFolderDataset:
     def load(self, index: int, aug_seed: int, flip: bool) -> tuple[torch.Tensor, int] | None:
         path = self.files[index]
         try:
-            with Image.open(path) as im:
+            with Image.open(path if not self.store.remote else self.store.open(path)) as im:
                 x = image_to_tensor(im, self.image_size, self.channels)
-        except (OSError, UnidentifiedImageError, ValueError, Image.DecompressionBombError) as e:
+        except (*_READ_ERRORS, UnidentifiedImageError, Image.DecompressionBombError) as e:
             self._skip(path, "unreadable image", str(e))
             return None
         if flip and aug_seed & 1:
@@ -199,22 +360,28 @@ class ImageFolderDataset:
         return (x.contiguous(), self.labels[index], extras) if extras else (x.contiguous(), self.labels[index])
 
     def _extras(self, index: int) -> dict | None:
-        """Caption from `<stem>.txt`, image embedding from `<stem>.npy`, when they exist; None: unusable."""
+        """Caption from `<stem>.txt` (else from metadata.jsonl), image embedding from `<stem>.npy`, when they
+        exist; None: unusable."""
         path = self.files[index]
         extras: dict = {}
         if self.has_txt[index]:
             txt = path.with_suffix(".txt")
             try:
-                extras["caption"] = txt.read_text(encoding="utf-8").strip()
-            except (OSError, UnicodeDecodeError) as e:
+                with self.store.open(txt) as f:
+                    # newlines as text mode reads them (Path.read_text): \r\n and \r become \n
+                    text = f.read().decode("utf-8").replace("\r\n", "\n").replace("\r", "\n")
+                extras["caption"] = text.strip()
+            except (*_READ_ERRORS, UnicodeDecodeError) as e:
                 self._skip(path, "image with an unreadable caption", f"{txt.name}: {e}")
                 return None
+        elif self.meta_captions[index] is not None:
+            extras["caption"] = self.meta_captions[index]
         if self.has_npy[index]:
             npy = path.with_suffix(".npy")
             try:
-                with open(npy, "rb") as f:
+                with self.store.open(npy) as f:
                     embed = read_embedding(f).reshape(-1)
-            except (OSError, ValueError) as e:
+            except _READ_ERRORS as e:
                 self._skip(path, "image with an unusable embedding", f"{npy.name}: {e}")
                 return None
             if embed.size != self.embed_size:

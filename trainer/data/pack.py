@@ -19,7 +19,7 @@ from pathlib import Path
 import numpy as np
 from PIL import Image
 
-from trainer.data.datasets import IMAGE_EXTENSIONS
+from trainer.data.datasets import IMAGE_EXTENSIONS, read_metadata_captions, scan_folder
 from trainer.data.shards.index import (
     SHARDLIST_NAME,
     expand_urls,
@@ -62,16 +62,18 @@ def folder_samples(src: Path) -> tuple[list[tuple[Path, int]], list[str]]:
     return [(p, index[parts[0]] if len(parts) > 1 else -1) for p, parts in zip(files, rel, strict=True)], classes
 
 
-def sample_members(image: Path, label: int) -> dict[str, bytes]:
-    """The image's own bytes (not re-encoded), `cls`, and the `.txt` / `.npy` / `.NAME.npy` files beside it."""
+def sample_members(image: Path, label: int, caption: str | None = None) -> dict[str, bytes]:
+    """The image's own bytes (not re-encoded), `cls`, and the `.txt` / `.npy` / `.NAME.npy` files beside it;
+    `caption` (its metadata.jsonl caption) is the `txt` member when no `.txt` is beside it."""
     ext = image.suffix.lower().lstrip(".")
     members = {"jpg" if ext == "jpeg" else ext: image.read_bytes()}
     if label >= 0:
         members["cls"] = str(label).encode()
     stem = image.name[: -len(image.suffix)]
-    caption = image.parent / f"{stem}.txt"
-    if caption.is_file():
-        members["txt"] = caption.read_bytes()
+    if (image.parent / f"{stem}.txt").is_file():
+        members["txt"] = (image.parent / f"{stem}.txt").read_bytes()
+    elif caption is not None:
+        members["txt"] = caption.encode()
     for extra in sorted(image.parent.glob(f"{glob.escape(stem)}*.npy")):
         middle = extra.name[len(stem) : -len(".npy")]
         if middle == "":
@@ -103,8 +105,11 @@ def pack_folder(
     storage_options: dict | None = None,
     progress: bool = True,
     shuffle_seed: int | None = 0,
+    caption_column: str = "text",
 ) -> PackSummary:
-    """Pack an image folder into `out_url/000000.tar, ...` with indexes and `shards.json`.
+    """Pack an image folder into `out_url/000000.tar, ...` with indexes and `shards.json`; captions from
+    `.txt` files and, for images without one, from metadata.jsonl files (`caption_column`; as the folder
+    source reads them: a malformed line is a ConfigError).
 
     The samples are written in an order permuted by `shuffle_seed` (None: the
     folder's sorted order). Readers shuffle shards and runs of neighbours
@@ -122,6 +127,9 @@ def pack_folder(
     files, classes = folder_samples(base)
     if not files:
         raise ConfigError(f"data pack: {src!r} holds no {'/'.join(IMAGE_EXTENSIONS + VIDEO_EXTENSIONS)} files")
+    captions: dict[Path, str] = {}
+    if files[0][0].suffix.lower() in IMAGE_EXTENSIONS:
+        captions, _ = read_metadata_captions(scan_folder(src, IMAGE_EXTENSIONS, "SRC"), src, caption_column, "SRC")
     if shuffle_seed is not None:
         files = [files[i] for i in np.random.default_rng(shuffle_seed).permutation(len(files))]
     fs = filesystem(out_url, storage_options)
@@ -155,7 +163,7 @@ def pack_folder(
             summary.skipped += 1
             continue
         key = f"{summary.samples + len(pending):09d}"
-        pending.append({"__key__": key, **sample_members(image, label)})
+        pending.append({"__key__": key, **sample_members(image, label, captions.get(image))})
         if len(pending) == samples_per_shard:
             flush()
     if pending:

@@ -1,7 +1,7 @@
 """`gentrain checkpoints export`: diffusers folders out of a checkpoint, with a model card.
 
 A task says what to write (`Task.export` -> `trainer.tasks.base.Export`): diffusers models by folder
-(`unet`, `transformer`, `vae`, a cascade's `stage<k>`), schedulers by folder, and the diffusers pipeline
+(`unet`, `transformer`, `vae`, `vqvae`, a cascade's `stage<k>`), schedulers by folder, and the diffusers pipeline
 class that runs them, if one does. Everything is written through fsspec (local or remote outputs alike,
 with `--storage-options`), as safetensors and JSON only: each model as `config.json` +
 `diffusion_pytorch_model.safetensors` (LoRA adapters merged; the adapters also beside it, see
@@ -12,7 +12,9 @@ from the components in memory.
 
 The helpers below turn gentrain's modules into what diffusers' pipelines expect: `dit_for_pipeline` pads a
 DiT's label tables so DiTPipeline's hard-coded null class 1000 is gentrain's null row; `plain_autoencoder_kl`
-is an AutoencoderKL whose config carries the latent scaling factor gentrain measured.
+is an AutoencoderKL whose config carries the latent scaling factor gentrain measured; `vq_model` is a VQ-GAN's
+generator as a diffusers VQModel, its codebook (vector-quantize-pytorch's VQ or LFQ) in
+`quantize.embedding.weight`.
 """
 
 from __future__ import annotations
@@ -22,10 +24,12 @@ import posixpath
 from collections.abc import Mapping
 from typing import Any
 
-from diffusers import AutoencoderKL, DiTTransformer2DModel
+import torch
+from diffusers import AutoencoderKL, DiTTransformer2DModel, VQModel
 from diffusers.models.embeddings import LabelEmbedding
 from torch import nn
 
+from trainer.errors import ConfigError
 from trainer.models.finetune import merged_state_dict, write_folder
 
 SCHEDULER_CONFIG_NAME = "scheduler_config.json"  # diffusers' name
@@ -64,6 +68,57 @@ def plain_autoencoder_kl(vae: nn.Module, scaling_factor: float, shift_factor: fl
         config["shift_factor"] = float(shift_factor)
     out = AutoencoderKL.from_config(config)
     out.load_state_dict(merged_state_dict(vae), strict=True)
+    return out.eval()
+
+
+def vq_model(generator: nn.Module, channels: int, image_size: int) -> VQModel:
+    """A VQ-GAN generator (`trainer.tasks.vqgan.VQAutoencoder`) as a diffusers VQModel with the same weights.
+
+    The two are the same network: diffusers' Encoder -> quant_conv -> nearest code -> post_quant_conv ->
+    Decoder; only the quantizer's layout differs. diffusers' `VectorQuantizer` takes the code nearest to each
+    latent vector in Euclidean distance from `quantize.embedding.weight` (num_codes, dim), so
+    - vq (vector-quantize-pytorch's `VectorQuantize`, Euclidean, no projection): the codebook as it is;
+    - lfq (sign quantization: each latent channel to +-1, no projection, not spherical): the codebook of all
+      2^d corners of {-1, 1}^d in LFQ's index order; the corner nearest to z in Euclidean distance is the
+      channel-wise sign of z, which is what LFQ picks (a channel exactly 0 goes to -1 in both: the lower index);
+    - fsq rounds tanh-bounded latents per channel: its cells are not the Voronoi cells of any codebook
+      a linear quant_conv can map the latents onto, so it is refused (ConfigError)."""
+    cfg = generator.cfg
+    q = generator.quantizer
+    if cfg.quantizer == "fsq":
+        raise ConfigError(
+            "model.quantizer=fsq: FSQ rounds each tanh-bounded latent channel to a grid, which diffusers' VQModel "
+            "(the code nearest to the unbounded latent) cannot express exactly; only vq and lfq VQ-GANs export"
+        )
+    if not isinstance(getattr(q, "project_in", nn.Identity()), nn.Identity) or getattr(q, "spherical", False):
+        raise ConfigError("this quantizer projects or normalizes its input, which diffusers' VQModel has no layer for")
+    if cfg.quantizer == "vq" and getattr(q._codebook, "use_cosine_sim", False):
+        raise ConfigError("a cosine-similarity codebook has no diffusers VQModel equivalent (Euclidean distance)")
+    n = len(cfg.block_out_channels)
+    latent = cfg.latent_channels
+    out = VQModel(
+        in_channels=channels,
+        out_channels=channels,
+        down_block_types=("DownEncoderBlock2D",) * n,
+        up_block_types=("UpDecoderBlock2D",) * n,
+        block_out_channels=tuple(cfg.block_out_channels),
+        layers_per_block=cfg.layers_per_block,
+        act_fn="silu",
+        latent_channels=latent,
+        sample_size=image_size,
+        num_vq_embeddings=cfg.num_codes,
+        norm_num_groups=cfg.norm_num_groups,
+        vq_embed_dim=latent,
+        scaling_factor=1.0,  # the latents as they are, as a gentrain latent-diffusion run uses a VQ-GAN's
+        norm_type="group",
+        mid_block_add_attention=False,
+    )
+    mine = generator.state_dict()
+    state = {k: v for k, v in mine.items() if k.startswith(("encoder.", "decoder.", "quant_conv.", "post_quant_conv."))}
+    with torch.no_grad():  # every code through the quantizer's own lookup: (1, dim, K, 1) -> (K, dim)
+        codes = generator.lookup_codes(torch.arange(cfg.num_codes, device=generator.last_layer.device).view(1, -1, 1))
+    state["quantize.embedding.weight"] = codes[0, :, :, 0].t().to(out.quantize.embedding.weight.dtype).contiguous()
+    out.load_state_dict(state, strict=True)
     return out.eval()
 
 

@@ -31,10 +31,11 @@ from pydantic import ConfigDict, Field
 from torch import nn
 
 from trainer.errors import ConfigError
+from trainer.models.export import plain_autoencoder_kl
 from trainer.models.gan import AdversarialConfig, AdversarialLosses, ConvAutoencoderShape, PatchDiscriminator
 from trainer.models.perceptual import VGGPerceptual
 from trainer.randomness import Stream, per_sample_randn, sample_generators
-from trainer.tasks.base import Batch, Loss, Phase, PreviewContext, StepInfo, Task, TaskContext, bare
+from trainer.tasks.base import Batch, Export, Loss, Phase, PreviewContext, StepInfo, Task, TaskContext, bare
 from trainer.tasks.sampling import SampleRequest
 
 
@@ -253,6 +254,36 @@ class AutoencoderTask(Task):
         with ctx.weights(True):
             ema = modules["generator"](images)["reconstruction"]
         return {"reconstruction": self._reconstruction_cells(images, online, ema)}
+
+    def export(self, modules, sample, class_names: list[str] | None = None) -> Export:
+        """The generator as a plain diffusers AutoencoderKL in `vae/`, its config's `scaling_factor` the measured
+        one (a float32 buffer: JSON keeps it exactly); no pipeline: an autoencoder is a component, not a sampler."""
+        generator = modules["generator"]
+        scale = float(generator.scaling_factor)
+        channels, size = self.ctx.channels, self.ctx.image_size
+        usage = f"""import torch
+from diffusers import AutoencoderKL
+
+vae = AutoencoderKL.from_pretrained("path/to/this/folder", subfolder="vae").eval()
+images = torch.rand(4, {channels}, {size}, {size}) * 2 - 1  # images in [-1, 1]
+with torch.no_grad():
+    latents = vae.encode(images).latent_dist.mean * vae.config.scaling_factor  # gentrain's scaled latents
+    reconstructions = vae.decode(latents / vae.config.scaling_factor).sample
+"""
+        c, (lc, side) = self.cfg, (self.cfg.latent_channels, size // self.cfg.downsample)
+        return Export(
+            models={"vae": (plain_autoencoder_kl(generator.vae, scale), {})},
+            parts={"vae": "generator"},
+            reason=(
+                "an autoencoder is not a sampler: its AutoencoderKL is a latent diffusion pipeline's `vae` component"
+            ),
+            usage=usage,
+            notes=[
+                f"`vae/`: latents {lc}x{side}x{side}; config `scaling_factor` = {scale!r}, 1 / std of the posterior "
+                f"means of the first {c.scale_samples} training images, measured at this checkpoint's save",
+                "the discriminator is not exported (it only trains the generator)",
+            ],
+        )
 
     @torch.no_grad()
     def sample(self, modules, request: SampleRequest, device: torch.device) -> torch.Tensor:

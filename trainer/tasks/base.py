@@ -122,7 +122,9 @@ class Export:
     weights); `schedulers`: folder name -> a diffusers scheduler. With `pipeline` (a diffusers pipeline class
     name) the folders are that pipeline's components and model_index.json is written (plus `index_extra`,
     e.g. DiTPipeline's `id2label`); without it, `reason` says why no diffusers pipeline runs the model.
-    `usage` is the Python that loads and runs the export, for the model card."""
+    `usage` is the Python that loads and runs the export, for the model card. `parts`: folder name -> the
+    checkpoint part whose weights a folder holds, where the two names differ (a VQ-GAN's `vqvae` folder is
+    its `generator`), so the model card names that part's weights digest."""
 
     models: dict[str, tuple[nn.Module, dict[str, torch.Tensor]]]
     schedulers: dict[str, Any] = field(default_factory=dict)
@@ -131,6 +133,7 @@ class Export:
     usage: str = ""
     index_extra: dict[str, Any] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)  # more lines for the model card
+    parts: dict[str, str] = field(default_factory=dict)  # folder -> checkpoint part, where they differ
 
 
 @dataclass

@@ -29,6 +29,7 @@ from pydantic import ConfigDict
 from torch import nn
 
 from trainer.errors import ConfigError
+from trainer.models.export import vq_model
 from trainer.models.gan import (
     AdversarialConfig,
     AdversarialLosses,
@@ -39,7 +40,7 @@ from trainer.models.gan import (
 )
 from trainer.models.perceptual import VGGPerceptual
 from trainer.models.quantize import CodebookConfig, QuantizedAutoencoder
-from trainer.tasks.base import Batch, Loss, Phase, PreviewContext, StepInfo, Task, TaskContext, bare
+from trainer.tasks.base import Batch, Export, Loss, Phase, PreviewContext, StepInfo, Task, TaskContext, bare
 from trainer.tasks.sampling import SampleRequest
 
 
@@ -229,6 +230,45 @@ class VQGANTask(Task):
         gap = torch.full_like(images[..., :1], -1)
         cells = torch.cat([images, gap, online, gap, ema], dim=-1).float().clamp(-1, 1).cpu()
         return {"reconstruction": (cells + 1) / 2}
+
+    def export(self, modules, sample, class_names: list[str] | None = None) -> Export:
+        """The generator as a diffusers VQModel in `vqvae/` (`trainer.models.export.vq_model`: vq and lfq
+        codebooks; fsq is refused), no pipeline: a VQ-GAN is a component (LDMPipeline's `vqvae`), not a sampler."""
+        generator = modules["generator"]
+        if not isinstance(generator, VQAutoencoder):
+            raise ConfigError(
+                f"a {type(generator).__name__} (a video tokenizer) has no diffusers model to export: diffusers' "
+                "VQModel is a 2D image autoencoder"
+            )
+        c, channels, size = self.cfg, self.ctx.channels, self.ctx.image_size
+        side = size // c.downsample
+        usage = f"""import torch
+from diffusers import VQModel
+
+vqvae = VQModel.from_pretrained("path/to/this/folder", subfolder="vqvae").eval()
+images = torch.rand(4, {channels}, {size}, {size}) * 2 - 1  # images in [-1, 1]
+with torch.no_grad():
+    latents = vqvae.encode(images).latents  # before quantization
+    reconstructions = vqvae.decode(latents).sample  # quantized to the nearest codes, then decoded
+    codes = vqvae.quantize(latents)[2][2].view(4, {side}, {side})  # gentrain's code indices (a MaskGIT's tokens)
+"""
+        notes = [
+            f"`vqvae/`: the `generator`'s {c.quantizer} quantizer as diffusers' VectorQuantizer, {c.num_codes} codes "
+            f"of {c.latent_channels} channels (`quantize.embedding.weight`), latents {c.latent_channels}x{side}x{side}",
+            "the discriminator is not exported (it only trains the generator)",
+        ]
+        if c.quantizer == "lfq":
+            notes.append(
+                "lfq: the codebook is every corner of {-1, 1}^d in LFQ's index order; the corner nearest to a latent "
+                "is its channel-wise sign, what LFQ picks"
+            )
+        return Export(
+            models={"vqvae": (vq_model(generator, channels, size), {})},
+            parts={"vqvae": "generator"},
+            reason="a VQ-GAN is an autoencoder, not a sampler: its VQModel is a pipeline component (LDMPipeline's vqvae)",
+            usage=usage,
+            notes=notes,
+        )
 
     @torch.no_grad()
     def sample(self, modules, request: SampleRequest, device: torch.device) -> torch.Tensor:
