@@ -20,6 +20,7 @@ from PIL import Image, UnidentifiedImageError
 
 from trainer.data.sampler import SampleRef, SampleStream
 from trainer.errors import ConfigError
+from trainer.storage import filesystem
 
 log = logging.getLogger(__name__)
 
@@ -95,8 +96,6 @@ class FolderStore:
     @property
     def fs(self):
         if self._fs is None or self._pid != os.getpid():
-            from trainer.storage import filesystem
-
             self._fs = filesystem(self.url, self.options)[0]
             self._pid = os.getpid()
         return self._fs
