@@ -129,6 +129,22 @@ def test_the_scan_sees_what_it_must():
     assert EXTRAS["trackers"] >= EXTRAS["tensorboard"] | EXTRAS["wandb"]
 
 
+def pins(name: str) -> dict[str, str]:
+    lines = (REPO / name).read_text().splitlines()
+    return {canonical(a): b for a, _, b in (line.partition("==") for line in lines if "==" in line and line[0] != "#")}
+
+
+def test_runtime_constraints_agree_with_the_test_environment_except_for_urllib3():
+    runtime, tested = pins("constraints-runtime.txt"), pins("constraints.txt")
+    image_extras = {"s3", "gcs", "video", "eval"}  # tests/test_image_install.py checks the Dockerfile's
+    needed = CORE - {"torch"} | set().union(*(EXTRAS[e] for e in image_extras))
+    assert not needed - set(runtime), f"constraints-runtime.txt does not pin {sorted(needed - set(runtime))}"
+    assert "torchx" not in runtime and "pytest" not in runtime
+    assert int(runtime["urllib3"].split(".")[0]) >= 2 and tested["urllib3"].startswith("1.26.")
+    differ = {k: (v, tested.get(k)) for k, v in runtime.items() if tested.get(k) != v and k != "urllib3"}
+    assert not differ, f"pinned differently from constraints.txt (regenerate both): {differ}"
+
+
 def test_without_torchmetrics_fid_exits_2_naming_the_eval_extra(monkeypatch):
     from trainer.eval.features import load_features
 
