@@ -6,11 +6,16 @@ ACCELERATE_MIXED_PRECISION=bf16 in its environment and still equals the referenc
 
 from __future__ import annotations
 
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 from accelerate import Accelerator
 from accelerate.state import AcceleratorState
 from accelerate.utils import DynamoBackend
+from conftest import clean_env, free_port, tiny
 from torch import nn
 
 from trainer.accelerate_env import REFUSED_PLUGINS, check_accelerate_env
@@ -109,3 +114,25 @@ def test_train_and_launch_exit_2_naming_the_plugin_before_starting(command, monk
     assert "ACCELERATE_USE_FSDP=true" in err and "ACCELERATE_USE_DEEPSPEED=true" in err, err
     assert "Traceback" not in err
     assert not (tmp_path / "checkpoints").exists()
+
+
+@pytest.mark.slow
+def test_accelerate_launch_runs_gentrain_as_torchrun_does(tmp_path):
+    """`accelerate launch --multi_gpu` runs torchrun's agent: two ranks train together (DDP, gloo on CPU, as
+    gentrain passes cpu=True there), and its --mixed_precision bf16 reaches the workers only as a warning."""
+    accelerate = str(Path(sys.executable).parent / "accelerate")
+    launch = [accelerate, "launch", "--multi_gpu", "--num_processes", "2", "--num_machines", "1"]
+    launch += ["--main_process_port", str(free_port()), "--mixed_precision", "bf16", "--dynamo_backend", "no"]
+    env = clean_env(HF_HOME=str(tmp_path / "hf"))  # no accelerate config file of the user's
+    r = subprocess.run(
+        [*launch, "-m", "trainer", "train", *tiny(tmp_path, "sample.num=2", max_steps=2)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    log = r.stdout + r.stderr
+    assert r.returncode == 0, log[-4000:]
+    assert "world_size=2" in log and "parallel=ddp" in log, log[-4000:]
+    assert "ACCELERATE_MIXED_PRECISION=bf16 is ignored" in log
+    assert (tmp_path / "run" / "checkpoints" / "step-000000002").is_dir()
