@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Literal
 
 import torch
 from accelerate import Accelerator
-from accelerate.utils import GradientAccumulationPlugin, TorchDynamoPlugin
+from accelerate.utils import GradientAccumulationPlugin
 
 from trainer.accelerate_env import check_accelerate_env
 from trainer.elastic import DistEnv, init_process_group
@@ -82,9 +82,8 @@ def accelerator_kwargs(use_cpu: bool) -> dict:
         "cpu": use_cpu,
         "mixed_precision": "no",
         "gradient_accumulation_plugin": GradientAccumulationPlugin(num_steps=1),
-        "dynamo_plugin": TorchDynamoPlugin(
-            backend="no", mode="default", fullgraph=False, dynamic=False, use_regional_compilation=False
-        ),
+        # Backend "no": nothing is compiled, so the other ACCELERATE_DYNAMO_* settings have nothing to act on.
+        "dynamo_backend": "no",
     }
 
 
