@@ -1,6 +1,6 @@
 # gentrain training image: the CUDA build of the torch release the test suite runs
 # (scripts/test.sh installs the same version as its CPU build; tests/test_deploy.py fails
-# when the two drift apart) + gentrain with S3/GCS support.
+# when the two drift apart) + gentrain with S3/GCS, video clips and FID/KID (extras s3, gcs, video, eval).
 # Used by the TorchX component (`bash -c "python -m trainer launch ..."`) and by k8s/ manifests.
 FROM python:3.11-slim-bookworm
 
@@ -30,13 +30,14 @@ WORKDIR /opt/gentrain
 RUN if [ -n "${TORCH_INDEX_URL}" ]; then export PIP_INDEX_URL="${TORCH_INDEX_URL}"; fi \
     && pip install --no-cache-dir "torch==${TORCH_VERSION}"
 
-# Dependencies in their own layer: rebuilt only when pyproject.toml or constraints.txt change.
-# torch is already installed at TORCH_VERSION (it satisfies torch>=2.4 and stays as it is;
-# torch==2.13.0 also matches an index's local version such as 2.13.0+cu126).
-COPY pyproject.toml constraints.txt README.md ./
+# Dependencies in their own layer: rebuilt only when pyproject.toml or constraints-runtime.txt change.
+# torch is already installed at TORCH_VERSION (it satisfies torch>=2.6 and stays as it is;
+# torch==2.13.0 also matches an index's local version such as 2.13.0+cu126). constraints-runtime.txt,
+# not the test environment's constraints.txt: no TorchX here, so urllib3 is current.
+COPY pyproject.toml constraints-runtime.txt README.md ./
 RUN mkdir -p trainer/presets trainer/data \
     && touch trainer/__init__.py \
-    && pip install --no-cache-dir -c constraints.txt "torch==${TORCH_VERSION}" ".[s3,gcs]" \
+    && pip install --no-cache-dir -c constraints-runtime.txt "torch==${TORCH_VERSION}" ".[s3,gcs,video,eval]" \
     && pip uninstall -y gentrain
 
 # The code: small and changes often.

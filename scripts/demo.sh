@@ -7,5 +7,6 @@ VENV=${VENV:-.venv}
 python3 -m venv "$VENV"
 # CPU torch first: a bare `torch` requirement would pull a multi-GB CUDA build.
 "$VENV/bin/pip" install -q torch==2.13.0
-"$VENV/bin/pip" install -q -c constraints.txt -e .
+# The image's pins (constraints-runtime.txt); constraints.txt is the test environment's.
+"$VENV/bin/pip" install -q -c constraints-runtime.txt -e .
 exec "$VENV/bin/gentrain" train "$@"

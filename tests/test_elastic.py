@@ -56,7 +56,10 @@ def test_sigkilled_worker_is_restarted_and_the_result_equals_an_uninterrupted_ru
     assert finish(ref, ref_log) == 0, ref_log.read_text()[-4000:]
 
     log = tmp_path / "killed.log"
-    proc = start_torchrun(standalone(2), tiny(tmp_path / "killed", *args, max_steps=steps), log)
+    # `accelerate launch` settings gentrain ignores (tests/test_accelerate_env.py): before they were passed
+    # explicitly, this one autocast every DDP forward in bf16 and the weights below differed.
+    launch_env = {"ACCELERATE_MIXED_PRECISION": "bf16", "ACCELERATE_GRADIENT_ACCUMULATION_STEPS": "3"}
+    proc = start_torchrun(standalone(2), tiny(tmp_path / "killed", *args, max_steps=steps), log, **launch_env)
     try:
         wait_for_log(log, "step-000000030", proc, timeout=300)
         victims = [p for p in worker_pids(proc.pid) if rank_of(p) == 1]
@@ -67,6 +70,7 @@ def test_sigkilled_worker_is_restarted_and_the_result_equals_an_uninterrupted_ru
         kill_group(proc)
     text = log.read_text()
     assert rc == 0, text[-4000:]
+    assert "ACCELERATE_MIXED_PRECISION=bf16 is ignored" in text
     # Exactly one restart: stale rendezvous keys from the killed attempt used to make the
     # first restart fail too (see trainer.elastic.init_process_group).
     resumed = re.search(r"world_size=2 restart=1 .*resumed_from=\S+step-(\d+)", text)

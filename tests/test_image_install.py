@@ -123,8 +123,10 @@ def test_the_dockerfile_install_line_is_parsed_as_written():
     torch_version, args, copies = dockerfile_install()
     assert re.fullmatch(r"\d+\.\d+\.\d+", torch_version)
     assert f"torch=={torch_version}" in args
-    assert "-c" in args and args[args.index("-c") + 1] == "constraints.txt"
-    assert extras_of(args) >= {"s3", "gcs"}
+    # The runtime constraints (a current urllib3), not the test environment's (TorchX's urllib3 1.26).
+    assert "-c" in args and args[args.index("-c") + 1] == "constraints-runtime.txt"
+    assert extras_of(args) >= {"s3", "gcs", "video", "eval"}
+    assert (["pyproject.toml", "constraints-runtime.txt", "README.md"], "./") in copies
     assert (["trainer"], "./trainer") in copies
 
 
@@ -220,6 +222,14 @@ def test_every_task_family_trains_under_ddp_and_fsdp_in_the_image_install(image_
     for name, _ in runs:
         assert f"driver: {name} exited 0" in log, log[-8000:]
         assert (tmp_path / name / "checkpoints").is_dir(), name
+
+
+def test_the_image_install_is_consistent_with_a_current_urllib3(image_venv, tmp_path):
+    env = _venv_env(image_venv)
+    python = str(image_venv / "bin" / "python")
+    _run([python, "-m", "pip", "check"], tmp_path, env)
+    r = _run([python, "-c", "import urllib3, av, torchmetrics; print(urllib3.__version__)"], tmp_path, env)
+    assert int(r.stdout.strip().split(".")[0]) >= 2, r.stdout
 
 
 def test_an_optional_feature_the_image_lacks_names_its_extra_and_exits_2(image_venv, tmp_path):

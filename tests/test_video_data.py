@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import sys
 from fractions import Fraction
 
 import av
@@ -382,3 +383,30 @@ def test_clips_packed_into_shards_decode_like_the_folder_and_mix_with_images(tmp
     batch = next(iter(build_train_loader(train, cfg, 0, 0, 1)))
     assert batch["images"].shape == (4, 3, 1, 8, 8) and batch["extras"]["frames"].tolist().count(1) == 2
     assert batch["io"]["data_bytes"] > 0
+
+
+def test_without_pyav_every_clip_reader_exits_2_naming_the_video_extra(tmp_path, monkeypatch, capsys):
+    """PyAV is the `video` extra: `import av` fails (None in sys.modules is what a missing package gives
+    `import`), and the config that would decode clips is refused at start with the pip line."""
+    from trainer.cli import main as cli_main
+
+    (tmp_path / "clips").mkdir()
+    write_gif(tmp_path / "clips" / "a.gif", random_frames(3, 8, 8, seed=0))
+    monkeypatch.setitem(sys.modules, "av", None)
+    fix = "pip install 'gentrain[video]'"
+    # A clip folder: before the first step.
+    argv = ["train", "moving-digits-tokenizer", "data.source=video", f"data.path={tmp_path / 'clips'}"]
+    assert cli_main([*argv, f"run.dir={tmp_path / 'run'}", "train.max_steps=1", "data.num_frames=2"]) == 2
+    err = capsys.readouterr().err
+    assert "data.source=video decodes video clips with PyAV, which is not installed" in err and fix in err, err
+    assert "Traceback" not in err
+    # Clips in shards (data.num_frames > 1), before any shard is listed.
+    shards = ["data.source=shards", "data.urls=s3://nowhere/{0..3}.tar", "data.num_frames=3"]
+    cfg = load_config("moving-digits-tokenizer", shards, environ={})
+    with pytest.raises(ConfigError, match=r"data.source=shards with data.num_frames=3 .*gentrain\[video\]"):
+        build_splits(cfg)
+    # Packing a folder of clips.
+    assert (
+        cli_main(["data", "pack", str(tmp_path / "clips"), str(tmp_path / "shards"), "--samples-per-shard", "2"]) == 2
+    )
+    assert fix in capsys.readouterr().err

@@ -19,6 +19,7 @@ import os
 import signal
 import sys
 
+from trainer.accelerate_env import check_accelerate_env
 from trainer.config import split_preset
 from trainer.errors import EXIT_OK, EXIT_PREEMPTED, EXIT_USAGE, ConfigError
 from trainer.registry import load_config
@@ -62,6 +63,7 @@ def _agent_that_never_retries_usage_errors():
 def launch(argv: list[str]) -> int:
     torchrun_args, train_args = split_argv(argv)
     load_config(*split_preset(train_args))  # raises ConfigError -> exit 2 before any worker starts
+    check_accelerate_env(os.environ, cuda=False)  # accelerate plugins the workers would refuse (exit 2)
 
     import torch.distributed.launcher.api as launcher_api
     from torch.distributed.elastic.multiprocessing.api import SignalException

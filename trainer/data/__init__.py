@@ -10,7 +10,7 @@ from trainer.data.datasets import DigitsDataset, ImageFolderDataset, Subset, col
 from trainer.data.joint import JointSet
 from trainer.data.sampler import SampleRef, SampleStream, StepBatchSampler
 from trainer.data.shards import ShardSet, ShardSplit, load_shard_list
-from trainer.data.video import MovingDigitsDataset, VideoFolderDataset
+from trainer.data.video import MovingDigitsDataset, VideoFolderDataset, import_av
 from trainer.errors import ConfigError
 
 __all__ = [
@@ -110,6 +110,8 @@ def build_shard_splits(cfg: Config):
     d = cfg.data
     shape = sample_shape(cfg)
     frames = d.num_frames if is_video(cfg) else 1
+    if frames > 1:  # clips in the shards: PyAV at start (exit 2 naming the extra), not in the loader's workers
+        import_av(f"data.source=shards with data.num_frames={frames}")
 
     def shard_set(urls, key: str) -> ShardSet:
         return ShardSet(

@@ -31,7 +31,7 @@ from trainer.data.shards.index import (
     url_dir,
 )
 from trainer.data.shards.tar import scan_tar
-from trainer.data.video import VIDEO_EXTENSIONS, ClipError, decode_clip
+from trainer.data.video import VIDEO_EXTENSIONS, ClipError, decode_clip, import_av
 from trainer.errors import ConfigError
 
 log = logging.getLogger(__name__)
@@ -56,6 +56,8 @@ def folder_samples(src: Path) -> tuple[list[tuple[Path, int]], list[str]]:
     files = sorted(p for p in src.rglob("*") if p.is_file() and p.suffix.lower() in IMAGE_EXTENSIONS)
     if not files:
         files = sorted(p for p in src.rglob("*") if p.is_file() and p.suffix.lower() in VIDEO_EXTENSIONS)
+        if files:  # every clip is decoded once to check it
+            import_av(f"data pack of the clips in {str(src)!r}")
     rel = [p.relative_to(src).parts for p in files]
     classes = sorted({parts[0] for parts in rel if len(parts) > 1})
     index = {c: i for i, c in enumerate(classes)}

@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from trainer.data.datasets import DIGIT_WORDS, image_to_tensor, load_digits_arrays, scan_folder, short_reason
+from trainer.errors import ConfigError
 
 log = logging.getLogger(__name__)
 
@@ -92,6 +93,18 @@ class MovingDigitsDataset:
         return clip, direction * 10 + digit, extras
 
 
+def import_av(needed_by: str):
+    """PyAV (the `video` extra), imported when clips are decoded; a ConfigError (exit 2) naming the extra
+    and `needed_by` (what in the config or command decodes clips) when it is not installed."""
+    try:
+        import av
+    except ImportError as e:
+        raise ConfigError(
+            f"{needed_by} decodes video clips with PyAV, which is not installed ({e}): pip install 'gentrain[video]'"
+        ) from None
+    return av
+
+
 class ClipError(ValueError):
     """A clip that cannot be used: undecodable, no video stream, or fewer frames than asked for."""
 
@@ -103,7 +116,7 @@ def decode_clip(source, image_size: int, channels: int, num_frames: int, stride:
     `source` is a path or a binary file object. Decoding stops at the last frame needed; the container
     is always closed. Raises ClipError when the clip is unreadable or too short.
     """
-    import av
+    av = import_av("decoding a clip")
 
     need = (num_frames - 1) * stride + 1
     frames: list[torch.Tensor] = []
@@ -139,6 +152,7 @@ class VideoFolderDataset:
     """
 
     def __init__(self, root: str, image_size: int, channels: int, num_frames: int, frame_stride: int):
+        import_av("data.source=video")  # at start (exit 2), not in the loader's workers
         scan = scan_folder(root, VIDEO_EXTENSIONS, "data.path")
         self.files, self.class_index, self.labels = scan.files, scan.class_index, scan.labels
         self.num_classes = len(self.class_index) or None

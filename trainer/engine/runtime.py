@@ -8,17 +8,23 @@ are sharded.
 
 from __future__ import annotations
 
+import logging
+import os
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Literal
 
 import torch
 from accelerate import Accelerator
+from accelerate.utils import GradientAccumulationPlugin
 
+from trainer.accelerate_env import check_accelerate_env
 from trainer.elastic import DistEnv, init_process_group
 from trainer.engine.report import flat_hparams
 
 if TYPE_CHECKING:
     from trainer.config import Config
+
+log = logging.getLogger("gentrain")
 
 Parallel = Literal["none", "ddp", "fsdp"]
 
@@ -66,15 +72,34 @@ class Runtime:
         return cls(DistEnv(), torch.device(device), precision, "none", seed)  # type: ignore[arg-type]
 
 
+def accelerator_kwargs(use_cpu: bool) -> dict:
+    """Every Accelerator setting that accelerate would otherwise read from `ACCELERATE_*` variables
+    (`accelerate launch` sets them), given explicitly: the engine autocasts and scales losses itself
+    (train.precision), accumulates itself (train.grad_accum) and compiles nothing, so accelerate gets
+    "no", 1 and no dynamo whatever the environment says. The plugins it cannot be told to leave off
+    (FSDP, DeepSpeed, ...) are refused before this (trainer.accelerate_env)."""
+    return {
+        "cpu": use_cpu,
+        "mixed_precision": "no",
+        "gradient_accumulation_plugin": GradientAccumulationPlugin(num_steps=1),
+        # Backend "no": nothing is compiled, so the other ACCELERATE_DYNAMO_* settings have nothing to act on.
+        "dynamo_backend": "no",
+    }
+
+
 def start_runtime(cfg: Config, env: DistEnv, trackers: list[str]) -> Runtime:
     """Join the process group, start accelerate on it and the `trackers` (checked importable first, see
     trainer.engine.report.tracker_names: accelerate silently drops one whose package is missing)."""
     use_cpu = not torch.cuda.is_available()
+    # accelerate launch's settings: refused (exit 2) when accelerate would act on them, else ignored.
+    for warning in check_accelerate_env(os.environ, cuda=not use_cpu):
+        if env.is_main:
+            log.warning("%s", warning)
     # The process group is ours (restart-safe store, finite timeout); accelerate reuses it.
     init_process_group(env, "gloo" if use_cpu else "nccl", cfg.elastic.collective_timeout_seconds)
     # cpu=True on CPU machines: without it accelerate reports a single
     # process under torchrun and every rank would silently train alone.
-    accelerator = Accelerator(cpu=use_cpu, log_with=trackers or None, project_dir=cfg.run_dir)
+    accelerator = Accelerator(**accelerator_kwargs(use_cpu), log_with=trackers or None, project_dir=cfg.run_dir)
     if accelerator.num_processes != env.world_size:
         raise RuntimeError(
             f"accelerate sees {accelerator.num_processes} processes but torchrun started "

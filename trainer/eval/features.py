@@ -115,9 +115,22 @@ def shipped_digits() -> tuple[dict, dict[str, torch.Tensor], bytes]:
     return json.loads(pkg.joinpath("digits_features.json").read_text()), load(raw), raw
 
 
+def require_torchmetrics() -> None:
+    """FID/KID are torchmetrics' (the `eval` extra): a ConfigError (exit 2) naming it when it is missing."""
+    try:
+        import torchmetrics  # noqa: F401
+    except ImportError as e:
+        raise ConfigError(
+            f"FID/KID (gentrain eval, eval.every_steps > 0) need torchmetrics, which is not installed ({e}): "
+            "pip install 'gentrain[eval]', or set eval.every_steps=0 to train without evaluation"
+        ) from None
+
+
 def load_features(name: str, url: str | None, storage_options: dict | None = None) -> tuple[nn.Module, dict]:
     """(feature network, description for the result JSON); ConfigError (exit 2) names what is missing."""
     import blake3
+
+    require_torchmetrics()  # every caller measures FID/KID with these features next
 
     if name == "digits":
         desc, tensors, raw = shipped_digits()
@@ -175,7 +188,8 @@ def _inception(url: str | None, storage_options: dict | None) -> tuple[nn.Module
     except ImportError:
         raise ConfigError(
             "eval.features=inception needs the torch-fidelity package for the network code "
-            "(pip install torch-fidelity); its weights still come from eval.features_url"
+            "(pip install 'gentrain[inception]', with a torchvision that matches your torch build); its weights "
+            "still come from eval.features_url"
         ) from None
     net = _InceptionFeatures(state)
     return net, {"features": "inception", "digest": blake3.blake3(raw).hexdigest(), "feature_dim": 2048}
