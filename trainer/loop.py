@@ -168,7 +168,7 @@ class Trainer:
         self._log_start()
         env = self.env
         loader = build_train_loader(
-            self.train_set, cfg, cursor=progress.cursor, rank=env.rank, world_size=env.world_size
+            self.train_set, cfg, cursor=progress.cursor, rank=env.rank, world_size=env.world_size, device=self.device
         )
         batches = iter(loader)
         self.reporter.start()

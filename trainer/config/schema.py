@@ -66,6 +66,11 @@ class TrainConfig(_Section):
     val_every_steps: int = Field(0, ge=0, description="0 = no validation")
     val_batches: int = Field(4, ge=1)
     num_workers: int = Field(0, ge=0)
+    prefetch_factor: int = Field(2, ge=1, description="batches each loader worker reads ahead (with num_workers > 0)")
+    pin_memory: bool = Field(
+        True, description="on CUDA: loader batches in pinned memory, copied to the GPU without blocking; no-op on CPU"
+    )
+    tf32: bool = Field(True, description="on CUDA (Ampere+): fp32 matmuls and convolutions in TF32; no-op on CPU")
     threads: int | None = Field(None, ge=1, description="torch intra-op threads per process")
     parallel: Literal["ddp", "fsdp"] = Field("ddp", description="replicate parts (ddp) or shard them (fsdp)")
     cpu_offload: bool = Field(False, description="fsdp: keep sharded parameters and optimizer state in CPU memory")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import numpy as np
+import torch
 from torch.utils.data import DataLoader
 
 from trainer.config import Config
@@ -137,17 +138,24 @@ def build_shard_splits(cfg: Config):
     return train, (val if len(val) else None), train_set.num_classes
 
 
-def build_train_loader(train: Subset, cfg: Config, cursor: int, rank: int, world_size: int) -> DataLoader:
+def build_train_loader(
+    train: Subset, cfg: Config, cursor: int, rank: int, world_size: int, device: torch.device | None = None
+) -> DataLoader:
+    """This rank's loader from global position `cursor`. On CUDA (`device`) batches come in pinned memory
+    (`train.pin_memory`), which the step copies without blocking; on CPU nothing is pinned (a no-op)."""
     stream = train.make_stream(cfg.seed)
     sampler = StepBatchSampler(stream, cursor, cfg.train.batch_size, rank, world_size)
     workers = cfg.train.num_workers
+    cuda = device is not None and device.type == "cuda"
     return DataLoader(
         train,
         batch_sampler=sampler,
         collate_fn=collate,
         num_workers=workers,
         persistent_workers=False,
-        prefetch_factor=2 if workers else None,
+        prefetch_factor=cfg.train.prefetch_factor if workers else None,
+        pin_memory=cfg.train.pin_memory and cuda,
+        pin_memory_device=str(device) if cfg.train.pin_memory and cuda else "",
     )
 
 

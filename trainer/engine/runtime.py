@@ -87,6 +87,14 @@ def accelerator_kwargs(use_cpu: bool) -> dict:
     }
 
 
+def configure_matmul(tf32: bool, cuda: bool) -> None:
+    """`train.tf32` on CUDA: fp32 matmuls and cuDNN convolutions in TF32 on Ampere and newer (torch's
+    default keeps full fp32 matmuls); on CPU nothing is touched."""
+    if cuda:
+        torch.backends.cuda.matmul.allow_tf32 = tf32
+        torch.backends.cudnn.allow_tf32 = tf32
+
+
 def start_runtime(cfg: Config, env: DistEnv, trackers: list[str]) -> Runtime:
     """Join the process group, start accelerate on it and the `trackers` (checked importable first, see
     trainer.engine.report.tracker_names: accelerate silently drops one whose package is missing)."""
@@ -95,6 +103,7 @@ def start_runtime(cfg: Config, env: DistEnv, trackers: list[str]) -> Runtime:
     for warning in check_accelerate_env(os.environ, cuda=not use_cpu):
         if env.is_main:
             log.warning("%s", warning)
+    configure_matmul(cfg.train.tf32, cuda=not use_cpu)
     # The process group is ours (restart-safe store, finite timeout); accelerate reuses it.
     init_process_group(env, "gloo" if use_cpu else "nccl", cfg.elastic.collective_timeout_seconds)
     # cpu=True on CPU machines: without it accelerate reports a single
