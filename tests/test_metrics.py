@@ -36,6 +36,9 @@ REQUIRED = [
     "gentrain_world_size",
     "gentrain_skipped_samples_total",
     "gentrain_preemptions_total",
+    "gentrain_samples_per_second",
+    "gentrain_achieved_flops",
+    "gentrain_mfu",
 ]
 
 
@@ -107,6 +110,11 @@ def test_prometheus_sees_steps_rise_to_the_newest_checkpoint(tmp_path):
         assert value(prom, "gentrain_checkpoint_bytes") > 0
         assert value(prom, "gentrain_world_size") == 1
         assert value(prom, "gentrain_preemptions_total") == 1
+        # FLOPs counted on the first step; the CPU peak is a matmul measured on the run's threads
+        text = log.read_text()
+        assert re.search(r"throughput: [0-9.e+]+ GFLOP per step on this process; peak .*cpu float32 matmul", text)
+        assert re.search(r"step=20/\S+ .*samples_per_s=\d+ tflops=[0-9.e+-]+ mfu=[0-9.]+ ", text)
+        assert value(prom, "gentrain_mfu") > 0 and value(prom, "gentrain_samples_per_second") > 0
     finally:
         kill_group(proc)
         prom.stop()

@@ -40,6 +40,7 @@ from trainer.engine.report import Reporter, tracker_names
 from trainer.engine.runtime import start_runtime
 from trainer.engine.shard import is_fsdp
 from trainer.engine.step import StepRunner, check_batch_split
+from trainer.engine.throughput import Throughput
 from trainer.engine.validate import Validator
 from trainer.engine.wrap import wrapping_for
 from trainer.hostmem import keep_freed_memory
@@ -103,8 +104,10 @@ class Trainer:
             runtime=runtime,
             no_sync=self.wrapping.no_sync,
         )
+        self.throughput = Throughput(self.device, t.precision, t.tf32)
         self.reporter = Reporter(
             runtime=runtime,
+            throughput=self.throughput,
             metrics=self.metrics,
             progress=self.progress,
             max_steps=t.max_steps,
@@ -177,7 +180,8 @@ class Trainer:
             t0 = time.perf_counter()
             batch = next(batches)
             t_data = time.perf_counter() - t0
-            logs = self.step_runner.run(batch, progress.step)
+            with self.throughput.counting():  # the first step of this process: its FLOPs, counted once
+                logs = self.step_runner.run(batch, progress.step)
             progress.advance(*job_skips(batch, progress, self.device))  # the job's skips, the same on every rank
             self.reporter.on_step(batch, logs, self._lr(), t_data, time.perf_counter() - t0)
             self._mark_first_step()

@@ -94,6 +94,21 @@ class TrainingMetrics:
             "gentrain_loss", "Last training loss of rank 0, by loss name", ["name"], multiprocess_mode="max"
         )
         self.lr = Gauge("gentrain_learning_rate", "Learning rate of the first part", multiprocess_mode="max")
+        self.samples_per_second = Gauge(
+            "gentrain_samples_per_second",
+            "Training samples per second, all ranks (rank 0's step time)",
+            multiprocess_mode="max",
+        )
+        self.flops_per_second = Gauge(
+            "gentrain_achieved_flops",
+            "FLOP/s rank 0 achieved in its last step (FLOPs counted once)",
+            multiprocess_mode="max",
+        )
+        self.mfu = Gauge(
+            "gentrain_mfu",
+            "Rank 0's model FLOPs utilization: achieved FLOP/s over the device's peak",
+            multiprocess_mode="max",
+        )
         self.step_seconds = Histogram(
             "gentrain_step_duration_seconds", "Wall time of one optimizer step", buckets=_STEP_BUCKETS
         )
@@ -181,6 +196,7 @@ class TrainingMetrics:
         lr: float,
         losses: dict[str, float] | None,
         skipped: int,
+        perf: dict[str, float] | None = None,
     ) -> None:
         if not self.enabled:
             return
@@ -194,6 +210,12 @@ class TrainingMetrics:
         if losses is not None:
             for name, value in losses.items():
                 self.loss.labels(name=name).set(value)
+        if perf is not None:
+            self.samples_per_second.set(perf["samples_per_s"])
+            if "flops_per_s" in perf:
+                self.flops_per_second.set(perf["flops_per_s"])
+            if "mfu" in perf:
+                self.mfu.set(perf["mfu"])
         if self.device_memory is not None:
             self.device_memory.set(torch.cuda.memory_allocated())
 

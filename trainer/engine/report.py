@@ -21,6 +21,7 @@ from trainer.metrics import TrainingMetrics
 if TYPE_CHECKING:
     from trainer.config.schema import LogConfig
     from trainer.engine.runtime import Runtime
+    from trainer.engine.throughput import Throughput
 
 log = logging.getLogger("gentrain")
 
@@ -97,6 +98,7 @@ class Reporter:
         self,
         *,
         runtime: Runtime,
+        throughput: Throughput,
         metrics: TrainingMetrics,
         progress: TrainProgress,
         max_steps: int,
@@ -106,6 +108,7 @@ class Reporter:
         ledger: bool,
     ):
         self.accelerator = runtime.accelerator
+        self.throughput = throughput
         self.metrics = metrics
         self.progress = progress
         self.max_steps = max_steps
@@ -131,8 +134,16 @@ class Reporter:
     def on_step(self, batch: dict, logs: dict[str, float], lr: float, t_data: float, t_step: float) -> None:
         step = self.progress.step
         losses = {k.rsplit("/", 1)[0]: v for k, v in logs.items() if k.endswith("/loss")}
+        perf = {"samples_per_s": self.progress.batch_size / max(t_step, 1e-9), **self.throughput.rates(t_step)}
         self.metrics.on_step(
-            step, len(batch["positions"]), t_data, t_step, lr, losses if self.is_main else None, batch["skipped"]
+            step,
+            len(batch["positions"]),
+            t_data,
+            t_step,
+            lr,
+            losses if self.is_main else None,
+            batch["skipped"],
+            perf if self.is_main else None,
         )
         if "io" in batch:
             self.metrics.on_data_io(batch["io"])
@@ -146,16 +157,19 @@ class Reporter:
             self._bar.update(1)
             self._bar.set_postfix({k: f"{v:.4f}" for k, v in logs.items() if k.endswith("loss")}, refresh=False)
         if step % self.log_every_steps == 0 or step == 1:
-            self.track(step, {**logs, "lr": lr})
+            self.track(step, {**logs, "lr": lr, **{f"perf/{k}": v for k, v in perf.items()}})
             if self._bar is None:
                 fields = " ".join(f"{k}={v:.5f}" for k, v in logs.items())
+                rates = f" tflops={perf['flops_per_s'] / 1e12:.4g}" if "flops_per_s" in perf else ""
+                rates += f" mfu={perf['mfu']:.4f}" if "mfu" in perf else ""
                 log.info(
-                    "step=%d/%d %s lr=%.3e samples_per_s=%.0f data_wait_s=%.4f epoch=%d",
+                    "step=%d/%d %s lr=%.3e samples_per_s=%.0f%s data_wait_s=%.4f epoch=%d",
                     step,
                     self.max_steps,
                     fields,
                     lr,
-                    self.progress.batch_size / max(t_step, 1e-9),
+                    perf["samples_per_s"],
+                    rates,
                     t_data,
                     self.progress.epoch,
                 )

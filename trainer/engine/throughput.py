@@ -1,0 +1,124 @@
+"""How far a step is from the machine's limit: FLOPs per step, achieved FLOP/s and MFU.
+
+The FLOPs of a step are counted once, from the model, with the FLOP formulas of torch's `FlopCounterMode`
+(`torch.utils.flop_counter.flop_registry`) around the first training step a process runs (forward,
+backward and optimizer, every phase and chunk; matmuls, convolutions and attention, which is what peak
+figures measure). Not `FlopCounterMode` itself: its per-module tracking hooks into the backward graph and
+changed the order gradients are summed in (1e-8 differences in the digits UNet's gradients), which would
+break bit-exact resume. `StepFlops` only observes the operators the step dispatches, so the step computes
+what it would without it (the exact-resume tests, whose killed and uninterrupted runs count at different
+steps, and tests/test_throughput.py check it). The count is this process's: under
+DDP every rank runs the whole model on its share of the batch, under FSDP the same compute too.
+
+The peak it is compared with: on CUDA, the dense tensor-core peak of the GPU named by
+`torch.cuda.get_device_name` for the run's precision (a table of common data-centre GPUs; unknown GPUs get
+FLOP/s and no MFU); on CPU, a matmul of the training dtype timed at start-up on the same threads the run
+uses (the best of a few), so MFU there reads "of what this CPU's matmul reaches", not of a datasheet.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+from collections.abc import Iterator
+
+import torch
+
+# TorchDispatchMode: the base class of FlopCounterMode itself (underscored module, documented in torch's
+# dispatch docs); tests/test_throughput.py fails clearly if an upgrade moves it or the formulas.
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils.flop_counter import flop_registry
+
+log = logging.getLogger(__name__)
+
+# Dense (no sparsity) peak FLOP/s by GPU name fragment, from the vendors' datasheets:
+# (bf16/fp16 tensor cores, tf32 tensor cores, fp32 without tensor cores). The first matching fragment wins.
+GPU_PEAKS: tuple[tuple[str, tuple[float, float, float]], ...] = (
+    ("H200", (989e12, 494e12, 67e12)),
+    ("H100 PCIe", (756e12, 378e12, 51e12)),
+    ("H100 NVL", (835e12, 418e12, 60e12)),
+    ("H100", (989e12, 494e12, 67e12)),  # SXM
+    ("A100", (312e12, 156e12, 19.5e12)),
+    ("L40S", (362e12, 183e12, 91.6e12)),
+    ("L4", (121e12, 60e12, 30.3e12)),
+)
+
+
+def gpu_peak(name: str, precision: str, tf32: bool) -> float | None:
+    """The dense peak FLOP/s of GPU `name` for `precision` (no | fp16 | bf16), None when not in the table."""
+    for fragment, (half, tf32_peak, fp32) in GPU_PEAKS:
+        if fragment in name:
+            if precision in ("fp16", "bf16"):
+                return half
+            return tf32_peak if tf32 else fp32
+    return None
+
+
+def measure_cpu_matmul_peak(dtype: torch.dtype = torch.float32, n: int = 1024, repeats: int = 3) -> float:
+    """FLOP/s of the best of `repeats` n x n matmuls in `dtype` on this process's torch threads."""
+    a = torch.randn(n, n, generator=torch.Generator().manual_seed(0)).to(dtype)
+    b = torch.randn(n, n, generator=torch.Generator().manual_seed(1)).to(dtype)
+    torch.mm(a, b)  # warm-up: thread pool, kernel selection
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        torch.mm(a, b)
+        best = min(best, time.perf_counter() - t0)
+    return 2 * n**3 / best
+
+
+class StepFlops(TorchDispatchMode):
+    """Sums FlopCounterMode's formulas over the operators dispatched inside it; no hooks, no module tracking."""
+
+    def __init__(self):
+        super().__init__()
+        self.total = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        formula = flop_registry.get(func._overloadpacket)
+        if formula is not None:
+            self.total += int(formula(*args, **kwargs, out_val=out))
+        return out
+
+
+class Throughput:
+    """FLOPs of a step (counted on the first one), the device's peak, and the rates of each step."""
+
+    def __init__(self, device: torch.device, precision: str, tf32: bool):
+        self.flops_per_step: int | None = None
+        if device.type == "cuda":
+            name = torch.cuda.get_device_name(device)
+            self.peak = gpu_peak(name, precision, tf32)
+            self.peak_source = f"{name} datasheet" if self.peak else f"{name}: not in the peak table"
+        elif device.type == "cpu":
+            dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision, torch.float32)
+            self.peak = measure_cpu_matmul_peak(dtype)
+            self.peak_source = f"cpu {str(dtype).removeprefix('torch.')} matmul on {torch.get_num_threads()} threads"
+        else:
+            self.peak, self.peak_source = None, f"{device.type}: no peak known"
+
+    @contextlib.contextmanager
+    def counting(self) -> Iterator[None]:
+        """Around a training step: counts it when no step has been counted yet, else nothing."""
+        if self.flops_per_step is not None:
+            yield
+            return
+        counter = StepFlops()
+        with counter:
+            yield
+        self.flops_per_step = counter.total
+        peak = f"{self.peak / 1e12:.3g} TFLOP/s ({self.peak_source})" if self.peak else self.peak_source
+        log.info("throughput: %.4g GFLOP per step on this process; peak %s", self.flops_per_step / 1e9, peak)
+
+    def rates(self, seconds: float) -> dict[str, float]:
+        """`flops_per_s` of a step that took `seconds`, and `mfu` (its fraction of the peak) where known."""
+        if not self.flops_per_step or seconds <= 0:
+            return {}
+        achieved = self.flops_per_step / seconds
+        out = {"flops_per_s": achieved}
+        if self.peak:
+            out["mfu"] = achieved / self.peak
+        return out
