@@ -98,7 +98,6 @@ def test_dit_under_fsdp_takes_the_same_steps_as_under_ddp(tmp_path):
             "train.lr_schedule=constant",
             "checkpoint.every_steps=0",
             f"train.parallel={parallel}",
-            *checkpointing,
             max_steps=steps,
         )
         log = tmp_path / f"{parallel}.log"
