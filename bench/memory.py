@@ -104,7 +104,7 @@ def main() -> None:
             rows[mode] = json.loads(out.strip().splitlines()[-1])
         if "none" in rows:
             base = rows["none"]["step_added_mb"]
-            for mode, row in rows.items():
+            for row in rows.values():
                 row["added_vs_none"] = round(row["step_added_mb"] / base, 3) if base else None
                 row["time_vs_none"] = round(row["step_s"] / rows["none"]["step_s"], 3)
         results[model] = rows
