@@ -13,10 +13,16 @@ Usage: python bench/memory.py [--batch 8] [--models dit unet] [--modes none bloc
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import subprocess
 import sys
 import time
+
+import torch
+
+from trainer.diffusion import build_backbone
+from trainer.engine.checkpointing import checkpoint_blocks
 
 MODELS = {
     # DiT-S/2 on 32x32x4 latents (a 256-pixel image through the SD VAE): 12 blocks of width 384, 256 tokens
@@ -39,13 +45,6 @@ def _rss_mb(field: str) -> float:
 
 
 def child(model: str, mode: str, batch: int) -> dict:
-    import gc
-
-    import torch
-
-    from trainer.diffusion import build_backbone
-    from trainer.engine.checkpointing import checkpoint_blocks
-
     torch.set_num_threads(1)
     torch.manual_seed(0)
     cfg, size, channels = MODELS[model]
