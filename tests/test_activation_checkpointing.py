@@ -16,6 +16,7 @@ from trainer.diffusion import build_backbone
 from trainer.engine.checkpointing import apply_activation_checkpointing, checkpoint_blocks, checkpointed_blocks
 from trainer.engine.shard import fsdp_units
 from trainer.errors import ConfigError
+from trainer.registry import load_config
 from trainer.tasks.base import TaskContext
 from trainer.tasks.cascade import CascadeConfig, CascadeTask, StageConfig
 
@@ -101,3 +102,10 @@ def test_a_cascade_stages_own_checkpointing_is_replaced_and_blockless_tasks_are_
     apply_activation_checkpointing(flat, ["net"], "none", "probe")  # none: nothing asked, nothing refused
     with pytest.raises(ConfigError, match=r"selective: the probe task's parts \(net\) have no blocks"):
         apply_activation_checkpointing(flat, ["net"], "selective", "probe")
+
+
+def test_the_key_takes_three_modes():
+    assert load_config(None, ["train.activation_checkpointing=selective"], environ={}).train.activation_checkpointing
+    assert load_config(None, [], environ={}).train.activation_checkpointing == "none"
+    with pytest.raises(ConfigError, match="one of 'none', 'blocks' or 'selective'"):
+        load_config(None, ["train.activation_checkpointing=all"], environ={})
