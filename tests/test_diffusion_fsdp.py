@@ -41,6 +41,8 @@ BLOCKS = {"dit": "BasicTransformerBlock", "pixart": "BasicTransformerBlock", "mm
 def test_a_sigkilled_rank_resumes_bit_identical(tmp_path, backbone, parallel):
     steps = 6
     spec, extra, cls = BACKBONES[backbone]
+    # DiT under FSDP with its blocks checkpointed inside their units: the recomputation replays dropout's RNG
+    checkpointing = ["train.activation_checkpointing=blocks"] if (backbone, parallel) == ("dit", "fsdp") else []
     text = str(tmp_path / "text")  # one caption cache for both runs: each caption encoded alone, so the same bytes
 
     def args(root):
@@ -51,6 +53,7 @@ def test_a_sigkilled_rank_resumes_bit_identical(tmp_path, backbone, parallel):
             *(e.replace("TEXT", text) for e in extra),
             "checkpoint.every_steps=3",
             f"train.parallel={parallel}",
+            *checkpointing,
             max_steps=steps,
         )
 
@@ -64,6 +67,8 @@ def test_a_sigkilled_rank_resumes_bit_identical(tmp_path, backbone, parallel):
         gathered = "; transformer_blocks.0 kept gathered after forward" if backbone == "dit" else ""
         # the transformer blocks are the units (2 layers), every attempt
         assert log.count(f"fsdp: {cls} sharded as 2 units ({BLOCKS[backbone]}) plus the rest{gathered}\n") == 2
+        if checkpointing:
+            assert log.count("activation checkpointing (blocks): transformer, 2 blocks (BasicTransformerBlock)") == 2
     else:
         assert {
             "transformer.model.safetensors",

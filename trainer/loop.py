@@ -32,6 +32,7 @@ from trainer.elastic import (
     run_within,
 )
 from trainer.engine.calibrate import Calibrator
+from trainer.engine.checkpointing import apply_activation_checkpointing
 from trainer.engine.evaluate import Evaluator
 from trainer.engine.parts import FrozenPart, Part, build_parts
 from trainer.engine.preview import Previewer
@@ -253,6 +254,7 @@ class Trainer:
         # Only parts this run trains are wrapped (a cascade stage outside train.stages is not).
         learning = set(self.task.learning_parts())
         wrapping.prepare(modules, frozen=frozen, learning=learning)
+        apply_activation_checkpointing(modules, learning, self.cfg.train.activation_checkpointing, self.cfg.task)
         parts, frozen_parts = build_parts(
             modules,
             frozen=frozen,

@@ -79,6 +79,11 @@ class TrainConfig(_Section):
         description="fsdp: shard frozen parts (a MaskGIT tokenizer) too, each rank keeping 1/world of their weights "
         "and gathering one block at a time when they are used; for frozen parts too large to replicate",
     )
+    activation_checkpointing: Literal["none", "blocks", "selective"] = Field(
+        "none",
+        description="recompute activations in backward: per block (the FSDP units: transformer blocks, a UNet's "
+        "down/up blocks) or selective (per block, keeping the matmul and attention outputs)",
+    )
     stages: list[int] | None = Field(
         None, min_length=1, description="cascade: which stages (1-based) this run trains; null = all"
     )
