@@ -36,7 +36,7 @@ from trainer.engine.evaluate import Evaluator
 from trainer.engine.parts import FrozenPart, Part, build_parts
 from trainer.engine.preview import Previewer
 from trainer.engine.progress import TrainProgress, job_skips
-from trainer.engine.report import Reporter, tracker_names
+from trainer.engine.report import Reporter, flat_hparams, tracker_names
 from trainer.engine.runtime import start_runtime
 from trainer.engine.shard import is_fsdp
 from trainer.engine.step import StepRunner, check_batch_split
@@ -163,6 +163,8 @@ class Trainer:
         cfg, progress = self.cfg, self.progress
         self.stop_request.install()
         self.checkpoints.resume()
+        # After the resume: a restarted or resumed job continues the tracker runs its checkpoint names.
+        progress.trackers = self.reporter.start_trackers(flat_hparams(cfg.to_dict()), progress.trackers)
         self.clock.mark("resume")
         self.metrics.on_resume(progress.step, progress.saved_time)
         self._log_start()

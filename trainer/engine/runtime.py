@@ -1,6 +1,6 @@
 """The runtime: what every engine component needs to know about the processes it runs in.
 
-Made once by the Trainer (`start_runtime`: process group, accelerate, trackers) and handed by keyword
+Made once by the Trainer (`start_runtime`: process group, accelerate) and handed by keyword
 to the checkpoint manager, the reporter, validation, previews and evaluation, so none of them takes a
 rank, a world size, a device and a precision as separate arguments, nor works out again whether parts
 are sharded.
@@ -15,7 +15,6 @@ import torch
 from accelerate import Accelerator
 
 from trainer.elastic import DistEnv, init_process_group
-from trainer.engine.report import flat_hparams
 
 if TYPE_CHECKING:
     from trainer.config import Config
@@ -67,8 +66,9 @@ class Runtime:
 
 
 def start_runtime(cfg: Config, env: DistEnv, trackers: list[str]) -> Runtime:
-    """Join the process group, start accelerate on it and the `trackers` (checked importable first, see
-    trainer.engine.report.tracker_names: accelerate silently drops one whose package is missing)."""
+    """Join the process group, start accelerate on it with the `trackers` (checked importable first, see
+    trainer.engine.report.tracker_names: accelerate silently drops one whose package is missing). They are
+    started after the resume (Reporter.start_trackers), which knows their run ids."""
     use_cpu = not torch.cuda.is_available()
     # The process group is ours (restart-safe store, finite timeout); accelerate reuses it.
     init_process_group(env, "gloo" if use_cpu else "nccl", cfg.elastic.collective_timeout_seconds)
@@ -80,8 +80,6 @@ def start_runtime(cfg: Config, env: DistEnv, trackers: list[str]) -> Runtime:
             f"accelerate sees {accelerator.num_processes} processes but torchrun started "
             f"{env.world_size}; refusing to train ranks independently"
         )
-    if trackers:
-        accelerator.init_trackers(cfg.name, config=flat_hparams(cfg.to_dict()))
     return Runtime(
         env=env,
         device=accelerator.device,
