@@ -98,7 +98,14 @@ def start_trackers(
     if "wandb" in names:
         os.makedirs(run_dir, exist_ok=True)
         run_id = os.environ.get("WANDB_RUN_ID") or saved.get("wandb") or secrets.token_hex(8)
-        kwargs["wandb"] = {"id": run_id, "resume": "allow", "name": project, "dir": run_dir}
+        kwargs["wandb"] = {
+            "id": run_id,
+            "resume": "allow",
+            "name": project,
+            "dir": run_dir,
+            # No system metadata: it holds the command line, where storage options may carry keys.
+            "settings": {"x_disable_meta": True},
+        }
     if "mlflow" in names:
         run_id = saved.get("mlflow")
         if run_id and not os.environ.get("MLFLOW_RUN_ID") and not _mlflow_run_exists(run_id):
