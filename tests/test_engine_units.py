@@ -443,6 +443,7 @@ def test_a_missing_tracker_is_refused_by_name_and_all_takes_those_installed(monk
     every = load_config(None, ["log.report_to=all"]).log
     monkeypatch.setattr(report.importlib, "import_module", fake_import)  # importlib's own: configs loaded first
     monkeypatch.setattr(report, "get_available_trackers", lambda: sorted(installed))
+    monkeypatch.setattr(report, "_check_mlflow_store", lambda: None)  # the next test's: it imports mlflow
     with pytest.raises(ConfigError, match=r"names mlflow.*No module named 'mlflow'.*gentrain\[trackers\]"):
         report.tracker_names(cfg)
     assert report.tracker_names(every) == ["tensorboard"]
@@ -467,3 +468,16 @@ def test_tracker_run_ids_travel_in_the_progress_state_and_only_ids_are_taken_bac
     del state["trackers"]  # a checkpoint written before they were recorded
     again.load_state_dict(state)
     assert again.trackers == {}
+
+
+def test_an_mlflow_tracking_store_that_cannot_be_opened_is_refused_at_start(monkeypatch, tmp_path):
+    pytest.importorskip("mlflow")
+    import trainer.engine.report as report
+
+    cfg = load_config(None, ["log.report_to=mlflow"]).log
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", "bogus://nowhere")
+    with pytest.raises(ConfigError, match="tracking store 'bogus://nowhere' cannot be opened.*MLFLOW_TRACKING_URI"):
+        report.tracker_names(cfg)
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"file://{tmp_path}/mlruns")
+    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")
+    assert report.tracker_names(cfg) == ["mlflow"]

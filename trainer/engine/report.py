@@ -55,6 +55,8 @@ def tracker_names(log_cfg: LogConfig) -> list[str]:
                 + (f" (log.{name}=true adds it)" if getattr(log_cfg, name, False) else "")
             )
         _check_accelerate_sees(name)
+    if "mlflow" in names:
+        _check_mlflow_store()
     if log_cfg.all_installed:
         seen = {str(t) for t in get_available_trackers()}
         extra = [n for n in _TRACKERS if n not in names and n in seen and _import_errors(n) is None]
@@ -72,6 +74,26 @@ def _import_errors(name: str) -> list[str] | None:
         except ImportError as e:
             errors.append(f"{module}: {' '.join(str(e).split())}")
     return errors
+
+
+def _check_mlflow_store() -> None:
+    """MLflow's tracking store must open: MLflow 3 defaults to `sqlite:///mlflow.db`, which mlflow-skinny
+    cannot open (no SQLAlchemy), and refuses a `file://` store without MLFLOW_ALLOW_FILE_STORE. Building the
+    store reaches no server (a remote one is only contacted when the run starts)."""
+    try:
+        from mlflow.tracking._tracking_service.utils import _get_store
+    except ImportError:  # another MLflow layout: the run start will tell
+        return
+    try:
+        _get_store()
+    except Exception as e:
+        import mlflow
+
+        raise ConfigError(
+            f"log.report_to names mlflow, but its tracking store {mlflow.get_tracking_uri()!r} cannot be opened "
+            f"({' '.join(str(e).split())[:300]}); set MLFLOW_TRACKING_URI to a server (http://...), a database "
+            "the installed MLflow can open, or file://DIR with MLFLOW_ALLOW_FILE_STORE=true"
+        ) from e
 
 
 def _check_accelerate_sees(name: str) -> None:
