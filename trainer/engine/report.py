@@ -374,5 +374,7 @@ class Reporter:
             self._bar.close()
         if self._ledger is not None:
             self._ledger.close()
-        if self.accelerator.trackers:
-            self.accelerator.end_training()
+        # Not accelerator.end_training(): it also destroys the process group, on rank 0 only (where the
+        # trackers are), and the other ranks' closing barrier then fails: every multi-rank run exited 1.
+        for tracker in self.accelerator.trackers:
+            tracker.finish()
