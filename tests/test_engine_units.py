@@ -481,3 +481,29 @@ def test_an_mlflow_tracking_store_that_cannot_be_opened_is_refused_at_start(monk
     monkeypatch.setenv("MLFLOW_TRACKING_URI", f"file://{tmp_path}/mlruns")
     monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")
     assert report.tracker_names(cfg) == ["mlflow"]
+
+
+# ---------------------------------------------------------------------------------------------- run.dir upload
+
+
+def test_run_dir_is_copied_beside_the_checkpoints_new_and_changed_files_only(tmp_path):
+    from trainer.engine.upload import RunDirUploader, run_dir_uploader
+
+    run = tmp_path / "run"
+    (run / "samples").mkdir(parents=True)
+    (run / "samples" / "step-000000002.png").write_bytes(b"png")
+    (run / "ledger").mkdir()
+    (run / "ledger" / "rank-0.jsonl").write_text('{"step": 1}\n')
+    dest = tmp_path / "bucket" / "ckpts"
+    up = RunDirUploader(str(run), f"file://{dest}")
+    assert up.sync() == 2 and up.sync() == 0
+    (run / "ledger" / "rank-0.jsonl").write_text('{"step": 1}\n{"step": 2}\n')
+    assert up.sync() == 1
+    assert (dest / "run" / "ledger" / "rank-0.jsonl").read_text().count("step") == 2
+    assert (dest / "run" / "samples" / "step-000000002.png").read_bytes() == b"png"
+    up.close()  # the last copy, in its thread: nothing new
+    # Off by default; with the checkpoints inside run.dir there is nothing to copy them to.
+    assert run_dir_uploader(load_config(None, [f"run.dir={run}"])) is None
+    assert run_dir_uploader(load_config(None, [f"run.dir={run}", "log.upload_run_dir=true"])) is None
+    on = run_dir_uploader(load_config(None, [f"run.dir={run}", "log.upload_run_dir=true", f"checkpoint.url={dest}"]))
+    assert on is not None and on.dest.endswith("ckpts/run")

@@ -149,6 +149,9 @@ class LogConfig(_Section):
     )
     tensorboard: bool = Field(False, description="alias of report_to+=[tensorboard]")
     wandb: bool = Field(False, description="alias of report_to+=[wandb]")
+    upload_run_dir: bool = Field(
+        False, description="copy run.dir (logs, previews, tracker files) to <checkpoint.url>/run after each checkpoint"
+    )
 
     @field_validator("report_to", mode="before")
     @classmethod
