@@ -55,12 +55,12 @@ def tracker_names(log_cfg: LogConfig) -> list[str]:
                 + (f" (log.{name}=true adds it)" if getattr(log_cfg, name, False) else "")
             )
         _check_accelerate_sees(name)
-    if "mlflow" in names:
-        _check_mlflow_store()
     if log_cfg.all_installed:
         seen = {str(t) for t in get_available_trackers()}
         extra = [n for n in _TRACKERS if n not in names and n in seen and _import_errors(n) is None]
         names = [n for n in _TRACKERS if n in names or n in extra]
+    if "mlflow" in names:
+        _check_mlflow_store()
     return names
 
 
