@@ -130,3 +130,55 @@ def assert_tensors_close(a: dict, b: dict, relative: float, what: str = "") -> N
 def assert_identical(a: dict, b: dict) -> None:
     """The model and EMA weights of two `checkpoint_weights` results are bit-identical."""
     assert_tensors_equal({k: a[k] for k in ("model", "ema")}, {k: b[k] for k in ("model", "ema")})
+
+
+def tracker_settings(run_dir: Path) -> tuple[list[str], dict[str, str], list[str]]:
+    """(config settings, environment, trackers) for a run reporting to every tracker installed: TensorBoard,
+    W&B offline (its runs under run.dir/wandb) and MLflow's file store (run.dir/mlruns). The `test` extra
+    installs all three."""
+    import importlib.util
+
+    trackers = [n for n in ("tensorboard", "wandb", "mlflow") if importlib.util.find_spec(n)]
+    env = {
+        "MLFLOW_TRACKING_URI": f"file://{run_dir}/mlruns",
+        "MLFLOW_ALLOW_FILE_STORE": "true",  # MLflow 3 wants a database; its file store is what a test reads
+        "WANDB_MODE": "offline",
+        "WANDB_SILENT": "true",
+    }
+    return [f"log.report_to=[{','.join(trackers)}]"], env, trackers
+
+
+def assert_trackers_continued(run_dir: Path, trackers: list[str], steps: list[int], val_steps: list[int]) -> None:
+    """Read back what the trackers wrote over two starts (a run, then its resumed continuation): their files
+    as the tools read them, one W&B run id and one MLflow run for both, with the metrics of both starts, and
+    the previews. MLflow's file store is read back here: MLFLOW_ALLOW_FILE_STORE=true must be set."""
+    import json
+
+    last = json.loads((run_dir / "checkpoints" / f"step-{steps[-1]:09d}" / "trainer.json").read_text())
+    ids = last["progress"]["trackers"]
+    assert sorted(ids) == sorted(n for n in trackers if n != "tensorboard"), ids
+    if "tensorboard" in trackers:
+        from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+        events = list(run_dir.rglob("events.out.tfevents.*"))
+        assert events, list(run_dir.rglob("*"))
+        acc = EventAccumulator(str(events[0].parent))
+        acc.Reload()
+        assert sorted({e.step for e in acc.Scalars("unet/loss")}) == steps
+        assert [e.step for e in acc.Scalars("val/loss")] == val_steps
+        assert "samples" in acc.Tags()["images"]
+    if "wandb" in trackers:  # one offline run directory per start, both with the checkpoint's id
+        starts = sorted((run_dir / "wandb").glob("offline-run-*"))
+        assert len(starts) == 2 and all(d.name.endswith("-" + ids["wandb"]) for d in starts), starts
+        assert all(list(d.glob("files/media/images/samples_*.png")) for d in starts)
+    if "mlflow" in trackers:
+        from mlflow.tracking import MlflowClient
+
+        client = MlflowClient(tracking_uri=f"file://{run_dir}/mlruns")
+        runs = client.search_runs([e.experiment_id for e in client.search_experiments()])
+        assert [run.info.run_id for run in runs] == [ids["mlflow"]]
+        assert sorted(m.step for m in client.get_metric_history(ids["mlflow"], "unet/loss")) == steps
+        assert sorted(m.step for m in client.get_metric_history(ids["mlflow"], "val/loss")) == val_steps
+        assert runs[0].data.params["train.max_steps"] == str(val_steps[0])  # params stay the first start's
+        images = [a.path for a in client.list_artifacts(ids["mlflow"], "images")]
+        assert any(f"samples+step+{steps[-1]}+" in p for p in images), images

@@ -27,7 +27,14 @@ def remote(request):
 def test_train_resume_list_verify_and_sample_on_object_storage(tmp_path, remote):
     url, so = remote
     so_arg = f"checkpoint.storage_options={json.dumps(so)}"
-    args = tiny(tmp_path, f"checkpoint.url={url}", so_arg, "checkpoint.every_steps=2", "checkpoint.keep=2")
+    extra = [
+        "log.upload_run_dir=true",
+        f"checkpoint.url={url}",
+        so_arg,
+        "checkpoint.every_steps=2",
+        "checkpoint.keep=2",
+    ]
+    args = tiny(tmp_path, *extra)
 
     r = run_cli("train", *args[:-1], "train.max_steps=4")
     assert r.returncode == 0, r.stderr[-3000:]
@@ -40,6 +47,10 @@ def test_train_resume_list_verify_and_sample_on_object_storage(tmp_path, remote)
     rows = [line.split() for line in listing.stdout.splitlines()[1:]]
     assert [row[0] for row in rows] == ["4", "6"]  # keep=2 pruned step 2
     assert all("valid" in row for row in rows) and "(LATEST)" in listing.stdout.splitlines()[-1]
+    # log.upload_run_dir: run.dir beside the checkpoints (the listing above did not take it for one).
+    uploaded = CheckpointStore(url, so)
+    grids = uploaded.fs.ls(f"{uploaded.root}/run/samples", detail=False)
+    assert any(g.endswith("step-000000006.png") for g in grids), grids
 
     ok = run_cli("checkpoints", "verify", f"{url}/step-000000006", "--storage-options", json.dumps(so))
     assert ok.returncode == 0 and "blake3 checked" in ok.stdout, ok.stdout + ok.stderr

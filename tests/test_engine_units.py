@@ -394,17 +394,116 @@ def test_frozen_records_are_stored_redacted_and_a_resume_matches_them_by_digest(
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("tracker", ["tensorboard", "wandb"])
-def test_a_tracker_whose_package_cannot_be_imported_exits_2_naming_the_extra(tmp_path, tracker):
+@pytest.mark.parametrize(
+    ("setting", "tracker"), [("log.tensorboard=true", "tensorboard"), ("log.report_to=wandb", "wandb")]
+)
+def test_a_tracker_whose_package_cannot_be_imported_exits_2_naming_the_extra(tmp_path, setting, tracker):
     # A package that is found (find_spec, the metadata of a real install may even exist) but fails to
     # import, like a broken or half-installed one: accelerate would drop the tracker without a word.
     shadow = tmp_path / "shadow" / tracker
     shadow.mkdir(parents=True)
     (shadow / "__init__.py").write_text('raise ImportError("broken install (shadowed by the test)")\n')
     env = clean_env(PYTHONPATH=str(tmp_path / "shadow"))
-    r = run_cli("train", *tiny(tmp_path, f"log.{tracker}=true", max_steps=2), env=env)
+    r = run_cli("train", *tiny(tmp_path, setting, max_steps=2), env=env)
     assert r.returncode == 2, r.stderr[-3000:]
     last = r.stderr.strip().splitlines()[-1]
-    assert f"log.{tracker}=true" in last and f"pip install 'gentrain[{tracker}]'" in last, r.stderr[-3000:]
+    assert f"log.report_to names {tracker}" in last and "pip install 'gentrain[trackers]'" in last, r.stderr[-3000:]
     assert "broken install" in last and "Traceback" not in r.stderr
     assert "step=" not in r.stderr and not (tmp_path / "run" / "checkpoints").exists()
+
+
+@pytest.mark.parametrize(
+    ("value", "names"),
+    [
+        ("[]", []),
+        ("tensorboard", ["tensorboard"]),
+        ("[mlflow, tensorboard, mlflow]", ["tensorboard", "mlflow"]),
+        ("wandb,mlflow", ["wandb", "mlflow"]),
+        ("none", []),
+    ],
+)
+def test_report_to_takes_a_name_or_a_list_and_the_old_switches_are_aliases(value, names):
+    assert load_config(None, [f"log.report_to={value}"]).log.trackers == names
+    both = load_config(None, ["log.report_to=mlflow", "log.tensorboard=true", "log.wandb=true"]).log
+    assert both.trackers == ["tensorboard", "wandb", "mlflow"] and not both.all_installed
+    with pytest.raises(ConfigError, match="comet"):
+        load_config(None, ["log.report_to=[tensorboard, comet]"])
+
+
+def test_a_missing_tracker_is_refused_by_name_and_all_takes_those_installed(monkeypatch):
+    import trainer.engine.report as report
+
+    installed = {"tensorboard"}
+
+    def fake_import(module):
+        if module.split(".")[0] not in installed and "tensorboard" not in module:
+            raise ImportError(f"No module named {module!r}")
+
+    cfg = load_config(None, ["log.report_to=[tensorboard, mlflow]"]).log
+    every = load_config(None, ["log.report_to=all"]).log
+    monkeypatch.setattr(report.importlib, "import_module", fake_import)  # importlib's own: configs loaded first
+    monkeypatch.setattr(report, "get_available_trackers", lambda: sorted(installed))
+    monkeypatch.setattr(report, "_check_mlflow_store", lambda: None)  # the next test's: it imports mlflow
+    with pytest.raises(ConfigError, match=r"names mlflow.*No module named 'mlflow'.*gentrain\[trackers\]"):
+        report.tracker_names(cfg)
+    assert report.tracker_names(every) == ["tensorboard"]
+    installed.add("mlflow")
+    assert report.tracker_names(cfg) == ["tensorboard", "mlflow"]
+    # Importable but without the metadata accelerate looks for: accelerate would drop it silently.
+    monkeypatch.setattr(report, "get_available_trackers", lambda: ["tensorboard"])
+    with pytest.raises(ConfigError, match="accelerate does not find it installed"):
+        report.tracker_names(cfg)
+
+
+def test_tracker_run_ids_travel_in_the_progress_state_and_only_ids_are_taken_back():
+    progress = TrainProgress(batch_size=4, epoch_size=16, world_size=1, seed=0)
+    progress.trackers = {"wandb": "0123abcd", "mlflow": "d8d1e070b11c4f7287f1fb0fed057ed2"}
+    state = json.loads(json.dumps(progress.state_dict()))
+    again = TrainProgress(batch_size=4, epoch_size=16, world_size=1, seed=0)
+    again.load_state_dict(state)
+    assert again.trackers == progress.trackers
+    state["trackers"] = {"wandb": "../../etc", "mlflow": ["x"], "comet": "abc"}
+    again.load_state_dict(state)
+    assert again.trackers == {}
+    del state["trackers"]  # a checkpoint written before they were recorded
+    again.load_state_dict(state)
+    assert again.trackers == {}
+
+
+def test_an_mlflow_tracking_store_that_cannot_be_opened_is_refused_at_start(monkeypatch, tmp_path):
+    pytest.importorskip("mlflow")
+    import trainer.engine.report as report
+
+    cfg = load_config(None, ["log.report_to=mlflow"]).log
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", "bogus://nowhere")
+    with pytest.raises(ConfigError, match="tracking store 'bogus://nowhere' cannot be opened.*MLFLOW_TRACKING_URI"):
+        report.tracker_names(cfg)
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"file://{tmp_path}/mlruns")
+    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")
+    assert report.tracker_names(cfg) == ["mlflow"]
+
+
+# ---------------------------------------------------------------------------------------------- run.dir upload
+
+
+def test_run_dir_is_copied_beside_the_checkpoints_new_and_changed_files_only(tmp_path):
+    from trainer.engine.upload import RunDirUploader, run_dir_uploader
+
+    run = tmp_path / "run"
+    (run / "samples").mkdir(parents=True)
+    (run / "samples" / "step-000000002.png").write_bytes(b"png")
+    (run / "ledger").mkdir()
+    (run / "ledger" / "rank-0.jsonl").write_text('{"step": 1}\n')
+    dest = tmp_path / "bucket" / "ckpts"
+    up = RunDirUploader(str(run), f"file://{dest}")
+    assert up.sync() == 2 and up.sync() == 0
+    (run / "ledger" / "rank-0.jsonl").write_text('{"step": 1}\n{"step": 2}\n')
+    assert up.sync() == 1
+    assert (dest / "run" / "ledger" / "rank-0.jsonl").read_text().count("step") == 2
+    assert (dest / "run" / "samples" / "step-000000002.png").read_bytes() == b"png"
+    up.close()  # the last copy, in its thread: nothing new
+    # Off by default; with the checkpoints inside run.dir there is nothing to copy them to.
+    assert run_dir_uploader(load_config(None, [f"run.dir={run}"])) is None
+    assert run_dir_uploader(load_config(None, [f"run.dir={run}", "log.upload_run_dir=true"])) is None
+    on = run_dir_uploader(load_config(None, [f"run.dir={run}", "log.upload_run_dir=true", f"checkpoint.url={dest}"]))
+    assert on is not None and on.dest.endswith("ckpts/run")

@@ -131,6 +131,8 @@ def test_two_rank_torchrun_job_reports_samples_from_both_ranks_once(tmp_path):
         "metrics.host=127.0.0.1",
         "metrics.linger_seconds=4",
         "train.log_every_steps=20",
+        # A tracker on rank 0 only: closing it must leave the other rank's closing barrier alone (exit 0).
+        "log.report_to=tensorboard",
         max_steps=steps,
     )
     rdzv = free_port()
@@ -156,21 +158,3 @@ def test_two_rank_torchrun_job_reports_samples_from_both_ranks_once(tmp_path):
     finally:
         kill_group(proc)
         prom.stop()
-
-
-@pytest.mark.slow
-def test_tensorboard_tracker_writes_scalars_and_grids(tmp_path):
-    pytest.importorskip("tensorboard")
-    from conftest import run_cli
-
-    r = run_cli("train", *tiny(tmp_path, "log.tensorboard=true", "train.val_every_steps=2", max_steps=4))
-    assert r.returncode == 0, r.stderr[-3000:]
-    events = list((tmp_path / "run").rglob("events.out.tfevents.*"))
-    assert events, list((tmp_path / "run").rglob("*"))
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-
-    acc = EventAccumulator(str(events[0].parent))
-    acc.Reload()
-    assert "unet/loss" in acc.Tags()["scalars"]
-    assert "val/loss" in acc.Tags()["scalars"]
-    assert "samples" in acc.Tags()["images"]

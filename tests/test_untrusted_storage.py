@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import REPO, clean_env, run_cli, tiny
+from helpers import assert_trackers_continued, tracker_settings
 
 from trainer.checkpoint.weights import load_frozen
 from trainer.config.redact import REDACTED, RedactingFilter, is_credential_key, redact, redact_text
@@ -155,20 +156,26 @@ def _all_text(folder: Path) -> dict[Path, bytes]:
 
 
 @pytest.mark.slow
-def test_credentials_never_reach_checkpoints_trackers_or_logs_and_checkpoints_are_private(tmp_path):
+def test_credentials_never_reach_checkpoints_trackers_or_logs_and_checkpoints_are_private(tmp_path, monkeypatch):
     options = json.dumps(_storage_options())
     settings = [
         f"checkpoint.storage_options={options}",
         'data.storage_options={"token": "gcs-TOKEN-9f8e7d"}',
-        "log.tensorboard=true",
         "sample.every_steps=2",
+        "train.val_every_steps=2",
     ]
+    # Every tracker installed (the `test` extra: all), their files under run.dir to be searched for secrets.
+    tracking, tracker_env, trackers = tracker_settings(tmp_path / "run")
+    env = clean_env(**tracker_env)
     secrets = [*SECRETS.values(), "gcs-TOKEN-9f8e7d"]
-    first = run_cli("train", *tiny(tmp_path, *settings, max_steps=2))
+    first = run_cli("train", *tiny(tmp_path, *settings, *tracking, max_steps=2), env=env)
     assert first.returncode == 0, first.stderr[-3000:]
     # The run's own config supplies the options on resume: nothing needs them from the manifest.
-    again = run_cli("train", *tiny(tmp_path, *settings, max_steps=4))
+    again = run_cli("train", *tiny(tmp_path, *settings, *tracking, max_steps=4), env=env)
     assert again.returncode == 0 and "resum" in again.stderr.lower(), again.stderr[-3000:]
+    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")  # to read MLflow's file store here
+    # The resumed start continued the trackers' runs (the same W&B id, one MLflow run with both starts' metrics).
+    assert_trackers_continued(tmp_path / "run", trackers, steps=[1, 2, 3, 4], val_steps=[2, 4])
     root = tmp_path / "run" / "checkpoints"
     sampled = run_cli("sample", str(root), "--num", "2", "--out", str(tmp_path / "g.png"), "--storage-options", options)
     assert sampled.returncode == 0, sampled.stderr[-3000:]

@@ -37,11 +37,12 @@ from trainer.engine.evaluate import Evaluator
 from trainer.engine.parts import FrozenPart, Part, build_parts
 from trainer.engine.preview import Previewer
 from trainer.engine.progress import TrainProgress, job_skips
-from trainer.engine.report import Reporter, tracker_names
+from trainer.engine.report import Reporter, flat_hparams, tracker_names
 from trainer.engine.runtime import start_runtime
 from trainer.engine.shard import is_fsdp
 from trainer.engine.step import StepRunner, check_batch_split
 from trainer.engine.throughput import Throughput
+from trainer.engine.upload import run_dir_uploader
 from trainer.engine.validate import Validator
 from trainer.engine.wrap import wrapping_for
 from trainer.hostmem import keep_freed_memory
@@ -82,6 +83,7 @@ class Trainer:
             linger_seconds=cfg.metrics.linger_seconds,
         )
         self.checkpoints = CheckpointManager(cfg, runtime, self.metrics)
+        self.uploader = run_dir_uploader(cfg) if env.is_main else None
         self.train_set, self.val_set, num_classes = build_splits(cfg)
         held_out = self.val_set or self.train_set
         self.task = task_class(cfg.task)(cfg.model_cfg, self._task_context(num_classes))
@@ -167,6 +169,8 @@ class Trainer:
         cfg, progress = self.cfg, self.progress
         self.stop_request.install()
         self.checkpoints.resume()
+        # After the resume: a restarted or resumed job continues the tracker runs its checkpoint names.
+        progress.trackers = self.reporter.start_trackers(flat_hparams(cfg.to_dict()), progress.trackers)
         self.clock.mark("resume")
         self.metrics.on_resume(progress.step, progress.saved_time)
         self._log_start()
@@ -196,6 +200,9 @@ class Trainer:
                 self.validator.maybe_run(progress.step)
                 self.evaluator.maybe_run(progress.step)
                 self.previewer.maybe_run(progress.step)
+                if self.uploader is not None and self.checkpoints.every_steps:
+                    if progress.step % self.checkpoints.every_steps == 0:
+                        self.uploader.sync_in_background()
             self.checkpoints.report_background_failure()
 
         self.calibrator.run()
@@ -326,5 +333,7 @@ class Trainer:
     def close(self) -> None:
         self.checkpoints.close()
         self.reporter.close()
+        if self.uploader is not None:
+            self.uploader.close()  # after the trackers: their last writes go along
         self.metrics.close()
         barrier()

@@ -148,9 +148,42 @@ class ElasticConfig(_Section):
     )
 
 
+TRACKERS = ("tensorboard", "wandb", "mlflow")
+
+
 class LogConfig(_Section):
-    tensorboard: bool = False
-    wandb: bool = False
+    report_to: list[str] = Field(
+        default_factory=list,
+        description="trackers (accelerate's names): tensorboard, wandb, mlflow; `all` = those installed; a name "
+        "or a list",
+    )
+    tensorboard: bool = Field(False, description="alias of report_to+=[tensorboard]")
+    wandb: bool = Field(False, description="alias of report_to+=[wandb]")
+    upload_run_dir: bool = Field(
+        False, description="copy run.dir (logs, previews, tracker files) to <checkpoint.url>/run after each checkpoint"
+    )
+
+    @field_validator("report_to", mode="before")
+    @classmethod
+    def _names(cls, value: Any) -> Any:
+        if isinstance(value, str):  # `log.report_to=wandb`, `log.report_to=tensorboard,mlflow`
+            value = [v.strip() for v in value.split(",") if v.strip()]
+        if isinstance(value, list):
+            unknown = [v for v in value if v not in (*TRACKERS, "all", "none")]
+            if unknown:
+                raise ValueError(f"unknown tracker(s) {unknown}; allowed: {', '.join(TRACKERS)}, all, none")
+            value = [v for v in value if v != "none"]
+        return value
+
+    @property
+    def trackers(self) -> list[str]:
+        """The trackers asked for by name (report_to, then the aliases), without `all`; in a stable order."""
+        asked = {*self.report_to, *(n for n in ("tensorboard", "wandb") if getattr(self, n))}
+        return [n for n in TRACKERS if n in asked]
+
+    @property
+    def all_installed(self) -> bool:
+        return "all" in self.report_to
 
 
 class DataConfig(_Section):

@@ -43,7 +43,7 @@ class Previewer:
         runtime: Runtime,
         cfg: SampleConfig,
         run_dir: str,
-        report: Callable[[int, dict[str, torch.Tensor]], None],
+        report: Callable[[int, dict[str, torch.Tensor], dict[str, list[str]]], None],
     ):
         self.task = task
         self.parts = parts
@@ -93,10 +93,11 @@ class Previewer:
             previews = self.task.previews(self.modules, ctx)
         if not self.is_main:
             return []
-        paths = []
+        files = {}
         for name, media in previews.items():
             stem = os.path.join(self.dir, f"step-{step:09d}" + ("" if name == "samples" else f"-{name}"))
-            paths += save_media(media, stem)
+            files[name] = save_media(media, stem)
+        paths = [p for written in files.values() for p in written]
         log.info("sample grid %s (%.1fs)", ", ".join(paths), time.perf_counter() - t0)
-        self.report(step, previews)
+        self.report(step, previews, files)
         return paths

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import time
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -19,6 +20,8 @@ from trainer.errors import ConfigError
 MIN_SKIPPED_TO_STOP = 32
 # How many skipped files (the first ones, each with its reason) are remembered and named in the stop message.
 MAX_SKIPPED_FILES = 5
+# A tracker run id as W&B and MLflow write them (hex, letters, digits, - and _); the checkpoint is not trusted.
+_RUN_ID = re.compile(r"[A-Za-z0-9_-]{1,128}")
 
 
 class TrainProgress:
@@ -58,6 +61,8 @@ class TrainProgress:
         self.skipped_files: list[str] = []
         self.saved_world_size: int | None = None
         self.saved_time: float | None = None
+        # The tracker runs this run logs into (W&B and MLflow run ids, see Reporter.start_trackers).
+        self.trackers: dict[str, str] = {}
 
     @property
     def epoch(self) -> int:
@@ -110,6 +115,7 @@ class TrainProgress:
             "seed": self.seed,
             "order": self.order,
             "time_unix": time.time(),
+            "trackers": dict(self.trackers),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -131,6 +137,10 @@ class TrainProgress:
         files = state.get("skipped_files")
         files = files if isinstance(files, list) else []
         self.skipped_files = [f for f in files if isinstance(f, str)][:MAX_SKIPPED_FILES]
+        # The tracker runs to continue ({"wandb": id, "mlflow": run id}): ids only, anything else is dropped.
+        trackers = state.get("trackers")
+        trackers = trackers if isinstance(trackers, dict) else {}
+        self.trackers = {k: v for k, v in trackers.items() if k in ("wandb", "mlflow") and _RUN_ID.fullmatch(str(v))}
         self.saved_world_size = state.get("world_size")
         self.saved_time = state.get("time_unix")
 

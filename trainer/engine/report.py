@@ -1,4 +1,4 @@
-"""Reporting: progress bar or log lines, trackers (TensorBoard, W&B via accelerate), Prometheus, ledger."""
+"""Reporting: progress bar or log lines, trackers (TensorBoard, W&B, MLflow via accelerate), Prometheus, ledger."""
 
 from __future__ import annotations
 
@@ -7,15 +7,19 @@ import json
 import logging
 import math
 import os
+import secrets
 import sys
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
 import torch
 from accelerate.tracking import get_available_trackers
 
 from trainer.config.redact import redact
+from trainer.elastic import broadcast_object
 from trainer.engine.progress import TrainProgress
 from trainer.errors import ConfigError
+from trainer.media import contact_sheet, make_grid
 from trainer.metrics import TrainingMetrics
 
 if TYPE_CHECKING:
@@ -25,46 +29,194 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("gentrain")
 
-# Tracker -> (the modules accelerate's tracker writes through, any one will do; the gentrain extra).
+# Tracker -> the modules accelerate's tracker writes through (any one will do). All are in the `trackers` extra.
 _TRACKERS = {
-    "tensorboard": (("torch.utils.tensorboard", "tensorboardX"), "tensorboard"),
-    "wandb": (("wandb",), "wandb"),
+    "tensorboard": ("torch.utils.tensorboard", "tensorboardX"),
+    "wandb": ("wandb",),
+    "mlflow": ("mlflow",),
 }
+_EXTRA = "pip install 'gentrain[trackers]'"
 
 
 def tracker_names(log_cfg: LogConfig) -> list[str]:
-    """The trackers `log.*` turns on; a ConfigError (exit 2) naming the extra when one cannot be imported.
+    """The trackers `log.report_to` (and its aliases `log.tensorboard`, `log.wandb`) turns on; a ConfigError
+    (exit 2) naming the extra when one asked for by name cannot be imported. `all` adds those installed.
 
     accelerate drops a tracker whose package it does not find (a debug line, nothing else), so a run asked
     for TensorBoard would train for days without writing a curve. Importing is the check that counts: a
     package that is found but broken (a wrong version, a missing dependency) fails here, not mid-run.
     """
-    names = [n for n, on in (("tensorboard", log_cfg.tensorboard), ("wandb", log_cfg.wandb)) if on]
+    names = log_cfg.trackers
     for name in names:
-        modules, extra = _TRACKERS[name]
-        errors = []
-        for module in modules:
-            try:
-                importlib.import_module(module)
-                break
-            except ImportError as e:
-                errors.append(f"{module}: {' '.join(str(e).split())}")
-        else:
+        errors = _import_errors(name)
+        if errors is not None:
             raise ConfigError(
-                f"log.{name}=true needs the {name} package, which cannot be imported ({'; '.join(errors)}); "
-                f"pip install 'gentrain[{extra}]', or set log.{name}=false"
+                f"log.report_to names {name}, which needs the {name} package, and it cannot be imported "
+                f"({'; '.join(errors)}); {_EXTRA}, or remove {name} from log.report_to"
+                + (f" (log.{name}=true adds it)" if getattr(log_cfg, name, False) else "")
             )
-        _check_accelerate_sees(name, extra)
+        _check_accelerate_sees(name)
+    if log_cfg.all_installed:
+        seen = {str(t) for t in get_available_trackers()}
+        extra = [n for n in _TRACKERS if n not in names and n in seen and _import_errors(n) is None]
+        names = [n for n in _TRACKERS if n in names or n in extra]
+    if "mlflow" in names:
+        _check_mlflow_store()
     return names
 
 
-def _check_accelerate_sees(name: str, extra: str) -> None:
+def _import_errors(name: str) -> list[str] | None:
+    """None when one of the tracker's modules imports, else why each failed."""
+    errors = []
+    for module in _TRACKERS[name]:
+        try:
+            importlib.import_module(module)
+            return None
+        except ImportError as e:
+            errors.append(f"{module}: {' '.join(str(e).split())}")
+    return errors
+
+
+def _check_mlflow_store() -> None:
+    """MLflow's tracking store must open: MLflow 3 defaults to `sqlite:///mlflow.db`, which mlflow-skinny
+    cannot open (no SQLAlchemy), and refuses a `file://` store without MLFLOW_ALLOW_FILE_STORE. Building the
+    store reaches no server (a remote one is only contacted when the run starts)."""
+    try:
+        from mlflow.tracking._tracking_service.utils import _get_store
+    except ImportError:  # another MLflow layout: the run start will tell
+        return
+    try:
+        _get_store()
+    except Exception as e:
+        import mlflow
+
+        raise ConfigError(
+            f"log.report_to names mlflow, but its tracking store {mlflow.get_tracking_uri()!r} cannot be opened "
+            f"({' '.join(str(e).split())[:300]}); set MLFLOW_TRACKING_URI to a server (http://...), a database "
+            "the installed MLflow can open, or file://DIR with MLFLOW_ALLOW_FILE_STORE=true"
+        ) from e
+
+
+def _check_accelerate_sees(name: str) -> None:
     """accelerate also wants the package's installed metadata: without it the tracker is dropped silently."""
     if name not in {str(t) for t in get_available_trackers()}:
         raise ConfigError(
-            f"log.{name}=true: the {name} package imports, but accelerate does not find it installed (no package "
-            f"metadata), so it would log nothing; pip install 'gentrain[{extra}]', or set log.{name}=false"
+            f"log.report_to names {name}: the {name} package imports, but accelerate does not find it installed "
+            f"(no package metadata), so it would log nothing; {_EXTRA}, or remove {name} from log.report_to"
         )
+
+
+def start_trackers(
+    accelerator: Any, project: str, run_dir: str, hparams: dict[str, Any], saved: dict[str, str]
+) -> dict[str, str]:
+    """Start accelerate's trackers, each continuing its run from `saved` where it has one; the run ids in use.
+
+    W&B: the id is made here at a first start (so it is known before the run exists) and passed with
+    resume="allow"; `WANDB_RUN_ID` wins. MLflow makes its own ids: the one it gave at the first start is
+    passed as `run_id` (if that tracking server still has it); `MLFLOW_RUN_ID` wins (accelerate reads it).
+    MLflow params cannot change once logged: a resumed run gets only the keys it lacks."""
+    names = {str(t) for t in accelerator.log_with}
+    kwargs: dict[str, dict[str, Any]] = {}
+    resumed_mlflow = False
+    if "wandb" in names:
+        os.makedirs(run_dir, exist_ok=True)
+        run_id = os.environ.get("WANDB_RUN_ID") or saved.get("wandb") or secrets.token_hex(8)
+        kwargs["wandb"] = {
+            "id": run_id,
+            "resume": "allow",
+            "name": project,
+            "dir": run_dir,
+            # No system metadata: it holds the command line, where storage options may carry keys.
+            "settings": {"x_disable_meta": True},
+        }
+    if "mlflow" in names:
+        run_id = saved.get("mlflow")
+        if run_id and not os.environ.get("MLFLOW_RUN_ID") and not _mlflow_run_exists(run_id):
+            log.warning(
+                "MLflow run %s (from the checkpoint) is not on this tracking server: starting a new one", run_id
+            )
+            run_id = None
+        resumed_mlflow = bool(run_id or os.environ.get("MLFLOW_RUN_ID"))
+        kwargs["mlflow"] = {"run_id": run_id} if run_id else {"run_name": project}
+    accelerator.init_trackers(project, config=None, init_kwargs=kwargs)
+    ids = {}
+    for tracker in accelerator.trackers:
+        if tracker.name == "mlflow":
+            ids["mlflow"] = tracker.active_run.info.run_id
+            _mlflow_params(ids["mlflow"], hparams, only_new=resumed_mlflow)
+        else:
+            tracker.store_init_configuration(hparams)
+        if tracker.name == "wandb":
+            ids["wandb"] = tracker.run.id
+    if ids:
+        log.info("tracker runs: %s", " ".join(f"{k}={v}" for k, v in sorted(ids.items())))
+    return ids
+
+
+def _mlflow_run_exists(run_id: str) -> bool:
+    from mlflow.tracking import MlflowClient
+
+    try:
+        return MlflowClient().get_run(run_id).info.lifecycle_stage != "deleted"
+    except Exception:  # MlflowException (not found), an unreachable server: a new run either way
+        return False
+
+
+def _mlflow_params(run_id: str, hparams: dict[str, Any], only_new: bool) -> None:
+    from mlflow.entities import Param
+    from mlflow.tracking import MlflowClient
+    from mlflow.utils.validation import MAX_PARAM_VAL_LENGTH, MAX_PARAMS_TAGS_PER_BATCH
+
+    client = MlflowClient()
+    have = client.get_run(run_id).data.params if only_new else {}
+    params = [Param(k, str(v)) for k, v in hparams.items() if k not in have and len(str(v)) <= MAX_PARAM_VAL_LENGTH]
+    changed = sorted(k for k, v in hparams.items() if k in have and have[k] != str(v))
+    if changed:
+        log.info("MLflow keeps the first start's params; changed since: %s", ", ".join(changed))
+    for i in range(0, len(params), MAX_PARAMS_TAGS_PER_BATCH):
+        client.log_batch(run_id, params=params[i : i + MAX_PARAMS_TAGS_PER_BATCH])
+
+
+def _grid(media: torch.Tensor) -> np.ndarray:
+    """A preview as one uint8 picture (H, W) or (H, W, 3): the grid, or a video's contact sheet."""
+    upscale = max(1, 64 // min(media.shape[-2:]))  # 16-pixel digits are unreadable at 1:1
+    if media.ndim == 5:
+        grid = make_grid(contact_sheet(media), nrow=media.shape[1], upscale=upscale)
+    else:
+        grid = make_grid(media, upscale=upscale)
+    return grid[..., 0] if grid.shape[-1] == 1 else grid
+
+
+def _tensorboard_previews(tracker: Any, step: int, previews: dict[str, torch.Tensor], files: dict) -> None:
+    for name, media in previews.items():
+        if media.ndim == 5:
+            tracker.writer.add_video(name, media, step)
+        else:
+            tracker.writer.add_images(name, media, step)
+
+
+def _wandb_previews(tracker: Any, step: int, previews: dict[str, torch.Tensor], files: dict) -> None:
+    import wandb
+
+    data = {}
+    for name, media in previews.items():
+        gif = next((f for f in files.get(name, []) if f.endswith(".gif")), None)
+        data[name] = wandb.Video(gif, format="gif") if gif else wandb.Image(_grid(media))
+    tracker.run.log(data, step=step)
+
+
+def _mlflow_previews(tracker: Any, step: int, previews: dict[str, torch.Tensor], files: dict) -> None:
+    from mlflow.tracking import MlflowClient
+
+    client, run_id = MlflowClient(), tracker.active_run.info.run_id
+    for name, media in previews.items():
+        client.log_image(run_id, _grid(media), key=name, step=step)
+        for path in files.get(name, []):
+            if path.endswith(".gif"):
+                client.log_artifact(run_id, path, artifact_path="samples")
+
+
+_PREVIEWS = {"tensorboard": _tensorboard_previews, "wandb": _wandb_previews, "mlflow": _mlflow_previews}
 
 
 def flat_hparams(tree: dict, prefix: str = "") -> dict[str, Any]:
@@ -188,15 +340,25 @@ class Reporter:
         self.metrics.on_eval(values)
         self.track(step, {"eval/fid": values["fid"], "eval/kid": values["kid"]})
 
-    def on_previews(self, step: int, previews: dict[str, torch.Tensor]) -> None:
+    def on_previews(
+        self, step: int, previews: dict[str, torch.Tensor], files: dict[str, list[str]] | None = None
+    ) -> None:
+        """Every tracker gets the previews: TensorBoard images (videos), W&B images (GIFs), MLflow keyed images
+        (and the GIFs as artifacts). `files`: what the previewer wrote for each preview."""
         for tracker in self.accelerator.trackers:
-            if tracker.name != "tensorboard":
-                continue
-            for name, media in previews.items():
-                if media.ndim == 5:
-                    tracker.writer.add_video(name, media, step)
-                else:
-                    tracker.writer.add_images(name, media, step)
+            try:
+                _PREVIEWS[tracker.name](tracker, step, previews, files or {})
+            except Exception as e:  # a tracker's hiccup costs a preview, not the run
+                log.warning("previews of step %d not sent to %s: %r", step, tracker.name, e)
+
+    def start_trackers(self, hparams: dict[str, Any], saved: dict[str, str]) -> dict[str, str]:
+        """Collective: start the trackers (rank 0), continuing the runs whose ids the resumed checkpoint holds
+        (`saved`, from TrainProgress.trackers); the ids now in use, on every rank, to be saved with the next
+        checkpoint. A first start makes them (W&B: ours; MLflow: the server's)."""
+        ids: dict[str, str] = {}
+        if self.is_main and self.accelerator.log_with:
+            ids = start_trackers(self.accelerator, self.name, self.run_dir, hparams, saved)
+        return broadcast_object(ids) if self.world_size > 1 else ids
 
     def track(self, step: int, values: dict[str, float]) -> None:
         if self.accelerator.trackers:
@@ -226,5 +388,7 @@ class Reporter:
             self._bar.close()
         if self._ledger is not None:
             self._ledger.close()
-        if self.accelerator.trackers:
-            self.accelerator.end_training()
+        # Not accelerator.end_training(): it also destroys the process group, on rank 0 only (where the
+        # trackers are), and the other ranks' closing barrier then fails: every multi-rank run exited 1.
+        for tracker in self.accelerator.trackers:
+            tracker.finish()

@@ -1,6 +1,6 @@
 """The runtime: what every engine component needs to know about the processes it runs in.
 
-Made once by the Trainer (`start_runtime`: process group, accelerate, trackers) and handed by keyword
+Made once by the Trainer (`start_runtime`: process group, accelerate) and handed by keyword
 to the checkpoint manager, the reporter, validation, previews and evaluation, so none of them takes a
 rank, a world size, a device and a precision as separate arguments, nor works out again whether parts
 are sharded.
@@ -19,7 +19,6 @@ from accelerate.utils import GradientAccumulationPlugin
 
 from trainer.accelerate_env import check_accelerate_env
 from trainer.elastic import DistEnv, init_process_group
-from trainer.engine.report import flat_hparams
 
 if TYPE_CHECKING:
     from trainer.config import Config
@@ -96,8 +95,9 @@ def configure_matmul(tf32: bool, cuda: bool) -> None:
 
 
 def start_runtime(cfg: Config, env: DistEnv, trackers: list[str]) -> Runtime:
-    """Join the process group, start accelerate on it and the `trackers` (checked importable first, see
-    trainer.engine.report.tracker_names: accelerate silently drops one whose package is missing)."""
+    """Join the process group, start accelerate on it with the `trackers` (checked importable first, see
+    trainer.engine.report.tracker_names: accelerate silently drops one whose package is missing). They are
+    started after the resume (Reporter.start_trackers), which knows their run ids."""
     use_cpu = not torch.cuda.is_available()
     # accelerate launch's settings: refused (exit 2) when accelerate would act on them, else ignored.
     for warning in check_accelerate_env(os.environ, cuda=not use_cpu):
@@ -114,8 +114,6 @@ def start_runtime(cfg: Config, env: DistEnv, trackers: list[str]) -> Runtime:
             f"accelerate sees {accelerator.num_processes} processes but torchrun started "
             f"{env.world_size}; refusing to train ranks independently"
         )
-    if trackers:
-        accelerator.init_trackers(cfg.name, config=flat_hparams(cfg.to_dict()))
     return Runtime(
         env=env,
         device=accelerator.device,
