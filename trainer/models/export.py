@@ -94,20 +94,12 @@ def vq_model(generator: nn.Module, channels: int, image_size: int) -> VQModel:
         raise ConfigError("this quantizer projects or normalizes its input, which diffusers' VQModel has no layer for")
     if cfg.quantizer == "vq" and getattr(q._codebook, "use_cosine_sim", False):
         raise ConfigError("a cosine-similarity codebook has no diffusers VQModel equivalent (Euclidean distance)")
-    n = len(cfg.block_out_channels)
     latent = cfg.latent_channels
     out = VQModel(
-        in_channels=channels,
-        out_channels=channels,
-        down_block_types=("DownEncoderBlock2D",) * n,
-        up_block_types=("UpDecoderBlock2D",) * n,
-        block_out_channels=tuple(cfg.block_out_channels),
-        layers_per_block=cfg.layers_per_block,
+        **cfg.diffusers_shape(channels, image_size),
         act_fn="silu",
         latent_channels=latent,
-        sample_size=image_size,
         num_vq_embeddings=cfg.num_codes,
-        norm_num_groups=cfg.norm_num_groups,
         vq_embed_dim=latent,
         scaling_factor=1.0,  # the latents as they are, as a gentrain latent-diffusion run uses a VQ-GAN's
         norm_type="group",

@@ -9,6 +9,8 @@ Everything works on frames (M, C, H, W): an image is one frame, a clip (N, T, C,
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 from pydantic import BaseModel, ConfigDict, Field, model_validator
@@ -62,6 +64,20 @@ class ConvAutoencoderShape(BaseModel):
     @property
     def downsample(self) -> int:
         return 2 ** (len(self.block_out_channels) - 1)
+
+    def diffusers_shape(self, channels: int, image_size: int) -> dict[str, Any]:
+        """This shape as the keys of diffusers' whole autoencoders (`AutoencoderKL`, `VQModel`)."""
+        n = len(self.block_out_channels)
+        return {
+            "in_channels": channels,
+            "out_channels": channels,
+            "down_block_types": ("DownEncoderBlock2D",) * n,
+            "up_block_types": ("UpDecoderBlock2D",) * n,
+            "block_out_channels": tuple(self.block_out_channels),
+            "layers_per_block": self.layers_per_block,
+            "norm_num_groups": self.norm_num_groups,
+            "sample_size": image_size,
+        }
 
 
 class PatchDiscriminator(nn.Module):

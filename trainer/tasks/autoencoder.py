@@ -64,17 +64,9 @@ class KLAutoencoder(nn.Module):
 
     def __init__(self, cfg: AutoencoderConfig, channels: int, image_size: int):
         super().__init__()
-        n = len(cfg.block_out_channels)
         self.vae = AutoencoderKL(
-            in_channels=channels,
-            out_channels=channels,
-            down_block_types=("DownEncoderBlock2D",) * n,
-            up_block_types=("UpDecoderBlock2D",) * n,
-            block_out_channels=tuple(cfg.block_out_channels),
-            layers_per_block=cfg.layers_per_block,
+            **cfg.diffusers_shape(channels, image_size),
             latent_channels=cfg.latent_channels,
-            norm_num_groups=cfg.norm_num_groups,
-            sample_size=image_size,
             scaling_factor=1.0,  # diffusers' config value is unused: the measured one is the buffer below
             mid_block_add_attention=cfg.attention,
         )
