@@ -41,8 +41,11 @@ BLOCKS = {"dit": "BasicTransformerBlock", "pixart": "BasicTransformerBlock", "mm
 def test_a_sigkilled_rank_resumes_bit_identical(tmp_path, backbone, parallel):
     steps = 6
     spec, extra, cls = BACKBONES[backbone]
-    # DiT under FSDP with its blocks checkpointed inside their units: the recomputation replays dropout's RNG
-    checkpointing = ["train.activation_checkpointing=blocks"] if (backbone, parallel) == ("dit", "fsdp") else []
+    # DiT under FSDP with its blocks checkpointed and compiled inside their units (torchtitan's combination):
+    # the recomputation replays dropout's RNG, and the restarted rank's compiled blocks draw what the
+    # uninterrupted run's did
+    torchtitan = (backbone, parallel) == ("dit", "fsdp")
+    checkpointing = ["train.activation_checkpointing=blocks", "train.compile=true"] if torchtitan else []
     text = str(tmp_path / "text")  # one caption cache for both runs: each caption encoded alone, so the same bytes
 
     def args(root):
@@ -69,6 +72,9 @@ def test_a_sigkilled_rank_resumes_bit_identical(tmp_path, backbone, parallel):
         assert log.count(f"fsdp: {cls} sharded as 2 units ({BLOCKS[backbone]}) plus the rest{gathered}\n") == 2
         if checkpointing:
             assert log.count("activation checkpointing (blocks): transformer, 2 blocks (BasicTransformerBlock)") == 2
+            assert log.count("compile: transformer, 2 blocks (BasicTransformerBlock)") == 2
+            compiled = re.findall(r"compile: [\d.]+ s compiling, (\d+) graph\(s\), (\d+) graph break", log)
+            assert len(compiled) == 2 and all(int(g) > 0 and b == "0" for g, b in compiled), compiled
     else:
         assert {
             "transformer.model.safetensors",

@@ -33,6 +33,7 @@ from trainer.elastic import (
 )
 from trainer.engine.calibrate import Calibrator
 from trainer.engine.checkpointing import apply_activation_checkpointing
+from trainer.engine.compile import CompileStats, apply_compile
 from trainer.engine.evaluate import Evaluator
 from trainer.engine.parts import FrozenPart, Part, build_parts
 from trainer.engine.preview import Previewer
@@ -180,13 +181,22 @@ class Trainer:
         )
         batches = iter(loader)
         self.reporter.start()
+        if progress.flops_per_sample is not None:  # counted by an earlier process of this run
+            self.throughput.set_flops_per_step(progress.flops_per_sample * progress.batch_size / env.world_size)
+        compile_pending = cfg.train.compile and env.is_main
 
         while progress.step < cfg.train.max_steps:
             t0 = time.perf_counter()
             batch = next(batches)
             t_data = time.perf_counter() - t0
-            with self.throughput.counting():  # the first step of this process: its FLOPs, counted once
+            counting = self.throughput.flops_per_step is None
+            with self.throughput.counting():  # the run's first step: its FLOPs, counted once
                 logs = self.step_runner.run(batch, progress.step)
+            if counting:
+                progress.flops_per_sample = self.throughput.flops_per_step * env.world_size / progress.batch_size
+            elif compile_pending:  # the first compiled step (a counted step runs eagerly: dynamo skips it)
+                compile_pending = False
+                log.info("%s", CompileStats.now().line())
             progress.advance(*job_skips(batch, progress, self.device))  # the job's skips, the same on every rank
             self.reporter.on_step(batch, logs, self._lr(), t_data, time.perf_counter() - t0)
             self._mark_first_step()
@@ -262,6 +272,8 @@ class Trainer:
         learning = set(self.task.learning_parts())
         wrapping.prepare(modules, frozen=frozen, learning=learning)
         apply_activation_checkpointing(modules, learning, self.cfg.train.activation_checkpointing, self.cfg.task)
+        if self.cfg.train.compile:
+            apply_compile(modules, learning, self.cfg.task)
         parts, frozen_parts = build_parts(
             modules,
             frozen=frozen,

@@ -84,6 +84,11 @@ class TrainConfig(_Section):
         description="recompute activations in backward: per block (the FSDP units: transformer blocks, a UNet's "
         "down/up blocks) or selective (per block, keeping the matmul and attention outputs)",
     )
+    compile: bool = Field(
+        False,
+        description="torch.compile each block (regional: the activation-checkpointing units) for the training "
+        "forward and backward; compile time and graph breaks are logged after the first step",
+    )
     stages: list[int] | None = Field(
         None, min_length=1, description="cascade: which stages (1-based) this run trains; null = all"
     )

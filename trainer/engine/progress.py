@@ -63,6 +63,10 @@ class TrainProgress:
         self.saved_time: float | None = None
         # The tracker runs this run logs into (W&B and MLflow run ids, see Reporter.start_trackers).
         self.trackers: dict[str, str] = {}
+        # FLOPs of one sample's training step, counted on a run's first step (trainer.engine.throughput): a
+        # resumed process takes it from here instead of counting again, so a compiled run's resumed steps stay
+        # compiled (counting runs a step eagerly) and every step of a run reports against one count.
+        self.flops_per_sample: float | None = None
 
     @property
     def epoch(self) -> int:
@@ -116,6 +120,7 @@ class TrainProgress:
             "order": self.order,
             "time_unix": time.time(),
             "trackers": dict(self.trackers),
+            "flops_per_sample": self.flops_per_sample,
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -141,6 +146,9 @@ class TrainProgress:
         trackers = state.get("trackers")
         trackers = trackers if isinstance(trackers, dict) else {}
         self.trackers = {k: v for k, v in trackers.items() if k in ("wandb", "mlflow") and _RUN_ID.fullmatch(str(v))}
+        flops = state.get("flops_per_sample")  # informative: anything but a positive finite number is dropped
+        ok = isinstance(flops, (int, float)) and not isinstance(flops, bool) and 0 < flops < float("inf")
+        self.flops_per_sample = float(flops) if ok else None
         self.saved_world_size = state.get("world_size")
         self.saved_time = state.get("time_unix")
 

@@ -1,7 +1,7 @@
 """How far a step is from the machine's limit: FLOPs per step, achieved FLOP/s and MFU.
 
 The FLOPs of a step are counted once, from the model, with the FLOP formulas of torch's `FlopCounterMode`
-(`torch.utils.flop_counter.flop_registry`) around the first training step a process runs (forward,
+(`torch.utils.flop_counter.flop_registry`) around the first training step of a run (forward,
 backward and optimizer, every phase and chunk; matmuls, convolutions and attention, which is what peak
 figures measure). Not `FlopCounterMode` itself: its per-module tracking hooks into the backward graph and
 changed the order gradients are summed in (1e-8 differences in the digits UNet's gradients), which would
@@ -100,14 +100,24 @@ class Throughput:
         else:
             self.peak, self.peak_source = None, f"{device.type}: no peak known"
 
+    def set_flops_per_step(self, flops: float) -> None:
+        """This process's FLOPs per step, from the count an earlier process of the run saved (no counting)."""
+        self.flops_per_step = int(flops)
+        log.info("throughput: %.4g GFLOP per step on this process (counted at the run's first step)", flops / 1e9)
+
     @contextlib.contextmanager
     def counting(self) -> Iterator[None]:
-        """Around a training step: counts it when no step has been counted yet, else nothing."""
+        """Around a training step: counts it when no step has been counted yet, else nothing.
+
+        A counted step runs eagerly under `train.compile` (dynamo does not trace inside a dispatch mode), so
+        the count is taken once per run, not per process, and saved with the progress (flops_per_sample)."""
         if self.flops_per_step is not None:
             yield
             return
         counter = StepFlops()
-        with counter:
+        # force_eager: compiled blocks run their Python code (dynamo would skip frames inside a dispatch mode
+        # and remember to skip them for good, leaving a compiled run eager).
+        with torch.compiler.set_stance("force_eager"), counter:
             yield
         self.flops_per_step = counter.total
         peak = f"{self.peak / 1e12:.3g} TFLOP/s ({self.peak_source})" if self.peak else self.peak_source

@@ -1,0 +1,132 @@
+"""Regional compilation (`train.compile=true`): `torch.compile` per block, as torchtitan does under FSDP2.
+
+The blocks are the activation-checkpointing and FSDP units (`trainer.engine.shard.fsdp_units`: a UNet's down
+and up blocks, every transformer block). Each block's `forward` is replaced (by a subclass named as its class,
+as for activation checkpointing, so parameter names, state dicts and checkpoints do not change) by one that
+calls a compiled version of it while gradients are on:
+
+- Only the `forward` is compiled, not the module's `__call__`: FSDP2's gather and reshard hooks and DDP's run
+  eagerly around it, so no collective is traced, and a checkpointed block's `torch.utils.checkpoint` call is
+  compiled inside the block (dynamo traces it as one higher-order op) as torchtitan orders them.
+- Every block of a class shares one compiled function: dynamo treats a module's parameters as inputs (it
+  inlines built-in modules), so the 28 blocks of a DiT compile one graph and reuse it, the point of compiling
+  regions rather than the whole model (compile time of one block, not of the model).
+- With gradients off (validation loss, sampling, an EMA copy) the block runs eagerly: those are a small share
+  of the time, would compile a second graph per block class (grad mode is guarded), and sampling at other
+  batch sizes would recompile again.
+
+Exactness: a compiled step is deterministic on CPU for a fixed thread count (inductor's C++ kernels reduce in
+a fixed order, random ops draw from the global generator, whose state a checkpoint restores), so a resumed
+compiled run is bit-identical to an uninterrupted compiled one. It is not bit-identical to an eager run
+(fused kernels round differently); see docs/scaling.md.
+
+Compile time and graph breaks come from dynamo's own counters (`torch._dynamo.utils`: `counters`,
+`compilation_time_metrics`; private, covered by tests/test_private_apis.py) and are logged once, after the
+first step.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from collections.abc import Collection, Mapping
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from trainer.engine.shard import fsdp_units
+from trainer.errors import ConfigError
+
+log = logging.getLogger("gentrain")
+
+# Tasks whose blocks do not compile, and why (exit 2 with the reason).
+REFUSED: dict[str, str] = {}
+
+# dynamo's timers that together cover a compile: the forward frames (tracing, AOT autograd, inductor's forward)
+# and the backward graphs inductor compiles lazily at the first backward.
+_COMPILE_TIMERS = ("_compile.compile_inner", "backward._backward_impl")
+
+_CLASSES: dict[type, type] = {}
+_COMPILED: dict[type, object] = {}
+
+
+def _compiled_class(cls: type) -> type:
+    """`cls` with its forward compiled while gradients are on (one class and one compiled function per class)."""
+    if cls not in _CLASSES:
+        original = cls.forward
+        compiled = torch.compile(original)
+        _COMPILED[cls] = compiled
+
+        @functools.wraps(original)
+        def forward(self, *args, **kwargs):
+            if not torch.is_grad_enabled():
+                return original(self, *args, **kwargs)
+            return compiled(self, *args, **kwargs)
+
+        _CLASSES[cls] = type(cls.__name__, (cls,), {"forward": forward, "compiled": True, "__module__": cls.__module__})
+    return _CLASSES[cls]
+
+
+def compile_blocks(module: nn.Module) -> list[nn.Module]:
+    """Compile every block (FSDP unit) of `module` in place; returns the blocks (none: nothing done)."""
+    units = fsdp_units(module)
+    for unit in units:
+        if not getattr(unit, "compiled", False):
+            unit.__class__ = _compiled_class(type(unit))
+    return units
+
+
+def compiled_blocks(module: nn.Module) -> list[nn.Module]:
+    return [m for m in module.modules() if getattr(m, "compiled", False)]
+
+
+def apply_compile(modules: Mapping[str, nn.Module], learning: Collection[str], task: str) -> None:
+    """Compile the blocks of every part this run trains; exit 2 (ConfigError) where the task cannot be."""
+    if task in REFUSED:
+        raise ConfigError(f"train.compile=true: the {task} task cannot be compiled: {REFUSED[task]}")
+    done = {name: compile_blocks(modules[name]) for name in sorted(learning) if fsdp_units(modules[name])}
+    if not done:
+        raise ConfigError(
+            f"train.compile=true: the {task} task's parts ({', '.join(sorted(learning))}) have no blocks to "
+            "compile (no ModuleList of layers); use train.compile=false"
+        )
+    for name, units in done.items():
+        classes = ", ".join(sorted({type(u).__name__ for u in units}))
+        log.info("compile: %s, %d blocks (%s), compiled at their first use", name, len(units), classes)
+    rest = sorted(set(learning) - set(done))
+    if rest:
+        log.info("compile: %s not compiled (no blocks)", ", ".join(rest))
+
+
+@dataclass(frozen=True)
+class CompileStats:
+    """What dynamo did so far in this process."""
+
+    seconds: float
+    graphs: int
+    graph_breaks: int
+    recompiles: int
+    break_reasons: tuple[str, ...]
+
+    @classmethod
+    def now(cls) -> CompileStats:
+        from torch._dynamo.utils import compilation_time_metrics, counters
+
+        breaks = counters["graph_break"]
+        return cls(
+            seconds=sum(sum(compilation_time_metrics.get(k, ())) for k in _COMPILE_TIMERS),
+            graphs=int(counters["stats"]["unique_graphs"]),
+            graph_breaks=int(sum(breaks.values())),
+            recompiles=int(sum(counters["recompiles"].values())),
+            break_reasons=tuple(reason for reason, _ in breaks.most_common(3)),
+        )
+
+    def line(self) -> str:
+        text = (
+            f"compile: {self.seconds:.1f} s compiling, {self.graphs} graph(s), {self.graph_breaks} graph break(s), "
+            f"{self.recompiles} recompile(s)"
+        )
+        if self.break_reasons:
+            text += "; breaks: " + " | ".join(r.replace("\n", " ")[:200] for r in self.break_reasons)
+        return text
