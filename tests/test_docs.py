@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import re
+import shlex
 import subprocess
 import sys
 import typing
@@ -21,7 +22,7 @@ from pydantic import BaseModel
 
 from trainer.cli import _parser
 from trainer.config.schema import Config
-from trainer.registry import builtin_tasks, task_class
+from trainer.registry import builtin_tasks, load_config, task_class
 
 README_MAX_LINES = 200
 CONTRACT = REPO / "docs" / "contract.md"
@@ -144,6 +145,94 @@ def test_the_contract_names_every_command_and_flag():
         block = cli.split(f"gentrain {' '.join(words)}", 1)[1].split("\ngentrain ", 1)[0]
         missing += [f"gentrain {' '.join(words)} {f}" for f in flags if not re.search(rf"{re.escape(f)}\b", block)]
     assert not missing, f"docs/contract.md (Command line) does not name: {missing}"
+
+
+# ---------------------------------------------------------------- the diffusers migration page cannot drift
+
+FROM_DIFFUSERS = REPO / "docs" / "from-diffusers.md"
+# Keys other branches add (8-bit AdamW, the Hugging Face datasets source, train.compile) that the page already
+# names. Drop each one from this set once it is in the schema; the test says when.
+PENDING_KEYS = {
+    "train.optimizer",
+    "optim.<part>.name",
+    "data.image_column",
+    "data.hf_split",
+    "data.label_column",
+    "train.compile",
+}
+_BACKTICKED = re.compile(r"`([^`]+)`")
+
+
+def _known_keys() -> set[str]:
+    """Every config key as `_keys` spells it: the core schema's, and `model.*` of every built-in task."""
+    known = set(_keys(Config))
+    for task in builtin_tasks():
+        known |= set(_keys(task_class(task).ModelConfig, "model."))
+    return known
+
+
+def _as_schema_key(token: str) -> str:
+    """`optim.unet.eps=1e-6` -> `optim.<part>.eps`; `model.stages[0].x` -> `model.stages[i].x`."""
+    key = token.split("=", 1)[0]
+    key = re.sub(r"^optim\.[^.<]+\.", "optim.<part>.", key)
+    return re.sub(r"\[\d+\]", "[i]", key)
+
+
+def _flag_table_rows() -> list[tuple[str, str]]:
+    """(diffusers flags, gentrain column) of every row of the page's `## Flag by flag` table."""
+    text = FROM_DIFFUSERS.read_text().split("## Flag by flag", 1)[1]
+    rows = []
+    for line in text.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if not line.startswith("|") or len(cells) != 3 or set(cells[0]) <= {"-"} or cells[0] == "diffusers flag":
+            continue
+        rows.append((cells[0], cells[1]))
+    return rows
+
+
+def test_every_key_and_command_the_diffusers_page_maps_a_flag_to_exists():
+    """The gentrain column of docs/from-diffusers.md holds only config keys (`key` or `key=value`) and
+    `gentrain` commands (with flags), each checked against the schema and the command line."""
+    rows = _flag_table_rows()
+    assert len(rows) >= 50, f"the flag table has {len(rows)} rows: did the page's table format change?"
+    known = _known_keys()
+    commands = dict(_commands(_parser()))
+    unknown, pending_arrived = [], sorted(PENDING_KEYS & known)
+    for flags, cell in rows:
+        tokens = _BACKTICKED.findall(cell)
+        assert tokens or cell == "—", f"row {flags}: the gentrain column names nothing and is not '—': {cell!r}"
+        for token in tokens:
+            if token.startswith("gentrain "):
+                words = tuple(w for w in token.split()[1:] if not w.startswith("-"))
+                opts = [w for w in token.split() if w.startswith("--")]
+                if words not in commands or any(o not in commands[words] for o in opts):
+                    unknown.append(f"{flags}: {token}")
+            elif _as_schema_key(token) not in known | PENDING_KEYS:
+                unknown.append(f"{flags}: {token}")
+    assert not unknown, f"docs/from-diffusers.md maps flags to keys or commands gentrain does not have: {unknown}"
+    assert not pending_arrived, f"these keys are in the schema now; remove them from PENDING_KEYS: {pending_arrived}"
+
+
+def _train_commands(text: str) -> list[list[str]]:
+    """The words after `train` of every `gentrain train` / `torchrun ... -m trainer train` line in the page's
+    bash blocks, continuation lines joined."""
+    found = []
+    for block in re.findall(r"```bash\n(.*?)```", text, re.S):
+        for line in block.replace("\\\n", " ").splitlines():
+            words = shlex.split(line, comments=True)
+            for i in range(len(words) - 1):
+                if words[i : i + 2] in (["gentrain", "train"], ["trainer", "train"]):
+                    found.append(words[i + 2 :])
+    return found
+
+
+def test_the_diffusers_page_train_commands_load():
+    """Every gentrain run the page shows is a valid config (presets, keys, values, optim part names)."""
+    commands = _train_commands(FROM_DIFFUSERS.read_text())
+    assert len(commands) >= 2, commands
+    for words in commands:
+        preset = words[0] if words and "=" not in words[0] else None
+        load_config(preset, words[1:] if preset else words, environ={})
 
 
 @pytest.mark.slow
