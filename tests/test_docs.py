@@ -158,7 +158,6 @@ PENDING_KEYS = {
     "data.image_column",
     "data.hf_split",
     "data.label_column",
-    "train.compile",
 }
 _BACKTICKED = re.compile(r"`([^`]+)`")
 

@@ -55,7 +55,11 @@ def _compiled_class(cls: type) -> type:
     """`cls` with its forward compiled while gradients are on (one class and one compiled function per class)."""
     if cls not in _CLASSES:
         original = cls.forward
-        compiled = torch.compile(original)
+        # Static shapes: blocks of one class at several resolutions (a UNet's ResnetBlock2D) get a graph per
+        # shape instead of one with symbolic sizes (automatic dynamic shapes recompiled the second shape with
+        # symbols, which inductor 2.13 failed to lower for a UNet block on CPU); `compile_blocks` raises
+        # dynamo's per-function recompile limit to the number of blocks so no shape falls back to eager.
+        compiled = torch.compile(original, dynamic=False)
         _COMPILED[cls] = compiled
 
         @functools.wraps(original)
@@ -71,6 +75,8 @@ def _compiled_class(cls: type) -> type:
 def compile_blocks(module: nn.Module) -> list[nn.Module]:
     """Compile every block (FSDP unit) of `module` in place; returns the blocks (none: nothing done)."""
     units = fsdp_units(module)
+    limit = torch._dynamo.config.recompile_limit
+    torch._dynamo.config.recompile_limit = max(limit, len(units))
     for unit in units:
         if not getattr(unit, "compiled", False):
             unit.__class__ = _compiled_class(type(unit))
