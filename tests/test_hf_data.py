@@ -102,6 +102,8 @@ def test_save_to_disk_parquet_and_imagefolder_read_the_pixels_captions_and_label
     ds.save_to_disk(str(tmp_path / "disk"))
     assert_reads_the_digits(read(tmp_path / "disk", label_column="label"))
     assert_reads_the_digits(read(tmp_path / "disk"), labelled=False)  # no label_column: no labels
+    flipped, unflipped = read(tmp_path / "disk").load(3, 1, True), read(tmp_path / "disk").load(3, 1, False)
+    assert_tensors_equal(flipped[0], unflipped[0].flip(-1))  # an odd augmentation seed flips, as the folder
 
     # A DatasetDict: the split named by data.hf_split.
     half = datasets.DatasetDict(train=ds.select(range(4)), test=ds)
@@ -161,9 +163,10 @@ def test_broken_rows_are_skipped_and_counted_like_corrupt_files_and_name_their_r
     # A column of another type (here integers) and a caption that is no string: skipped the same way.
     datasets.Dataset.from_dict({"image": [1, 2], "text": ["a", "b"]}).save_to_disk(str(tmp_path / "ints"))
     assert HFDataset(str(tmp_path / "ints"), 8, 1).load(0, 0, False) is None
-    datasets.Dataset.from_dict({"image": [png(arrays[0])], "text": [7]}).save_to_disk(str(tmp_path / "cap"))
+    lists = {"image": [png(arrays[0]), png(arrays[1])], "text": [["a", "b"], ["c"]]}
+    datasets.Dataset.from_dict(lists).save_to_disk(str(tmp_path / "cap"))
     bad_caption = HFDataset(str(tmp_path / "cap"), 8, 1)
-    assert bad_caption.load(0, 0, False) is None and "not a string" in bad_caption.skip_reason(0)
+    assert bad_caption.load(0, 0, False) is None and "list, not a string" in bad_caption.skip_reason(0)
 
 
 def test_a_missing_column_or_split_exits_2_naming_what_there_is(tmp_path):
@@ -181,9 +184,12 @@ def test_a_missing_column_or_split_exits_2_naming_what_there_is(tmp_path):
     datasets.DatasetDict(train=digits_dataset(2)).save_to_disk(str(tmp_path / "dict"))
     with pytest.raises(ConfigError, match=r"data\.hf_split='val': .* DatasetDict with the splits \['train'\]"):
         HFDataset(str(tmp_path / "dict"), 8, 1, split="val")
+    datasets.Dataset.from_dict({"image": [b""], "n": [7]}).save_to_disk(str(tmp_path / "ints"))
+    with pytest.raises(ConfigError, match=r"data\.caption_column='n': .* holds int64 there, not text"):
+        HFDataset(str(tmp_path / "ints"), 8, 1, caption_column="n", caption_required=True)
     with pytest.raises(ConfigError, match=r"data\.label_column='text': the column holds"):
         datasets.Dataset.from_dict({"image": [b""], "text": [0.5]}).save_to_disk(str(tmp_path / "floats"))
-        HFDataset(str(tmp_path / "floats"), 8, 1, caption_column="image", label_column="text")
+        HFDataset(str(tmp_path / "floats"), 8, 1, label_column="text")  # the default caption column: ignored
 
 
 @pytest.mark.parametrize(

@@ -197,6 +197,12 @@ def open_split(
         ) from None
 
 
+def _holds_text(feature, datasets) -> bool:
+    """False for a plain column of another type (caught at start); other features (lists) are checked per
+    row, where a caption that is not a string skips its row."""
+    return not isinstance(feature, datasets.Value) or feature.dtype in ("string", "large_string")
+
+
 class HFDataset:
     """One split of a Hugging Face dataset: images resized on the short side and center-cropped (as the
     folder source), the caption from `caption_column` when the dataset has it, the label from
@@ -235,12 +241,21 @@ class HFDataset:
 
         if image_column not in columns:
             raise missing(image_column, "image", "data.image_column")
+        if label_column is not None and label_column not in columns:
+            raise missing(label_column, "label", "data.label_column")
         if caption_column is not None and caption_column not in columns:
             if caption_required:
                 raise missing(caption_column, "caption", "data.caption_column")
             caption_column = None  # the default name and no such column: no captions, as a folder without any
-        if label_column is not None and label_column not in columns:
-            raise missing(label_column, "label", "data.label_column")
+        if caption_column is not None and not _holds_text(ds.features[caption_column], datasets):
+            dtype = ds.features[caption_column].dtype
+            if caption_required:
+                raise ConfigError(
+                    f"data.caption_column={caption_column!r}: {key}={path!r} (split {split!r}) holds {dtype} "
+                    f"there, not text; set data.caption_column to a string column of {columns}"
+                )
+            log.warning("%s: column %r holds %s, not captions; read without captions", path, caption_column, dtype)
+            caption_column = None  # the default name, holding something else
         self.image_column, self.caption_column = image_column, caption_column
         keep = [c for c in dict.fromkeys((image_column, caption_column, label_column)) if c is not None]
         ds = ds.select_columns(keep)
