@@ -40,10 +40,10 @@ WANTED = (
 def import_datasets(needed_by: str = "data.source=hf"):
     """The `datasets` library (the `hf` extra), offline: it never asks the Hub for anything. A ConfigError
     (exit 2) naming the extra when it is not installed."""
-    # Read by datasets and huggingface_hub when they are imported; a process that imported them before
-    # keeps its own setting, and nothing here passes a Hub id anyway (see `resolve_source`).
+    # Read by datasets when it is imported (a user's own setting wins). HF_HUB_OFFLINE is left alone: other
+    # parts of a run (a text encoder) may use the Hub, and nothing here passes a Hub id (`resolve_source`
+    # refuses one), only local paths, store URLs and the packaged `parquet`/`imagefolder` loaders.
     os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
     try:
         import datasets
     except ImportError as e:
