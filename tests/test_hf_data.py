@@ -229,11 +229,12 @@ def test_the_config_needs_a_path_and_every_world_size_uses_each_row_once_per_epo
     assert (len(train), len(val), num_classes) == (18, 6, None)
     steps = 9  # four epochs of 18 rows, batch 8
 
-    def consumed(world: int) -> list[list[int]]:
-        loaders = [iter(build_train_loader(train, cfg, 0, rank, world)) for rank in range(world)]
+    def consumed(world: int, workers: int) -> list[list[int]]:
+        run = cfg.model_copy(update={"train": cfg.train.model_copy(update={"num_workers": workers})})
+        loaders = [iter(build_train_loader(train, run, 0, rank, world)) for rank in range(world)]
         return [sum((next(it)["indices"].tolist() for it in loaders), []) for _ in range(steps)]
 
-    one, two = consumed(1), consumed(2)
+    one, two = consumed(1, 0), consumed(2, 1)  # a loader worker per rank: the Arrow table in a forked process
     assert one == two
     stream = sum(one, [])
     for epoch in range(len(stream) // len(train)):
