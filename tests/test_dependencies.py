@@ -123,7 +123,13 @@ def test_the_scan_sees_what_it_must():
     # never imported once (wids), and the optional ones only inside functions.
     assert "braceexpand" in IMPORTS and "braceexpand" in CORE
     assert "wids" not in CORE and "wids" not in IMPORTS
-    for module, extra in [("av", "video"), ("torchmetrics", "eval"), ("peft", "lora"), ("torch_fidelity", "inception")]:
+    for module, extra in [
+        ("av", "video"),
+        ("torchmetrics", "eval"),
+        ("peft", "lora"),
+        ("torch_fidelity", "inception"),
+        ("datasets", "hf"),
+    ]:
         assert distribution_of(module) in EXTRAS[extra]
         assert not any(top for _, top in IMPORTS[module]), module
     assert EXTRAS["trackers"] >= EXTRAS["tensorboard"] | EXTRAS["wandb"]

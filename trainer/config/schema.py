@@ -192,19 +192,29 @@ class LogConfig(_Section):
 
 
 class DataConfig(_Section):
-    source: Literal["digits", "folder", "shards", "moving-digits", "video"] = "digits"
+    source: Literal["digits", "folder", "shards", "moving-digits", "video", "hf"] = "digits"
     path: str | None = Field(
-        None, description="folder: images (a local folder or an fsspec URL); video: clips (recursive)"
+        None,
+        description="folder: images (a local folder or an fsspec URL); video: clips (recursive); hf: a "
+        "save_to_disk folder, parquet file/glob/folder (local or an fsspec URL) or a local imagefolder",
     )
     caption_column: str = Field(
-        "text", min_length=1, description="folder: the caption key of metadata.jsonl records (a .txt sidecar wins)"
+        "text",
+        min_length=1,
+        description="folder: the caption key of metadata.jsonl records (a .txt sidecar wins); hf: the caption "
+        "column (the default `text` may be absent: no captions)",
+    )
+    hf_split: str = Field("train", min_length=1, description="hf: the split read (a DatasetDict's key)")
+    image_column: str = Field("image", min_length=1, description="hf: the image column")
+    label_column: str | None = Field(
+        None, min_length=1, description="hf: the class label column (ClassLabel, int or str); null = no labels"
     )
     urls: str | list[str] | None = Field(
         None, description="shards: tar URLs/brace patterns on any fsspec store, or a shards.json list"
     )
     val_urls: str | list[str] | None = Field(None, description="shards: validation shards (else val_fraction)")
     storage_options: dict[str, Any] = Field(
-        default_factory=dict, description="shards and folder URLs: passed to fsspec"
+        default_factory=dict, description="shards, folder and hf URLs: passed to fsspec"
     )
     shard_window: int = Field(8, ge=0, description="shards: shards shuffled together per epoch; 0 = all")
     read_retries: int = Field(3, ge=0, description="shards: retries (exponential backoff) before a shard is skipped")
@@ -260,6 +270,10 @@ class DataConfig(_Section):
                 )
         if self.source == "folder" and not self.path:
             raise ValueError("data.source=folder needs data.path (a folder of images)")
+        if self.source == "hf" and not self.path:
+            raise ValueError(
+                "data.source=hf needs data.path (a save_to_disk folder, parquet files or a local imagefolder)"
+            )
         if self.image_ratio > 0:
             if not (self.source in ("moving-digits", "video") or (self.source == "shards" and self.num_frames > 1)):
                 raise ValueError(

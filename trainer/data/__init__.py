@@ -8,6 +8,7 @@ from torch.utils.data import DataLoader
 
 from trainer.config import Config
 from trainer.data.datasets import DigitsDataset, ImageFolderDataset, Subset, collate
+from trainer.data.hf import HFDataset
 from trainer.data.joint import JointSet
 from trainer.data.sampler import SampleRef, SampleStream, StepBatchSampler
 from trainer.data.shards import ShardSet, ShardSplit, load_shard_list
@@ -52,6 +53,18 @@ def build_dataset(cfg: Config):
         return MovingDigitsDataset(d.image_size, d.channels, d.num_frames, d.path_jitter)
     if d.source == "video":
         return VideoFolderDataset(d.path, d.image_size, d.channels, d.num_frames, d.frame_stride)
+    if d.source == "hf":
+        return HFDataset(
+            d.path,
+            d.image_size,
+            d.channels,
+            split=d.hf_split,
+            image_column=d.image_column,
+            caption_column=d.caption_column,
+            caption_required="caption_column" in d.model_fields_set,
+            label_column=d.label_column,
+            storage_options=d.storage_options,
+        )
     return ImageFolderDataset(
         d.path, d.image_size, d.channels, caption_column=d.caption_column, storage_options=d.storage_options
     )
