@@ -155,9 +155,6 @@ FROM_DIFFUSERS = REPO / "docs" / "from-diffusers.md"
 PENDING_KEYS = {
     "train.optimizer",
     "optim.<part>.name",
-    "data.image_column",
-    "data.hf_split",
-    "data.label_column",
 }
 _BACKTICKED = re.compile(r"`([^`]+)`")
 

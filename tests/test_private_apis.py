@@ -131,3 +131,36 @@ def test_move_buffers_moves_buffers_only_and_keeps_persistence():
     assert all(b.is_meta for b in m.buffers())
     assert not any(p.is_meta for p in m.parameters())
     assert "scratch" not in m.state_dict() and "running_mean" in m.state_dict()
+
+
+def test_dynamo_counters_and_compile_timers():
+    """trainer/engine/compile.py's CompileStats reads dynamo's `counters` (graph breaks, unique graphs,
+    recompiles) and `compilation_time_metrics` (the forward frames' and the lazy backward's compile timers),
+    and raises `torch._dynamo.config.recompile_limit`. torch has no public API for either figure
+    (`torch._dynamo.explain` recompiles the function to find out). End to end: the compile lines the
+    torchrun test in test_diffusion_fsdp.py asserts on."""
+    from torch._dynamo.utils import compilation_time_metrics, counters
+
+    from trainer.engine.compile import _COMPILE_TIMERS, CompileStats
+
+    _guard(hasattr(torch._dynamo.config, "recompile_limit"), "torch._dynamo.config.recompile_limit is gone")
+
+    def f(x):
+        y = torch.sin(x) * 2
+        torch._dynamo.graph_break()
+        return torch.cos(y).sum()
+
+    before = CompileStats.now()
+    x = torch.randn(8, requires_grad=True)
+    torch.compile(f, dynamic=False)(x).backward()
+    after = CompileStats.now()
+    for key in ("graph_break", "stats", "recompiles"):
+        _guard(key in counters, f"torch._dynamo.utils.counters has no {key!r} counter any more")
+    _guard(after.graph_breaks == before.graph_breaks + 1, "dynamo's counters['graph_break'] did not count a break")
+    _guard(after.graphs >= before.graphs + 2, "dynamo's counters['stats']['unique_graphs'] did not count graphs")
+    for key in _COMPILE_TIMERS:
+        _guard(
+            bool(compilation_time_metrics.get(key)),
+            f"torch._dynamo.utils.compilation_time_metrics has no {key!r} timer; CompileStats.seconds undercounts",
+        )
+    _guard(after.seconds > before.seconds, "dynamo's compile timers did not grow with a compile")
