@@ -31,7 +31,7 @@ RUN if [ -n "${TORCH_INDEX_URL}" ]; then export PIP_INDEX_URL="${TORCH_INDEX_URL
     && pip install --no-cache-dir "torch==${TORCH_VERSION}"
 
 # Dependencies in their own layer: rebuilt only when pyproject.toml or constraints-runtime.txt change.
-# torch is already installed at TORCH_VERSION (it satisfies torch>=2.6 and stays as it is;
+# torch is already installed at TORCH_VERSION (it satisfies torch>=2.9 and stays as it is;
 # torch==2.13.0 also matches an index's local version such as 2.13.0+cu126). constraints-runtime.txt,
 # not the test environment's constraints.txt: no TorchX here, so urllib3 is current.
 COPY pyproject.toml constraints-runtime.txt README.md ./
