@@ -46,6 +46,9 @@ class RunConfig(_Section):
 # After `warmup_steps` of linear warmup: diffusers' `get_scheduler` names (what its training scripts'
 # --lr_scheduler takes); `constant` keeps the warmup, as `constant_with_warmup` does.
 LrSchedule = Literal["cosine", "constant", "constant_with_warmup", "linear", "cosine_with_restarts", "polynomial"]
+# adamw: torch's fused AdamW (float32 state, 8 bytes a parameter). adamw8bit: torchao's AdamW8bit, whose two
+# averages are block-quantized to 8 bits (about 2 bytes a parameter); needs the `lowbit` extra.
+OptimizerName = Literal["adamw", "adamw8bit"]
 
 
 class TrainConfig(_Section):
@@ -61,6 +64,9 @@ class TrainConfig(_Section):
     weight_decay: Finite = Field(0.0, ge=0)
     betas: Betas = (0.9, 0.999)
     max_grad_norm: Finite | None = Field(1.0, gt=0)
+    optimizer: OptimizerName = Field(
+        "adamw", description="every part's optimizer: adamw, or adamw8bit (8-bit state, the lowbit extra)"
+    )
     precision: Literal["no", "fp16", "bf16"] = "no"
     log_every_steps: int = Field(50, ge=1)
     val_every_steps: int = Field(0, ge=0, description="0 = no validation")
@@ -289,6 +295,7 @@ class EvalConfig(_Section):
 class OptimConfig(_Section):
     """Per-part overrides of the `train.*` optimizer settings; unset keys inherit them."""
 
+    name: OptimizerName | None = Field(None, description="this part's optimizer (default: train.optimizer)")
     lr: Finite | None = Field(None, gt=0)
     betas: Betas | None = None
     weight_decay: Finite | None = Field(None, ge=0)

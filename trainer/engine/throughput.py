@@ -84,6 +84,25 @@ class StepFlops(TorchDispatchMode):
         return out
 
 
+_counting: StepFlops | None = None  # the counter around this process's first step, while it runs
+
+
+@contextlib.contextmanager
+def uncounted() -> Iterator[None]:
+    """Run a block outside the FLOP counter, if one is counting: torch.compile refuses to trace under a
+    Python dispatch mode, and torchao's 8-bit optimizer compiles its step. Only optimizer steps go here,
+    whose elementwise operators have no formula in the registry, so the count is the same without them."""
+    counter = _counting
+    if counter is None:
+        yield
+        return
+    counter.__exit__(None, None, None)
+    try:
+        yield
+    finally:
+        counter.__enter__()
+
+
 class Throughput:
     """FLOPs of a step (counted on the first one), the device's peak, and the rates of each step."""
 
@@ -106,9 +125,14 @@ class Throughput:
         if self.flops_per_step is not None:
             yield
             return
+        global _counting
         counter = StepFlops()
         with counter:
-            yield
+            _counting = counter
+            try:
+                yield
+            finally:
+                _counting = None
         self.flops_per_step = counter.total
         peak = f"{self.peak / 1e12:.3g} TFLOP/s ({self.peak_source})" if self.peak else self.peak_source
         log.info("throughput: %.4g GFLOP per step on this process; peak %s", self.flops_per_step / 1e9, peak)
