@@ -156,3 +156,17 @@ def build_ema(module: nn.Module, cfg: Config) -> EMAModel | None:
         power=e.power,
         foreach=True,
     )
+
+
+def state_bytes(optimizer: torch.optim.Optimizer) -> int:
+    """Bytes of the optimizer's per-parameter state as it is held (an 8-bit state: its codes, block scales and
+    code map; under FSDP2: this rank's shards). What bench/memory.py reports and tests compare."""
+    from trainer.checkpoint.quantized import plain_tensors
+
+    total = 0
+    for per_param in optimizer.state.values():
+        for v in per_param.values():
+            if isinstance(v, torch.Tensor):
+                local = v.to_local() if hasattr(v, "to_local") else v
+                total += sum(t.numel() * t.element_size() for t in plain_tensors(local))
+    return total

@@ -128,12 +128,7 @@ def _rebuilt(entry: Mapping[str, Any], kinds: Mapping[str, type], param: torch.T
         raise CheckpointCorrupt(
             f"{what}: codes are {codes.dtype} {list(codes.shape)}, expected torch.uint8 {list(shape)}"
         )
-    if (
-        scale.dtype != torch.float32
-        or scale.ndim != 1
-        or scale.numel() == 0
-        or codes.numel() % scale.numel() != 0
-    ):
+    if scale.dtype != torch.float32 or scale.ndim != 1 or scale.numel() == 0 or codes.numel() % scale.numel() != 0:
         raise CheckpointCorrupt(
             f"{what}: scale is {scale.dtype} {list(scale.shape)}, expected float32 with one value per block "
             f"of the {codes.numel()} codes"

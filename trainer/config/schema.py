@@ -334,6 +334,23 @@ class Config(_Section):
     model: dict[str, Any] = Field(default_factory=dict)
     _model_cfg: BaseModel | None = PrivateAttr(default=None)
 
+    @model_validator(mode="after")
+    def _adamw8bit_not_sharded(self) -> Config:
+        # torchao's AdamW8bit does step on FSDP2's DTensors, but its quantization blocks (256 values, one
+        # scale each) are formed over each rank's local shard, so its state depends on the world size: the
+        # sharded checkpoint format, which re-slices every tensor by its global shape to resume at any world
+        # size, cannot slice or merge the blocks exactly. Until it can, FSDP runs keep float32 state.
+        named = [f"optim.{p}.name" for p, o in self.optim.items() if o.name == "adamw8bit"]
+        if self.train.optimizer == "adamw8bit":
+            named.insert(0, "train.optimizer")
+        if self.train.parallel == "fsdp" and named:
+            raise ValueError(
+                f"{named[0]}=adamw8bit needs train.parallel=ddp: under fsdp the 8-bit state is quantized per "
+                "rank's shard, which the sharded checkpoints (resumable at any world size) cannot re-slice; "
+                "use adamw with fsdp (train.cpu_offload=true moves its state to host memory)"
+            )
+        return self
+
     @field_validator("task")
     @classmethod
     def _task_names_a_task(cls, task: str) -> str:
