@@ -238,3 +238,19 @@ def test_adamw8bit_under_fsdp_is_a_config_error_saying_why():
     for override in ("train.optimizer=adamw8bit", "optim.transformer.name=adamw8bit"):
         with pytest.raises(ConfigError, match=rf"{re.escape(override)} needs train.parallel=ddp: .*quantized per"):
             load_config(None, ["train.parallel=fsdp", override], environ={})
+
+
+def test_a_checkpoint_resumes_only_with_the_optimizer_that_wrote_it():
+    from types import SimpleNamespace
+
+    from trainer.checkpoint.state import check_optimizer_name
+    from trainer.errors import ConfigError
+
+    def part(name: str) -> SimpleNamespace:
+        return SimpleNamespace(name="unet", settings=SimpleNamespace(optimizer=name))
+
+    check_optimizer_name({"optimizer_name": "adamw8bit"}, part("adamw8bit"), "ckpt")
+    check_optimizer_name({}, part("adamw"), "ckpt")  # written before train.optimizer: adamw
+    for saved, live in [({}, "adamw8bit"), ({"optimizer_name": "adamw8bit"}, "adamw")]:
+        with pytest.raises(ConfigError, match=r"ckpt: part 'unet' was trained with optimizer \w+, this run builds"):
+            check_optimizer_name(saved, part(live), "ckpt")
