@@ -254,3 +254,15 @@ def test_a_checkpoint_resumes_only_with_the_optimizer_that_wrote_it():
     for saved, live in [({}, "adamw8bit"), ({"optimizer_name": "adamw8bit"}, "adamw")]:
         with pytest.raises(ConfigError, match=r"ckpt: part 'unet' was trained with optimizer \w+, this run builds"):
             check_optimizer_name(saved, part(live), "ckpt")
+
+
+def test_8bit_state_in_a_part_whose_optimizer_keeps_none_is_a_corrupt_checkpoint():
+    from trainer.errors import CheckpointCorrupt
+
+    model = _net()
+    opt = build_optimizer(model, _cfg("train.optimizer=adamw8bit"))
+    _steps(model, opt, 1, seed=5)
+    state = join_tensors(*_through_checkpoint_format(opt.state_dict()))
+    params = [p for g in opt.param_groups for p in g["params"]]
+    with pytest.raises(CheckpointCorrupt, match="this run's optimizer keeps no quantized state"):
+        quantized.rebuild(state, params, "ckpt", quantizes=False)

@@ -86,15 +86,18 @@ def has_quantized(optimizer_state: Mapping[str, Any]) -> bool:
     )
 
 
-def rebuild(optimizer_state: Mapping[str, Any], params: list[torch.Tensor], what: str) -> dict[str, Any]:
+def rebuild(
+    optimizer_state: Mapping[str, Any], params: list[torch.Tensor], what: str, quantizes: bool = True
+) -> dict[str, Any]:
     """The saved optimizer state with every quantized entry checked and rebuilt as its subclass.
 
-    CheckpointCorrupt for an unknown kind, missing or extra fields, or parts whose dtype or shape does not
-    fit the parameter (codes shaped like it, a whole number of blocks, 256 map values)."""
+    CheckpointCorrupt for an unknown kind, missing or extra fields, parts whose dtype or shape does not
+    fit the parameter (codes shaped like it, a whole number of blocks, 256 map values), or any quantized
+    entry at all when the live optimizer keeps none (`quantizes` False: torch's AdamW)."""
     state = optimizer_state.get("state")
     if not isinstance(state, Mapping) or not has_quantized(optimizer_state):
         return dict(optimizer_state)
-    kinds = _subclasses()
+    kinds = _subclasses() if quantizes else {}
     out = dict(optimizer_state)
     out["state"] = {}
     for idx, per_param in state.items():

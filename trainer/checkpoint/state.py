@@ -179,7 +179,10 @@ def read_state(
                 "model": store.read_tensors(info, model_file(name)),
                 "ema": store.read_tensors(info, ema_file(name)) if ema_file(name) in files and meta["ema"] else None,
                 "optimizer": quantized.rebuild(
-                    join_tensors(meta["optimizer"], opt_tensors), part.optimizer_params(), f"{info.url}: {name!r}"
+                    join_tensors(meta["optimizer"], opt_tensors),
+                    part.optimizer_params(),
+                    f"{info.url}: part {name!r}",
+                    quantizes=part.settings.optimizer == "adamw8bit",
                 ),
                 "optimizer_name": meta.get("optimizer_name") or "adamw",
                 "lr_schedule": meta["lr_schedule"],
