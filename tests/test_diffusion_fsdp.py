@@ -1,6 +1,7 @@
 """The diffusion core's transformer backbones under `torchrun --nproc-per-node=2` (gloo, CPU), with DDP and with
 FSDP (every transformer block its own unit): a rank SIGKILLed mid-run and restarted ends bit-identical to an
-uninterrupted run (every tensor of the final checkpoint: weights, EMA, optimizer, every rank's RNG state)."""
+uninterrupted run (every tensor of the final checkpoint: weights, EMA, optimizer, every rank's RNG state); DiT
+under DDP also with 8-bit AdamW state (train.optimizer=adamw8bit, torchao)."""
 
 from __future__ import annotations
 
