@@ -266,3 +266,18 @@ def test_8bit_state_in_a_part_whose_optimizer_keeps_none_is_a_corrupt_checkpoint
     params = [p for g in opt.param_groups for p in g["params"]]
     with pytest.raises(CheckpointCorrupt, match="this run's optimizer keeps no quantized state"):
         quantized.rebuild(state, params, "ckpt", quantizes=False)
+
+
+def test_torchaos_import_noise_is_dropped_and_nothing_else(caplog):
+    """trainer/__init__.py drops what importing diffusers logs when torchao is installed; the same loggers'
+    other warnings still reach the log."""
+    import logging
+
+    import trainer  # noqa: F401 (installs the filters)
+
+    with caplog.at_level(logging.WARNING):
+        logging.getLogger("torchao").warning("Failed to load %s: %s", "/x/torchao/_C_mxfp8.so", "no CUDA")
+        logging.getLogger("torchao.kernel.intmm").warning("Warning: Detected no triton, on systems ...")
+        logging.getLogger("torch.utils._pytree").warning("%s is an Enum subclass and is ...", "KernelPreference")
+        logging.getLogger("torchao").warning("a real torchao warning")
+    assert [r.getMessage() for r in caplog.records] == ["a real torchao warning"]
