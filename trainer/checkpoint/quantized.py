@@ -59,11 +59,10 @@ def flatten(optimizer_state: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def _flat(v: Any) -> Any:
-    if not isinstance(v, torch.Tensor) or type(v) is torch.Tensor:
-        return v
-    kind = _kind_of(v)
+    """A quantized state's description; anything else (plain tensors, FSDP2's DTensors) as it is."""
+    kind = _kind_of(v) if isinstance(v, torch.Tensor) and type(v) is not torch.Tensor else None
     if kind is None:
-        raise TypeError(f"cannot checkpoint optimizer state of type {type(v).__name__} (no plain-tensor form)")
+        return v
     names, (signed, dtype) = v.__tensor_flatten__()
     return {MARK: kind, "signed": bool(signed), "dtype": DTYPE_NAMES[dtype], **{n: getattr(v, n) for n in names}}
 
