@@ -1,6 +1,7 @@
 """The diffusion core's transformer backbones under `torchrun --nproc-per-node=2` (gloo, CPU), with DDP and with
 FSDP (every transformer block its own unit): a rank SIGKILLed mid-run and restarted ends bit-identical to an
-uninterrupted run (every tensor of the final checkpoint: weights, EMA, optimizer, every rank's RNG state)."""
+uninterrupted run (every tensor of the final checkpoint: weights, EMA, optimizer, every rank's RNG state); DiT
+under DDP also with 8-bit AdamW state (train.optimizer=adamw8bit, torchao)."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import re
 
 import pytest
 import torch
-from conftest import tiny
+from conftest import REPO, clean_env, run_cli, tiny
 from elastic_helpers import start_torchrun
 from test_elastic import finish, standalone
 from test_vqgan_maskgit import _kill_and_compare
@@ -35,15 +36,21 @@ BACKBONES = {
 BLOCKS = {"dit": "BasicTransformerBlock", "pixart": "BasicTransformerBlock", "mmdit": "JointTransformerBlock"}
 
 
-# DDP runs every backbone through the same engine path (whole replicas, one gradient all-reduce), which the
-# DiT case covers; FSDP shards each backbone's own blocks, so every backbone runs under FSDP.
+# DiT with 8-bit AdamW state (torchao): 64-wide, so its attention and feed-forward weights (4096 values and
+# more) are quantized; the smaller ones keep float32 state.
+_DIT_8BIT = "{kind: dit, num_layers: 2, num_attention_heads: 2, attention_head_dim: 32, dropout: 0.1}"
+# DDP runs every backbone through the same engine path (whole replicas, one gradient all-reduce): the DiT
+# case covers it, with 8-bit AdamW state (plain AdamW under DDP is in every other kill test). FSDP shards each
+# backbone's own blocks, so every backbone runs under FSDP.
+CASES = [("dit", "ddp", "adamw8bit"), ("dit", "fsdp", "adamw"), ("pixart", "fsdp", "adamw"), ("mmdit", "fsdp", "adamw")]
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize(
-    ("backbone", "parallel"), [("dit", "ddp"), ("dit", "fsdp"), ("pixart", "fsdp"), ("mmdit", "fsdp")]
-)
-def test_a_sigkilled_rank_resumes_bit_identical(tmp_path, backbone, parallel):
+@pytest.mark.parametrize("backbone, parallel, optimizer", CASES)
+def test_a_sigkilled_rank_resumes_bit_identical(tmp_path, backbone, parallel, optimizer):
     steps = 6
     spec, extra, cls = BACKBONES[backbone]
+    spec = _DIT_8BIT if optimizer == "adamw8bit" else spec
     # DiT under FSDP with its blocks checkpointed and compiled inside their units (torchtitan's combination):
     # the recomputation replays dropout's RNG, and the restarted rank's compiled blocks draw what the
     # uninterrupted run's did
@@ -59,6 +66,7 @@ def test_a_sigkilled_rank_resumes_bit_identical(tmp_path, backbone, parallel):
             *(e.replace("TEXT", text) for e in extra),
             "checkpoint.every_steps=3",
             f"train.parallel={parallel}",
+            f"train.optimizer={optimizer}",
             *checkpointing,
             max_steps=steps,
         )
@@ -85,6 +93,15 @@ def test_a_sigkilled_rank_resumes_bit_identical(tmp_path, backbone, parallel):
             "transformer.optimizer.safetensors",
         } <= set(a)
     assert {"rank-00000.safetensors", "rank-00001.safetensors"} <= set(a)
+    if optimizer == "adamw8bit":
+        # the 8-bit state was saved as uint8 codes with their scales (and resumed bit-exactly, above) ...
+        codes = [t for k, t in a["transformer.optimizer.safetensors"].items() if k.endswith(".codes")]
+        assert codes and all(t.dtype == torch.uint8 for t in codes)
+        # ... and a run that changes the optimizer refuses the checkpoint (exit 2) instead of mixing states
+        env = clean_env(PYTHONPATH=str(REPO / "tests"), HF_HUB_OFFLINE="1")
+        r = run_cli("train", *args(tmp_path / "killed"), "train.max_steps=8", "train.optimizer=adamw", env=env)
+        assert r.returncode == 2, r.stderr[-3000:]
+        assert "was trained with optimizer adamw8bit, this run builds adamw" in r.stderr
 
 
 @pytest.mark.slow

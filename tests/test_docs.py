@@ -152,10 +152,6 @@ def test_the_contract_names_every_command_and_flag():
 FROM_DIFFUSERS = REPO / "docs" / "from-diffusers.md"
 # Keys other branches add (8-bit AdamW, the Hugging Face datasets source, train.compile) that the page already
 # names. Drop each one from this set once it is in the schema; the test says when.
-PENDING_KEYS = {
-    "train.optimizer",
-    "optim.<part>.name",
-}
 _BACKTICKED = re.compile(r"`([^`]+)`")
 
 
@@ -193,7 +189,7 @@ def test_every_key_and_command_the_diffusers_page_maps_a_flag_to_exists():
     assert len(rows) >= 50, f"the flag table has {len(rows)} rows: did the page's table format change?"
     known = _known_keys()
     commands = dict(_commands(_parser()))
-    unknown, pending_arrived = [], sorted(PENDING_KEYS & known)
+    unknown = []
     for flags, cell in rows:
         tokens = _BACKTICKED.findall(cell)
         assert tokens or cell == "—", f"row {flags}: the gentrain column names nothing and is not '—': {cell!r}"
@@ -203,10 +199,9 @@ def test_every_key_and_command_the_diffusers_page_maps_a_flag_to_exists():
                 opts = [w for w in token.split() if w.startswith("--")]
                 if words not in commands or any(o not in commands[words] for o in opts):
                     unknown.append(f"{flags}: {token}")
-            elif _as_schema_key(token) not in known | PENDING_KEYS:
+            elif _as_schema_key(token) not in known:
                 unknown.append(f"{flags}: {token}")
     assert not unknown, f"docs/from-diffusers.md maps flags to keys or commands gentrain does not have: {unknown}"
-    assert not pending_arrived, f"these keys are in the schema now; remove them from PENDING_KEYS: {pending_arrived}"
 
 
 def _train_commands(text: str) -> list[list[str]]:

@@ -164,3 +164,33 @@ def test_dynamo_counters_and_compile_timers():
             f"torch._dynamo.utils.compilation_time_metrics has no {key!r} timer; CompileStats.seconds undercounts",
         )
     _guard(after.seconds > before.seconds, "dynamo's compile timers did not grow with a compile")
+
+
+def test_torchao_8bit_state_flattens_to_codes_scale_and_map():
+    """trainer/checkpoint/quantized.py saves torchao's OptimState8bit (module `torchao.optim.subclass_8bit`, not
+    in `torchao.optim.__all__`) as the tensors its `__tensor_flatten__` names plus (signed, dtype), and
+    rebuilds it with `__tensor_unflatten__`; trainer/optim.py relies on AdamW8bit keeping each group's lr as a
+    tensor. End to end: tests/test_optim.py's round trip, tests/test_diffusion_fsdp.py's adamw8bit case."""
+    pytest.importorskip("torchao")
+    from torchao.optim import AdamW8bit
+    from torchao.optim.subclass_8bit import OptimState8bit
+
+    state = OptimState8bit.zeros((16, 256), signed=True, block_size=256, dtype=torch.float32)
+    names, attrs = state.__tensor_flatten__()
+    _guard(
+        names == ["codes", "scale", "qmap"] and attrs == [True, torch.float32],
+        f"OptimState8bit.__tensor_flatten__ now gives {names}, {attrs}; trainer/checkpoint/quantized.py's "
+        "_FIELDS and its checks (uint8 codes, float32 scale per block, 256-value float32 qmap) must follow",
+    )
+    _guard(
+        state.codes.dtype == torch.uint8 and state.scale.shape == (16,) and state.qmap.shape == (256,),
+        "OptimState8bit's parts changed dtype or shape; update trainer/checkpoint/quantized.py's checks",
+    )
+    again = OptimState8bit.__tensor_unflatten__({n: getattr(state, n) for n in names}, attrs, None, None)
+    _guard(type(again) is OptimState8bit and again.block_size == 256, "OptimState8bit.__tensor_unflatten__")
+    opt = AdamW8bit(nn.Linear(2, 2).parameters(), lr=1e-3)
+    _guard(
+        isinstance(opt.param_groups[0]["lr"], torch.Tensor),
+        "AdamW8bit no longer keeps lr as a tensor; trainer/optim.py's build_lr_schedule note and "
+        "Part.lr's float() may be dropped",
+    )

@@ -1,7 +1,17 @@
-"""Per-part optimization: settings (train.* overridden by optim.<part>.*), AdamW groups, schedule, EMA."""
+"""Per-part optimization: settings (train.* overridden by optim.<part>.*), AdamW groups, schedule, EMA.
+
+Two optimizers (`train.optimizer`, `optim.<part>.name`): torch's fused AdamW, and torchao's AdamW8bit, which
+keeps both running averages block-quantized to 8 bits (codes plus one float32 scale per 256 values), about
+a quarter of AdamW's float32 state. torchao rather than bitsandbytes: torchao's low-bit optimizers are plain
+PyTorch whose step is compiled by torch.compile, so they run on CPU as well as CUDA (here they train on the
+CPU-only build machines) and their state is a tensor subclass that also steps inside FSDP2's DTensors
+(tried here; gentrain still refuses adamw8bit under fsdp, see trainer/config/schema.py); bitsandbytes' 8-bit optimizers step through its own native kernels, and its install guide (0.46-0.48)
+lists them for NVIDIA GPUs, other backends (CPU among them) being work in progress.
+"""
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 from typing import Any
 
@@ -11,6 +21,9 @@ from diffusers.training_utils import EMAModel
 from torch import nn
 
 from trainer.config import Config
+from trainer.errors import ConfigError
+
+OPTIMIZERS = ("adamw", "adamw8bit")
 
 
 def param_groups(module: nn.Module, weight_decay: float) -> list[dict[str, Any]]:
@@ -40,6 +53,7 @@ class OptimSettings:
     lr_power: float
     max_grad_norm: float | None
     max_steps: int
+    optimizer: str = "adamw"
 
     @classmethod
     def for_part(cls, cfg: Config, part: str | None = None) -> OptimSettings:
@@ -61,11 +75,14 @@ class OptimSettings:
             lr_power=pick("lr_power", t.lr_power),
             max_grad_norm=pick("max_grad_norm", t.max_grad_norm),
             max_steps=pick("max_steps", t.max_steps),
+            optimizer=pick("name", t.optimizer),
         )
 
 
 def build_optimizer(module: nn.Module, cfg: Config, part: str | None = None) -> torch.optim.Optimizer:
-    """AdamW, fused where torch has the kernel (CPU, CUDA): build it after the module is on its device.
+    """The part's optimizer (`optim.<part>.name`, default `train.optimizer`): build it after the module is on
+    its device. adamw8bit: torchao's AdamW8bit (see the module docstring); adamw: torch's AdamW, fused where
+    torch has the kernel (CPU, CUDA).
 
     Why fused: torch only defaults to its multi-tensor path on CUDA, and on CPU
     the default per-parameter loop took 61 ms per step for the 0.65M-parameter
@@ -73,9 +90,32 @@ def build_optimizer(module: nn.Module, cfg: Config, part: str | None = None) -> 
     is updated independently, so the result does not depend on the thread count.
     """
     s = OptimSettings.for_part(cfg, part)
+    if s.optimizer == "adamw8bit":
+        return adamw8bit_class()(param_groups(module, s.weight_decay), lr=s.lr, betas=s.betas, eps=s.eps)
+    if s.optimizer != "adamw":  # the schema allows only OPTIMIZERS; a typed Config built by hand may not
+        raise ConfigError(f"unknown optimizer {s.optimizer!r} (known: {', '.join(OPTIMIZERS)})")
     first = next(module.parameters(), None)
     fused = True if first is not None and first.device.type in ("cpu", "cuda") else None
     return torch.optim.AdamW(param_groups(module, s.weight_decay), lr=s.lr, betas=s.betas, eps=s.eps, fused=fused)
+
+
+def adamw8bit_class() -> type[torch.optim.Optimizer]:
+    """torchao's AdamW8bit, imported on first use (the `lowbit` extra); ConfigError naming the extra if absent.
+
+    Its step compiles one small graph per distinct parameter shape with torch.compile the first time (one CPU
+    thread, cold cache: 55 s for DiT-S/2, 136 s for a 17M-parameter UNet; 5-9 s from inductor's on-disk cache
+    in later processes), then reuses them; torch's caching warning about the state subclass (no `_stable_hash_for_caching`)
+    is filtered here. Its import noise is filtered in `trainer/__init__.py`.
+    """
+    try:
+        from torchao.optim import AdamW8bit
+    except ImportError as e:
+        raise ConfigError(
+            f"train.optimizer=adamw8bit (or optim.<part>.name=adamw8bit) needs torchao: "
+            f"pip install 'gentrain[lowbit]' ({e})"
+        ) from None
+    warnings.filterwarnings("ignore", message=".*does not implement _stable_hash_for_caching.*")
+    return AdamW8bit
 
 
 def build_lr_schedule(
@@ -86,7 +126,7 @@ def build_lr_schedule(
     polynomial (`lr_power`, to diffusers' lr_end 1e-7). A LambdaLR: its state is the step count, so a resumed schedule continues exactly."""
     s = OptimSettings.for_part(cfg, part)
     name = "constant_with_warmup" if s.lr_schedule in ("constant", "constant_with_warmup") else s.lr_schedule
-    return get_scheduler(
+    schedule = get_scheduler(
         name,
         optimizer,
         num_warmup_steps=s.warmup_steps,
@@ -94,6 +134,12 @@ def build_lr_schedule(
         num_cycles=s.lr_num_cycles,
         power=s.lr_power,
     )
+    # torchao keeps each group's lr as a float32 tensor (its compiled step reads it without recompiling), so
+    # torch's scheduler took tensor base lrs and would compute each lr in float32; a checkpoint stores them
+    # as JSON numbers, and a resumed schedule would compute in float64 and round once. Plain floats from the
+    # start give every run the same lr bits (torch fills the tensor with the rounded value either way).
+    schedule.base_lrs = [float(lr) for lr in schedule.base_lrs]
+    return schedule
 
 
 def build_ema(module: nn.Module, cfg: Config) -> EMAModel | None:
@@ -111,3 +157,17 @@ def build_ema(module: nn.Module, cfg: Config) -> EMAModel | None:
         power=e.power,
         foreach=True,
     )
+
+
+def state_bytes(optimizer: torch.optim.Optimizer) -> int:
+    """Bytes of the optimizer's per-parameter state as it is held (an 8-bit state: its codes, block scales and
+    code map; under FSDP2: this rank's shards). What bench/memory.py reports and tests compare."""
+    from trainer.checkpoint.quantized import plain_tensors
+
+    total = 0
+    for per_param in optimizer.state.values():
+        for v in per_param.values():
+            if isinstance(v, torch.Tensor):
+                local = v.to_local() if hasattr(v, "to_local") else v
+                total += sum(t.numel() * t.element_size() for t in plain_tensors(local))
+    return total

@@ -4,6 +4,7 @@ what training state goes into which file, and the manager that decides when to s
     layout.py   every file and dir name in a checkpoint root, built and parsed
     store.py    CheckpointStore: commit (manifest last), discovery, verification, retention
     format.py   nested state <-> safetensors + JSON skeleton; streaming writer; digests
+    quantized.py  8-bit optimizer state <-> plain tensors + a JSON description (never pickled)
     writer.py   Checkpointer: sync or background saves of a snapshot, one in flight
     state.py    which Stateful object goes to which file; restore from them
     weights.py  load one part's weights from any run (sampling, frozen parts)

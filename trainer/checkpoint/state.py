@@ -26,13 +26,14 @@ from typing import Any, Protocol
 
 import torch
 
+from trainer.checkpoint import quantized
 from trainer.checkpoint.format import join_tensors, split_tensors, torch_dtype
 from trainer.checkpoint.layout import TRAINER_JSON, ema_file, group_name, model_file, optimizer_file, rank_files
 from trainer.checkpoint.sharded import ShardIndex, is_sharded, load_group, local_slices
 from trainer.checkpoint.store import CheckpointInfo, CheckpointStore, Payload
 from trainer.checkpoint.validity import tensor_refs
 from trainer.checkpoint.writer import storage_key
-from trainer.errors import CheckpointCorrupt
+from trainer.errors import CheckpointCorrupt, ConfigError
 from trainer.randomness import rng_state, set_rng_state
 
 
@@ -51,6 +52,7 @@ def _part_meta(state: Mapping[str, Any], opt_skeleton: Any) -> dict[str, Any]:
     return {
         "step": state["step"],
         "optimizer": opt_skeleton,
+        "optimizer_name": state["optimizer_name"],
         "lr_schedule": _jsonable(state["lr_schedule"]),
         "scaler": _jsonable(state["scaler"]),
         "ema": state["ema_meta"],
@@ -165,6 +167,7 @@ def read_state(
         if name not in doc["parts"]:
             raise CheckpointCorrupt(f"checkpoint {info.url} has no part {name!r} (it has {sorted(doc['parts'])})")
         meta = doc["parts"][name]
+        check_optimizer_name(meta, part, f"checkpoint {info.url}")
         if index is not None:
             states[name] = _read_part_slices(index, name, part, meta)
         else:
@@ -175,7 +178,13 @@ def read_state(
             states[name] = {
                 "model": store.read_tensors(info, model_file(name)),
                 "ema": store.read_tensors(info, ema_file(name)) if ema_file(name) in files and meta["ema"] else None,
-                "optimizer": join_tensors(meta["optimizer"], opt_tensors),
+                "optimizer": quantized.rebuild(
+                    join_tensors(meta["optimizer"], opt_tensors),
+                    part.optimizer_params(),
+                    f"{info.url}: part {name!r}",
+                    quantizes=part.settings.optimizer == "adamw8bit",
+                ),
+                "optimizer_name": meta.get("optimizer_name") or "adamw",
                 "lr_schedule": meta["lr_schedule"],
                 "scaler": meta["scaler"],
                 "ema_meta": meta["ema"],
@@ -199,6 +208,21 @@ def restore(
     """Load a checkpoint into `progress` and `parts` (digest- and structure-checked); returns trainer.json.
     Nothing is applied unless everything this rank needs was read and checked."""
     return read_state(store, info, progress, parts, rank).apply()
+
+
+def check_optimizer_name(meta: Mapping[str, Any], part: Any, what: str) -> None:
+    """The saved part's optimizer is the one this run built (checkpoints from before `train.optimizer`
+    were all adamw). Their states differ in kind (float32 averages vs 8-bit codes and scales, a float lr vs
+    torchao's lr tensor), and converting one into the other would not continue the same run: a config
+    error (exit 2), not a corrupt checkpoint, since an older checkpoint of the same run would not help."""
+    saved = meta.get("optimizer_name") or "adamw"
+    live = part.settings.optimizer
+    if saved != live:
+        raise ConfigError(
+            f"{what}: part {part.name!r} was trained with optimizer {saved}, this run builds {live}. Resume it "
+            f"with train.optimizer={saved} (or optim.{part.name}.name={saved}), or start a new run "
+            "(another checkpoint.url, or checkpoint.resume=false)"
+        )
 
 
 def check_fits(part: Any, state: Mapping[str, Any], what: str) -> None:

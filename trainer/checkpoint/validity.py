@@ -93,6 +93,7 @@ class ProgressState(_Open):
 class PartState(_Open):
     step: NonNegInt
     optimizer: dict[StrictStr, Any]
+    optimizer_name: StrictStr | None = None  # absent before train.optimizer: adamw
     lr_schedule: dict[StrictStr, Any] | None = None
     scaler: dict[StrictStr, Any] | None = None
     ema: dict[StrictStr, Any] | None = None

@@ -46,6 +46,9 @@ class RunConfig(_Section):
 # After `warmup_steps` of linear warmup: diffusers' `get_scheduler` names (what its training scripts'
 # --lr_scheduler takes); `constant` keeps the warmup, as `constant_with_warmup` does.
 LrSchedule = Literal["cosine", "constant", "constant_with_warmup", "linear", "cosine_with_restarts", "polynomial"]
+# adamw: torch's fused AdamW (float32 state, 8 bytes a parameter). adamw8bit: torchao's AdamW8bit, whose two
+# averages are block-quantized to 8 bits (about 2 bytes a parameter); needs the `lowbit` extra.
+OptimizerName = Literal["adamw", "adamw8bit"]
 
 
 class TrainConfig(_Section):
@@ -61,6 +64,9 @@ class TrainConfig(_Section):
     weight_decay: Finite = Field(0.0, ge=0)
     betas: Betas = (0.9, 0.999)
     max_grad_norm: Finite | None = Field(1.0, gt=0)
+    optimizer: OptimizerName = Field(
+        "adamw", description="every part's optimizer: adamw, or adamw8bit (8-bit state, the lowbit extra)"
+    )
     precision: Literal["no", "fp16", "bf16"] = "no"
     log_every_steps: int = Field(50, ge=1)
     val_every_steps: int = Field(0, ge=0, description="0 = no validation")
@@ -308,6 +314,7 @@ class EvalConfig(_Section):
 class OptimConfig(_Section):
     """Per-part overrides of the `train.*` optimizer settings; unset keys inherit them."""
 
+    name: OptimizerName | None = Field(None, description="this part's optimizer (default: train.optimizer)")
     lr: Finite | None = Field(None, gt=0)
     betas: Betas | None = None
     weight_decay: Finite | None = Field(None, ge=0)
@@ -345,6 +352,23 @@ class Config(_Section):
     # Validated by the task's own schema (trainer.registry); the typed object is `model_cfg`.
     model: dict[str, Any] = Field(default_factory=dict)
     _model_cfg: BaseModel | None = PrivateAttr(default=None)
+
+    @model_validator(mode="after")
+    def _adamw8bit_not_sharded(self) -> Config:
+        # torchao's AdamW8bit does step on FSDP2's DTensors, but its quantization blocks (256 values, one
+        # scale each) are formed over each rank's local shard, so its state depends on the world size: the
+        # sharded checkpoint format, which re-slices every tensor by its global shape to resume at any world
+        # size, cannot slice or merge the blocks exactly. Until it can, FSDP runs keep float32 state.
+        named = [f"optim.{p}.name" for p, o in self.optim.items() if o.name == "adamw8bit"]
+        if self.train.optimizer == "adamw8bit":
+            named.insert(0, "train.optimizer")
+        if self.train.parallel == "fsdp" and named:
+            raise ValueError(
+                f"{named[0]}=adamw8bit needs train.parallel=ddp: under fsdp the 8-bit state is quantized per "
+                "rank's shard, which the sharded checkpoints (resumable at any world size) cannot re-slice; "
+                "use adamw with fsdp (train.cpu_offload=true moves its state to host memory)"
+            )
+        return self
 
     @field_validator("task")
     @classmethod

@@ -13,6 +13,7 @@ from diffusers.training_utils import EMAModel
 from torch import nn
 from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 
+from trainer.checkpoint import quantized
 from trainer.config import Config
 from trainer.engine.shard import full_value, is_fsdp, reshard
 from trainer.engine.wrap import Wrapping
@@ -104,7 +105,7 @@ class Part:
 
     @property
     def lr(self) -> float:
-        return self.lr_schedule.get_last_lr()[0]
+        return float(self.lr_schedule.get_last_lr()[0])  # a 0-d tensor under torchao's optimizers
 
     # ---- state
     def stable_tensors(self) -> list[torch.Tensor]:
@@ -114,7 +115,9 @@ class Part:
         if self.ema is not None:
             out += list(self.ema.shadow_params)
         for per_param in self.optimizer.state.values():
-            out += [v for v in per_param.values() if isinstance(v, torch.Tensor)]
+            for v in per_param.values():
+                if isinstance(v, torch.Tensor):
+                    out += quantized.plain_tensors(v)  # an 8-bit state's codes, scale and map
         return out
 
     def ema_weights(self) -> dict[str, torch.Tensor]:
@@ -133,7 +136,9 @@ class Part:
         return {
             "model": dict(self.module.state_dict()),
             "ema": self.ema_weights() if self.ema is not None else None,
-            "optimizer": self.optimizer.state_dict(),
+            # Plain tensors only: 8-bit state subclasses become their parts plus a JSON description.
+            "optimizer": quantized.flatten(self.optimizer.state_dict()),
+            "optimizer_name": self.settings.optimizer,
             "lr_schedule": self.lr_schedule.state_dict(),
             "scaler": self.scaler.state_dict(),
             "ema_meta": ema_meta,

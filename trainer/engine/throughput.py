@@ -115,8 +115,9 @@ class Throughput:
             yield
             return
         counter = StepFlops()
-        # force_eager: compiled blocks run their Python code (dynamo would skip frames inside a dispatch mode
-        # and remember to skip them for good, leaving a compiled run eager).
+        # force_eager: compiled blocks (train.compile) and torchao's compiled optimizer step run their Python
+        # code (dynamo would skip frames inside a dispatch mode and remember to skip them for good, leaving a
+        # compiled run eager); the count is taken once per run, so only the run's first step is eager.
         with torch.compiler.set_stance("force_eager"), counter:
             yield
         self.flops_per_step = counter.total
