@@ -150,8 +150,6 @@ def test_the_contract_names_every_command_and_flag():
 # ---------------------------------------------------------------- the diffusers migration page cannot drift
 
 FROM_DIFFUSERS = REPO / "docs" / "from-diffusers.md"
-# Keys other branches add (8-bit AdamW, the Hugging Face datasets source, train.compile) that the page already
-# names. Drop each one from this set once it is in the schema; the test says when.
 _BACKTICKED = re.compile(r"`([^`]+)`")
 
 

@@ -152,7 +152,10 @@ def test_dynamo_counters_and_compile_timers():
 
     before = CompileStats.now()
     x = torch.randn(8, requires_grad=True)
-    torch.compile(f, dynamic=False)(x).backward()
+    # a real compile, not a hit in inductor's or AOT autograd's on-disk caches (warm from an earlier run),
+    # which loads the backward without the timer
+    with torch._inductor.config.patch(fx_graph_cache=False), torch._functorch.config.patch(enable_autograd_cache=False):
+        torch.compile(f, dynamic=False)(x).backward()
     after = CompileStats.now()
     for key in ("graph_break", "stats", "recompiles"):
         _guard(key in counters, f"torch._dynamo.utils.counters has no {key!r} counter any more")
