@@ -95,6 +95,7 @@ def child(model: str, mode: str, batch: int) -> dict:
 
 
 def optim_child(model: str, name: str, batch: int) -> dict:
+    # only the optimizer variants need the config machinery (the activation variants build bare backbones)
     from trainer.optim import build_optimizer, state_bytes
     from trainer.registry import load_config
 

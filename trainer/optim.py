@@ -20,6 +20,7 @@ from diffusers.optimization import get_scheduler
 from diffusers.training_utils import EMAModel
 from torch import nn
 
+from trainer.checkpoint.quantized import plain_tensors
 from trainer.config import Config
 from trainer.errors import ConfigError
 
@@ -162,8 +163,6 @@ def build_ema(module: nn.Module, cfg: Config) -> EMAModel | None:
 def state_bytes(optimizer: torch.optim.Optimizer) -> int:
     """Bytes of the optimizer's per-parameter state as it is held (an 8-bit state: its codes, block scales and
     code map; under FSDP2: this rank's shards). What bench/memory.py reports and tests compare."""
-    from trainer.checkpoint.quantized import plain_tensors
-
     total = 0
     for per_param in optimizer.state.values():
         for v in per_param.values():
