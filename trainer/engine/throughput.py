@@ -55,11 +55,19 @@ def gpu_peak(name: str, precision: str, tf32: bool) -> float | None:
     return None
 
 
-def measure_cpu_matmul_peak(dtype: torch.dtype = torch.float32, n: int = 1024, repeats: int = 3) -> float:
-    """FLOP/s of the best of `repeats` n x n matmuls in `dtype` on this process's torch threads."""
+def measure_cpu_matmul_peak(
+    dtype: torch.dtype = torch.float32, n: int = 1024, repeats: int = 10, warmup_s: float = 0.15
+) -> float:
+    """FLOP/s of the best of `repeats` n x n matmuls in `dtype` on this process's torch threads, after
+    `warmup_s` seconds of the same matmul (thread pool, kernel selection, the cores' clocks: with one
+    warm-up matmul and 3 repeats, 2 threads here read 0.09-0.10 TFLOP/s where a warm loop reaches
+    0.16-0.20, and a step could show an MFU above 1)."""
     a = torch.randn(n, n, generator=torch.Generator().manual_seed(0)).to(dtype)
     b = torch.randn(n, n, generator=torch.Generator().manual_seed(1)).to(dtype)
-    torch.mm(a, b)  # warm-up: thread pool, kernel selection
+    start = time.perf_counter()
+    torch.mm(a, b)
+    while time.perf_counter() - start < warmup_s:
+        torch.mm(a, b)
     best = float("inf")
     for _ in range(repeats):
         t0 = time.perf_counter()
