@@ -314,6 +314,8 @@ class Reporter:
                 fields = " ".join(f"{k}={v:.5f}" for k, v in logs.items())
                 rates = f" tflops={perf['flops_per_s'] / 1e12:.4g}" if "flops_per_s" in perf else ""
                 rates += f" mfu={perf['mfu']:.4f}" if "mfu" in perf else ""
+                if torch.cuda.is_available() and torch.cuda.is_initialized():  # the peak since start, this rank
+                    rates += f" gpu_mem_gb={torch.cuda.max_memory_allocated() / 1e9:.2f}"
                 log.info(
                     "step=%d/%d %s lr=%.3e samples_per_s=%.0f%s data_wait_s=%.4f epoch=%d",
                     step,
