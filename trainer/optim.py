@@ -4,8 +4,9 @@ Two optimizers (`train.optimizer`, `optim.<part>.name`): torch's fused AdamW, an
 keeps both running averages block-quantized to 8 bits (codes plus one float32 scale per 256 values), about
 a quarter of AdamW's float32 state. torchao rather than bitsandbytes: torchao's low-bit optimizers are plain
 PyTorch whose step is compiled by torch.compile, so they run on CPU as well as CUDA (here they train on the
-CPU-only build machines) and their state is a tensor subclass that also steps inside FSDP2's DTensors
-(tried here; gentrain still refuses adamw8bit under fsdp, see trainer/config/schema.py); bitsandbytes' 8-bit optimizers step through its own native kernels, and its install guide (0.46-0.48)
+CPU-only build machines and on an H100) and their state is a tensor subclass that also steps inside FSDP2's
+DTensors (tried here; gentrain still refuses adamw8bit under fsdp, see trainer/config/schema.py);
+bitsandbytes' 8-bit optimizers step through its own native kernels, and its install guide (0.46-0.48)
 lists them for NVIDIA GPUs, other backends (CPU among them) being work in progress.
 """
 
