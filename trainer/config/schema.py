@@ -93,7 +93,7 @@ class TrainConfig(_Section):
     compile: bool = Field(
         False,
         description="torch.compile each block (regional: the activation-checkpointing units) for the training "
-        "forward and backward; compile time and graph breaks are logged after the first step",
+        "forward and backward; compile time and graph breaks are logged after the first compiled step",
     )
     stages: list[int] | None = Field(
         None, min_length=1, description="cascade: which stages (1-based) this run trains; null = all"
