@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import functools
 import logging
-from collections.abc import Collection, Mapping
+from collections.abc import Callable, Collection, Mapping
 
 import torch
 from torch import nn
@@ -107,18 +107,43 @@ def checkpointed_blocks(module: nn.Module) -> list[nn.Module]:
     return [m for m in module.modules() if getattr(m, "activation_checkpointing", None) is not None]
 
 
+def apply_to_blocks(
+    modules: Mapping[str, nn.Module],
+    learning: Collection[str],
+    task: str,
+    transform: Callable[[str, nn.Module], list[nn.Module]],
+    *,
+    setting: str,
+    off: str,
+    label: str,
+    verb: str,
+) -> dict[str, list[nn.Module]]:
+    """`transform(name, part)` on every part this run trains that has blocks (FSDP units); returns the blocks
+    per part and logs them under `label`. Exit 2 (ConfigError) naming `setting` and `off` when no part has
+    any. Shared by activation checkpointing and regional compilation, which act on the same blocks."""
+    done = {name: transform(name, modules[name]) for name in sorted(learning) if fsdp_units(modules[name])}
+    if not done:
+        raise ConfigError(
+            f"{setting}: the {task} task's parts ({', '.join(sorted(learning))}) have no blocks to {verb} "
+            f"(no ModuleList of layers); use {off}"
+        )
+    for name, units in done.items():
+        classes = ", ".join(sorted({type(u).__name__ for u in units}))
+        log.info("%s: %s, %d blocks (%s)", label, name, len(units), classes)
+    rest = sorted(set(learning) - set(done))
+    if rest:
+        log.info("%s: %s left as they are (no blocks)", label, ", ".join(rest))
+    return done
+
+
 def apply_activation_checkpointing(
     modules: Mapping[str, nn.Module], learning: Collection[str], mode: str, task: str
 ) -> None:
     """Checkpoint the blocks of every part this run trains; exit 2 (ConfigError) when none has blocks."""
     if mode == "none":
         return
-    done: dict[str, list[nn.Module]] = {}
-    for name in sorted(learning):
-        part = modules[name]
-        units = fsdp_units(part)
-        if not units:
-            continue
+
+    def checkpoint_part(name: str, part: nn.Module) -> list[nn.Module]:
         for m in part.modules():  # diffusers' own (a cascade stage's gradient_checkpointing): replaced
             if getattr(m, "is_gradient_checkpointing", False) and hasattr(m, "disable_gradient_checkpointing"):
                 m.disable_gradient_checkpointing()
@@ -128,15 +153,15 @@ def apply_activation_checkpointing(
                     name,
                     mode,
                 )
-        done[name] = checkpoint_blocks(part, mode)
-    if not done:
-        raise ConfigError(
-            f"train.activation_checkpointing={mode}: the {task} task's parts ({', '.join(sorted(learning))}) have "
-            "no blocks to checkpoint (no ModuleList of layers); use train.activation_checkpointing=none"
-        )
-    for name, units in done.items():
-        classes = ", ".join(sorted({type(u).__name__ for u in units}))
-        log.info("activation checkpointing (%s): %s, %d blocks (%s)", mode, name, len(units), classes)
-    rest = sorted(set(learning) - set(done))
-    if rest:
-        log.info("activation checkpointing: %s not checkpointed (no blocks)", ", ".join(rest))
+        return checkpoint_blocks(part, mode)
+
+    apply_to_blocks(
+        modules,
+        learning,
+        task,
+        checkpoint_part,
+        setting=f"train.activation_checkpointing={mode}",
+        off="train.activation_checkpointing=none",
+        label=f"activation checkpointing ({mode})",
+        verb="checkpoint",
+    )

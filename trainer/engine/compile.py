@@ -35,13 +35,10 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from trainer.engine.checkpointing import apply_to_blocks
 from trainer.engine.shard import fsdp_units
-from trainer.errors import ConfigError
 
 log = logging.getLogger("gentrain")
-
-# Tasks whose blocks do not compile, and why (exit 2 with the reason).
-REFUSED: dict[str, str] = {}
 
 # dynamo's timers that together cover a compile: the forward frames (tracing, AOT autograd, inductor's forward)
 # and the backward graphs inductor compiles lazily at the first backward.
@@ -88,21 +85,18 @@ def compiled_blocks(module: nn.Module) -> list[nn.Module]:
 
 
 def apply_compile(modules: Mapping[str, nn.Module], learning: Collection[str], task: str) -> None:
-    """Compile the blocks of every part this run trains; exit 2 (ConfigError) where the task cannot be."""
-    if task in REFUSED:
-        raise ConfigError(f"train.compile=true: the {task} task cannot be compiled: {REFUSED[task]}")
-    done = {name: compile_blocks(modules[name]) for name in sorted(learning) if fsdp_units(modules[name])}
-    if not done:
-        raise ConfigError(
-            f"train.compile=true: the {task} task's parts ({', '.join(sorted(learning))}) have no blocks to "
-            "compile (no ModuleList of layers); use train.compile=false"
-        )
-    for name, units in done.items():
-        classes = ", ".join(sorted({type(u).__name__ for u in units}))
-        log.info("compile: %s, %d blocks (%s), compiled at their first use", name, len(units), classes)
-    rest = sorted(set(learning) - set(done))
-    if rest:
-        log.info("compile: %s not compiled (no blocks)", ", ".join(rest))
+    """Compile the blocks of every part this run trains (at their first use); exit 2 (ConfigError) when no
+    part has blocks."""
+    apply_to_blocks(
+        modules,
+        learning,
+        task,
+        lambda _, part: compile_blocks(part),
+        setting="train.compile=true",
+        off="train.compile=false",
+        label="compile",
+        verb="compile",
+    )
 
 
 @dataclass(frozen=True)
