@@ -9,10 +9,10 @@ import json
 
 import pytest
 import torch
-from conftest import REPO, clean_env, run_cli, tiny
-from helpers import assert_tensors_equal, kill_group, start_cli
+from conftest import REPO, clean_env, tiny
+from helpers import assert_tensors_equal
 from PIL import Image
-from test_vqgan_maskgit import _kill_and_compare, tensors
+from test_vqgan_maskgit import _kill_and_compare, _kill_and_resume_one_process
 
 from trainer.checkpoint import CheckpointStore
 from trainer.cli import main as cli_main
@@ -160,25 +160,12 @@ RESUME = [
 @pytest.mark.slow
 def test_sigkill_mid_step_then_resume_is_bit_identical_to_an_uninterrupted_run(tmp_path):
     steps = 10
-    r = run_cli("train", *ae_args(tmp_path / "ref", *RESUME, max_steps=steps), env=ENV)
-    assert r.returncode == 0, r.stderr[-3000:]
 
-    args = ae_args(tmp_path / "killed", *RESUME, max_steps=steps)
-    log = tmp_path / "killed.log"
-    killed = f"{tmp_path}/killed/run/checkpoints"
+    def args(root):
+        return ae_args(root, *RESUME, max_steps=steps)
+
     # Killed in global step 6, once the (background) save of step 4 has committed.
-    kill = {"PROBE_TASK_KILL": "0:6", "PROBE_TASK_KILL_AFTER": f"{killed}/step-000000004/manifest.json"}
-    proc = start_cli("train", *args, env={**ENV, **kill}, log_path=log, cwd=REPO)
-    try:
-        assert proc.wait(timeout=600) == -9, log.read_text()[-3000:]
-    finally:
-        kill_group(proc)
-    assert CheckpointStore(killed).latest_valid().step == 4
-    r = run_cli("train", *args, env=ENV)
-    assert r.returncode == 0, r.stderr[-3000:]
-    assert f"resumed_from={killed}/step-000000004" in r.stderr
-
-    a, b = tensors(f"{tmp_path}/ref/run/checkpoints", steps), tensors(killed, steps)
+    a, b, _ = _kill_and_resume_one_process(tmp_path, args, ENV, kill_step=6, saved_step=4, steps=steps)
     # Generator (its scaling factor too), EMA, discriminator with its LeCAM anchors, both optimizers, RNG.
     assert {"generator.ema.safetensors", "discriminator.optimizer.safetensors", "rank-00000.safetensors"} <= set(a)
     assert_tensors_equal(a, b)

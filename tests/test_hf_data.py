@@ -13,12 +13,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from conftest import REPO, clean_env, run_cli, tiny
-from helpers import assert_tensors_equal, kill_group, start_cli
+from conftest import REPO, clean_env, tiny
+from helpers import assert_tensors_equal
 from PIL import Image
-from test_vqgan_maskgit import tensors
+from test_vqgan_maskgit import _kill_and_resume_one_process
 
-from trainer.checkpoint import CheckpointStore
 from trainer.data import build_splits, build_train_loader, collate, split
 from trainer.data.datasets import digit_caption, load_digits_arrays
 from trainer.data.hf import HFDataset
@@ -262,27 +261,16 @@ def test_sigkill_mid_step_on_an_hf_dataset_then_resume_is_bit_identical_and_coun
         "checkpoint.every_steps=2",
         "task=probe_tasks:KillableDDPM",
     ]
-    r = run_cli("train", *tiny(tmp_path / "ref", *extra, max_steps=steps), env=ENV)
-    assert r.returncode == 0, r.stderr[-3000:]
-    assert "skipping row 7 of" in r.stderr and "unreadable image" in r.stderr
-    args = tiny(tmp_path / "killed", *extra, max_steps=steps)
-    killed = f"{tmp_path}/killed/run/checkpoints"
-    kill = {"PROBE_TASK_KILL": "0:3", "PROBE_TASK_KILL_AFTER": f"{killed}/step-000000002/manifest.json"}
-    log = tmp_path / "killed.log"
-    proc = start_cli("train", *args, env={**ENV, **kill}, log_path=log, cwd=REPO)
-    try:
-        assert proc.wait(timeout=600) == -9, log.read_text()[-3000:]
-    finally:
-        kill_group(proc)
-    assert CheckpointStore(killed).latest_valid().step == 2
-    r = run_cli("train", *args, env=ENV)
-    assert r.returncode == 0, r.stderr[-3000:]
-    assert f"resumed_from={killed}/step-000000002" in r.stderr
-    a, b = tensors(f"{tmp_path}/ref/run/checkpoints", steps), tensors(killed, steps)
+
+    def args_for(root):
+        return tiny(root, *extra, max_steps=steps)
+
+    a, b, ref_stderr = _kill_and_resume_one_process(tmp_path, args_for, ENV, kill_step=3, saved_step=2, steps=steps)
+    assert "skipping row 7 of" in ref_stderr and "unreadable image" in ref_stderr
     assert {"unet.ema.safetensors", "unet.optimizer.safetensors", "rank-00000.safetensors"} <= set(a)
     assert_tensors_equal(a, b)
     # 48 samples of 40 rows: the broken row is counted each time the stream draws it (once or twice).
-    seed = load_config(None, args, environ={}).seed
+    seed = load_config(None, args_for(tmp_path / "killed"), environ={}).seed
     drawn = sum(index == 7 for _, index in SampleStream(40, seed).take(0, steps * 8))
     assert drawn >= 1
     for root in ("ref", "killed"):

@@ -14,10 +14,10 @@ import pytest
 import torch
 from conftest import REPO, clean_env, run_cli, tiny
 from diffusers import AutoencoderKL
-from helpers import assert_tensors_equal, kill_group, start_cli
+from helpers import assert_tensors_equal
 from PIL import Image
 from test_elastic import standalone
-from test_vqgan_maskgit import _kill_and_compare, tensors, train_vqgan
+from test_vqgan_maskgit import _kill_and_compare, _kill_and_resume_one_process, tensors, train_vqgan
 
 from trainer.checkpoint import CheckpointStore
 from trainer.checkpoint.weights import file_digest, load_for_inference
@@ -229,22 +229,11 @@ def test_sigkill_mid_step_then_resume_is_bit_identical_to_an_uninterrupted_run(t
     """Posterior samples (counter-based draws), noise, timesteps and label dropout all resume exactly."""
     steps = 6
     extra = ["model.num_classes=10", "checkpoint.every_steps=2", "task=probe_tasks:KillableDDPM"]
-    r = run_cli("train", *ldm(tmp_path / "ref", autoencoder_run, *extra, max_steps=steps), env=ENV)
-    assert r.returncode == 0, r.stderr[-3000:]
-    args = ldm(tmp_path / "killed", autoencoder_run, *extra, max_steps=steps)
-    killed = f"{tmp_path}/killed/run/checkpoints"
-    kill = {"PROBE_TASK_KILL": "0:3", "PROBE_TASK_KILL_AFTER": f"{killed}/step-000000002/manifest.json"}
-    log = tmp_path / "killed.log"
-    proc = start_cli("train", *args, env={**ENV, **kill}, log_path=log, cwd=REPO)
-    try:
-        assert proc.wait(timeout=600) == -9, log.read_text()[-3000:]
-    finally:
-        kill_group(proc)
-    assert CheckpointStore(killed).latest_valid().step == 2
-    r = run_cli("train", *args, env=ENV)
-    assert r.returncode == 0, r.stderr[-3000:]
-    assert f"resumed_from={killed}/step-000000002" in r.stderr
-    a, b = tensors(f"{tmp_path}/ref/run/checkpoints", steps), tensors(killed, steps)
+
+    def args(root):
+        return ldm(root, autoencoder_run, *extra, max_steps=steps)
+
+    a, b, _ = _kill_and_resume_one_process(tmp_path, args, ENV, kill_step=3, saved_step=2, steps=steps)
     assert {"unet.ema.safetensors", "unet.optimizer.safetensors", "rank-00000.safetensors"} <= set(a)
     assert_tensors_equal(a, b)
 

@@ -13,6 +13,7 @@ import pytest
 import torch
 from conftest import REPO, clean_env, run_cli
 from elastic_helpers import start_torchrun
+from helpers import kill_group, start_cli
 from PIL import Image
 from test_elastic import finish, standalone
 
@@ -248,6 +249,32 @@ def _kill_and_compare(tmp_path, make_args, kill_at: int, steps: int, **env: str)
         for key in a[name]:
             assert torch.equal(a[name][key], b[name][key]), f"{name}:{key} differs"
     return a
+
+
+def _kill_and_resume_one_process(
+    tmp_path, make_args, env: dict[str, str], kill_step: int, saved_step: int, steps: int
+) -> tuple[dict, dict, str]:
+    """One process, no torchrun: an uninterrupted run (ref), then a run SIGKILLed in global step `kill_step`
+    once the checkpoint of `saved_step` has committed, restarted to the end. Returns (ref tensors, resumed
+    tensors, the ref run's stderr); the caller compares them."""
+    r = run_cli("train", *make_args(tmp_path / "ref"), env=env)
+    assert r.returncode == 0, r.stderr[-3000:]
+    ref_stderr = r.stderr
+    args = make_args(tmp_path / "killed")
+    killed = f"{tmp_path}/killed/run/checkpoints"
+    kill = {"PROBE_TASK_KILL": f"0:{kill_step}"}
+    kill["PROBE_TASK_KILL_AFTER"] = f"{killed}/step-{saved_step:09d}/manifest.json"
+    log = tmp_path / "killed.log"
+    proc = start_cli("train", *args, env={**env, **kill}, log_path=log, cwd=REPO)
+    try:
+        assert proc.wait(timeout=600) == -9, log.read_text()[-3000:]
+    finally:
+        kill_group(proc)
+    assert CheckpointStore(killed).latest_valid().step == saved_step
+    r = run_cli("train", *args, env=env)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert f"resumed_from={killed}/step-{saved_step:09d}" in r.stderr
+    return tensors(f"{tmp_path}/ref/run/checkpoints", steps), tensors(killed, steps), ref_stderr
 
 
 @pytest.mark.slow
