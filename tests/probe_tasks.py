@@ -23,8 +23,10 @@ checkpoint instead of passing by luck.
 
 from __future__ import annotations
 
+import glob
 import os
 import signal
+import sys
 import time
 from collections.abc import Mapping
 
@@ -44,20 +46,29 @@ from trainer.tasks.vqgan import VQGANTask
 
 
 def maybe_die(step: int) -> None:
-    """SIGKILL this process in global step STEP on rank RANK (`PROBE_TASK_KILL=RANK:STEP`), first attempt only.
+    """SIGKILL this process in global step STEP on rank RANK (`PROBE_TASK_KILL=RANK:STEP`; RANK `*`: any rank
+    that has the variable, e.g. every worker of one torchrun agent), on the first attempt only
+    (`PROBE_TASK_KILL_ATTEMPT=N`: on torchrun's restart N instead).
 
     With `PROBE_TASK_KILL_AFTER=PATH` it first waits (up to 120 s) for PATH to exist: a background
-    (async) save's manifest, so the kill lands after that checkpoint committed, whatever the speed.
+    (async) save's manifest, so the kill lands after that checkpoint committed, whatever the speed. PATH
+    may be a glob; `PROBE_TASK_KILL_AFTER_COUNT=N` waits for N matches. `PROBE_TASK_KILL_SIGNAL=STOP`
+    freezes the process instead, after printing "probe: stopped in step STEP" (a node that hangs).
     """
     kill = os.environ.get("PROBE_TASK_KILL")
-    if kill and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0":
-        rank, at = (int(v) for v in kill.split(":"))
-        if int(os.environ.get("RANK", "0")) == rank and step == at:
+    attempt = os.environ.get("PROBE_TASK_KILL_ATTEMPT", "0")
+    if kill and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == attempt:
+        rank, at = kill.split(":")
+        if rank in ("*", os.environ.get("RANK", "0")) and step == int(at):
             after = os.environ.get("PROBE_TASK_KILL_AFTER")
+            count = int(os.environ.get("PROBE_TASK_KILL_AFTER_COUNT", "1"))
             deadline = time.monotonic() + 120
-            while after and not os.path.exists(after) and time.monotonic() < deadline:
+            while after and len(glob.glob(after)) < count and time.monotonic() < deadline:
                 time.sleep(0.05)
-            os.kill(os.getpid(), getattr(signal, "SIG" + os.environ.get("PROBE_TASK_KILL_SIGNAL", "KILL")))
+            name = os.environ.get("PROBE_TASK_KILL_SIGNAL", "KILL")
+            if name == "STOP":
+                print(f"probe: stopped in step {step}", file=sys.stderr, flush=True)
+            os.kill(os.getpid(), getattr(signal, "SIG" + name))
 
 
 def hold_snapshot_copies() -> None:
@@ -66,7 +77,6 @@ def hold_snapshot_copies() -> None:
     thread reaches the next optimizer step (after that step's forward and backward) and the step waits
     for it; without one the optimizer steps first and the copy sees the next step's values. Logs
     "probe: snapshot copy held until a fence" or "... until an optimizer step" for the tests."""
-    import sys
     import threading
 
     from torch.optim.optimizer import register_optimizer_step_post_hook

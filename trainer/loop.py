@@ -174,6 +174,7 @@ class Trainer:
         progress.trackers = self.reporter.start_trackers(flat_hparams(cfg.to_dict()), progress.trackers)
         self.clock.mark("resume")
         self.metrics.on_resume(progress.step, progress.saved_time)
+        self.metrics.on_resume_source(self.checkpoints.resumed_tier, self.checkpoints.steps_lost(progress.step))
         self._log_start()
         env = self.env
         loader = build_train_loader(
@@ -330,6 +331,7 @@ class Trainer:
             "train_samples": len(self.train_set),
             "resumed_from": self.checkpoints.resumed_from or "none (fresh start)",
             "step": progress.step,
+            **({"steps_lost": lost} if (lost := self.checkpoints.steps_lost(progress.step)) is not None else {}),
             "cursor": progress.cursor,
             "checkpoints": self.checkpoints.store.url,
         }

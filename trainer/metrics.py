@@ -156,6 +156,16 @@ class TrainingMetrics:
             ["name"],
             multiprocess_mode="max",
         )
+        self.resume_source = Gauge(
+            "gentrain_resume_source",
+            "1 for the checkpoint tier this process resumed from (memory, durable, none), 0 for the others",
+            ["tier"],
+            multiprocess_mode="livemax",
+        )
+        self.steps_lost = Counter(
+            "gentrain_steps_lost",
+            "Steps trained before a restart that were trained again after it (known with the memory tier on)",
+        )
         self.preemptions = Counter("gentrain_preemptions", "Stops by SIGTERM/SIGINT with an emergency checkpoint")
         self.device_memory = None
         if torch.cuda.is_available():
@@ -186,6 +196,15 @@ class TrainingMetrics:
         self.step.set(step)
         if self.env.is_main:
             self.ckpt_last.set(checkpoint_time or time.time())
+
+    def on_resume_source(self, tier: str | None, steps_lost: int | None) -> None:
+        """Where this process resumed from (memory, durable or none) and the steps it must train again."""
+        if not self.enabled:
+            return
+        for name in ("memory", "durable", "none"):
+            self.resume_source.labels(tier=name).set(1 if name == (tier or "none") else 0)
+        if steps_lost and self.env.is_main:
+            self.steps_lost.inc(steps_lost)
 
     def on_step(
         self,

@@ -11,6 +11,8 @@
         <part>.<kind>.rank-NNNNN.safetensors  rank N's slices
         <part>.<kind>.replicated.safetensors  tensors every rank holds whole (rank 0 writes them)
         shards.json                           where every slice of every tensor lies
+    the memory tier (trainer.checkpoint.memory) keeps the same names in a node's shared memory, plus
+        piece-rNNNNN.json                     commit point of rank N's piece (its files), written last
 
 The state, weights, sharded and store modules build and recognise names only through this
 module, so a file kind is added or renamed here and nowhere else. It imports nothing of
@@ -28,6 +30,7 @@ TRAINER_JSON = "trainer.json"
 SHARD_INDEX = "shards.json"
 KINDS = ("model", "ema", "optimizer")  # the kinds of tensor group a part has
 
+_PIECE = re.compile(r"^piece-r(\d{5,})\.json$")
 _STEP_DIR = re.compile(r"^step-(\d{9,})$")
 _RANK_STATE = re.compile(r"^rank-(\d{5,})\.(safetensors|json)$")
 # <part>.<kind>.safetensors | <part>.<kind>.rank-NNNNN.safetensors | <part>.<kind>.replicated.safetensors;
@@ -37,6 +40,17 @@ _GROUP_FILE = re.compile(r"^([^.]+)\.(model|ema|optimizer)(?:\.rank-(\d{5,})|\.(
 
 def step_dir_name(step: int) -> str:
     return f"step-{step:09d}"
+
+
+def piece_file(owner: int) -> str:
+    """The memory tier's commit point of the piece rank `owner` contributes to a step."""
+    return f"piece-r{owner:05d}.json"
+
+
+def parse_piece_file(name: str) -> int | None:
+    """The owner rank of a piece file's base name, or None for any other name."""
+    m = _PIECE.match(name)
+    return int(m.group(1)) if m else None
 
 
 def eval_result_name(step: int) -> str:

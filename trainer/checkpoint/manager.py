@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 import re
 import threading
 import time
@@ -12,6 +13,7 @@ from typing import Any
 import torch
 
 from trainer import __version__
+from trainer.checkpoint.memory import INDEX, OWNER, MemoryTier, agree, memory_root
 from trainer.checkpoint.sharded import write_sharded
 from trainer.checkpoint.state import (
     Stateful,
@@ -78,13 +80,50 @@ class CheckpointManager:
                 Checkpointer(self.store, c.async_, on_done=metrics.on_checkpoint_done) if self.env.is_main else None
             )
         self.every_steps = c.every_steps
+        self.memory, self.memory_writer = self._memory_tier(cfg, runtime, metrics)
+        self.memory_every_steps = c.memory_every_steps
+        self.memory_failures = 0
+        self.resumed_tier: str | None = None
         self.failures = 0
         self._stall: float | None = None  # an async save's stall so far; its fence adds the rest
         self.resumed_from: str | None = None
+        self.steps_reached: int | None = None  # the newest step completed before this process started (memory tier)
+        self._memory_meta: dict[str, Any] | None = None
         self.progress: Stateful | None = None
         self.parts: Mapping[str, Stateful] = {}
         self.frozen: Mapping[str, dict[str, Any]] = {}
         self.inputs: Mapping[str, dict[str, Any]] = {}
+
+    def _memory_tier(
+        self, cfg: Config, runtime: Runtime, metrics: TrainingMetrics
+    ) -> tuple[MemoryTier | None, Checkpointer | None]:
+        """The memory tier and its writer (always in the background), or (None, None) when it is off or
+        its folder cannot be made (a warning: training goes on with the durable tier alone). Collective."""
+        c = cfg.checkpoint
+        root = memory_root(c.memory_dir, cfg.checkpoint_url)
+        usable = False
+        if c.memory:
+            try:
+                os.makedirs(root, mode=0o700, exist_ok=True)
+                usable = os.access(root, os.W_OK)
+            except OSError as e:
+                log.warning("checkpoint.memory: cannot use %s (%s); continuing with the durable tier only", root, e)
+        if not all(gather_objects(usable)):  # every rank on, or every rank off: saves are collective
+            if c.memory and usable:
+                log.warning("checkpoint.memory is off: another node cannot use its checkpoint.memory_dir")
+            return None, None
+        tier = MemoryTier(root, runtime.env, runtime.sharded, cfg.elastic.collective_timeout_seconds, cfg.checkpoint_url)
+        if runtime.env.is_main:
+            log.info("%s", tier.describe())
+
+        def write(step: int, files: Mapping[str, Any], meta: Mapping[str, Any]) -> None:
+            tier.write(step, files, meta)
+
+        def on_copy_failure(step: int, meta: Mapping[str, Any], e: BaseException) -> None:
+            tier.write(step, {}, meta, failed=repr(e))
+
+        writer = Checkpointer(tier.store, True, write=write, on_copy_failure=on_copy_failure)
+        return tier, writer
 
     def attach(
         self,
@@ -141,7 +180,13 @@ class CheckpointManager:
         is it applied, everywhere at once. Otherwise nothing is applied and the previous one is tried.
         """
         if not self.cfg.checkpoint.resume:
+            if self.memory is not None:
+                self.memory.clear()
             return None
+        if self.memory is not None:
+            resumed = self._resume_from_memory()
+            if resumed is not None:
+                return resumed
         candidates = iter(self.store.valid_candidates()) if self.env.is_main else None
         first = True
         while True:
@@ -157,16 +202,68 @@ class CheckpointManager:
             errors = self._load_everywhere(info)
             if not errors:
                 self.resumed_from = self.store.url_for(step)
+                self.resumed_tier = "durable"
                 return self.resumed_from
             if self.env.is_main:
                 log.warning("checkpoint %s cannot be loaded (%s); trying the previous one", info.url, "; ".join(errors))
 
-    def _load_everywhere(self, info: CheckpointInfo) -> list[str]:
+    def steps_lost(self, step: int) -> int | None:
+        """Steps completed before this process started that it trains again (known with the memory tier)."""
+        return max(0, self.steps_reached - step) if self.steps_reached is not None else None
+
+    def _resume_from_memory(self) -> str | None:
+        """Collective: load the newest step complete in the memory tier if it is newer than the durable
+        tier's newest; None if there is none (then the durable tier decides, as without a memory tier).
+
+        One all-gather tells every rank which pieces each node holds; each node then fetches the pieces
+        it lacks from a node that holds them, commits the step in its own folder, and the step is loaded
+        and checked like a durable checkpoint. A step that fails any of that is dropped, the next tried."""
+        tier = self.memory
+        assert tier is not None
+        durable = None
+        if self.env.is_main:
+            newest = self.store.latest_valid()
+            durable = newest.step if newest is not None else None
+        report = (tier.inventory() if tier.is_leader else None, tier.reached() if tier.is_leader else None, self.env.rank)
+        gathered = gather_objects((report, durable))
+        plan = agree([r for r, _ in gathered], gathered[0][1])
+        self.steps_reached = plan.reached
+        leaders = [n[0] for n in tier.topology.nodes]
+        for step in plan.candidates:
+            problems = []
+            try:
+                for owner in plan.owners[step]:
+                    holders = plan.holders[step][owner]
+                    for dst in leaders:
+                        if dst not in holders:
+                            tier.fetch(step, owner, holders[0], dst)
+                if tier.is_leader:
+                    tier.commit(step, plan.owners[step])
+            except (CheckpointError, OSError, RuntimeError) as e:
+                problems.append(f"rank {self.env.rank}: {type(e).__name__}: {e}")
+            problems = [p for ps in gather_objects(problems) for p in ps]
+            if not problems:
+                inputs = tier.read_piece(step, 0)["meta"].get("inputs") or {}
+                check_pinned_inputs(inputs, self.inputs, f"the memory tier at {tier.root}")
+                problems = self._load_everywhere(tier.store.check(step), tier.store)
+            if not problems:
+                tier.forget_after(step)
+                self.resumed_from = f"memory:{tier.store.url_for(step)}"
+                self.resumed_tier = "memory"
+                return self.resumed_from
+            if self.env.is_main:
+                log.warning("memory tier: step %d cannot be loaded (%s); trying an older one", step, "; ".join(problems))
+            tier.drop(step)
+        tier.forget_after(gathered[0][1])
+        return None
+
+    def _load_everywhere(self, info: CheckpointInfo, store: CheckpointStore | None = None) -> list[str]:
         """Collective: read and check `info` on every rank, apply it only if every rank and the check of
         the files nobody read agree; the problems found (none: applied on every rank)."""
+        store = self.store if store is None else store
         error, loaded = None, None
         try:
-            loaded = read_state(self.store, info, self.progress, self.parts, self.env.rank)
+            loaded = read_state(store, info, self.progress, self.parts, self.env.rank)
             # By digest: the URL may differ (stored redacted, or the source run moved on with the same weights).
             recorded = redact(loaded.doc.get("frozen", {}))
             if {k: v["digest"] for k, v in recorded.items()} != {k: v["digest"] for k, v in self.frozen.items()}:
@@ -175,14 +272,14 @@ class CheckpointManager:
             error = ("config", str(e))
         except CheckpointError as e:
             error = ("corrupt", f"rank {self.env.rank}: {e}")
-        reports = gather_objects((error, sorted(self.store.files_verified(info))))
+        reports = gather_objects((error, sorted(store.files_verified(info))))
         refused = [e[1] for e, _ in reports if e and e[0] == "config"]
         if refused:
             raise ConfigError(refused[0])  # on every rank together (exit 2)
         problems = [e[1] for e, _ in reports if e]
         if not problems and self.env.is_main:
             read_somewhere = set().union(*(set(names) for _, names in reports))
-            problems = self.store.verify(info, digests_checked=read_somewhere)
+            problems = store.verify(info, digests_checked=read_somewhere)
         problems = broadcast_object(problems)
         if not problems:
             loaded.apply()
@@ -191,8 +288,44 @@ class CheckpointManager:
     # ---------------------------------------------------------------- save
 
     def maybe_save(self, step: int) -> None:
+        if self.memory is not None:
+            self.memory.mark_reached(step)
+            if step % self.memory_every_steps == 0:
+                self.save_to_memory(step)
         if self.every_steps and step % self.every_steps == 0:
             self.save(step)
+
+    def save_to_memory(self, step: int) -> None:
+        """Collective: this rank's piece of `step` into the memory tier, in the background (see trainer.checkpoint.memory)."""
+        assert self.memory is not None and self.memory_writer is not None
+        t0 = time.perf_counter()
+        if self.sharded:
+            files, index = sharded_snapshot_files(self.progress, self.parts, self.frozen, self.env.rank)
+            owner: int | None = self.env.rank
+        else:
+            rank_states = gather_objects(capture_rank_state())
+            files, index, owner = {}, None, None
+            if self.memory.is_leader:  # every node writes the whole state from its own replica
+                files, owner = snapshot_files(self.progress, self.parts, rank_states, self.frozen), 0
+        if self._memory_meta is None:
+            self._memory_meta = self._meta()
+        meta = {**(self._memory_meta if owner == 0 else {}), OWNER: owner, INDEX: index}
+        try:
+            self.memory_writer.save(step, files, meta, stable=updated_only_in_steps(self.parts))
+        except Exception as e:  # the previous snapshot's failure, raised by its wait: the next one retries
+            self._count_memory_failure(e)
+        self._stall = (self._stall or 0.0) + time.perf_counter() - t0
+
+    def _count_memory_failure(self, err: BaseException) -> None:
+        self.memory_failures += 1
+        self.metrics.on_checkpoint_failure()
+        if self.memory_failures == 1 or self.memory_failures % 100 == 0:
+            log.error(
+                "memory-tier snapshot failed (%d so far; training continues, the durable tier is unaffected, the "
+                "next snapshot retries): %s",
+                self.memory_failures,
+                err,
+            )
 
     def _meta(self) -> dict[str, Any]:
         """What the manifest says about the run, credentials redacted: a checkpoint root is read by more
@@ -235,7 +368,7 @@ class CheckpointManager:
                 raise  # the final save must not be lost silently: crash, and be retried
             return False
         if background:
-            self._stall = time.perf_counter() - t0  # the fence adds what it waits
+            self._stall = (self._stall or 0.0) + time.perf_counter() - t0  # the fence adds what it waits
         else:
             self.metrics.on_checkpoint_stall(time.perf_counter() - t0)
         return True
@@ -244,13 +377,17 @@ class CheckpointManager:
         """Wait until a background save has copied the parts' state; every part calls this before it
         changes its weights, optimizer state or EMA. A failed copy is counted like a failed save (that
         checkpoint is not written; training goes on and the next save retries)."""
-        if self.writer is None:
-            return
         waited = 0.0
-        try:
-            waited = self.writer.fence()
-        except SnapshotError as e:
-            self._count_failure(e)
+        if self.memory_writer is not None:
+            try:
+                waited += self.memory_writer.fence()
+            except SnapshotError as e:
+                self._count_memory_failure(e)
+        if self.writer is not None:
+            try:
+                waited += self.writer.fence()
+            except SnapshotError as e:
+                self._count_failure(e)
         if self._stall is not None:
             self.metrics.on_checkpoint_stall(self._stall + waited)
             self._stall = None
@@ -302,6 +439,10 @@ class CheckpointManager:
         )
 
     def report_background_failure(self) -> None:
+        if self.memory_writer is not None:
+            err = self.memory_writer.take_failure()
+            if err is not None:
+                self._count_memory_failure(err)
         if self.writer is not None:
             err = self.writer.take_failure()
             if err is not None:
@@ -349,9 +490,11 @@ class CheckpointManager:
         return EXIT_PREEMPTED
 
     def close(self) -> None:
+        if self.memory_writer is not None:
+            self.memory_writer.close()
         if self.writer is not None:
             self.writer.close()
-            self.report_background_failure()
+        self.report_background_failure()
 
 
 # scheme://[userinfo@]host at the start of a URL (userinfo as trainer.config.redact finds it).

@@ -79,6 +79,19 @@ class Manifest(_Open):
     inputs: dict[StrictStr, dict[StrictStr, Any]] = {}
 
 
+class PieceDoc(_Open):
+    """A memory-tier piece (trainer.checkpoint.memory): the files one rank contributes to a step."""
+
+    format_version: Annotated[StrictInt, Field(ge=1, le=FORMAT_VERSION)]
+    step: NonNegInt
+    owner: NonNegInt
+    world_size: Annotated[StrictInt, Field(ge=1)]
+    sharded: bool
+    files: dict[StrictStr, FileEntry]
+    index: dict[StrictStr, Any] = {}  # this owner's part of shards.json (sharded)
+    meta: dict[StrictStr, Any] | None = None  # owner 0: what the manifest says about the run
+
+
 class ProgressState(_Open):
     step: NonNegInt
     cursor: NonNegInt
@@ -197,6 +210,25 @@ def parse_manifest(raw: bytes, step: int) -> dict[str, Any]:
     for name in doc["files"]:
         if not FILE_NAME.match(name) or name == MANIFEST or ".." in name:
             raise CheckpointCorrupt(f"{MANIFEST} lists a file named {name!r}, which is not a payload file name")
+    return doc
+
+
+def parse_piece(raw: bytes, step: int, owner: int) -> dict[str, Any]:
+    """A memory-tier piece file, checked against its schema, its step dir and its name; CheckpointCorrupt if not."""
+    doc = parse_json(raw, f"piece of rank {owner}")
+    if not isinstance(doc, dict):
+        raise CheckpointCorrupt(f"piece of rank {owner} holds a {type(doc).__name__}, not an object")
+    _model(PieceDoc, doc, f"piece of rank {owner}")
+    if doc["step"] != step or doc["owner"] != owner or owner >= doc["world_size"]:
+        raise CheckpointCorrupt(
+            f"piece of rank {owner} in the dir of step {step} says rank {doc['owner']} of {doc['world_size']}, "
+            f"step {doc['step']}"
+        )
+    if (owner == 0) != (doc.get("meta") is not None):
+        raise CheckpointCorrupt(f"piece of rank {owner}: only rank 0's piece carries the run's manifest fields")
+    for name in doc["files"]:
+        if not FILE_NAME.match(name) or name == MANIFEST or ".." in name or name.startswith("piece-"):
+            raise CheckpointCorrupt(f"piece of rank {owner} lists a file named {name!r}, not a payload file name")
     return doc
 
 

@@ -133,6 +133,15 @@ class CheckpointConfig(_Section):
     async_: bool = Field(False, alias="async")
     storage_options: dict[str, Any] = Field(default_factory=dict)
     resume: bool = True
+    memory: bool = Field(
+        False,
+        description="memory tier: keep the newest snapshots in each node's shared memory, replicated to a buddy "
+        "node, and resume from them after a worker crash or a node loss (docs/checkpoints.md)",
+    )
+    memory_every_steps: int = Field(1, ge=1, description="memory-tier snapshot interval")
+    memory_dir: str = Field(
+        "/dev/shm/gentrain", description="node-local folder of the memory tier (shared memory that outlives workers)"
+    )
 
     model_config = ConfigDict(extra="forbid", populate_by_name=True, validate_assignment=True)
 

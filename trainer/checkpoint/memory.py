@@ -1,0 +1,454 @@
+"""The memory tier: each node keeps the newest snapshots in shared memory, a buddy node keeps a copy.
+
+torchrun restarts only the workers; the pod, and its `/dev/shm`, lives on. So a worker crash loses
+nothing if every step's state is also in a folder there, and a node's loss loses nothing if another
+node holds a copy of what existed only on the lost one. Per node:
+
+    <checkpoint.memory_dir>/<run key>/          run key: the durable root's name and a hash of its URL
+        origin.json                             that durable root (credentials redacted), for people
+        reached.json                            the newest step this node's workers completed
+        step-000001200/                         the durable layout's file names (trainer.checkpoint.layout)
+            <payload files>                     written by this node's ranks, or received from a peer
+            piece-rNNNNN.json                   commit point of rank N's piece: its files' sizes and digests
+            manifest.json                       only once a resume assembled the whole step on this node
+
+A *piece* is what one rank contributes to a step. Under FSDP it is the rank's slices and RNG state
+(rank 0's also holds trainer.json and the replicated tensors), written like a durable sharded save, and
+sent to the same local rank of the next node (nodes ordered by their lowest rank, the last one's buddy
+is the first) over a gloo group of its own, by the background writer. Under DDP every rank already
+holds the whole model and optimizer state, so the whole checkpoint is one piece, rank 0's, and every
+node's first rank writes it from its own replica after one all-gather of the ranks' RNG states: nothing
+is sent, and any one surviving node holds everything.
+
+Resume: one all-gather of which pieces each node holds, with the durable tier's newest step; every rank
+computes the same newest step that is complete somewhere and newer than the durable one; each node
+fetches the pieces it lacks from a node that holds them, writes the step's shard index and manifest
+(the same commit rule as the durable tier), and the step is loaded and checked like a durable one (a
+torn, stale or digest-failing step is skipped, then older ones, then the durable tier).
+
+Why not a library: DLRover's Flash Checkpoint needs its own agent (dlrover-run) in place of torchrun's
+and passes its state's metadata between processes pickled; nvidia-resiliency-ext's local checkpoints
+are `torch.save` files (pickle) and CUDA-first; torchft heals a replica from a live peer's state over
+its own transport, which streams pickled state dicts. Each breaks gentrain's rules (no pickle read
+from storage, digests, manifest last, exact data resume), so this module keeps the durable tier's
+format and writer and adds only placement, replication and the agreement.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import posixpath
+import re
+import shutil
+import socket
+import threading
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from trainer.checkpoint.layout import MANIFEST, SHARD_INDEX, parse_piece_file, parse_step_dir, piece_file, step_dir_name
+from trainer.checkpoint.sharded import index_file_bytes, merge_indexes
+from trainer.checkpoint.store import CheckpointStore, CheckpointError, Payload
+from trainer.checkpoint.validity import FORMAT_VERSION, parse_json, parse_piece
+from trainer.config.redact import redact
+from trainer.elastic import DistEnv, gather_objects, new_gloo_group
+from trainer.errors import CheckpointCorrupt
+
+log = logging.getLogger("gentrain")
+
+KEEP = 2  # steps with pieces kept per node: the newest may be incomplete while the one before it is not
+_CHUNK = 64 << 20  # bytes per message when a piece travels between nodes
+# Test failpoint (docs/development.md): the rank that sends its piece of this step stops after the
+# first chunk, so a test can kill its node in the middle of a replication.
+FAULT_STALL_REPLICATION = "GENTRAIN_FAULT_STALL_REPLICATION_AT_STEP"
+OWNER = "__memory_owner__"  # carried from save() to the writer thread in the meta, never written
+INDEX = "__memory_index__"
+
+
+def run_key(durable_url: str) -> str:
+    """The memory tier's folder name for the run checkpointing to `durable_url`: readable and unique."""
+    url = durable_url.rstrip("/")
+    if "://" not in url:
+        url = os.path.abspath(url)
+    name = re.sub(r"[^A-Za-z0-9_.-]", "_", posixpath.basename(posixpath.dirname(url)) or "run")[:40]
+    return f"{name}-{hashlib.sha256(url.encode()).hexdigest()[:16]}"
+
+
+def memory_root(memory_dir: str, durable_url: str) -> str:
+    return os.path.join(memory_dir, run_key(durable_url))
+
+
+@dataclass(frozen=True)
+class Topology:
+    """Which node each rank runs on (a node: a host and its memory folder), and who backs up whom."""
+
+    node_of: tuple[str, ...]  # per rank
+
+    @property
+    def nodes(self) -> list[list[int]]:
+        """Ranks per node; nodes in the order of their lowest rank."""
+        out: dict[str, list[int]] = {}
+        for rank, node in enumerate(self.node_of):
+            out.setdefault(node, []).append(rank)
+        return sorted(out.values())
+
+    def leader(self, rank: int) -> int:
+        return next(n[0] for n in self.nodes if rank in n)
+
+    def buddy(self, rank: int) -> int | None:
+        """The rank on the next node that keeps a copy of `rank`'s piece (None: one node, no copy)."""
+        nodes = self.nodes
+        if len(nodes) < 2:
+            return None
+        i = next(i for i, n in enumerate(nodes) if rank in n)
+        here, there = nodes[i], nodes[(i + 1) % len(nodes)]
+        return there[here.index(rank) % len(there)]
+
+    def sources(self, rank: int) -> list[int]:
+        """The ranks whose pieces `rank` keeps a copy of."""
+        return [r for r in range(len(self.node_of)) if self.buddy(r) == rank]
+
+
+class MemoryTier:
+    """One node's share of the memory tier: writing pieces, replicating them, and resuming from them."""
+
+    def __init__(self, root: str, env: DistEnv, sharded: bool, timeout_seconds: float, origin: str):
+        self.root = root
+        self.env, self.sharded = env, sharded
+        os.makedirs(root, mode=0o700, exist_ok=True)
+        self.store = _MemoryStore(root)
+        self.node = f"{socket.gethostname()}:{os.path.realpath(root)}"
+        self.topology = Topology(tuple(gather_objects(self.node)))
+        self.group = new_gloo_group(timeout_seconds)  # pieces travel here, never on the training group
+        self.is_leader = self.topology.leader(env.rank) == env.rank
+        if self.is_leader:
+            _put(os.path.join(root, "origin.json"), json.dumps({"durable": redact(origin)}).encode())
+
+    @property
+    def replicated(self) -> bool:
+        return self.sharded and len(self.topology.nodes) > 1
+
+    def describe(self) -> str:
+        nodes = self.topology.nodes
+        if not self.sharded:
+            how = f"every node writes the whole state from its own replica ({len(nodes)} copies)"
+        elif len(nodes) > 1:
+            how = f"each node's pieces are copied to the next of {len(nodes)} nodes"
+        else:
+            how = "one node: no copy on another node (a worker crash is covered, a node loss is not)"
+        return f"memory tier in {self.root}: {how}"
+
+    # ------------------------------------------------------------------ save (writer thread)
+
+    def mark_reached(self, step: int) -> None:
+        """Note the newest step this node completed (steps lost on a resume are counted from it)."""
+        if self.is_leader:
+            try:
+                _put(os.path.join(self.root, "reached.json"), json.dumps({"step": step}).encode())
+            except OSError as e:
+                log.debug("memory tier: cannot note the step reached: %s", e)
+
+    def write(self, step: int, files: Mapping[str, Payload], meta: Mapping[str, Any], failed: str | None = None) -> None:
+        """Write this rank's piece of `step` (if it has one), then trade pieces with the buddies.
+
+        Under FSDP every rank exchanges, even one whose own write `failed`, so no peer waits for a piece
+        that will never come; the error is raised after."""
+        meta = dict(meta)
+        owner, index = meta.pop(OWNER), meta.pop(INDEX)
+        doc, error = None, failed
+        if owner is not None and error is None:
+            try:
+                entries = self.store.write_files(step, files)
+                doc = {
+                    "format_version": FORMAT_VERSION,
+                    "step": step,
+                    "owner": owner,
+                    "world_size": self.env.world_size,
+                    "sharded": self.sharded,
+                    "files": entries,
+                    "index": index or {},
+                    "meta": meta if owner == 0 else None,
+                }
+                self._put_piece(step, owner, doc)
+            except Exception as e:
+                error = f"{type(e).__name__}: {e}"
+                self._remove_files(step, files)
+        if self.replicated:
+            self._trade(step, owner, doc)
+        if self.is_leader:
+            self._retain()
+        if error:
+            raise CheckpointError(f"memory snapshot of step {step} failed on rank {self.env.rank}: {error}")
+
+    def _trade(self, step: int, owner: int | None, doc: dict[str, Any] | None) -> None:
+        """Send this rank's piece to its buddy, receive the pieces it keeps copies of (both at once)."""
+        to, sources = self.topology.buddy(self.env.rank), self.topology.sources(self.env.rank)
+        done = threading.Event()
+        errors: list[BaseException] = []
+
+        def receive() -> None:
+            try:
+                for src in sources:
+                    self._receive_piece(step, src)
+            except BaseException as e:
+                errors.append(e)
+            finally:
+                done.set()
+
+        receiver = threading.Thread(target=receive, name="gentrain-memory-recv", daemon=True)
+        receiver.start()
+        try:
+            self._send_piece(step, owner if doc is not None else None, to, stall=_stall_at() == step)
+        finally:
+            done.wait()
+        if errors:
+            raise errors[0]
+
+    def _send_piece(self, step: int, owner: int | None, to: int, stall: bool = False) -> None:
+        """[length of the piece json, or -1: none] [piece json] [each file in <= 64 MB chunks]."""
+        if owner is None:
+            dist.send(torch.tensor([-1], dtype=torch.int64), to, group=self.group)
+            return
+        d = self._step_path(step)
+        raw = _read(os.path.join(d, piece_file(owner)))
+        dist.send(torch.tensor([len(raw)], dtype=torch.int64), to, group=self.group)
+        dist.send(torch.frombuffer(bytearray(raw), dtype=torch.uint8), to, group=self.group)
+        for name, entry in sorted(json.loads(raw)["files"].items()):
+            n = int(entry["bytes"])
+            if n == 0:
+                continue
+            data = torch.from_file(os.path.join(d, name), shared=False, size=n, dtype=torch.uint8)
+            for start in range(0, n, _CHUNK):
+                dist.send(data[start : start + _CHUNK], to, group=self.group)
+                if stall:
+                    log.warning("memory tier: stalling the replication of step %d (%s is set)", step, FAULT_STALL_REPLICATION)
+                    threading.Event().wait()
+
+    def _receive_piece(self, step: int, src: int) -> None:
+        header = torch.empty(1, dtype=torch.int64)
+        dist.recv(header, src, group=self.group)
+        n = int(header.item())
+        if n < 0:
+            return  # the sender had no piece this time (its save failed); it says why itself
+        raw = torch.empty(n, dtype=torch.uint8)
+        dist.recv(raw, src, group=self.group)
+        raw_bytes = raw.numpy().tobytes()
+        owner = json.loads(raw_bytes).get("owner") if raw_bytes else None
+        doc = parse_piece(raw_bytes, step, owner if isinstance(owner, int) else -1)
+        d = self._step_path(step)
+        os.makedirs(d, mode=0o700, exist_ok=True)
+        for name, entry in sorted(doc["files"].items()):
+            size = int(entry["bytes"])
+            path = os.path.join(d, name)
+            with open(path, "wb") as f:
+                f.truncate(size)
+            if size == 0:
+                continue
+            data = torch.from_file(path, shared=True, size=size, dtype=torch.uint8)
+            for start in range(0, size, _CHUNK):
+                dist.recv(data[start : start + _CHUNK], src, group=self.group)
+            del data  # unmapped: the bytes are in the file
+        _put(os.path.join(d, piece_file(doc["owner"])), raw_bytes)  # last: the copy is complete
+
+    def _put_piece(self, step: int, owner: int, doc: Mapping[str, Any]) -> None:
+        _put(os.path.join(self._step_path(step), piece_file(owner)), json.dumps(doc).encode())
+
+    def _remove_files(self, step: int, files: Mapping[str, Payload]) -> None:
+        for name in files:
+            try:
+                os.unlink(os.path.join(self._step_path(step), name))
+            except OSError:
+                pass
+
+    def _retain(self) -> None:
+        """Keep the KEEP newest steps that hold a piece, and anything newer (being written)."""
+        held = [s for s in self._steps() if self._owners_here(s)]
+        if len(held) < KEEP:
+            return
+        oldest_kept = sorted(held)[-KEEP]
+        for s in self._steps():
+            if s < oldest_kept:
+                self._remove_step(s)
+
+    # ------------------------------------------------------------------ resume
+
+    def inventory(self) -> dict[int, dict[int, tuple[int, bool]]]:
+        """{step: {owner: (world size, sharded)}} of the complete pieces this node holds (files present
+        with their sizes; digests are checked when the step is loaded)."""
+        out: dict[int, dict[int, tuple[int, bool]]] = {}
+        for step in self._steps():
+            for owner in self._owners_here(step):
+                try:
+                    doc = self.read_piece(step, owner)
+                except CheckpointCorrupt as e:
+                    log.warning("memory tier %s: skipping a piece: %s", self._step_path(step), e)
+                    continue
+                out.setdefault(step, {})[owner] = (doc["world_size"], doc["sharded"])
+        return out
+
+    def read_piece(self, step: int, owner: int) -> dict[str, Any]:
+        d = self._step_path(step)
+        try:
+            doc = parse_piece(_read(os.path.join(d, piece_file(owner))), step, owner)
+        except OSError as e:
+            raise CheckpointCorrupt(f"piece of rank {owner} cannot be read ({e})") from e
+        for name, entry in doc["files"].items():
+            path = os.path.join(d, name)
+            if os.path.islink(path) or not os.path.isfile(path) or os.path.getsize(path) != entry["bytes"]:
+                raise CheckpointCorrupt(f"{name} of rank {owner}'s piece is missing or has the wrong size")
+        return doc
+
+    def reached(self) -> int | None:
+        try:
+            step = parse_json(_read(os.path.join(self.root, "reached.json")), "reached.json").get("step")
+        except (OSError, CheckpointCorrupt, AttributeError):
+            return None
+        return step if isinstance(step, int) and step >= 0 else None
+
+    def fetch(self, step: int, owner: int, src: int, dst: int) -> None:
+        """Collective pair: the node leader `src` sends its copy of a piece, the node leader `dst` keeps it."""
+        if self.env.rank == src:
+            self._send_piece(step, owner, dst)
+        elif self.env.rank == dst:
+            self._receive_piece(step, src)
+
+    def commit(self, step: int, owners: list[int]) -> None:
+        """Write the step's shard index and manifest from its pieces here (the leader, once all are here)."""
+        docs = [self.read_piece(step, owner) for owner in owners]
+        entries: dict[str, Any] = {}
+        for doc in docs:
+            entries.update(doc["files"])
+        meta = dict(docs[0]["meta"])
+        if docs[0]["sharded"]:
+            index = merge_indexes([doc["index"] for doc in docs])
+            entries.update(self.store.write_files(step, {SHARD_INDEX: index_file_bytes(index, docs[0]["world_size"])}))
+        manifest = os.path.join(self._step_path(step), MANIFEST)
+        if os.path.exists(manifest):
+            os.unlink(manifest)
+        self.store.commit(step, entries, meta)
+
+    def forget_after(self, step: int | None) -> None:
+        """Drop every step newer than the one resumed from (the leader): they belong to the timeline the
+        failure cut off, and must never mix with pieces of the steps about to be trained again."""
+        if self.is_leader:
+            for s in self._steps():
+                if step is None or s > step:
+                    self._remove_step(s)
+
+    def drop(self, step: int) -> None:
+        """Forget a step that did not load (the leader)."""
+        if self.is_leader:
+            self._remove_step(step)
+
+    def clear(self) -> None:
+        """Forget every step (a run that does not resume)."""
+        self.forget_after(None)
+
+    # ------------------------------------------------------------------ files
+
+    def _step_path(self, step: int) -> str:
+        return os.path.join(self.root, step_dir_name(step))
+
+    def _steps(self) -> list[int]:
+        try:
+            names = os.listdir(self.root)
+        except OSError:
+            return []
+        return sorted(s for n in names if (s := parse_step_dir(n)) is not None)
+
+    def _owners_here(self, step: int) -> list[int]:
+        d = self._step_path(step)
+        if os.path.islink(d) or not os.path.isdir(d):
+            return []
+        try:
+            names = os.listdir(d)
+        except OSError:
+            return []
+        return sorted(o for n in names if (o := parse_piece_file(n)) is not None)
+
+    def _remove_step(self, step: int) -> None:
+        d = self._step_path(step)
+        if os.path.islink(d):
+            os.unlink(d)
+            return
+        # Manifest and pieces first: a half-deleted step must look incomplete, never whole.
+        for name in [MANIFEST, *(piece_file(o) for o in self._owners_here(step))]:
+            try:
+                os.unlink(os.path.join(d, name))
+            except OSError:
+                pass
+        shutil.rmtree(d, ignore_errors=True)
+
+
+class _MemoryStore(CheckpointStore):
+    """The durable store's commit, discovery and checks over one node's memory folder. A commit here is a
+    resume assembling a step, and must not delete the older steps the resume may still fall back to:
+    `MemoryTier` keeps and drops steps itself."""
+
+    def apply_retention(self) -> list[int]:
+        return []
+
+
+def _stall_at() -> int | None:
+    value = os.environ.get(FAULT_STALL_REPLICATION)
+    return int(value) if value and value.isdigit() else None
+
+
+def _read(path: str) -> bytes:
+    with open(path, "rb") as f:
+        return f.read()
+
+
+def _put(path: str, data: bytes) -> None:
+    """Readers see the old content or the new, never half (rename over it)."""
+    tmp = f"{path}.tmp-{os.getpid()}-{threading.get_ident()}"
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "wb") as f:
+        f.write(data)
+    os.replace(tmp, path)
+
+
+@dataclass(frozen=True)
+class Plan:
+    """What the ranks agreed on at start: memory steps to try, newest first, and who holds which piece."""
+
+    candidates: list[int]
+    holders: dict[int, dict[int, list[int]]]  # step -> owner -> node leaders holding it
+    owners: dict[int, list[int]]  # step -> owners it needs
+    reached: int | None  # the newest step any node completed before the restart
+
+
+def agree(reports: list[tuple[dict[int, dict[int, tuple[int, bool]]] | None, int | None, int | None]], durable: int | None) -> Plan:
+    """Every rank computes the same plan from everyone's (inventory or None, reached or None, rank)."""
+    holders: dict[int, dict[int, list[int]]] = {}
+    shapes: dict[int, set[tuple[int, bool]]] = {}
+    reached = None
+    for inventory, seen, rank in reports:
+        if seen is not None:
+            reached = seen if reached is None else max(reached, seen)
+        for step, pieces in (inventory or {}).items():
+            for owner, shape in pieces.items():
+                holders.setdefault(step, {}).setdefault(owner, []).append(rank)
+                shapes.setdefault(step, set()).add(tuple(shape))
+    candidates, owners = [], {}
+    for step in sorted(holders, reverse=True):
+        if durable is not None and step <= durable:
+            break
+        if len(shapes[step]) != 1:
+            log.warning("memory tier: step %d has pieces of different world sizes; skipping it", step)
+            continue
+        world_size, sharded = next(iter(shapes[step]))
+        needed = list(range(world_size)) if sharded else [0]
+        missing = [o for o in needed if o not in holders[step]]
+        if missing:
+            log.info("memory tier: step %d is incomplete (no node holds the pieces of ranks %s)", step, missing)
+            continue
+        candidates.append(step)
+        owners[step] = needed
+    return Plan(candidates, holders, owners, reached)
