@@ -130,3 +130,150 @@ def test_one_process_resumes_from_memory_skips_corrupt_snapshots_and_falls_back_
             assert torch.equal(ref[name][key], got[name][key]), f"{name}:{key}"
     # The finished run keeps KEEP snapshots in memory, and `checkpoints list` shows both tiers.
     assert len(list(mem.glob("step-*"))) == KEEP
+
+
+# ------------------------------------------------------------------ two torchrun agents as two nodes
+
+
+def _two_node_args(root: Path, ckpt: str, parallel: str, steps: int) -> list[str]:
+    return tiny(
+        root,
+        "task=probe_tasks:KillableDDPM",
+        f"train.parallel={parallel}",
+        "model.dropout=0.1",
+        "checkpoint.memory=true",
+        f"checkpoint.url={ckpt}",
+        "checkpoint.every_steps=0",  # the durable tier only at the end: every resume comes from memory
+        "elastic.collective_timeout_seconds=30",
+        max_steps=steps,
+    )
+
+
+class _Nodes:
+    """Two torchrun agents on 127.0.0.1, each a node with its own memory folder; the first hosts the
+    c10d rendezvous (as pod 0 does), so the second is the one lost and replaced."""
+
+    def __init__(self, tmp_path: Path, name: str, parallel: str, steps: int):
+        self.tmp, self.name, self.parallel, self.steps = tmp_path, name, parallel, steps
+        self.ckpt = f"{tmp_path}/{name}/checkpoints"
+        port = free_port()
+        self.torchrun = [
+            "--nnodes=2",
+            "--nproc-per-node=1",
+            "--max-restarts=5",
+            "--rdzv-backend=c10d",
+            f"--rdzv-endpoint=127.0.0.1:{port}",
+            f"--rdzv-id={name}-{port}",
+            "--rdzv-conf=join_timeout=120,last_call_timeout=1",
+            "--monitor-interval=0.2",
+        ]
+        self.procs: list = []
+        self.logs: list[Path] = []
+
+    def memory(self, node: str) -> Path:
+        return Path(memory_root(f"{self.tmp}/{self.name}/shm-{node}", self.ckpt))
+
+    def start(self, node: str, **env: str):
+        log = self.tmp / f"{self.name}-{node}.log"
+        args = _two_node_args(self.tmp / self.name / node, self.ckpt, self.parallel, self.steps)
+        proc = start_torchrun(
+            self.torchrun,
+            args,
+            log,
+            PYTHONPATH=f"{REPO}/tests",
+            GENTRAIN_CHECKPOINT__MEMORY_DIR=f"{self.tmp}/{self.name}/shm-{node}",
+            TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1",  # a fresh store per round, as `gentrain launch` sets
+            **env,
+        )
+        self.procs.append(proc)
+        self.logs.append(log)
+        return proc, log
+
+    def text(self) -> str:
+        return "\n".join(log.read_text() for log in self.logs if log.exists())
+
+    def close(self) -> None:
+        for proc in self.procs:
+            kill_group(proc)
+
+
+def _finish(proc, log: Path) -> None:
+    try:
+        assert proc.wait(timeout=600) == 0, log.read_text()[-4000:]
+    finally:
+        kill_group(proc)
+
+
+def _lose_node(nodes: _Nodes, proc, node: str) -> None:
+    """The node disappears: its agent and workers at once, and its shared memory with it."""
+    kill_tree(proc)
+    proc.wait(timeout=60)
+    shutil.rmtree(nodes.memory(node).parent)
+
+
+def _resumed(nodes: _Nodes, n: int) -> str:
+    """`resumed_from=... step=N` of the n-th start at world size 2 (0: the fresh start), from rank 0's log,
+    whichever node it is on (each agent counts its own restarts, so the lines are ordered by time)."""
+    deadline = time.monotonic() + 300
+    pattern = re.compile(r"^(\S+) INFO .* world_size=2 restart=\d+ .*resumed_from=(.+?) step=(\d+)", re.M)
+    while time.monotonic() < deadline:
+        found = sorted(pattern.findall(nodes.text()))
+        if len(found) > n:
+            return f"{found[n][1]} step={found[n][2]}"
+        time.sleep(0.2)
+    raise AssertionError(f"no resume number {n}:\n{nodes.text()[-5000:]}")
+
+
+def _equal_to_reference(tmp_path: Path, parallel: str, steps: int, got: str) -> None:
+    ref = _Nodes(tmp_path, "ref", parallel, steps)
+    try:
+        (a, log_a), (b, log_b) = ref.start("a"), ref.start("b")
+        _finish(a, log_a)
+        _finish(b, log_b)
+    finally:
+        ref.close()
+    want, have = tensors(ref.ckpt, steps), tensors(got, steps)
+    assert want.keys() == have.keys()
+    for name in want:
+        for key in want[name]:
+            assert torch.equal(want[name][key], have[name][key]), f"{name}:{key}"
+
+
+@pytest.mark.slow
+def test_fsdp_worker_crash_node_loss_and_loss_mid_replication_resume_from_memory_bit_identical(tmp_path):
+    steps = 24
+    nodes = _Nodes(tmp_path, "killed", "fsdp", steps)
+    step_pieces = lambda node, s: str(nodes.memory(node) / f"step-{s:09d}" / "piece-r*.json")  # noqa: E731
+    try:
+        # 1. A worker on node a dies in the step after 6, once both pieces of step 6 are on node a: torchrun
+        #    restarts the workers, which resume from their own nodes' memory at step 6.
+        a, log_a = nodes.start(
+            "a", PROBE_TASK_KILL="*:6", PROBE_TASK_KILL_AFTER=step_pieces("a", 6), PROBE_TASK_KILL_AFTER_COUNT="2"
+        )
+        time.sleep(1.0)  # a hosts the rendezvous: let it start first
+        # 2. Node b hangs in the step after 12 (once node a holds b's piece of step 12), and is lost whole.
+        b, log_b = nodes.start(
+            "b",
+            PROBE_TASK_KILL="*:12",
+            PROBE_TASK_KILL_SIGNAL="STOP",
+            PROBE_TASK_KILL_AFTER=step_pieces("a", 12),
+            PROBE_TASK_KILL_AFTER_COUNT="2",
+        )
+        assert re.search(r"memory:\S+step-000000006 step=6$", _resumed(nodes, 1))
+        wait_for_log(log_b, "probe: stopped in step 12", b, timeout=300)
+        _lose_node(nodes, b, "b")
+        # A new node joins with empty memory: it fetches both pieces of step 12 from node a.
+        # 3. It stalls while sending its piece of step 18, and is lost too: step 18 is incomplete on
+        #    node a, so the resume takes step 17, the previous complete one.
+        b2, log_b2 = nodes.start("b2", GENTRAIN_FAULT_STALL_REPLICATION_AT_STEP="18")
+        assert re.search(r"memory:\S+step-000000012 step=12$", _resumed(nodes, 2))
+        wait_for_log(log_b2, "stalling the replication of step 18", b2, timeout=300)
+        _lose_node(nodes, b2, "b2")
+        b3, log_b3 = nodes.start("b3")
+        assert re.search(r"memory:\S+step-000000017 step=17$", _resumed(nodes, 3))
+        _finish(a, log_a)
+        _finish(b3, log_b3)
+    finally:
+        nodes.close()
+    assert "copied to the next of 2 nodes" in nodes.text()
+    _equal_to_reference(tmp_path, "fsdp", steps, nodes.ckpt)

@@ -365,8 +365,8 @@ def parse_overrides(args: Iterable[str]) -> dict[str, Any]:
     return _override_layer(args)[0]
 
 
-# Variables gentrain itself sets for its workers; never config keys.
-_ENV_NOT_CONFIG = {"GENTRAIN_METRICS_DIR"}
+# Variables gentrain itself sets for its workers, and test failpoints; never config keys.
+_ENV_NOT_CONFIG = {"GENTRAIN_METRICS_DIR", "GENTRAIN_FAULT_STALL_REPLICATION_AT_STEP"}
 
 
 def _env_layer(environ: Mapping[str, str]) -> tuple[dict[str, Any], Sources]:
