@@ -277,3 +277,27 @@ def test_fsdp_worker_crash_node_loss_and_loss_mid_replication_resume_from_memory
         nodes.close()
     assert "copied to the next of 2 nodes" in nodes.text()
     _equal_to_reference(tmp_path, "fsdp", steps, nodes.ckpt)
+
+
+@pytest.mark.slow
+def test_ddp_worker_crash_and_node_loss_resume_from_memory_bit_identical(tmp_path):
+    # Under DDP every node writes the whole state from its own replica: nothing travels while training,
+    # and the replacement node fetches the one piece from the survivor.
+    steps = 16
+    nodes = _Nodes(tmp_path, "killed", "ddp", steps)
+    piece = lambda node, s: str(nodes.memory(node) / f"step-{s:09d}" / "piece-r00000.json")  # noqa: E731
+    try:
+        a, log_a = nodes.start("a", PROBE_TASK_KILL="*:5", PROBE_TASK_KILL_AFTER=piece("b", 5))
+        time.sleep(1.0)
+        b, log_b = nodes.start("b", PROBE_TASK_KILL="*:10", PROBE_TASK_KILL_SIGNAL="STOP", PROBE_TASK_KILL_AFTER=piece("a", 10))
+        assert re.search(r"memory:\S+step-000000005 step=5$", _resumed(nodes, 1))
+        wait_for_log(log_b, "probe: stopped in step 10", b, timeout=300)
+        _lose_node(nodes, b, "b")
+        b2, log_b2 = nodes.start("b2")
+        assert re.search(r"memory:\S+step-000000010 step=10$", _resumed(nodes, 2))
+        _finish(a, log_a)
+        _finish(b2, log_b2)
+    finally:
+        nodes.close()
+    assert "every node writes the whole state from its own replica (2 copies)" in nodes.text()
+    _equal_to_reference(tmp_path, "ddp", steps, nodes.ckpt)
