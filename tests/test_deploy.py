@@ -22,8 +22,11 @@ from helpers import kill_group, wait_for_log
 BIN = Path(sys.executable).parent
 GOLDEN = REPO / "tests" / "golden"
 OVERLAYS = ["base", "jobset", "volcano", "kueue", "monitoring", "overlays/cpu-smoke", "overlays/gpu"]
-OVERLAYS += ["jobset-gpu", "kueue-gpu", "priority"]
+OVERLAYS += ["jobset-gpu", "kueue-gpu", "priority", "etcd", "overlays/etcd"]
 GPU_OVERLAYS = ["overlays/gpu", "jobset-gpu", "kueue-gpu"]
+# The overlays that run training pods (a Job or a JobSet); test_the_training_overlays_are_listed keeps this whole.
+TRAINING_OVERLAYS = ["base", "jobset", "kueue", "overlays/cpu-smoke", "overlays/gpu", "jobset-gpu", "kueue-gpu"]
+TRAINING_OVERLAYS += ["overlays/etcd"]
 
 
 def tool(name: str) -> str:
@@ -400,7 +403,7 @@ def workload(overlay: str) -> dict:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("overlay", ["base", "overlays/cpu-smoke", "overlays/gpu"])
+@pytest.mark.parametrize("overlay", ["base", "overlays/cpu-smoke", "overlays/gpu", "overlays/etcd"])
 def test_job_policies(overlay):
     job = workload(overlay)
     spec = job["spec"]
@@ -490,6 +493,54 @@ def check_pod_policies(pod: dict) -> None:
     assert ports["metrics"] == 9090
     assert c["envFrom"] == [{"configMapRef": {"name": "gentrain-config"}}]
     assert c["image"].split(":")[-1] not in ("", "latest") and ":" in c["image"]
+
+
+@pytest.mark.slow
+def test_the_training_overlays_are_listed():
+    runs = [o for o in OVERLAYS if any(d["kind"] in ("Job", "JobSet") for d in kustomize(o))]
+    assert runs == TRAINING_OVERLAYS
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("overlay", TRAINING_OVERLAYS)
+def test_every_training_pod_has_a_memory_backed_dev_shm_with_a_size_limit(overlay):
+    """/dev/shm holds the memory tier of checkpoints (and the DataLoader's batches): in memory, bounded, and
+    inside the container's memory limit, which it counts against."""
+    pod = pod_spec(workload(overlay))
+    (shm,) = [v for v in pod["volumes"] if v["name"] == "dshm"]
+    assert shm["emptyDir"]["medium"] == "Memory"
+    (c,) = pod["containers"]
+    assert {"name": "dshm", "mountPath": "/dev/shm"} in c["volumeMounts"]
+    assert 0 < quantity(shm["emptyDir"]["sizeLimit"]) < quantity(c["resources"]["limits"]["memory"])
+
+
+@pytest.mark.slow
+def test_the_etcd_overlay_rendezvous_on_the_etcd_service():
+    docs = kustomize("overlays/etcd")
+    by_kind = {d["kind"]: d for d in docs if d["kind"] in ("Job", "StatefulSet")}
+    (svc,) = [d for d in docs if d["kind"] == "Service" and d["metadata"]["name"] == "gentrain-etcd"]
+    sts = by_kind["StatefulSet"]
+    assert sts["spec"]["serviceName"] == svc["metadata"]["name"] and sts["spec"]["replicas"] == 1
+    assert svc["spec"]["selector"] == sts["spec"]["template"]["metadata"]["labels"]
+    (etcd,) = sts["spec"]["template"]["spec"]["containers"]
+    assert "--enable-v2=true" in etcd["args"]  # torch's etcd-v2 rendezvous speaks the v2 API
+    client = {p["name"]: p["containerPort"] for p in etcd["ports"]}["client"]
+    assert {p["name"]: p["port"] for p in svc["spec"]["ports"]}["client"] == client
+    assert f"--advertise-client-urls=http://{svc['metadata']['name']}:{client}" in etcd["args"]
+    pod = pod_spec(by_kind["Job"])
+    check_pod_policies(pod)
+    (c,) = pod["containers"]
+    args = dict(a.split("=", 1) for a in c["args"][: c["args"].index("--")])
+    assert args["--rdzv-backend"] == "etcd-v2" and args["--rdzv-endpoint"] == f"{svc['metadata']['name']}:{client}"
+    assert args["--rdzv-id"] == "$(JOB_NAME)" and args["--nnodes"] == "1:2"
+    (wait,) = pod["initContainers"]
+    assert f"http://{svc['metadata']['name']}:{client}/health" in wait["command"][-1]
+    assert wait["image"] == c["image"]
+    # Apart from the rendezvous, the base's training.
+    base = pod_spec(workload("base"))
+    assert {k: v for k, v in pod.items() if k not in ("containers", "initContainers")} == {
+        k: v for k, v in base.items() if k != "containers"
+    }
 
 
 def test_no_latest_tags_and_no_secrets_anywhere():
