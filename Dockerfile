@@ -1,6 +1,7 @@
 # gentrain training image: the CUDA build of the torch release the test suite runs
 # (scripts/test.sh installs the same version as its CPU build; tests/test_deploy.py fails
-# when the two drift apart) + gentrain with S3/GCS, video clips and FID/KID (extras s3, gcs, video, eval).
+# when the two drift apart) + gentrain with S3/GCS, video clips, FID/KID and torchrun's etcd rendezvous
+# (extras s3, gcs, video, eval, etcd).
 # Used by the TorchX component (`bash -c "python -m trainer launch ..."`) and by k8s/ manifests.
 FROM python:3.11-slim-bookworm
 
@@ -37,7 +38,7 @@ RUN if [ -n "${TORCH_INDEX_URL}" ]; then export PIP_INDEX_URL="${TORCH_INDEX_URL
 COPY pyproject.toml constraints-runtime.txt README.md ./
 RUN mkdir -p trainer/presets trainer/data \
     && touch trainer/__init__.py \
-    && pip install --no-cache-dir -c constraints-runtime.txt "torch==${TORCH_VERSION}" ".[s3,gcs,video,eval]" \
+    && pip install --no-cache-dir -c constraints-runtime.txt "torch==${TORCH_VERSION}" ".[s3,gcs,video,eval,etcd]" \
     && pip uninstall -y gentrain
 
 # The code: small and changes often.

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Fresh virtualenv with the test extras, system tools the tests drive (prometheus,
-# promtool), then the whole suite. This is what CI runs (.ci/run).
+# promtool, etcd), then the whole suite. This is what CI runs (.ci/run).
 # Extra arguments go to pytest, e.g. scripts/test.sh -k checkpoint
 # Two pytest-xdist workers, one test file each at a time (module fixtures stay shared): most tests
 # wait on processes they start, so two overlap well even on 2 cores. GENTRAIN_TEST_WORKERS=0 runs
@@ -12,10 +12,14 @@ python3 -m venv "$VENV"
 "$VENV/bin/pip" install -q torch==2.13.0
 "$VENV/bin/pip" install -q -c constraints.txt -e ".[test]"
 "$VENV/bin/pip" check
-if ! command -v prometheus >/dev/null || ! command -v promtool >/dev/null; then
+# etcd: the server of torchrun's etcd-v2 rendezvous (tests/test_etcd.py; Debian's 3.4 speaks the v2 API).
+APT_PACKAGES=()
+if ! command -v prometheus >/dev/null || ! command -v promtool >/dev/null; then APT_PACKAGES+=(prometheus); fi
+if ! command -v etcd >/dev/null; then APT_PACKAGES+=(etcd-server); fi
+if [ ${#APT_PACKAGES[@]} -gt 0 ]; then
   if [ "$(id -u)" = 0 ]; then SUDO=""; else SUDO="sudo"; fi
   $SUDO apt-get update -qq
-  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq --no-install-recommends prometheus >/dev/null
+  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq --no-install-recommends "${APT_PACKAGES[@]}" >/dev/null
 fi
 export PATH="$PWD/$VENV/bin:$PATH"
 exec "$VENV/bin/python" -m pytest -n "${GENTRAIN_TEST_WORKERS:-2}" --dist loadfile "$@"

@@ -22,6 +22,18 @@ def start_torchrun(torchrun_args: list[str], train_args: list[str], log_path: Pa
     )
 
 
+def start_launch(torchrun_args: list[str], train_args: list[str], log_path: Path, **env: str) -> subprocess.Popen:
+    """`gentrain launch TORCHRUN_ARGS -- ARGS` (what a pod runs) as the leader of a new process group."""
+    cmd = [sys.executable, "-m", "trainer", "launch", *torchrun_args, "--", *train_args]
+    return subprocess.Popen(
+        cmd,
+        stdout=open(log_path, "w"),
+        stderr=subprocess.STDOUT,
+        env=clean_env(**env),
+        start_new_session=True,
+    )
+
+
 def worker_pids(agent_pid: int) -> list[int]:
     """torchrun's workers: python children of the agent running `-m trainer`."""
     pids = []

@@ -1,7 +1,8 @@
-"""Real storage protocol servers on 127.0.0.1 for tests: moto (S3) and gcp-storage-emulator (GCS)."""
+"""Real servers on 127.0.0.1 for tests: moto (S3), gcp-storage-emulator (GCS), Prometheus and etcd."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -160,3 +161,48 @@ class PrometheusServer(Server):
             body = json.load(r)
         assert body["status"] == "success", body
         return body["data"]["result"]
+
+
+class EtcdServer(Server):
+    """Debian's etcd (3.4) with its v2 API on, as torchrun's etcd-v2 rendezvous needs: one member, client and
+    peer URLs on free ports of 127.0.0.1, data in `workdir`."""
+
+    def __init__(self, workdir, port: int | None = None):
+        import shutil
+
+        binary = shutil.which("etcd")
+        if binary is None:
+            raise RuntimeError("etcd is not installed (scripts/test.sh installs Debian's etcd-server)")
+        port = port or free_port()
+        client, peer = f"http://127.0.0.1:{port}", f"http://127.0.0.1:{free_port()}"
+        super().__init__(
+            [
+                binary,
+                "--name=gentrain-test",
+                f"--data-dir={workdir / 'etcd-data'}",
+                "--enable-v2=true",
+                f"--listen-client-urls={client}",
+                f"--advertise-client-urls={client}",
+                f"--listen-peer-urls={peer}",
+                f"--initial-advertise-peer-urls={peer}",
+                f"--initial-cluster=gentrain-test={peer}",
+                "--log-level=warn",
+            ],
+            port,
+            ready_path="/health",
+        )
+
+    def start(self, timeout: float = 30) -> EtcdServer:
+        """Up once /health says true: etcd answers 503 there until its one member has elected itself leader."""
+        super().start(timeout)
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            try:
+                with urllib.request.urlopen(self.endpoint + self.ready_path, timeout=1) as r:
+                    if json.loads(r.read()).get("health") == "true":
+                        return self
+            except OSError:
+                pass
+            time.sleep(0.1)
+        self.stop()
+        raise RuntimeError(f"etcd on {self.endpoint} was not healthy within {timeout}s")

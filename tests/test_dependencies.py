@@ -75,10 +75,14 @@ IMPORTS = third_party_imports()
 DISTRIBUTIONS = packages_distributions()
 
 
+# Modules whose distribution is named otherwise, for when it is not installed here.
+NAMED_OTHERWISE = {"etcd": "python-etcd"}
+
+
 def distribution_of(module: str) -> str:
     """The distribution that installs `module`; a module not installed here is looked up by its name."""
     dists = DISTRIBUTIONS.get(module)
-    return canonical(dists[0]) if dists else canonical(module)
+    return canonical(dists[0]) if dists else canonical(NAMED_OTHERWISE.get(module, module))
 
 
 def test_every_imported_distribution_is_declared_core_or_in_an_extra():
@@ -142,7 +146,7 @@ def pins(name: str) -> dict[str, str]:
 
 def test_runtime_constraints_agree_with_the_test_environment_except_for_urllib3():
     runtime, tested = pins("constraints-runtime.txt"), pins("constraints.txt")
-    image_extras = {"s3", "gcs", "video", "eval"}  # tests/test_image_install.py checks the Dockerfile's
+    image_extras = {"s3", "gcs", "video", "eval", "etcd"}  # tests/test_image_install.py checks the Dockerfile's
     needed = CORE - {"torch"} | set().union(*(EXTRAS[e] for e in image_extras))
     assert not needed - set(runtime), f"constraints-runtime.txt does not pin {sorted(needed - set(runtime))}"
     assert "torchx" not in runtime and "pytest" not in runtime

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shlex
 import shutil
 import signal
 import subprocess
@@ -21,8 +22,11 @@ from helpers import kill_group, wait_for_log
 BIN = Path(sys.executable).parent
 GOLDEN = REPO / "tests" / "golden"
 OVERLAYS = ["base", "jobset", "volcano", "kueue", "monitoring", "overlays/cpu-smoke", "overlays/gpu"]
-OVERLAYS += ["jobset-gpu", "kueue-gpu", "priority"]
+OVERLAYS += ["jobset-gpu", "kueue-gpu", "priority", "etcd", "overlays/etcd"]
 GPU_OVERLAYS = ["overlays/gpu", "jobset-gpu", "kueue-gpu"]
+# The overlays that run training pods (a Job or a JobSet); test_the_training_overlays_are_listed keeps this whole.
+TRAINING_OVERLAYS = ["base", "jobset", "kueue", "overlays/cpu-smoke", "overlays/gpu", "jobset-gpu", "kueue-gpu"]
+TRAINING_OVERLAYS += ["overlays/etcd"]
 
 
 def tool(name: str) -> str:
@@ -123,6 +127,35 @@ def test_component_takes_a_preset_like_gentrain_train():
         train("other-preset", preset="digits-ddpm")
     with pytest.raises(ValueError, match="not key=value"):
         train("digits-ddpm", "train.lr", "x=1")
+
+
+def test_component_renders_an_etcd_rendezvous_for_torchrun():
+    from torchx.specs import macros
+
+    train = component()
+    role = train("train.max_steps=10", j="1:4x8", rdzv_backend="etcd-v2", rdzv_endpoint="gentrain-etcd:2379").roles[0]
+    applied = macros.Values(img_root="", app_id="run-1", replica_id="0", rank0_env="R").apply(role)
+    launch, train_args = applied.args[-1].split(" -- ")
+    torchrun = shlex.split(launch)  # as bash reads it
+    assert torchrun[:4] == ["python", "-m", "trainer", "launch"]
+    flags = dict(zip(torchrun[4::2], torchrun[5::2], strict=True))
+    assert flags["--rdzv_backend"] == "etcd-v2" and flags["--rdzv_endpoint"] == "gentrain-etcd:2379"
+    assert flags["--rdzv_id"] == "run-1" and flags["--nnodes"] == "1:4" and flags["--max_restarts"] == "3"
+    assert train_args == "digits-ddpm train.max_steps=10"
+    assert "c10d" not in role.port_map  # nothing listens on replica 0
+    # torchrun reads the flags as written: etcd-v2 on that endpoint.
+    from torch.distributed.run import get_args_parser
+
+    parsed = get_args_parser().parse_args([*torchrun[4:], "-m", "trainer"])
+    assert (parsed.rdzv_backend, parsed.rdzv_endpoint, parsed.nnodes) == ("etcd-v2", "gentrain-etcd:2379", "1:4")
+    # The default is still c10d on replica 0.
+    assert "--rdzv_backend c10d --rdzv_endpoint $${${rank0_env}:=localhost}:29500 " in train(j="2x8").roles[0].args[-1]
+    with pytest.raises(ValueError, match="etcd-v2 needs --rdzv_endpoint"):
+        train(rdzv_backend="etcd-v2")
+    with pytest.raises(ValueError, match="use one of c10d, etcd-v2"):
+        train(rdzv_backend="static")
+    with pytest.raises(ValueError, match="--rdzv_endpoint is for etcd-v2"):
+        train(rdzv_endpoint="somewhere:29500")
 
 
 def torchx_dryrun(*args: str) -> str:
@@ -370,7 +403,7 @@ def workload(overlay: str) -> dict:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("overlay", ["base", "overlays/cpu-smoke", "overlays/gpu"])
+@pytest.mark.parametrize("overlay", ["base", "overlays/cpu-smoke", "overlays/gpu", "overlays/etcd"])
 def test_job_policies(overlay):
     job = workload(overlay)
     spec = job["spec"]
@@ -460,6 +493,54 @@ def check_pod_policies(pod: dict) -> None:
     assert ports["metrics"] == 9090
     assert c["envFrom"] == [{"configMapRef": {"name": "gentrain-config"}}]
     assert c["image"].split(":")[-1] not in ("", "latest") and ":" in c["image"]
+
+
+@pytest.mark.slow
+def test_the_training_overlays_are_listed():
+    runs = [o for o in OVERLAYS if any(d["kind"] in ("Job", "JobSet") for d in kustomize(o))]
+    assert runs == TRAINING_OVERLAYS
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("overlay", TRAINING_OVERLAYS)
+def test_every_training_pod_has_a_memory_backed_dev_shm_with_a_size_limit(overlay):
+    """/dev/shm holds the memory tier of checkpoints (and the DataLoader's batches): in memory, bounded, and
+    inside the container's memory limit, which it counts against."""
+    pod = pod_spec(workload(overlay))
+    (shm,) = [v for v in pod["volumes"] if v["name"] == "dshm"]
+    assert shm["emptyDir"]["medium"] == "Memory"
+    (c,) = pod["containers"]
+    assert {"name": "dshm", "mountPath": "/dev/shm"} in c["volumeMounts"]
+    assert 0 < quantity(shm["emptyDir"]["sizeLimit"]) < quantity(c["resources"]["limits"]["memory"])
+
+
+@pytest.mark.slow
+def test_the_etcd_overlay_rendezvous_on_the_etcd_service():
+    docs = kustomize("overlays/etcd")
+    by_kind = {d["kind"]: d for d in docs if d["kind"] in ("Job", "StatefulSet")}
+    (svc,) = [d for d in docs if d["kind"] == "Service" and d["metadata"]["name"] == "gentrain-etcd"]
+    sts = by_kind["StatefulSet"]
+    assert sts["spec"]["serviceName"] == svc["metadata"]["name"] and sts["spec"]["replicas"] == 1
+    assert svc["spec"]["selector"] == sts["spec"]["template"]["metadata"]["labels"]
+    (etcd,) = sts["spec"]["template"]["spec"]["containers"]
+    assert "--enable-v2=true" in etcd["args"]  # torch's etcd-v2 rendezvous speaks the v2 API
+    client = {p["name"]: p["containerPort"] for p in etcd["ports"]}["client"]
+    assert {p["name"]: p["port"] for p in svc["spec"]["ports"]}["client"] == client
+    assert f"--advertise-client-urls=http://{svc['metadata']['name']}:{client}" in etcd["args"]
+    pod = pod_spec(by_kind["Job"])
+    check_pod_policies(pod)
+    (c,) = pod["containers"]
+    args = dict(a.split("=", 1) for a in c["args"][: c["args"].index("--")])
+    assert args["--rdzv-backend"] == "etcd-v2" and args["--rdzv-endpoint"] == f"{svc['metadata']['name']}:{client}"
+    assert args["--rdzv-id"] == "$(JOB_NAME)" and args["--nnodes"] == "1:2"
+    (wait,) = pod["initContainers"]
+    assert f"http://{svc['metadata']['name']}:{client}/health" in wait["command"][-1]
+    assert wait["image"] == c["image"]
+    # Apart from the rendezvous, the base's training.
+    base = pod_spec(workload("base"))
+    assert {k: v for k, v in pod.items() if k not in ("containers", "initContainers")} == {
+        k: v for k, v in base.items() if k != "containers"
+    }
 
 
 def test_no_latest_tags_and_no_secrets_anywhere():

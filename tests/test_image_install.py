@@ -125,7 +125,7 @@ def test_the_dockerfile_install_line_is_parsed_as_written():
     assert f"torch=={torch_version}" in args
     # The runtime constraints (a current urllib3), not the test environment's (TorchX's urllib3 1.26).
     assert "-c" in args and args[args.index("-c") + 1] == "constraints-runtime.txt"
-    assert extras_of(args) >= {"s3", "gcs", "video", "eval"}
+    assert extras_of(args) >= {"s3", "gcs", "video", "eval", "etcd"}
     assert (["pyproject.toml", "constraints-runtime.txt", "README.md"], "./") in copies
     assert (["trainer"], "./trainer") in copies
 
@@ -228,7 +228,7 @@ def test_the_image_install_is_consistent_with_a_current_urllib3(image_venv, tmp_
     env = _venv_env(image_venv)
     python = str(image_venv / "bin" / "python")
     _run([python, "-m", "pip", "check"], tmp_path, env)
-    r = _run([python, "-c", "import urllib3, av, torchmetrics; print(urllib3.__version__)"], tmp_path, env)
+    r = _run([python, "-c", "import urllib3, av, torchmetrics, etcd; print(urllib3.__version__)"], tmp_path, env)
     assert int(r.stdout.strip().split(".")[0]) >= 2, r.stdout
 
 

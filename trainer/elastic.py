@@ -301,6 +301,13 @@ def init_process_group(env: DistEnv, backend: str, timeout_seconds: float) -> No
     counts on its own, so there the fix is TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1
     in torchrun's environment (`gentrain launch`, the manifests and the TorchX
     component set it): rank 0 then hosts a new store every round.
+
+    The etcd-v2 rendezvous (torch's DynamicRendezvousHandler over etcd, like c10d
+    over a TCPStore) shares a TCPStore of rank 0's agent the same way unless that
+    variable is set; with it, rank 0's agent publishes a free port through etcd and
+    rank 0's worker hosts the store (TORCHELASTIC_USE_AGENT_STORE=False: env://
+    below). The older `etcd` backend never shares. So every backend ends in a
+    store that is as new as the round.
     """
     from datetime import timedelta
 

@@ -60,6 +60,25 @@ def _agent_that_never_retries_usage_errors():
     return UsageErrorsFailFast
 
 
+ETCD_BACKENDS = ("etcd-v2", "etcd")
+
+
+def check_rendezvous_backend(backend: str) -> None:
+    """torchrun's etcd rendezvous needs python-etcd (the `etcd` extra); say so before any agent starts.
+
+    Without it torchrun fails in its agent with a bare ImportError, on every node, and the pod
+    exits 1 (retried) where a missing package can only be fixed by a new image (exit 2).
+    """
+    if backend not in ETCD_BACKENDS:
+        return
+    try:
+        import etcd  # noqa: F401  (python-etcd, what torch's etcd rendezvous imports)
+    except ImportError as e:
+        raise ConfigError(
+            f"--rdzv-backend={backend} needs python-etcd, which is not installed ({e}): pip install 'gentrain[etcd]'"
+        ) from None
+
+
 def launch(argv: list[str]) -> int:
     torchrun_args, train_args = split_argv(argv)
     load_config(*split_preset(train_args))  # raises ConfigError -> exit 2 before any worker starts
@@ -73,9 +92,11 @@ def launch(argv: list[str]) -> int:
     # torchrun builds its agent by this module-level name; this process only launches.
     launcher_api.LocalElasticAgent = _agent_that_never_retries_usage_errors()
 
-    # Each rendezvous round gets a fresh worker store (see trainer.elastic.init_process_group).
+    # Each rendezvous round gets a fresh worker store (see trainer.elastic.init_process_group): rank 0's
+    # worker hosts it at an address rank 0's agent publishes through the rendezvous (c10d's store or etcd).
     os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
     args = get_args_parser().parse_args([*torchrun_args, "-m", "trainer", "train", *train_args])
+    check_rendezvous_backend(args.rdzv_backend)
     try:
         run(args)
     except ChildFailedError as e:

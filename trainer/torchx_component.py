@@ -2,7 +2,8 @@
 with the `torchx` extra (the `torchx.components` entry point), or `components/train.py:train` from a checkout
 (a link to this file). Nothing of gentrain is imported: the submitting machine needs only TorchX.
 
-Built on TorchX's own `dist.ddp` (its rendezvous arguments: c10d on replica 0), but every
+Built on TorchX's own `dist.ddp` (its rendezvous arguments: c10d on replica 0, or etcd-v2 on
+an etcd outside the job with `--rdzv_backend etcd-v2 --rdzv_endpoint HOST:2379`), but every
 node runs `python -m trainer launch TORCHRUN_ARGS -- [PRESET] [key=value ...]` instead of
 raw torchrun, so the contract's exit codes hold (docs/contract.md): a config error exits 2 on
 every node before any worker starts and is never retried (not by torchrun, and not by
@@ -42,6 +43,28 @@ def split_script_args(script_args: List[str], preset: Optional[str]) -> List[str
             f"after `--` give [PRESET_OR_YAML] [key=value ...] like `gentrain train`; not key=value: {bad}"
         )
     return [preset or DEFAULT_PRESET, *args]
+
+
+RDZV_BACKENDS = ("c10d", "etcd-v2")
+
+
+def check_rendezvous(backend: str, endpoint: Optional[str]) -> None:
+    """c10d finds its store on replica 0 by itself; etcd-v2 needs the etcd's address."""
+    if backend not in RDZV_BACKENDS:
+        raise ValueError(f"--rdzv_backend {backend!r}: use one of {', '.join(RDZV_BACKENDS)}")
+    if backend == "etcd-v2" and not endpoint:
+        raise ValueError("--rdzv_backend etcd-v2 needs --rdzv_endpoint HOST:PORT of the etcd, e.g. gentrain-etcd:2379")
+    if backend == "c10d" and endpoint:
+        raise ValueError("--rdzv_endpoint is for etcd-v2; c10d's store is on replica 0 (--rdzv_port sets its port)")
+
+
+def replace_rdzv_endpoint(torchrun_args: str, endpoint: str) -> str:
+    """dist.ddp's torchrun arguments with `--rdzv_endpoint` set to `endpoint` (replica 0's by default)."""
+    head, flag, rest = torchrun_args.partition("--rdzv_endpoint ")
+    if not flag:
+        raise ValueError(f"unexpected dist.ddp torchrun arguments: {torchrun_args!r}")
+    _, _, tail = rest.partition(" ")
+    return f"{head}{flag}{shlex.quote(endpoint).replace('$', '$$')} {tail}"
 
 
 def install_volcano_exit_code_policies() -> None:
@@ -100,6 +123,8 @@ def train(
     checkpoint_url: Optional[str] = None,
     metrics_port: int = 9090,
     rdzv_port: int = 29500,
+    rdzv_backend: str = "c10d",
+    rdzv_endpoint: Optional[str] = None,
     env: Optional[Dict[str, str]] = None,
     mounts: Optional[List[str]] = None,
 ) -> specs.AppDef:
@@ -120,10 +145,13 @@ def train(
         checkpoint_url: fsspec URL for checkpoints (s3://, gs://, or a shared volume path); sets GENTRAIN_CHECKPOINT__URL
         metrics_port: Prometheus port served by local rank 0 of each node (0 = off); named `metrics` in the pod
         rdzv_port: port of the c10d rendezvous store on replica 0
+        rdzv_backend: c10d (a store on replica 0: losing it stops every node until it is back) or etcd-v2 (an etcd outside the job: any node can be lost; the image needs the etcd extra)
+        rdzv_endpoint: HOST:PORT of the etcd for etcd-v2, e.g. gentrain-etcd:2379 (k8s/etcd); c10d takes replica 0's
         env: extra environment, e.g. GENTRAIN_TRAIN__LR=1e-4,AWS_REGION=us-east-1
         mounts: volume mounts, e.g. type=volume,src=ckpt-pvc,dst=/checkpoints
     """
     train_args = split_script_args(list(script_args), preset)
+    check_rendezvous(rdzv_backend, rdzv_endpoint)
     env = dict(env or {})
     env["GENTRAIN_METRICS__PORT"] = str(metrics_port)
     if checkpoint_url:
@@ -149,6 +177,7 @@ def train(
         env=env,
         max_retries=max_retries,
         rdzv_port=rdzv_port,
+        rdzv_backend=rdzv_backend,
         mounts=mounts,
     )
     role = app.roles[0]
@@ -157,6 +186,9 @@ def train(
     if not (command.startswith(prefix) and command.endswith(suffix)):
         raise ValueError(f"unexpected dist.ddp command: {command!r}")
     torchrun_args = command[len(prefix) : -len(suffix)]
+    if rdzv_endpoint:
+        torchrun_args = replace_rdzv_endpoint(torchrun_args, rdzv_endpoint)
+        role.port_map.pop("c10d", None)  # no store on replica 0
     role.args[-1] = " ".join(
         [
             f"python -m trainer launch --max_restarts {max_restarts} {torchrun_args}",

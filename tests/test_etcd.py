@@ -1,0 +1,101 @@
+"""torchrun's etcd-v2 rendezvous through `gentrain launch`: a real etcd on 127.0.0.1, two agents, and the
+first agent lost (with c10d that one hosts the rendezvous store, and the job stops with it)."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import re
+import shutil
+import sys
+import time
+
+import pytest
+from conftest import free_port, tiny
+from elastic_helpers import start_launch
+from helpers import final_weights, kill_group, kill_tree
+
+from trainer.checkpoint import CheckpointStore
+from trainer.cli import main as cli_main
+
+
+@pytest.mark.parametrize("backend", ["etcd-v2", "etcd"])
+def test_launch_with_an_etcd_rendezvous_and_no_python_etcd_exits_2_naming_the_extra(
+    backend, monkeypatch, capsys, tmp_path
+):
+    monkeypatch.setitem(sys.modules, "etcd", None)  # as where python-etcd is not installed
+    argv = ["launch", "--nnodes=1:2", f"--rdzv-backend={backend}", "--rdzv-endpoint=127.0.0.1:2379", "--"]
+    assert cli_main([*argv, "digits-ddpm", f"run.dir={tmp_path}", "train.max_steps=1"]) == 2
+    err = capsys.readouterr().err
+    assert f"--rdzv-backend={backend} needs python-etcd" in err and "pip install 'gentrain[etcd]'" in err, err
+    assert "Traceback" not in err
+    assert not (tmp_path / "checkpoints").exists()
+
+
+@pytest.fixture
+def etcd_server(tmp_path):
+    """etcd with the v2 API on free ports of 127.0.0.1, data in tmp_path; killed by its PID afterwards."""
+    from servers import EtcdServer
+
+    missing = []
+    if shutil.which("etcd") is None:
+        missing.append("the etcd binary (Debian's etcd-server)")
+    if importlib.util.find_spec("etcd") is None:
+        missing.append("python-etcd (the test extra)")
+    if missing:
+        # CI runs scripts/test.sh, which installs both: there a missing one is a broken set-up, not a skip.
+        (pytest.fail if os.environ.get("CI") == "true" else pytest.skip)(
+            f"needs {' and '.join(missing)}: run scripts/test.sh"
+        )
+    server = EtcdServer(tmp_path).start()
+    yield server
+    server.stop()
+
+
+def wait_until(condition, procs, what: str, logs, timeout: float = 120) -> None:
+    """Poll `condition` until true; fail at once if an agent exits first."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        for proc, log in zip(procs, logs, strict=True):
+            if proc.poll() is not None:
+                raise AssertionError(f"{log.name} exited {proc.returncode} before {what}:\n{log.read_text()[-3000:]}")
+        if time.monotonic() > deadline:
+            raise AssertionError(f"no {what} within {timeout}s:\n" + "\n".join(log.read_text()[-2000:] for log in logs))
+        time.sleep(0.1)
+
+
+@pytest.mark.slow
+def test_the_first_agent_is_lost_and_the_second_continues_at_world_size_1(etcd_server, tmp_path):
+    steps = 300
+    rdzv = [
+        "--nnodes=1:2",
+        "--nproc-per-node=1",
+        "--max-restarts=3",
+        "--rdzv-backend=etcd-v2",
+        f"--rdzv-endpoint=127.0.0.1:{etcd_server.port}",
+        f"--rdzv-id=etcd-{free_port()}",
+        # A lost node leaves the rendezvous once it missed 3 heartbeats a second apart (default: 3 x 5 s).
+        "--rdzv-conf=join_timeout=60,last_call_timeout=2,keep_alive_interval=1,keep_alive_max_attempt=3",
+        "--monitor-interval=0.2",
+    ]
+    # Both "nodes" write to one shared checkpoint root, as pods do with a bucket.
+    ckpt = tmp_path / "shared-ckpts"
+    args = [f"checkpoint.url={ckpt}", "checkpoint.every_steps=10", "train.log_every_steps=5"]
+    log_a, log_b = tmp_path / "a.log", tmp_path / "b.log"
+    a = start_launch(rdzv, tiny(tmp_path / "a", *args, max_steps=steps), log_a)
+    b = start_launch(rdzv, tiny(tmp_path / "b", *args, max_steps=steps), log_b)
+    agents, logs = [a, b], [log_a, log_b]
+    try:
+        wait_until(lambda: "world_size=2 " in log_a.read_text() + log_b.read_text(), agents, "world_size=2", logs)
+        store = CheckpointStore(str(ckpt))
+        wait_until(lambda: store.check(20).valid, agents, "checkpoint at step 20", logs)
+        kill_tree(a)  # the first node disappears, agent and worker at once
+        rc = b.wait(timeout=180)
+    finally:
+        kill_group(a)
+        kill_group(b)
+    text = log_b.read_text()
+    assert rc == 0, text[-4000:]
+    resumed = re.search(r"world_size=1 restart=1 .*resumed_from=\S+step-(\d+)", text)
+    assert resumed and int(resumed.group(1)) >= 20, text[-4000:]
+    assert final_weights(str(ckpt))["step"] == steps
