@@ -3,6 +3,7 @@ first agent lost (with c10d that one hosts the rendezvous store, and the job sto
 
 from __future__ import annotations
 
+import glob
 import importlib.util
 import os
 import re
@@ -15,7 +16,7 @@ from conftest import free_port, tiny
 from elastic_helpers import start_launch
 from helpers import final_weights, kill_group, kill_tree
 
-from trainer.checkpoint import CheckpointStore
+from trainer.checkpoint.memory import memory_root
 from trainer.cli import main as cli_main
 
 
@@ -65,7 +66,7 @@ def wait_until(condition, procs, what: str, logs, timeout: float = 120) -> None:
 
 
 @pytest.mark.slow
-def test_the_first_agent_is_lost_and_the_second_continues_at_world_size_1(etcd_server, tmp_path):
+def test_the_first_agent_is_lost_and_the_second_resumes_from_the_memory_tier_at_world_size_1(etcd_server, tmp_path):
     steps = 300
     rdzv = [
         "--nnodes=1:2",
@@ -78,24 +79,37 @@ def test_the_first_agent_is_lost_and_the_second_continues_at_world_size_1(etcd_s
         "--rdzv-conf=join_timeout=60,last_call_timeout=2,keep_alive_interval=1,keep_alive_max_attempt=3",
         "--monitor-interval=0.2",
     ]
-    # Both "nodes" write to one shared checkpoint root, as pods do with a bucket.
+    # Both "nodes" write to one shared checkpoint root, as pods do with a bucket, and each keeps the memory
+    # tier in a folder of its own, as each pod has its own /dev/shm. The durable tier is written only at
+    # the end: the survivor can only resume from the memory tier, where it holds the lost node's FSDP
+    # shards as that node's buddy.
     ckpt = tmp_path / "shared-ckpts"
-    args = [f"checkpoint.url={ckpt}", "checkpoint.every_steps=10", "train.log_every_steps=5"]
+    args = [
+        f"checkpoint.url={ckpt}",
+        "checkpoint.every_steps=0",
+        "checkpoint.memory=true",
+        "train.parallel=fsdp",
+        "train.log_every_steps=5",
+        "elastic.collective_timeout_seconds=30",
+    ]
     log_a, log_b = tmp_path / "a.log", tmp_path / "b.log"
-    a = start_launch(rdzv, tiny(tmp_path / "a", *args, max_steps=steps), log_a)
-    b = start_launch(rdzv, tiny(tmp_path / "b", *args, max_steps=steps), log_b)
+    shm = {node: tmp_path / f"shm-{node}" for node in "ab"}
+    a = start_launch(rdzv, tiny(tmp_path / "a", *args, max_steps=steps), log_a, GENTRAIN_CHECKPOINT__MEMORY_DIR=str(shm["a"]))
+    b = start_launch(rdzv, tiny(tmp_path / "b", *args, max_steps=steps), log_b, GENTRAIN_CHECKPOINT__MEMORY_DIR=str(shm["b"]))
     agents, logs = [a, b], [log_a, log_b]
+    b_step_20 = memory_root(str(shm["b"]), str(ckpt)) + "/step-000000020"
     try:
         wait_until(lambda: "world_size=2 " in log_a.read_text() + log_b.read_text(), agents, "world_size=2", logs)
-        store = CheckpointStore(str(ckpt))
-        wait_until(lambda: store.check(20).valid, agents, "checkpoint at step 20", logs)
-        kill_tree(a)  # the first node disappears, agent and worker at once
+        wait_until(lambda: len(glob.glob(f"{b_step_20}/piece-r*.json")) == 2, agents, "both pieces of step 20 on b", logs)
+        kill_tree(a)  # the first node disappears, agent and worker at once, and its shared memory with it
+        shutil.rmtree(shm["a"])
         rc = b.wait(timeout=180)
     finally:
         kill_group(a)
         kill_group(b)
     text = log_b.read_text()
     assert rc == 0, text[-4000:]
-    resumed = re.search(r"world_size=1 restart=1 .*resumed_from=\S+step-(\d+)", text)
+    resumed = re.search(r"world_size=1 restart=1 .*resumed_from=memory:\S+step-(\d+) step=\d+ steps_lost=(\d+)", text)
     assert resumed and int(resumed.group(1)) >= 20, text[-4000:]
+    assert "resuming a 2-rank checkpoint on 1 ranks" in text
     assert final_weights(str(ckpt))["step"] == steps

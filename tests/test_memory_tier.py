@@ -130,6 +130,11 @@ def test_one_process_resumes_from_memory_skips_corrupt_snapshots_and_falls_back_
             assert torch.equal(ref[name][key], got[name][key]), f"{name}:{key}"
     # The finished run keeps KEEP snapshots in memory, and `checkpoints list` shows both tiers.
     assert len(list(mem.glob("step-*"))) == KEEP
+    r = run_cli("checkpoints", "list", durable, "--memory-dir", f"{root}/shm", env=env)
+    assert r.returncode == 0, r.stderr
+    memory_part, durable_part = r.stdout.split("durable tier")
+    assert re.search(r"^\s+11\s+whole state\s+.*complete here$", memory_part, re.M), r.stdout
+    assert re.search(r"^\s+12\s+\S+.*valid \(LATEST\)$", durable_part, re.M), r.stdout
 
 
 # ------------------------------------------------------------------ two torchrun agents as two nodes

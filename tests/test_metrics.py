@@ -10,7 +10,7 @@ import time
 import urllib.request
 
 import pytest
-from conftest import clean_env, free_port, tiny
+from conftest import REPO, clean_env, free_port, tiny
 from elastic_helpers import start_torchrun
 from helpers import final_weights, kill_group, start_cli, wait_for_log
 from servers import PrometheusServer
@@ -155,6 +155,58 @@ def test_two_rank_torchrun_job_reports_samples_from_both_ranks_once(tmp_path):
         assert value(prom, "gentrain_step") == steps
         # Each rank observed every step once.
         assert value(prom, "gentrain_step_duration_seconds_count") == 2 * steps
+    finally:
+        kill_group(proc)
+        prom.stop()
+
+
+@pytest.mark.slow
+def test_prometheus_sees_the_resume_from_the_memory_tier_and_the_steps_lost(tmp_path):
+    # Snapshots every 2 steps; rank 1 dies in step 10 once step 8's snapshot is in memory, so the restarted
+    # workers resume from the memory tier at step 8 with step 9 completed before: 1 step lost.
+    port = free_port()
+    prom = PrometheusServer([f"127.0.0.1:{port}"], tmp_path).start()
+    mem = tmp_path / "shm"
+    args = tiny(
+        tmp_path,
+        "task=probe_tasks:KillableDDPM",
+        f"metrics.port={port}",
+        "metrics.host=127.0.0.1",
+        "metrics.linger_seconds=60",
+        "checkpoint.memory=true",
+        "checkpoint.memory_every_steps=2",
+        f"checkpoint.memory_dir={mem}",
+        "checkpoint.every_steps=0",
+        "train.log_every_steps=20",
+        max_steps=1_000_000,
+    )
+    from trainer.checkpoint.memory import memory_root
+
+    piece = f"{memory_root(str(mem), f'{tmp_path}/run/checkpoints')}/step-000000008/piece-r00000.json"
+    rdzv = free_port()
+    log = tmp_path / "torchrun.log"
+    proc = start_torchrun(
+        ["--nproc-per-node=2", "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{rdzv}", "--max-restarts=1"],
+        args,
+        log,
+        GENTRAIN_METRICS_DIR=str(tmp_path / "mp"),
+        PYTHONPATH=f"{REPO}/tests",
+        PROBE_TASK_KILL="1:9",
+        PROBE_TASK_KILL_AFTER=piece,
+    )
+    try:
+        wait_for_log(log, "step=40/", proc, timeout=300)
+        text = log.read_text()
+        assert re.search(r"restart=1 .*resumed_from=memory:\S+step-000000008 step=8 steps_lost=1 ", text), text[-3000:]
+
+        def scraped(metric: str) -> float | None:
+            result = prom.query(metric)
+            return float(result[0]["value"][1]) if result else None
+
+        wait_until(lambda: scraped('gentrain_resume_source{tier="memory"}') == 1, "the memory tier as resume source")
+        assert scraped('gentrain_resume_source{tier="durable"}') == 0
+        assert scraped('gentrain_resume_source{tier="none"}') == 0
+        assert scraped("gentrain_steps_lost_total") == 1
     finally:
         kill_group(proc)
         prom.stop()

@@ -107,6 +107,12 @@ def _parser() -> argparse.ArgumentParser:
     cl.add_argument("--storage-options", type=json.loads, default={})
     cl.add_argument("--task", default=None, metavar="TASK", help=_TASK_HELP)
     cl.add_argument("--text-encoder", default=None, metavar="PATH_OR_URL", help=_TEXT_ENCODER_HELP)
+    cl.add_argument(
+        "--memory-dir",
+        default="/dev/shm/gentrain",
+        metavar="DIR",
+        help="this node's memory tier of checkpoints (checkpoint.memory_dir; default /dev/shm/gentrain)",
+    )
     cv = csub.add_parser(
         "verify",
         help="check sizes and digests of every file (every rank's shards), and that the weights fit the model "
@@ -390,6 +396,26 @@ def _check(store, info, args: argparse.Namespace, cache: dict | None = None) -> 
         return [str(e)], None
 
 
+def _list_memory_tier(memory_dir: str, root: str) -> None:
+    """The memory tier's steps on this node for the run checkpointing to `root` (trainer.checkpoint.memory)."""
+    from trainer.checkpoint.memory import memory_root, scan
+
+    folder = memory_root(memory_dir, root)
+    pieces = scan(folder) if os.path.isdir(folder) else {}
+    if not pieces:
+        print(f"memory tier on this node: none ({folder})")
+        return
+    print(f"memory tier on this node ({folder}):")
+    print(f"{'step':>10}  {'pieces here':<24}  {'size':>9}  status")
+    for step, held in sorted(pieces.items(), reverse=True):
+        first = next(iter(held.values()))
+        needed = first["world_size"] if first["sharded"] else 1
+        size = sum(int(e["bytes"]) for doc in held.values() for e in doc["files"].values())
+        ranks = ",".join(str(o) for o in sorted(held)) if first["sharded"] else "whole state"
+        status = "complete here" if len(held) == needed else f"{len(held)} of {needed} ranks' pieces here"
+        print(f"{step:>10}  {ranks:<24}  {_human_bytes(size):>9}  {status}")
+
+
 def cmd_checkpoints(args: argparse.Namespace) -> int:
     _setup_logging()
     from trainer.checkpoint import CheckpointStore, resolve_checkpoint  # torch-heavy (see the module doc)
@@ -397,9 +423,11 @@ def cmd_checkpoints(args: argparse.Namespace) -> int:
     if args.action == "list":
         store = CheckpointStore(args.root, args.storage_options)
         infos = store.list()
+        _list_memory_tier(args.memory_dir, args.root)
         if not infos:
             print(f"no checkpoints under {args.root}")
             return EXIT_OK
+        print(f"durable tier ({args.root}):")
         hint = store.latest_hint()
         print(f"{'step':>10}  {'time (UTC)':<25}  {'size':>9}  status")
         unchecked, shapes = [], {}  # the model of each config is built once for the whole root

@@ -281,28 +281,13 @@ class MemoryTier:
     def inventory(self) -> dict[int, dict[int, tuple[int, bool]]]:
         """{step: {owner: (world size, sharded)}} of the complete pieces this node holds (files present
         with their sizes; digests are checked when the step is loaded)."""
-        out: dict[int, dict[int, tuple[int, bool]]] = {}
-        for step in self._steps():
-            for owner in self._owners_here(step):
-                try:
-                    doc = self.read_piece(step, owner)
-                except CheckpointCorrupt as e:
-                    log.warning("memory tier %s: skipping a piece: %s", self._step_path(step), e)
-                    continue
-                out.setdefault(step, {})[owner] = (doc["world_size"], doc["sharded"])
-        return out
+        return {
+            step: {owner: (doc["world_size"], doc["sharded"]) for owner, doc in pieces.items()}
+            for step, pieces in scan(self.root).items()
+        }
 
     def read_piece(self, step: int, owner: int) -> dict[str, Any]:
-        d = self._step_path(step)
-        try:
-            doc = parse_piece(_read(os.path.join(d, piece_file(owner))), step, owner)
-        except OSError as e:
-            raise CheckpointCorrupt(f"piece of rank {owner} cannot be read ({e})") from e
-        for name, entry in doc["files"].items():
-            path = os.path.join(d, name)
-            if os.path.islink(path) or not os.path.isfile(path) or os.path.getsize(path) != entry["bytes"]:
-                raise CheckpointCorrupt(f"{name} of rank {owner}'s piece is missing or has the wrong size")
-        return doc
+        return read_piece(self.root, step, owner)
 
     def reached(self) -> int | None:
         try:
@@ -356,21 +341,10 @@ class MemoryTier:
         return os.path.join(self.root, step_dir_name(step))
 
     def _steps(self) -> list[int]:
-        try:
-            names = os.listdir(self.root)
-        except OSError:
-            return []
-        return sorted(s for n in names if (s := parse_step_dir(n)) is not None)
+        return _steps(self.root)
 
     def _owners_here(self, step: int) -> list[int]:
-        d = self._step_path(step)
-        if os.path.islink(d) or not os.path.isdir(d):
-            return []
-        try:
-            names = os.listdir(d)
-        except OSError:
-            return []
-        return sorted(o for n in names if (o := parse_piece_file(n)) is not None)
+        return _owners(self.root, step)
 
     def _remove_step(self, step: int) -> None:
         d = self._step_path(step)
@@ -393,6 +367,51 @@ class _MemoryStore(CheckpointStore):
 
     def apply_retention(self) -> list[int]:
         return []
+
+
+def scan(root: str) -> dict[int, dict[int, dict[str, Any]]]:
+    """{step: {owner: piece}} of the complete pieces in one node's memory folder, oldest step first; a
+    piece that does not parse or whose files are missing or of the wrong size is skipped with a warning."""
+    out: dict[int, dict[int, dict[str, Any]]] = {}
+    for step in _steps(root):
+        for owner in _owners(root, step):
+            try:
+                out.setdefault(step, {})[owner] = read_piece(root, step, owner)
+            except CheckpointCorrupt as e:
+                log.warning("memory tier %s: skipping a piece: %s", os.path.join(root, step_dir_name(step)), e)
+    return out
+
+
+def read_piece(root: str, step: int, owner: int) -> dict[str, Any]:
+    d = os.path.join(root, step_dir_name(step))
+    try:
+        doc = parse_piece(_read(os.path.join(d, piece_file(owner))), step, owner)
+    except OSError as e:
+        raise CheckpointCorrupt(f"piece of rank {owner} cannot be read ({e})") from e
+    for name, entry in doc["files"].items():
+        path = os.path.join(d, name)
+        if os.path.islink(path) or not os.path.isfile(path) or os.path.getsize(path) != entry["bytes"]:
+            raise CheckpointCorrupt(f"{name} of rank {owner}'s piece is missing or has the wrong size")
+    return doc
+
+
+def _steps(root: str) -> list[int]:
+    try:
+        names = os.listdir(root)
+    except OSError:
+        return []
+    return sorted(s for n in names if (s := parse_step_dir(n)) is not None)
+
+
+def _owners(root: str, step: int) -> list[int]:
+    d = os.path.join(root, step_dir_name(step))
+    if os.path.islink(d) or not os.path.isdir(d):
+        return []
+    try:
+        names = os.listdir(d)
+    except OSError:
+        return []
+    return sorted(o for n in names if (o := parse_piece_file(n)) is not None)
 
 
 def _stall_at() -> int | None:
