@@ -94,13 +94,19 @@ def test_the_first_agent_is_lost_and_the_second_resumes_from_the_memory_tier_at_
     ]
     log_a, log_b = tmp_path / "a.log", tmp_path / "b.log"
     shm = {node: tmp_path / f"shm-{node}" for node in "ab"}
-    a = start_launch(rdzv, tiny(tmp_path / "a", *args, max_steps=steps), log_a, GENTRAIN_CHECKPOINT__MEMORY_DIR=str(shm["a"]))
-    b = start_launch(rdzv, tiny(tmp_path / "b", *args, max_steps=steps), log_b, GENTRAIN_CHECKPOINT__MEMORY_DIR=str(shm["b"]))
+    a = start_launch(
+        rdzv, tiny(tmp_path / "a", *args, max_steps=steps), log_a, GENTRAIN_CHECKPOINT__MEMORY_DIR=str(shm["a"])
+    )
+    b = start_launch(
+        rdzv, tiny(tmp_path / "b", *args, max_steps=steps), log_b, GENTRAIN_CHECKPOINT__MEMORY_DIR=str(shm["b"])
+    )
     agents, logs = [a, b], [log_a, log_b]
     b_step_20 = memory_root(str(shm["b"]), str(ckpt)) + "/step-000000020"
     try:
         wait_until(lambda: "world_size=2 " in log_a.read_text() + log_b.read_text(), agents, "world_size=2", logs)
-        wait_until(lambda: len(glob.glob(f"{b_step_20}/piece-r*.json")) == 2, agents, "both pieces of step 20 on b", logs)
+        wait_until(
+            lambda: len(glob.glob(f"{b_step_20}/piece-r*.json")) == 2, agents, "both pieces of step 20 on b", logs
+        )
         kill_tree(a)  # the first node disappears, agent and worker at once, and its shared memory with it
         shutil.rmtree(shm["a"])
         rc = b.wait(timeout=180)

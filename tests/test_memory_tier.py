@@ -9,6 +9,7 @@ and a node lost in the middle of a replication, under FSDP and DDP.
 
 from __future__ import annotations
 
+import json
 import re
 import shutil
 import time
@@ -60,6 +61,62 @@ def test_agreement_picks_the_newest_step_complete_somewhere_and_newer_than_the_d
     # DDP: one piece holds everything; pieces of different world sizes never combine.
     assert agree([({3: {0: (4, False)}}, 3, 0)], None).owners[3] == [0]
     assert agree([({3: {0: (2, True)}}, 3, 0), ({3: {1: (4, True)}}, 3, 1)], None).candidates == []
+
+
+def _piece(step: int, owner: int) -> dict:
+    return {
+        "format_version": 2,
+        "step": step,
+        "owner": owner,
+        "world_size": 2,
+        "sharded": True,
+        "files": {f"rank-{owner:05d}.json": {"bytes": 2, "blake3": "0" * 64}},
+        "index": {},
+        "meta": {"task": "ddpm"} if owner == 0 else None,
+    }
+
+
+@pytest.mark.parametrize(
+    ("change", "why"),
+    [
+        ({"files": {"../x.safetensors": {"bytes": 1, "blake3": "0" * 64}}}, "not a payload file name"),
+        ({"files": {"piece-r00000.json": {"bytes": 1, "blake3": "0" * 64}}}, "not a payload file name"),
+        ({"owner": 1}, "says rank 1 of 2"),
+        ({"step": 4}, "step 4"),
+        ({"world_size": 1}, "says rank 0 of 1"),
+        ({"meta": None}, "only rank 0's piece"),
+        ({"files": {"a.json": {"bytes": -1, "blake3": "0" * 64}}}, "piece of rank 0"),
+        ({"sharded": "yes"}, "piece of rank 0"),
+    ],
+)
+def test_a_piece_that_breaks_its_schema_name_or_dir_is_refused(change, why):
+    from trainer.checkpoint.validity import parse_piece
+    from trainer.errors import CheckpointCorrupt
+
+    with pytest.raises(CheckpointCorrupt, match=re.escape(why)):
+        parse_piece(json.dumps({**_piece(3, 0), **change}).encode(), 3, 0)
+
+
+def test_scan_holds_only_pieces_whose_commit_file_parses_and_whose_files_are_whole(tmp_path, caplog):
+    from trainer.checkpoint.memory import scan
+
+    def put(step: int, owner: int, payload: bytes = b"{}", doc: dict | None = None) -> Path:
+        d = tmp_path / f"step-{step:09d}"
+        d.mkdir(exist_ok=True)
+        (d / f"rank-{owner:05d}.json").write_bytes(payload)
+        (d / f"piece-r{owner:05d}.json").write_text(json.dumps(doc or _piece(step, owner)))
+        return d
+
+    put(5, 0)
+    put(5, 1)
+    put(6, 0, payload=b"{")  # torn: one byte where the piece says two
+    put(6, 1, doc={"step": 6})  # a commit file that is not a piece
+    (put(7, 1).joinpath("rank-00001.json")).unlink()  # a listed file gone
+    (tmp_path / "step-000000008").mkdir()  # being written: no commit file yet
+    (tmp_path / "step-000000009").symlink_to(tmp_path / "step-000000005")  # links are never followed
+    (tmp_path / "not-a-step").mkdir()
+    assert {step: sorted(p) for step, p in scan(str(tmp_path)).items()} == {5: [0, 1]}
+    assert "missing or has the wrong size" in caplog.text and "piece of rank 1" in caplog.text
 
 
 # ------------------------------------------------------------------ one process
@@ -294,7 +351,9 @@ def test_ddp_worker_crash_and_node_loss_resume_from_memory_bit_identical(tmp_pat
     try:
         a, log_a = nodes.start("a", PROBE_TASK_KILL="*:5", PROBE_TASK_KILL_AFTER=piece("b", 5))
         time.sleep(1.0)
-        b, log_b = nodes.start("b", PROBE_TASK_KILL="*:10", PROBE_TASK_KILL_SIGNAL="STOP", PROBE_TASK_KILL_AFTER=piece("a", 10))
+        b, log_b = nodes.start(
+            "b", PROBE_TASK_KILL="*:10", PROBE_TASK_KILL_SIGNAL="STOP", PROBE_TASK_KILL_AFTER=piece("a", 10)
+        )
         assert re.search(r"memory:\S+step-000000005 step=5$", _resumed(nodes, 1))
         wait_for_log(log_b, "probe: stopped in step 10", b, timeout=300)
         _lose_node(nodes, b, "b")

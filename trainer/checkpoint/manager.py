@@ -112,7 +112,9 @@ class CheckpointManager:
             if c.memory and usable:
                 log.warning("checkpoint.memory is off: another node cannot use its checkpoint.memory_dir")
             return None, None
-        tier = MemoryTier(root, runtime.env, runtime.sharded, cfg.elastic.collective_timeout_seconds, cfg.checkpoint_url)
+        tier = MemoryTier(
+            root, runtime.env, runtime.sharded, cfg.elastic.collective_timeout_seconds, cfg.checkpoint_url
+        )
         if runtime.env.is_main:
             log.info("%s", tier.describe())
 
@@ -224,7 +226,11 @@ class CheckpointManager:
         if self.env.is_main:
             newest = self.store.latest_valid()
             durable = newest.step if newest is not None else None
-        report = (tier.inventory() if tier.is_leader else None, tier.reached() if tier.is_leader else None, self.env.rank)
+        report = (
+            tier.inventory() if tier.is_leader else None,
+            tier.reached() if tier.is_leader else None,
+            self.env.rank,
+        )
         gathered = gather_objects((report, durable))
         plan = agree([r for r, _ in gathered], gathered[0][1])
         self.steps_reached = plan.reached
@@ -252,7 +258,9 @@ class CheckpointManager:
                 self.resumed_tier = "memory"
                 return self.resumed_from
             if self.env.is_main:
-                log.warning("memory tier: step %d cannot be loaded (%s); trying an older one", step, "; ".join(problems))
+                log.warning(
+                    "memory tier: step %d cannot be loaded (%s); trying an older one", step, "; ".join(problems)
+                )
             tier.drop(step)
         tier.forget_after(gathered[0][1])
         return None

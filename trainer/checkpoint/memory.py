@@ -54,7 +54,7 @@ import torch.distributed as dist
 
 from trainer.checkpoint.layout import MANIFEST, SHARD_INDEX, parse_piece_file, parse_step_dir, piece_file, step_dir_name
 from trainer.checkpoint.sharded import index_file_bytes, merge_indexes
-from trainer.checkpoint.store import CheckpointStore, CheckpointError, Payload
+from trainer.checkpoint.store import CheckpointError, CheckpointStore, Payload
 from trainer.checkpoint.validity import FORMAT_VERSION, parse_json, parse_piece
 from trainer.config.redact import redact
 from trainer.elastic import DistEnv, gather_objects, new_gloo_group
@@ -154,7 +154,9 @@ class MemoryTier:
             except OSError as e:
                 log.debug("memory tier: cannot note the step reached: %s", e)
 
-    def write(self, step: int, files: Mapping[str, Payload], meta: Mapping[str, Any], failed: str | None = None) -> None:
+    def write(
+        self, step: int, files: Mapping[str, Payload], meta: Mapping[str, Any], failed: str | None = None
+    ) -> None:
         """Write this rank's piece of `step` (if it has one), then trade pieces with the buddies.
 
         Under FSDP every rank exchanges, even one whose own write `failed`, so no peer waits for a piece
@@ -227,7 +229,9 @@ class MemoryTier:
             for start in range(0, n, _CHUNK):
                 dist.send(data[start : start + _CHUNK], to, group=self.group)
                 if stall:
-                    log.warning("memory tier: stalling the replication of step %d (%s is set)", step, FAULT_STALL_REPLICATION)
+                    log.warning(
+                        "memory tier: stalling the replication of step %d (%s is set)", step, FAULT_STALL_REPLICATION
+                    )
                     threading.Event().wait()
 
     def _receive_piece(self, step: int, src: int) -> None:
@@ -239,8 +243,11 @@ class MemoryTier:
         raw = torch.empty(n, dtype=torch.uint8)
         dist.recv(raw, src, group=self.group)
         raw_bytes = raw.numpy().tobytes()
-        owner = json.loads(raw_bytes).get("owner") if raw_bytes else None
-        doc = parse_piece(raw_bytes, step, owner if isinstance(owner, int) else -1)
+        sent = parse_json(raw_bytes, f"piece sent by rank {src}")
+        owner = sent.get("owner") if isinstance(sent, dict) else None
+        if not isinstance(owner, int) or owner < 0:
+            raise CheckpointCorrupt(f"the piece rank {src} sent names no owner rank")
+        doc = parse_piece(raw_bytes, step, owner)
         d = self._step_path(step)
         os.makedirs(d, mode=0o700, exist_ok=True)
         for name, entry in sorted(doc["files"].items()):
@@ -443,7 +450,9 @@ class Plan:
     reached: int | None  # the newest step any node completed before the restart
 
 
-def agree(reports: list[tuple[dict[int, dict[int, tuple[int, bool]]] | None, int | None, int | None]], durable: int | None) -> Plan:
+def agree(
+    reports: list[tuple[dict[int, dict[int, tuple[int, bool]]] | None, int | None, int | None]], durable: int | None
+) -> Plan:
     """Every rank computes the same plan from everyone's (inventory or None, reached or None, rank)."""
     holders: dict[int, dict[int, list[int]]] = {}
     shapes: dict[int, set[tuple[int, bool]]] = {}

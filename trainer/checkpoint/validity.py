@@ -24,7 +24,17 @@ import re
 from collections.abc import Callable, Mapping
 from typing import Annotated, Any
 
-from pydantic import BaseModel, ConfigDict, Field, StrictFloat, StrictInt, StrictStr, ValidationError, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    StrictBool,
+    StrictFloat,
+    StrictInt,
+    StrictStr,
+    ValidationError,
+    model_validator,
+)
 
 from trainer.checkpoint.format import SAFETENSORS_DTYPES
 from trainer.checkpoint.layout import MANIFEST
@@ -86,7 +96,7 @@ class PieceDoc(_Open):
     step: NonNegInt
     owner: NonNegInt
     world_size: Annotated[StrictInt, Field(ge=1)]
-    sharded: bool
+    sharded: StrictBool
     files: dict[StrictStr, FileEntry]
     index: dict[StrictStr, Any] = {}  # this owner's part of shards.json (sharded)
     meta: dict[StrictStr, Any] | None = None  # owner 0: what the manifest says about the run
