@@ -83,7 +83,7 @@ def _piece(step: int, owner: int) -> dict:
         ({"files": {"piece-r00000.json": {"bytes": 1, "blake3": "0" * 64}}}, "not a payload file name"),
         ({"owner": 1}, "says rank 1 of 2"),
         ({"step": 4}, "step 4"),
-        ({"world_size": 1}, "says rank 0 of 1"),
+        ({"world_size": 0}, "piece of rank 0"),
         ({"meta": None}, "only rank 0's piece"),
         ({"files": {"a.json": {"bytes": -1, "blake3": "0" * 64}}}, "piece of rank 0"),
         ({"sharded": "yes"}, "piece of rank 0"),
