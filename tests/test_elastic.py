@@ -8,7 +8,6 @@ import re
 import signal
 import subprocess
 import sys
-import time
 from collections import defaultdict
 
 import numpy as np
@@ -16,7 +15,7 @@ import pytest
 import torch
 from conftest import free_port, tiny
 from elastic_helpers import rank_of, start_torchrun, worker_pids
-from helpers import assert_identical, final_weights, kill_group, kill_tree, wait_for_log
+from helpers import assert_identical, final_weights, kill_group, wait_for_log
 from PIL import Image
 
 from trainer.checkpoint import CheckpointStore
@@ -86,43 +85,6 @@ def test_sigkilled_worker_is_restarted_and_the_result_equals_an_uninterrupted_ru
         b = CheckpointStore(f"{tmp_path}/killed/run/checkpoints")
         ta, tb = a.read_tensors(a.check(steps), name), b.read_tensors(b.check(steps), name)
         assert torch.equal(ta["torch_cpu"], tb["torch_cpu"]), f"{name} differs"
-
-
-def test_node_loss_survivor_continues_at_world_size_1(tmp_path):
-    port = free_port()
-    common = [
-        "--nnodes=1:2",
-        "--nproc-per-node=1",
-        "--max-restarts=3",
-        "--rdzv-backend=c10d",
-        f"--rdzv-endpoint=127.0.0.1:{port}",
-        f"--rdzv-id=nodes-{port}",
-        "--rdzv-conf=join_timeout=60,last_call_timeout=2",
-        "--monitor-interval=0.2",
-    ]
-    # Both "nodes" write to one shared checkpoint root, as pods do with a bucket.
-    ckpt = f"checkpoint.url={tmp_path}/shared-ckpts"
-    args_a = tiny(tmp_path / "a", ckpt, "checkpoint.every_steps=10", "train.log_every_steps=5", max_steps=400)
-    args_b = tiny(tmp_path / "b", ckpt, "checkpoint.every_steps=10", "train.log_every_steps=5", max_steps=400)
-    log_a, log_b = tmp_path / "a.log", tmp_path / "b.log"
-    # Agent A starts first and hosts the c10d store (as pod 0 does); B is the node we lose.
-    a = start_torchrun(common, args_a, log_a)
-    time.sleep(1.0)
-    b = start_torchrun(common, args_b, log_b)
-    try:
-        wait_for_log(log_a, "world_size=2", a, timeout=300)
-        wait_for_log(log_a, "step-000000020", a, timeout=300)
-        kill_tree(b)  # the node disappears: agent and worker at once
-        rc = finish(a, log_a, timeout=300)
-    finally:
-        kill_group(a)
-        kill_group(b)
-    text = log_a.read_text()
-    assert rc == 0, text[-4000:]
-    assert "world_size=1 restart=1" in text, text[-4000:]
-    resumed = re.search(r"world_size=1 restart=1 .*resumed_from=\S+step-(\d+)", text)
-    assert resumed and int(resumed.group(1)) >= 20
-    assert final_weights(f"{tmp_path}/shared-ckpts")["step"] == 400
 
 
 def test_sigterm_to_torchrun_writes_an_emergency_checkpoint_at_the_step_reached(tmp_path):
