@@ -8,6 +8,8 @@ what training state goes into which file, and the manager that decides when to s
     writer.py   Checkpointer: sync or background saves of a snapshot, one in flight
     state.py    which Stateful object goes to which file; restore from them
     weights.py  load one part's weights from any run (sampling, frozen parts)
+    memory.py   the memory tier: snapshots in node-local shared memory, a buddy node's copy, the
+                agreement on which step to resume from
     manager.py  CheckpointManager: when to save, resume, emergency save, failure counting
 """
 

@@ -57,6 +57,10 @@ class CheckpointManager:
     reported success. Both run in the background with `checkpoint.async`. A failed save never
     stops training: it is counted, logged, and the next save retries; only
     the final save raises (so the job is retried rather than losing it).
+
+    With `checkpoint.memory` every rank also hands its piece of every `checkpoint.memory_every_steps`-th
+    step to the memory tier (trainer.checkpoint.memory), always in the background, and `resume` tries
+    that tier's newest complete step first when it is newer than the durable tier's newest.
     """
 
     def __init__(self, cfg: Config, runtime: Runtime, metrics: TrainingMetrics):
@@ -100,16 +104,17 @@ class CheckpointManager:
         """The memory tier and its writer (always in the background), or (None, None) when it is off or
         its folder cannot be made (a warning: training goes on with the durable tier alone). Collective."""
         c = cfg.checkpoint
+        if not c.memory:
+            return None, None
         root = memory_root(c.memory_dir, cfg.checkpoint_url)
         usable = False
-        if c.memory:
-            try:
-                os.makedirs(root, mode=0o700, exist_ok=True)
-                usable = os.access(root, os.W_OK)
-            except OSError as e:
-                log.warning("checkpoint.memory: cannot use %s (%s); continuing with the durable tier only", root, e)
+        try:
+            os.makedirs(root, mode=0o700, exist_ok=True)
+            usable = os.access(root, os.W_OK)
+        except OSError as e:
+            log.warning("checkpoint.memory: cannot use %s (%s); continuing with the durable tier only", root, e)
         if not all(gather_objects(usable)):  # every rank on, or every rank off: saves are collective
-            if c.memory and usable:
+            if usable:
                 log.warning("checkpoint.memory is off: another node cannot use its checkpoint.memory_dir")
             return None, None
         tier = MemoryTier(
