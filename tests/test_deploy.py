@@ -136,9 +136,9 @@ def test_component_renders_an_etcd_rendezvous_for_torchrun():
     role = train("train.max_steps=10", j="1:4x8", rdzv_backend="etcd-v2", rdzv_endpoint="gentrain-etcd:2379").roles[0]
     applied = macros.Values(img_root="", app_id="run-1", replica_id="0", rank0_env="R").apply(role)
     launch, train_args = applied.args[-1].split(" -- ")
-    torchrun = shlex.split(launch)  # as bash reads it
-    assert torchrun[:4] == ["python", "-m", "trainer", "launch"]
-    flags = dict(zip(torchrun[4::2], torchrun[5::2], strict=True))
+    launcher = shlex.split(launch)  # as bash reads it
+    assert launcher[:4] == ["python", "-m", "trainer", "launch"]
+    flags = dict(zip(launcher[4::2], launcher[5::2], strict=True))
     assert flags["--rdzv_backend"] == "etcd-v2" and flags["--rdzv_endpoint"] == "gentrain-etcd:2379"
     assert flags["--rdzv_id"] == "run-1" and flags["--nnodes"] == "1:4" and flags["--max_restarts"] == "3"
     assert train_args == "digits-ddpm train.max_steps=10"
@@ -146,7 +146,7 @@ def test_component_renders_an_etcd_rendezvous_for_torchrun():
     # torchrun reads the flags as written: etcd-v2 on that endpoint.
     from torch.distributed.run import get_args_parser
 
-    parsed = get_args_parser().parse_args([*torchrun[4:], "-m", "trainer"])
+    parsed = get_args_parser().parse_args([*launcher[4:], "-m", "trainer"])
     assert (parsed.rdzv_backend, parsed.rdzv_endpoint, parsed.nnodes) == ("etcd-v2", "gentrain-etcd:2379", "1:4")
     # The default is still c10d on replica 0.
     assert "--rdzv_backend c10d --rdzv_endpoint $${${rank0_env}:=localhost}:29500 " in train(j="2x8").roles[0].args[-1]

@@ -398,7 +398,7 @@ def _check(store, info, args: argparse.Namespace, cache: dict | None = None) -> 
 
 def _list_memory_tier(memory_dir: str, root: str) -> None:
     """The memory tier's steps on this node for the run checkpointing to `root` (trainer.checkpoint.memory)."""
-    from trainer.checkpoint.memory import memory_root, scan
+    from trainer.checkpoint.memory import memory_root, scan  # torch-heavy (see the module doc)
 
     folder = memory_root(memory_dir, root)
     pieces = scan(folder) if os.path.isdir(folder) else {}
