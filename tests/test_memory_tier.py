@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import re
 import shutil
+import socket
 import time
 from pathlib import Path
 
@@ -218,7 +219,7 @@ class _Nodes:
     def __init__(self, tmp_path: Path, name: str, parallel: str, steps: int):
         self.tmp, self.name, self.parallel, self.steps = tmp_path, name, parallel, steps
         self.ckpt = f"{tmp_path}/{name}/checkpoints"
-        port = free_port()
+        port = self.port = free_port()
         self.torchrun = [
             "--nnodes=2",
             "--nproc-per-node=1",
@@ -250,6 +251,17 @@ class _Nodes:
         self.procs.append(proc)
         self.logs.append(log)
         return proc, log
+
+    def hosting(self, proc) -> None:
+        """Wait until `proc`'s agent listens on the rendezvous port: it, not the next agent, hosts the store."""
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            assert proc.poll() is None, self.text()[-3000:]
+            with socket.socket() as sock:
+                if sock.connect_ex(("127.0.0.1", self.port)) == 0:
+                    return
+            time.sleep(0.05)
+        raise AssertionError(f"no agent listens on 127.0.0.1:{self.port}")
 
     def text(self) -> str:
         return "\n".join(log.read_text() for log in self.logs if log.exists())
@@ -289,7 +301,9 @@ def _resumed(nodes: _Nodes, n: int) -> str:
 def _equal_to_reference(tmp_path: Path, parallel: str, steps: int, got: str) -> None:
     ref = _Nodes(tmp_path, "ref", parallel, steps)
     try:
-        (a, log_a), (b, log_b) = ref.start("a"), ref.start("b")
+        a, log_a = ref.start("a")
+        ref.hosting(a)
+        b, log_b = ref.start("b")
         _finish(a, log_a)
         _finish(b, log_b)
     finally:
@@ -312,7 +326,7 @@ def test_fsdp_worker_crash_node_loss_and_loss_mid_replication_resume_from_memory
         a, log_a = nodes.start(
             "a", PROBE_TASK_KILL="*:6", PROBE_TASK_KILL_AFTER=step_pieces("a", 6), PROBE_TASK_KILL_AFTER_COUNT="2"
         )
-        time.sleep(1.0)  # a hosts the rendezvous: let it start first
+        nodes.hosting(a)
         # 2. Node b hangs in the step after 12 (once node a holds b's piece of step 12), and is lost whole.
         b, log_b = nodes.start(
             "b",
@@ -350,7 +364,7 @@ def test_ddp_worker_crash_and_node_loss_resume_from_memory_bit_identical(tmp_pat
     piece = lambda node, s: str(nodes.memory(node) / f"step-{s:09d}" / "piece-r00000.json")  # noqa: E731
     try:
         a, log_a = nodes.start("a", PROBE_TASK_KILL="*:5", PROBE_TASK_KILL_AFTER=piece("b", 5))
-        time.sleep(1.0)
+        nodes.hosting(a)
         b, log_b = nodes.start(
             "b", PROBE_TASK_KILL="*:10", PROBE_TASK_KILL_SIGNAL="STOP", PROBE_TASK_KILL_AFTER=piece("a", 10)
         )
