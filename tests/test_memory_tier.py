@@ -379,3 +379,19 @@ def test_ddp_worker_crash_and_node_loss_resume_from_memory_bit_identical(tmp_pat
         nodes.close()
     assert "every node writes the whole state from its own replica (2 copies)" in nodes.text()
     _equal_to_reference(tmp_path, "ddp", steps, nodes.ckpt)
+
+
+@pytest.mark.slow
+def test_a_memory_snapshot_that_cannot_be_written_is_counted_and_training_goes_on(tmp_path):
+    # Something that is not a directory where step 3's snapshot goes (as a full or broken /dev/shm would
+    # fail it): that snapshot fails, is logged once, and the others and the durable tier are unaffected.
+    args = tiny(tmp_path, "checkpoint.memory=true", f"checkpoint.memory_dir={tmp_path}/shm", max_steps=6)
+    mem = Path(memory_root(f"{tmp_path}/shm", f"{tmp_path}/run/checkpoints"))
+    mem.mkdir(parents=True)
+    (mem / "step-000000003").write_text("not a directory")
+    r = run_cli("train", *args)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert r.stderr.count("memory-tier snapshot failed (1 so far; training continues") == 1, r.stderr[-3000:]
+    assert "Traceback" not in r.stderr
+    assert sorted(p.parent.name for p in mem.glob("step-*/piece-r00000.json")) == ["step-000000004", "step-000000005"]
+    assert CheckpointStore(f"{tmp_path}/run/checkpoints").latest_valid().step == 6
