@@ -396,15 +396,15 @@ def _check(store, info, args: argparse.Namespace, cache: dict | None = None) -> 
         return [str(e)], None
 
 
-def _list_memory_tier(memory_dir: str, root: str) -> None:
-    """The memory tier's steps on this node for the run checkpointing to `root` (trainer.checkpoint.memory)."""
+def _list_memory_tier(memory_dir: str, root: str) -> bool:
+    """Print the memory tier's steps on this node for the run checkpointing to `root`, if it has any
+    (trainer.checkpoint.memory); whether it had."""
     from trainer.checkpoint.memory import memory_root, scan  # torch-heavy (see the module doc)
 
     folder = memory_root(memory_dir, root)
     pieces = scan(folder) if os.path.isdir(folder) else {}
     if not pieces:
-        print(f"memory tier on this node: none ({folder})")
-        return
+        return False
     print(f"memory tier on this node ({folder}):")
     print(f"{'step':>10}  {'pieces here':<24}  {'size':>9}  status")
     for step, held in sorted(pieces.items(), reverse=True):
@@ -414,6 +414,7 @@ def _list_memory_tier(memory_dir: str, root: str) -> None:
         ranks = ",".join(str(o) for o in sorted(held)) if first["sharded"] else "whole state"
         status = "complete here" if len(held) == needed else f"{len(held)} of {needed} ranks' pieces here"
         print(f"{step:>10}  {ranks:<24}  {_human_bytes(size):>9}  {status}")
+    return True
 
 
 def cmd_checkpoints(args: argparse.Namespace) -> int:
@@ -423,11 +424,12 @@ def cmd_checkpoints(args: argparse.Namespace) -> int:
     if args.action == "list":
         store = CheckpointStore(args.root, args.storage_options)
         infos = store.list()
-        _list_memory_tier(args.memory_dir, args.root)
+        both = _list_memory_tier(args.memory_dir, args.root)
         if not infos:
             print(f"no checkpoints under {args.root}")
             return EXIT_OK
-        print(f"durable tier ({args.root}):")
+        if both:
+            print(f"durable tier ({args.root}):")
         hint = store.latest_hint()
         print(f"{'step':>10}  {'time (UTC)':<25}  {'size':>9}  status")
         unchecked, shapes = [], {}  # the model of each config is built once for the whole root
