@@ -36,6 +36,7 @@ format and writer and adds only placement, replication and the agreement.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import logging
@@ -90,7 +91,7 @@ class Topology:
 
     node_of: tuple[str, ...]  # per rank
 
-    @property
+    @functools.cached_property
     def nodes(self) -> list[list[int]]:
         """Ranks per node; nodes in the order of their lowest rank."""
         out: dict[str, list[int]] = {}
@@ -98,21 +99,28 @@ class Topology:
             out.setdefault(node, []).append(rank)
         return sorted(out.values())
 
+    @functools.cached_property
+    def _place(self) -> dict[int, tuple[int, int]]:
+        """rank -> (its node's index in `nodes`, its index on that node)."""
+        return {rank: (i, j) for i, node in enumerate(self.nodes) for j, rank in enumerate(node)}
+
     def leader(self, rank: int) -> int:
-        return next(n[0] for n in self.nodes if rank in n)
+        return self.nodes[self._place[rank][0]][0]
 
     def buddy(self, rank: int) -> int | None:
         """The rank on the next node that keeps a copy of `rank`'s piece (None: one node, no copy)."""
-        nodes = self.nodes
-        if len(nodes) < 2:
+        if len(self.nodes) < 2:
             return None
-        i = next(i for i, n in enumerate(nodes) if rank in n)
-        here, there = nodes[i], nodes[(i + 1) % len(nodes)]
-        return there[here.index(rank) % len(there)]
+        i, j = self._place[rank]
+        there = self.nodes[(i + 1) % len(self.nodes)]
+        return there[j % len(there)]
 
     def sources(self, rank: int) -> list[int]:
-        """The ranks whose pieces `rank` keeps a copy of."""
-        return [r for r in range(len(self.node_of)) if self.buddy(r) == rank]
+        """The ranks whose pieces `rank` keeps a copy of (those on the previous node that map onto it)."""
+        if len(self.nodes) < 2:
+            return []
+        i, _ = self._place[rank]
+        return [r for r in self.nodes[i - 1] if self.buddy(r) == rank]
 
 
 class MemoryTier:
