@@ -68,7 +68,8 @@ QUIET = ["train.log_every_steps=1", "train.val_every_steps=0", "sample.every_ste
 
 
 def spread(values: list[float], digits: int = 3) -> dict:
-    q = statistics.quantiles(values, n=4) if len(values) > 1 else [values[0]] * 3
+    # inclusive: with a few values the quartiles stay between min and max
+    q = statistics.quantiles(values, n=4, method="inclusive") if len(values) > 1 else [values[0]] * 3
     return {
         "median": round(statistics.median(values), digits),
         "min": round(min(values), digits),
@@ -405,11 +406,12 @@ def overhead(args) -> dict:
         print(f"repeat {r}: mean step {json.dumps(mean)}", file=sys.stderr, flush=True)
     import torch
 
+    given = [o.split("=", 1)[1] for o in args.overrides if o.startswith("train.threads=")]
     return {
         "benchmark": "memory_tier.overhead",
         "preset": "digits-ddpm",
         "overrides": args.overrides,
-        "threads": torch.get_num_threads(),
+        "train_threads": int(given[-1]) if given else torch.get_num_threads(),
         "steps_per_process": args.steps,
         "warmup_steps_dropped": args.warmup,
         "repeats": args.repeats,
