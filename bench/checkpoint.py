@@ -71,6 +71,8 @@ def build_part(num_params: int) -> Part:
         eps=1e-8,
         warmup_steps=0,
         lr_schedule="constant",
+        lr_num_cycles=1,
+        lr_power=1.0,
         max_grad_norm=None,
         max_steps=1 << 30,
     )
