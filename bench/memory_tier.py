@@ -438,6 +438,7 @@ def big(args) -> dict:
     sys.path.insert(0, str(REPO / "bench"))
     from checkpoint import WIDTH, build_part, checkpoint_files, digest_gbps, state_bytes, train_step
 
+    # torch and gentrain only here: the other sub-commands start gentrain in processes of their own.
     from trainer.checkpoint.memory import INDEX, OWNER, MemoryTier
     from trainer.checkpoint.state import updated_only_in_steps
     from trainer.checkpoint.writer import Checkpointer
