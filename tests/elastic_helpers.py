@@ -10,28 +10,22 @@ from conftest import clean_env
 from helpers import children
 
 
-def start_torchrun(torchrun_args: list[str], train_args: list[str], log_path: Path, **env: str) -> subprocess.Popen:
-    """`torchrun ... -m trainer train ...` as the leader of a new process group (killable as a unit)."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", *torchrun_args, "-m", "trainer", "train", *train_args]
+def _start_agent(cmd: list[str], log_path: Path, env: dict[str, str]) -> subprocess.Popen:
+    """`cmd` as the leader of a new process group (killable as a unit), output to `log_path`."""
     return subprocess.Popen(
-        cmd,
-        stdout=open(log_path, "w"),
-        stderr=subprocess.STDOUT,
-        env=clean_env(**env),
-        start_new_session=True,
+        cmd, stdout=open(log_path, "w"), stderr=subprocess.STDOUT, env=clean_env(**env), start_new_session=True
     )
+
+
+def start_torchrun(torchrun_args: list[str], train_args: list[str], log_path: Path, **env: str) -> subprocess.Popen:
+    """`torchrun ... -m trainer train ...`."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", *torchrun_args, "-m", "trainer", "train", *train_args]
+    return _start_agent(cmd, log_path, env)
 
 
 def start_launch(torchrun_args: list[str], train_args: list[str], log_path: Path, **env: str) -> subprocess.Popen:
-    """`gentrain launch TORCHRUN_ARGS -- ARGS` (what a pod runs) as the leader of a new process group."""
-    cmd = [sys.executable, "-m", "trainer", "launch", *torchrun_args, "--", *train_args]
-    return subprocess.Popen(
-        cmd,
-        stdout=open(log_path, "w"),
-        stderr=subprocess.STDOUT,
-        env=clean_env(**env),
-        start_new_session=True,
-    )
+    """`gentrain launch TORCHRUN_ARGS -- ARGS` (what a pod runs)."""
+    return _start_agent([sys.executable, "-m", "trainer", "launch", *torchrun_args, "--", *train_args], log_path, env)
 
 
 def worker_pids(agent_pid: int) -> list[int]:
