@@ -207,7 +207,7 @@ def _two_node_args(root: Path, ckpt: str, parallel: str, steps: int) -> list[str
         "checkpoint.memory=true",
         f"checkpoint.url={ckpt}",
         "checkpoint.every_steps=0",  # the durable tier only at the end: every resume comes from memory
-        "elastic.collective_timeout_seconds=30",
+        "elastic.collective_timeout_seconds=120",  # a hang bound only: lost peers fail at once
         max_steps=steps,
     )
 
