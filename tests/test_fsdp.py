@@ -241,22 +241,23 @@ def test_world_size_changes_under_fsdp_use_every_sample_once_per_epoch(tmp_path)
 
 def test_a_rank_killed_mid_save_leaves_the_previous_checkpoint_and_a_tampered_shard_is_refused(tmp_path):
     root = tmp_path / "run" / "checkpoints"
-    blocked = root / "step-000000008" / "unet.model.rank-00001.safetensors"
-    blocked.parent.mkdir(parents=True)
-    # Rank 1's open() of this named pipe blocks until a reader comes: it is stuck mid-save, every other
-    # file of the save written or not, when it is killed. No sleeps: we wait for its other files.
-    os.mkfifo(blocked)
+    step8 = root / "step-000000008"
     log = tmp_path / "kill.log"
+    # Rank 1 writes its files of step 8's save, then stops before reporting them (the failpoint, first
+    # attempt only): it is stuck mid-save when it is killed. No sleeps: we wait for the line it logs.
     proc = start_torchrun(
-        standalone(2, max_restarts=1), tiny(tmp_path, FSDP, "checkpoint.every_steps=4", max_steps=10), log
+        standalone(2, max_restarts=1),
+        tiny(tmp_path, FSDP, "checkpoint.every_steps=4", max_steps=10),
+        log,
+        GENTRAIN_FAULT_STALL_SAVE="8:1",
     )
     try:
         deadline = time.monotonic() + 120
-        while not (blocked.parent / "rank-00001.json").exists():
+        while "stalling the save of step 8 on rank 1" not in log.read_text():
             assert proc.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
             time.sleep(0.05)
-        assert not (blocked.parent / "manifest.json").exists()
-        blocked.unlink()  # the restarted rank writes a real file; the blocked open() stays blocked
+        assert (step8 / "unet.model.rank-00001.safetensors").exists() and (step8 / "rank-00001.json").exists()
+        assert not (step8 / "manifest.json").exists()
         victims = [p for p in worker_pids(proc.pid) if rank_of(p) == 1]
         os.kill(victims[0], signal.SIGKILL)
         assert finish(proc, log) == 0, log.read_text()[-4000:]

@@ -24,7 +24,10 @@ holds this rank's slices, never the whole model, and nothing is applied before t
 from __future__ import annotations
 
 import json
+import logging
 import math
+import os
+import threading
 from collections import defaultdict
 from collections.abc import Mapping
 from typing import Any
@@ -54,6 +57,20 @@ from trainer.checkpoint.layout import (
 )
 from trainer.checkpoint.store import CheckpointCorrupt, CheckpointError, CheckpointInfo, CheckpointStore, SaveResult
 from trainer.elastic import gather_objects
+
+log = logging.getLogger(__name__)
+
+# Test failpoint (docs/development.md), "STEP:RANK": on the first attempt (no torchrun restart yet) that
+# rank writes its files of STEP's save, then stops before reporting them, so a test kills a rank in the
+# middle of a sharded save at an exact point instead of racing the writer threads.
+FAULT_STALL_SAVE = "GENTRAIN_FAULT_STALL_SAVE"
+
+
+def _stall_here(step: int, rank: int) -> bool:
+    if os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0":
+        return False
+    return os.environ.get(FAULT_STALL_SAVE, "") == f"{step}:{rank}"
+
 
 _READ_CHUNK = 16 << 20
 
@@ -140,6 +157,11 @@ def write_sharded(
             entries = store.write_files(step, files)
     except Exception as e:
         error = f"rank {rank}: {type(e).__name__}: {e}"
+    if _stall_here(step, rank):
+        log.warning(
+            "stalling the save of step %d on rank %d before it reports (%s is set)", step, rank, FAULT_STALL_SAVE
+        )
+        threading.Event().wait()
     reports = gather_objects((entries, local_index, error), group=group)
     errors = [r[2] for r in reports if r[2]]
     if errors:
