@@ -5,11 +5,13 @@ from __future__ import annotations
 
 import glob
 import importlib.util
+import json
 import os
 import re
 import shutil
 import sys
 import time
+from collections import defaultdict
 
 import pytest
 from conftest import free_port, tiny
@@ -91,6 +93,7 @@ def test_the_first_agent_is_lost_and_the_second_resumes_from_the_memory_tier_at_
         "train.parallel=fsdp",
         "train.log_every_steps=5",
         "elastic.collective_timeout_seconds=120",  # a hang bound only: lost peers fail at once
+        "data.ledger=true",
     ]
     log_a, log_b = tmp_path / "a.log", tmp_path / "b.log"
     shm = {node: tmp_path / f"shm-{node}" for node in "ab"}
@@ -115,7 +118,38 @@ def test_the_first_agent_is_lost_and_the_second_resumes_from_the_memory_tier_at_
         kill_group(b)
     text = log_b.read_text()
     assert rc == 0, text[-4000:]
-    resumed = re.search(r"world_size=1 restart=1 .*resumed_from=memory:\S+step-(\d+) step=\d+ steps_lost=(\d+)", text)
-    assert resumed and int(resumed.group(1)) >= 20, text[-4000:]
-    assert "resuming a 2-rank checkpoint on 1 ranks" in text
+    resumed = re.search(
+        r"world_size=1 restart=(\d+) .*train_samples=(\d+) resumed_from=memory:\S+step-(\d+) step=\d+ steps_lost=", text
+    )
+    assert resumed, text[-4000:]
+    restart, n, resumed_step = (int(g) for g in resumed.groups())
+    assert resumed_step >= 20 and "resuming a 2-rank checkpoint on 1 ranks" in text
     assert final_weights(str(ckpt))["step"] == steps
+    assert_every_sample_once_per_epoch(tmp_path, steps, n, resumed_step, restart)
+
+
+def assert_every_sample_once_per_epoch(tmp_path, steps: int, n: int, resumed_step: int, restart: int) -> None:
+    """The steps that count: both nodes' up to the memory-tier step resumed from, then the survivor's
+    from the attempt that resumed (the lost steps in between were trained again). In step and rank
+    order they use every sample once per epoch across the change from 2 ranks to 1."""
+    per_step: dict[int, dict[int, list[int]]] = defaultdict(dict)
+    for f in tmp_path.glob("*/run/ledger/rank-*.jsonl"):
+        lines = f.read_text().splitlines()
+        for i, line in enumerate(lines):
+            try:
+                rec = json.loads(line)
+            except json.JSONDecodeError:  # only the lost node's last line can be cut short by its kill
+                assert i == len(lines) - 1 and f.parts[-4] == "a", f"{f}: {line!r}"
+                continue
+            attempt = int(rec["attempt"].split("-")[0])
+            if (attempt == 0 and rec["step"] <= resumed_step) or (attempt == restart and rec["step"] > resumed_step):
+                per_step[rec["step"]][rec["rank"]] = rec["indices"]
+    assert sorted(per_step) == list(range(1, steps + 1))
+    assert all(len(per_step[s]) == (2 if s <= resumed_step else 1) for s in per_step)
+    stream = [i for s in sorted(per_step) for r in sorted(per_step[s]) for i in per_step[s][r]]
+    epochs = [stream[e * n : (e + 1) * n] for e in range(len(stream) // n)]
+    assert epochs, "the run must cross an epoch boundary for the check to mean anything"
+    for e, used in enumerate(epochs):
+        assert len(set(used)) == n and set(used) == set(epochs[0]), f"epoch {e}"
+    tail = stream[len(epochs) * n :]
+    assert len(set(tail)) == len(tail) and set(tail) <= set(epochs[0])
