@@ -75,8 +75,9 @@ def test_bad_values_name_key_value_and_what_is_allowed(override, must_mention):
 def test_bad_environment_variable_is_an_error():
     with pytest.raises(ConfigError, match="unknown config key 'train.nope'"):
         load_config(None, [], environ={"GENTRAIN_TRAIN__NOPE": "1"})
-    # Test failpoints and what gentrain sets for its own workers share the prefix but are no config keys.
-    env = {"GENTRAIN_FAULT_STALL_SAVE": "8:1", "GENTRAIN_FAULT_ANY": "x", "GENTRAIN_METRICS_DIR": "/tmp/m"}
+    # Test failpoints, the test suite's settings and what gentrain sets for its workers share the prefix
+    # but are no config keys.
+    env = {"GENTRAIN_FAULT_STALL_SAVE": "8:1", "GENTRAIN_TEST_FORK": "0", "GENTRAIN_METRICS_DIR": "/tmp/m"}
     assert load_config(None, [], environ=env) == load_config(None, [], environ={})
 
 

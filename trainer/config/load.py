@@ -365,16 +365,17 @@ def parse_overrides(args: Iterable[str]) -> dict[str, Any]:
     return _override_layer(args)[0]
 
 
-# Variables gentrain itself sets for its workers, and test failpoints (GENTRAIN_FAULT_*); never config keys.
+# Variables gentrain itself sets for its workers, test failpoints (GENTRAIN_FAULT_*) and the test suite's
+# own settings (GENTRAIN_TEST_*, docs/development.md); never config keys.
 _ENV_NOT_CONFIG = {"GENTRAIN_METRICS_DIR"}
-_ENV_FAILPOINTS = "GENTRAIN_FAULT_"
+_ENV_NOT_CONFIG_PREFIXES = ("GENTRAIN_FAULT_", "GENTRAIN_TEST_")
 
 
 def _env_layer(environ: Mapping[str, str]) -> tuple[dict[str, Any], Sources]:
     tree: dict[str, Any] = {}
     sources: Sources = {}
     for var, raw in sorted(environ.items()):
-        if not var.startswith(ENV_PREFIX) or var in _ENV_NOT_CONFIG or var.startswith(_ENV_FAILPOINTS):
+        if not var.startswith(ENV_PREFIX) or var in _ENV_NOT_CONFIG or var.startswith(_ENV_NOT_CONFIG_PREFIXES):
             continue
         keys = [part.lower() for part in var[len(ENV_PREFIX) :].split("__")]
         origin = f"environment {_shown(var)}"
