@@ -4,8 +4,7 @@
 # Extra arguments go to pytest, e.g. scripts/test.sh -k checkpoint
 # Two pytest-xdist workers, one test file each at a time (module fixtures stay shared): most tests
 # wait on processes they start, so two overlap well even on 2 cores. GENTRAIN_TEST_WORKERS=0 runs
-# everything in one process. Files go out heaviest first (tests/conftest.py, tests/durations.json), so
-# the run does not end on one long multi-process file while the other worker idles.
+# everything in one process.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV=${VENV:-.venv-test}
@@ -23,4 +22,4 @@ if [ ${#APT_PACKAGES[@]} -gt 0 ]; then
   DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq --no-install-recommends "${APT_PACKAGES[@]}" >/dev/null
 fi
 export PATH="$PWD/$VENV/bin:$PATH"
-exec "$VENV/bin/python" -m pytest -n "${GENTRAIN_TEST_WORKERS:-2}" --dist loadfile --no-loadscope-reorder "$@"
+exec "$VENV/bin/python" -m pytest -n "${GENTRAIN_TEST_WORKERS:-2}" --dist loadfile "$@"

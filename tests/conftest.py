@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import os
 import socket
 import subprocess
@@ -20,41 +19,6 @@ def pytest_configure(config):
     import torch
 
     torch.set_num_threads(1)
-
-
-# Seconds each test file took in a recorded run of the whole suite (setup, call and teardown summed).
-# Regenerate with GENTRAIN_TEST_DURATIONS_OUT=tests/durations.json bash scripts/test.sh (docs/development.md).
-DURATIONS = Path(__file__).with_name("durations.json")
-UNKNOWN_FILE_SECONDS = 10.0  # a file not in the table yet: placed among the light ones
-
-
-def pytest_collection_modifyitems(config, items):
-    """Heaviest test files first. pytest-xdist hands out whole files (scripts/test.sh: --dist loadfile,
-    --no-loadscope-reorder keeps this order); a heavy file handed out last keeps one worker busy for
-    minutes while the other has nothing left, as its own reordering (by number of tests) did with the
-    few-but-long multi-process files. The sort is stable: a file's tests keep their order."""
-    try:
-        seconds = json.loads(DURATIONS.read_text())
-    except (OSError, ValueError):
-        return
-    items.sort(key=lambda item: -float(seconds.get(item.nodeid.split("::")[0], UNKNOWN_FILE_SECONDS)))
-
-
-_durations: dict[str, float] = {}
-
-
-def pytest_runtest_logreport(report):
-    """With GENTRAIN_TEST_DURATIONS_OUT set, sum each file's test time (on the xdist controller every
-    worker's reports arrive here)."""
-    if os.environ.get("GENTRAIN_TEST_DURATIONS_OUT"):
-        file = report.nodeid.split("::")[0]
-        _durations[file] = _durations.get(file, 0.0) + report.duration
-
-
-def pytest_sessionfinish(session):
-    out = os.environ.get("GENTRAIN_TEST_DURATIONS_OUT")
-    if out and _durations and not hasattr(session.config, "workerinput"):  # the controller writes it
-        Path(out).write_text(json.dumps({f: round(s) for f, s in sorted(_durations.items())}, indent=1) + "\n")
 
 
 # A model small enough that a step takes milliseconds on one CPU core.
