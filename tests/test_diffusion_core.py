@@ -33,7 +33,7 @@ from trainer.diffusion import (
     labels_or_null,
 )
 from trainer.errors import ConfigError
-from trainer.randomness import Stream, per_sample_rand, per_sample_randn, sample_generators
+from trainer.randomness import Stream, per_sample_randn, sample_draws, sample_generators
 from trainer.tasks.base import Batch, Phase, StepInfo, TaskContext
 from trainer.tasks.cascade import CascadeConfig, CascadeTask, StageConfig
 from trainer.tasks.ddpm import DDPMTask, DiffusionModelConfig
@@ -100,10 +100,10 @@ def test_the_ddpm_task_loss_is_the_core_objective_on_the_unet_backbone(predictio
 
     objective = build_objective(cfg)
     x0 = batch.images
-    gens = sample_generators(SEED, STEP, batch.positions)
-    noise = per_sample_randn(gens, x0.shape[1:]).to(x0.device, x0.dtype)
-    draw = objective.draw(gens, len(batch), x0.device, x0.dtype)
-    drop = per_sample_rand(gens) < cfg.cond_drop_prob
+    draws = sample_draws(SEED, STEP, batch.positions, device=x0.device)
+    noise = draws.randn(x0.shape[1:]).to(x0.dtype)
+    draw = objective.draw(draws, len(batch), x0.device, x0.dtype)
+    drop = draws.rand() < cfg.cond_drop_prob
     labels = labels_or_null(batch.labels, drop, CLASSES)
     _assert_same_loss(objective.loss(net, x0, noise, draw, {"labels": labels}), today)
     assert objective.name == prediction_type
@@ -139,10 +139,10 @@ def test_every_cascade_stage_loss_is_the_core_objective(stage):
     own = ObjectiveConfig(**{k: v for k, v in s.model_dump().items() if k in ObjectiveConfig.model_fields})
     for objective in (build_objective(s), build_objective(own)):
         x0 = batch.images
-        gens = sample_generators(SEED, STEP, batch.positions, Stream.CASCADE_STAGE, substream=1)
-        noise = per_sample_randn(gens, x0.shape[1:]).to(x0.device, x0.dtype)
-        draw = objective.draw(gens, len(batch), x0.device, x0.dtype)
-        drop = per_sample_rand(gens) < task.cfg.cond_drop_prob
+        draws = sample_draws(SEED, STEP, batch.positions, Stream.CASCADE_STAGE, substream=1, device=x0.device)
+        noise = draws.randn(x0.shape[1:]).to(x0.dtype)
+        draw = objective.draw(draws, len(batch), x0.device, x0.dtype)
+        drop = draws.rand() < task.cfg.cond_drop_prob
         cond = {"labels": labels_or_null(batch.labels, drop, CLASSES)}
         assert torch.equal(cond["labels"], task.conditions(4, CPU, drop, batch.labels)["labels"])
         _assert_same_loss(objective.loss(_stage_fn(net), x0, noise, draw, cond), today)
@@ -313,10 +313,10 @@ def test_every_objective_trains_and_samples_every_backbone(objective, case):
     net = build_backbone(cfg, 8, 3, classes)
     obj = build_objective(ObjectiveConfig(prediction_type=objective))
     x0 = torch.rand(4, 3, 8, 8) * 2 - 1
-    gens = sample_generators(SEED, STEP, range(4))
-    noise = per_sample_randn(gens, x0.shape[1:])
+    draws = sample_draws(SEED, STEP, range(4))
+    noise = draws.randn(x0.shape[1:])
     cond = _conditions(accepts)
-    loss = obj.loss(net, x0, noise, obj.draw(gens, 4, CPU, x0.dtype), cond)
+    loss = obj.loss(net, x0, noise, obj.draw(draws, 4, CPU, x0.dtype), cond)
     loss.per_sample.mean().backward()
     assert loss.per_sample.shape == (4,) and torch.isfinite(loss.per_sample).all()
     assert all(p.grad is not None for p in net.parameters() if p.requires_grad)
@@ -398,9 +398,9 @@ def test_snr_gamma_is_ignored_by_flow_and_edm_as_the_cascade_does(cls):
     losses = []
     for gamma in (5.0, None):
         obj = cls(ObjectiveConfig(prediction_type=cls.name, snr_gamma=gamma))
-        gens = sample_generators(SEED, STEP, range(4))
-        noise = per_sample_randn(gens, x0.shape[1:])
-        losses.append(obj.loss(net, x0, noise, obj.draw(gens, 4, CPU, x0.dtype)).per_sample)
+        draws = sample_draws(SEED, STEP, range(4))
+        noise = draws.randn(x0.shape[1:])
+        losses.append(obj.loss(net, x0, noise, obj.draw(draws, 4, CPU, x0.dtype)).per_sample)
     assert torch.equal(*losses) and not cls.uses_snr_gamma and VPrediction.uses_snr_gamma
 
 

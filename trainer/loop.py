@@ -26,7 +26,6 @@ from trainer.elastic import (
     DistEnv,
     StartupClock,
     StopRequest,
-    agree_to_stop,
     barrier,
     exit_now,
     run_within,
@@ -37,7 +36,7 @@ from trainer.engine.compile import CompileStats, apply_compile
 from trainer.engine.evaluate import Evaluator
 from trainer.engine.parts import FrozenPart, Part, build_parts
 from trainer.engine.preview import Previewer
-from trainer.engine.progress import TrainProgress, job_skips
+from trainer.engine.progress import JobAgreement, TrainProgress
 from trainer.engine.report import Reporter, flat_hparams, tracker_names
 from trainer.engine.runtime import start_runtime
 from trainer.engine.shard import is_fsdp
@@ -185,27 +184,34 @@ class Trainer:
         if progress.flops_per_sample is not None:  # counted by an earlier process of this run
             self.throughput.set_flops_per_step(progress.flops_per_sample * progress.batch_size / env.world_size)
         compile_pending = cfg.train.compile and env.is_main
+        agreement = self.agreement = JobAgreement(self.device)
 
         while progress.step < cfg.train.max_steps:
             t0 = time.perf_counter()
             batch = next(batches)
             t_data = time.perf_counter() - t0
-            counting = self.throughput.flops_per_step is None
-            with self.throughput.counting():  # the run's first step: its FLOPs, counted once
+            if self.throughput.flops_per_step is None:  # the run's first step: its FLOPs, on fake tensors
+                self._count_flops(batch)
+            counting = self.throughput.flops_per_step is None  # not countable on fake tensors: count this step
+            with self.throughput.counting():
                 logs = self.step_runner.run(batch, progress.step)
             if counting:
                 progress.flops_per_sample = self.throughput.flops_per_step * env.world_size / progress.batch_size
-            elif compile_pending:  # the first compiled step (a counted step runs eagerly: dynamo skips it)
+            elif compile_pending:  # the first compiled step (a step counted for real runs eagerly)
                 compile_pending = False
                 log.info("%s", CompileStats.now().line())
-            progress.advance(*job_skips(batch, progress, self.device))  # the job's skips, the same on every rank
-            self.reporter.on_step(batch, logs, self._lr(), t_data, time.perf_counter() - t0)
+            progress.advance()
+            stop = self._settle(agreement.post(self.stop_request.requested, batch))
+            self.reporter.on_step(batch, logs, self._lr(), t_data, time.perf_counter() - t0, t0)
             self._mark_first_step()
-            progress.check_skipped()  # exit 2 on every rank at the same step when training on unreadable data
 
-            if agree_to_stop(self.stop_request.requested, self.device):
+            if stop or self._saves_at(progress.step):  # the progress to save holds every settled skip
+                stop = self._settle(agreement.drain()) or stop
+            if stop:
+                self.reporter.read()
                 return self.stop_for_preemption()
             if progress.step < cfg.train.max_steps:
+                t_other = time.perf_counter()
                 self.calibrator.maybe_run(progress.step)  # before the save: it holds what was measured
                 self.checkpoints.maybe_save(progress.step)
                 self.validator.maybe_run(progress.step)
@@ -214,8 +220,12 @@ class Trainer:
                 if self.uploader is not None and self.checkpoints.every_steps:
                     if progress.step % self.checkpoints.every_steps == 0:
                         self.uploader.sync_in_background()
+                self.reporter.on_other_work(time.perf_counter() - t_other)
             self.checkpoints.report_background_failure()
 
+        if self._settle(agreement.drain()):
+            self.reporter.read()
+            return self.stop_for_preemption()
         self.calibrator.run()
         self.checkpoints.save(progress.step, sync=True, final=True)
         self.validator.maybe_run(progress.step, last=True)
@@ -224,6 +234,26 @@ class Trainer:
         self.close()
         self.stop_request.uninstall()
         return EXIT_OK
+
+    def _settle(self, agreed: list[tuple[bool, int, list[str]]]) -> bool:
+        """Apply the job's agreed skips of the steps now settled; True if any rank was asked to stop. Exit 2
+        on every rank at the same step when the run is training on unreadable data."""
+        for _, skipped, files in agreed:
+            self.progress.add_skipped(skipped, files)
+        self.progress.check_skipped()
+        return any(stop for stop, _, _ in agreed)
+
+    def _saves_at(self, step: int) -> bool:
+        """Whether a checkpoint (durable or memory tier) is written after `step`: its progress must hold every
+        skip of its steps, so the agreement is settled first."""
+        cp = self.checkpoints
+        return bool(cp.memory is not None or (cp.every_steps and step % cp.every_steps == 0))
+
+    def _count_flops(self, batch: dict) -> None:
+        flops = self.step_runner.count_flops(batch, self.progress.step)
+        if flops is not None:
+            self.throughput.set_counted(flops)
+            self.progress.flops_per_sample = flops * self.env.world_size / self.progress.batch_size
 
     def stop_for_preemption(self) -> NoReturn:
         """Emergency checkpoint, clean-up, exit 143: all within elastic.grace_seconds of the signal.

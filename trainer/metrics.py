@@ -206,37 +206,38 @@ class TrainingMetrics:
         if steps_lost and self.env.is_main:
             self.steps_lost.inc(steps_lost)
 
-    def on_step(
-        self,
-        step: int,
-        samples: int,
-        data_wait: float,
-        duration: float,
-        lr: float,
-        losses: dict[str, float] | None,
-        skipped: int,
-        perf: dict[str, float] | None = None,
-    ) -> None:
+    def on_step(self, step: int, samples: int, data_wait: float, lr: float, skipped: int) -> None:
+        """What the host knows of a step as soon as it is queued (no device value is read here)."""
         if not self.enabled:
             return
         self.step.set(step)
         self.samples.inc(samples)
         self.data_wait.observe(data_wait)
-        self.step_seconds.observe(duration)
         self.lr.set(lr)
         if skipped:
             self.skipped.inc(skipped)
-        if losses is not None:
-            for name, value in losses.items():
-                self.loss.labels(name=name).set(value)
+        if self.device_memory is not None:
+            self.device_memory.set(torch.cuda.memory_allocated())
+
+    def on_step_time(self, seconds: float, steps: int) -> None:
+        """The steps since the last read took `seconds` each on average (wall time, the device's included)."""
+        if not self.enabled:
+            return
+        for _ in range(steps):
+            self.step_seconds.observe(seconds)
+
+    def on_read(self, losses: dict[str, float], perf: dict[str, float]) -> None:
+        """The newest step's values, read at the log cadence (rank 0)."""
+        if not self.enabled:
+            return
+        for name, value in losses.items():
+            self.loss.labels(name=name).set(value)
         if perf is not None:
             self.samples_per_second.set(perf["samples_per_s"])
             if "flops_per_s" in perf:
                 self.flops_per_second.set(perf["flops_per_s"])
             if "mfu" in perf:
                 self.mfu.set(perf["mfu"])
-        if self.device_memory is not None:
-            self.device_memory.set(torch.cuda.memory_allocated())
 
     def on_validation(self, values: dict[str, float]) -> None:
         if self.enabled:

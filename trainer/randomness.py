@@ -11,6 +11,7 @@ same randomness whether it runs on 1 rank or 3.
 from __future__ import annotations
 
 import enum
+import math
 import random
 from collections.abc import Sequence
 
@@ -119,6 +120,175 @@ def per_sample_randint(gens: Sequence[torch.Generator], high: int) -> torch.Tens
 
 def per_sample_rand(gens: Sequence[torch.Generator]) -> torch.Tensor:
     return torch.cat([torch.rand(1, generator=g) for g in gens])
+
+
+# ---------------------------------------------------------------------------------------------- draw streams
+# How a training step's per-sample draws are made. The version is recorded in every checkpoint
+# (TrainProgress: `rng_stream`), so a run resumes on the stream it started with:
+# 1: one CPU torch.Generator per sample, each drawn in turn and the results copied to the device. Exact,
+#    but at batch 256 it costs the host ~13 ms a step (768 tiny draws), and the GPU waits for it: every
+#    checkpoint written before stream 2 existed (they record no version) stays on it.
+# 2: the global batch is cut into blocks of BLOCK_ROWS positions; call k of a step draws block b with one
+#    generator on the training device seeded from (seed, stream, step, k, b), so a draw is a few vectorized
+#    ops on the device, and position p still gets the same numbers at any world size, accumulation and
+#    micro-batching (its block and its row in it depend on p only). A rank draws only the blocks its
+#    positions fall in. Different devices (CPU, CUDA) draw different numbers for the same key: exact resume
+#    is promised on one kind of device, as before.
+STREAM_PER_SAMPLE_CPU = 1
+STREAM_DEVICE_BLOCKS = 2
+CURRENT_STREAM = STREAM_DEVICE_BLOCKS
+STREAMS = (STREAM_PER_SAMPLE_CPU, STREAM_DEVICE_BLOCKS)
+BLOCK_ROWS = 64
+# Seeds of stream 2 are derive_seed(seed, stream id, step, call, block, _BLOCKS_TAG): six keys after the
+# seed, a tuple length no other stream uses, so (see `Stream`) they never coincide with another stream's.
+_BLOCKS_TAG = 0xB10C5
+_stream_version = CURRENT_STREAM
+
+
+def set_stream_version(version: int) -> None:
+    """Which draw stream `sample_draws` uses in this process (the resumed checkpoint's, or CURRENT_STREAM)."""
+    global _stream_version
+    if version not in STREAMS:
+        raise ValueError(f"unknown per-sample draw stream {version!r}; this gentrain knows {STREAMS}")
+    _stream_version = version
+
+
+def stream_version() -> int:
+    return _stream_version
+
+
+class SampleDraws:
+    """The per-sample draws of one step and stream for a chunk's positions, taken in a fixed order.
+
+    Each call returns one value (or tensor) per sample, on `device`: `randn(shape)`, `rand(shape)`,
+    `randint(high)`, `timestep_density(...)`. The order of calls is part of a task's contract (a resumed
+    run must make the same calls in the same order to draw the same numbers)."""
+
+    def __init__(self, device: torch.device):
+        self.device = torch.device(device)
+
+    def randn(self, shape: Sequence[int] = ()) -> torch.Tensor:
+        raise NotImplementedError
+
+    def rand(self, shape: Sequence[int] = ()) -> torch.Tensor:
+        raise NotImplementedError
+
+    def randint(self, high: int) -> torch.Tensor:
+        raise NotImplementedError
+
+    def timestep_density(self, scheme: str, logit_mean: float, logit_std: float, mode_scale: float) -> torch.Tensor:
+        """u in [0, 1] per sample, distributed as diffusers' `compute_density_for_timestep_sampling` (SD3's
+        logit-normal, mode, or uniform) draws it."""
+        raise NotImplementedError
+
+
+class _PerSampleCpuDraws(SampleDraws):
+    """Stream 1: the generators of `sample_generators`, results copied to the device without a host wait."""
+
+    def __init__(self, gens: list[torch.Generator], device: torch.device):
+        super().__init__(device)
+        self.gens = gens
+
+    def _to(self, x: torch.Tensor) -> torch.Tensor:
+        return x.to(self.device, non_blocking=True)
+
+    def randn(self, shape=()):
+        return self._to(per_sample_randn(self.gens, shape))
+
+    def rand(self, shape=()):
+        shape = tuple(shape)
+        if not shape:
+            return self._to(per_sample_rand(self.gens))
+        return self._to(torch.stack([torch.rand(shape, generator=g) for g in self.gens]))
+
+    def randint(self, high):
+        return self._to(per_sample_randint(self.gens, high))
+
+    def timestep_density(self, scheme, logit_mean, logit_std, mode_scale):
+        from diffusers.training_utils import compute_density_for_timestep_sampling  # only stream 1 needs it
+
+        u = [
+            compute_density_for_timestep_sampling(scheme, 1, logit_mean, logit_std, mode_scale, generator=g)
+            for g in self.gens
+        ]
+        return self._to(torch.cat(u))
+
+
+class _DeviceBlockDraws(SampleDraws):
+    """Stream 2: per-block generators on the training device (see the module's notes on streams)."""
+
+    _pool: dict[torch.device, torch.Generator] = {}
+
+    def __init__(self, prefix: tuple[int, ...], positions: Sequence[int], device: torch.device):
+        super().__init__(device)
+        self.prefix = prefix
+        self.positions = [int(p) for p in positions]
+        self.calls = 0
+        lo, hi = min(self.positions), max(self.positions)
+        self.first_block, self.last_block = lo // BLOCK_ROWS, hi // BLOCK_ROWS
+        start = lo - self.first_block * BLOCK_ROWS
+        if self.positions == list(range(lo, lo + len(self.positions))):
+            self.rows: slice | torch.Tensor = slice(start, start + len(self.positions))
+        else:  # not contiguous (no sampler makes such chunks today): gather
+            index = torch.tensor([p - self.first_block * BLOCK_ROWS for p in self.positions])
+            self.rows = index.to(self.device, non_blocking=True)
+
+    def _generator(self, call: int, block: int) -> torch.Generator:
+        g = self._pool.get(self.device)
+        if g is None:
+            g = self._pool[self.device] = torch.Generator(device=self.device)
+        g.manual_seed(derive_seed(*self.prefix, call, block, _BLOCKS_TAG))
+        return g
+
+    def _draw(self, fill) -> torch.Tensor:
+        call, self.calls = self.calls, self.calls + 1
+        blocks = [fill(self._generator(call, b)) for b in range(self.first_block, self.last_block + 1)]
+        x = blocks[0] if len(blocks) == 1 else torch.cat(blocks)
+        return x[self.rows]
+
+    def randn(self, shape=()):
+        size = (BLOCK_ROWS, *shape)
+        return self._draw(lambda g: torch.randn(size, generator=g, device=self.device))
+
+    def rand(self, shape=()):
+        size = (BLOCK_ROWS, *shape)
+        return self._draw(lambda g: torch.rand(size, generator=g, device=self.device))
+
+    def randint(self, high):
+        return self._draw(lambda g: torch.randint(0, high, (BLOCK_ROWS,), generator=g, device=self.device))
+
+    def timestep_density(self, scheme, logit_mean, logit_std, mode_scale):
+        # diffusers.training_utils.compute_density_for_timestep_sampling (SD3, Esser et al. 2024, sec. 3.1),
+        # vectorized on the device: it draws on the CPU only, one tensor per call.
+        def fill(g):
+            if scheme == "logit_normal":
+                return torch.sigmoid(
+                    torch.normal(logit_mean, logit_std, (BLOCK_ROWS,), generator=g, device=self.device)
+                )
+            u = torch.rand((BLOCK_ROWS,), generator=g, device=self.device)
+            if scheme == "mode":
+                u = 1 - u - mode_scale * (torch.cos(math.pi * u / 2) ** 2 - 1 + u)
+            return u
+
+        return self._draw(fill)
+
+
+def sample_draws(
+    seed: int,
+    step: int,
+    positions: Sequence[int],
+    stream: Stream = Stream.DIFFUSION,
+    substream: int = 0,
+    device: torch.device | str = "cpu",
+) -> SampleDraws:
+    """The per-sample draws of `stream` at `step` for samples at `positions` of the global batch, on
+    `device`, from the process's draw stream version (`set_stream_version`)."""
+    if _stream_version == STREAM_PER_SAMPLE_CPU:
+        return _PerSampleCpuDraws(sample_generators(seed, step, positions, stream, substream), torch.device(device))
+    if stream not in _PER_SAMPLE:
+        raise ValueError(f"random stream {stream.name} is not keyed by (step, position)")
+    sid = _stream_id(stream, 2, substream)
+    return _DeviceBlockDraws((seed, sid, step), positions, torch.device(device))
 
 
 def seed_everything(seed: int) -> None:

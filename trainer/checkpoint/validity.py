@@ -39,6 +39,7 @@ from pydantic import (
 from trainer.checkpoint.format import SAFETENSORS_DTYPES
 from trainer.checkpoint.layout import MANIFEST
 from trainer.errors import CheckpointCorrupt
+from trainer.randomness import CURRENT_STREAM
 
 FORMAT_VERSION = 2  # 2: blake3 digests, sharded layout; 1 (sha256, one writer) still loads
 MAX_HEADER_BYTES = 100 << 20  # the safetensors library's own limit on a header
@@ -111,6 +112,7 @@ class ProgressState(_Open):
     seed: StrictInt | None = None
     order: dict[StrictStr, Any] | None = None
     time_unix: StrictFloat | StrictInt | None = None
+    rng_stream: Annotated[StrictInt, Field(ge=1, le=CURRENT_STREAM)] | None = None  # absent: stream 1
 
 
 class PartState(_Open):

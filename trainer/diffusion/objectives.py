@@ -21,7 +21,7 @@ or an adapter around a task's own module).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from types import SimpleNamespace
 from typing import Any, ClassVar, Literal
@@ -37,7 +37,6 @@ from diffusers import (
     FlowMatchEulerDiscreteScheduler,
 )
 from diffusers.training_utils import (
-    compute_density_for_timestep_sampling,
     compute_dream_and_update_latents,
     compute_loss_weighting_for_sd3,
     compute_snr,
@@ -46,7 +45,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from trainer.diffusion.guidance import Guidance
 from trainer.errors import ConfigError
-from trainer.randomness import per_sample_randint, per_sample_randn
+from trainer.randomness import SampleDraws
 from trainer.tasks.base import Loss
 
 Tensor = torch.Tensor
@@ -167,8 +166,8 @@ class Objective:
     def _train_scheduler(self):
         raise NotImplementedError
 
-    def draw(self, gens: Sequence[torch.Generator], n: int, device: torch.device, dtype: torch.dtype) -> Draw:
-        """The per-sample training draw, one value per generator (drawn after the sample's noise)."""
+    def draw(self, draws: SampleDraws, n: int, device: torch.device, dtype: torch.dtype) -> Draw:
+        """The per-sample training draw, one value per sample (drawn after the sample's noise)."""
         raise NotImplementedError
 
     def loss(
@@ -225,8 +224,8 @@ class _DDPMObjective(Objective):
         cls = {"ddim": DDIMScheduler, "dpm": DPMSolverMultistepScheduler}[kind]
         return cls.from_config(self.train_scheduler.config)
 
-    def draw(self, gens, n, device, dtype) -> Draw:
-        return Draw(per_sample_randint(gens, self.train_scheduler.config.num_train_timesteps).to(device))
+    def draw(self, draws, n, device, dtype) -> Draw:
+        return Draw(draws.randint(self.train_scheduler.config.num_train_timesteps).to(device))
 
     def target(self, x0: Tensor, noise: Tensor, t: Tensor) -> Tensor:
         raise NotImplementedError
@@ -284,16 +283,25 @@ class RectifiedFlow(Objective):
         # One sampler whatever `kind` asks, as the cascade samples flow stages today.
         return FlowMatchEulerDiscreteScheduler.from_config(self.train_scheduler.config)
 
-    def draw(self, gens, n, device, dtype) -> Draw:
+    def draw(self, draws, n, device, dtype) -> Draw:
         sched = self.train_scheduler
         scheme = self._field("weighting_scheme")
         mean, std, mode_scale = self._field("logit_mean"), self._field("logit_std"), self._field("mode_scale")
-        u = torch.cat(
-            [compute_density_for_timestep_sampling(scheme, 1, mean, std, mode_scale, generator=g) for g in gens]
-        )
+        u = draws.timestep_density(scheme, mean, std, mode_scale).to(device)
         steps = sched.config.num_train_timesteps
         index = (u * steps).long().clamp(max=steps - 1)
-        return Draw(sched.timesteps[index].to(device), sched.sigmas[index].to(device, dtype))
+        timesteps, sigmas = self._schedule_on(device)
+        return Draw(timesteps[index], sigmas[index].to(dtype))
+
+    def _schedule_on(self, device: torch.device) -> tuple[Tensor, Tensor]:
+        """The training schedule's timesteps and sigmas on `device`, copied there once (an index on the device
+        then needs no host round trip)."""
+        cached = getattr(self, "_schedule_cache", None)
+        if cached is None or cached[0].device != device:
+            sched = self.train_scheduler
+            cached = (sched.timesteps.to(device), sched.sigmas.to(device))
+            self._schedule_cache = cached
+        return cached
 
     def loss(self, net_fn, x0, noise, draw, cond=None) -> Loss:
         cond = cond if cond is not None else {}
@@ -325,9 +333,9 @@ class EDM(Objective):
     def _inference_scheduler(self, kind: str):
         return self._edm_scheduler(kind)
 
-    def draw(self, gens, n, device, dtype) -> Draw:
+    def draw(self, draws, n, device, dtype) -> Draw:
         e = self._field("edm")
-        sigma = (e.p_mean + e.p_std * per_sample_randn(gens, (1,))).exp().view(n).to(device, dtype)
+        sigma = (e.p_mean + e.p_std * draws.randn((1,))).exp().view(n).to(device, dtype)
         return Draw(self.train_scheduler.precondition_noise(sigma), sigma)
 
     def loss(self, net_fn, x0, noise, draw, cond=None) -> Loss:

@@ -79,8 +79,9 @@ class Part:
         for p in self.params:
             p.requires_grad_(on)
 
-    def optimizer_step(self) -> float:
-        """Unscale, clip, step optimizer, schedule and EMA; returns the gradient norm before clipping."""
+    def optimizer_step(self) -> torch.Tensor:
+        """Unscale, clip, step optimizer, schedule and EMA; returns the gradient norm before clipping, a
+        0-d tensor on the device (read at the log cadence, never here: see trainer.engine.report)."""
         self.fence()  # everything below changes state a background save may still be copying
         self.scaler.unscale_(self.optimizer)
         max_norm = self.settings.max_grad_norm
@@ -93,7 +94,7 @@ class Part:
         if self.ema is not None:
             self.ema.step(self.module.parameters())
         self.step += 1
-        return float(norm)
+        return norm.detach()
 
     @property
     def sharded(self) -> bool:

@@ -11,6 +11,7 @@ import torch
 import torch.distributed as dist
 
 from trainer.errors import ConfigError
+from trainer.randomness import CURRENT_STREAM, STREAM_PER_SAMPLE_CPU, STREAMS, set_stream_version
 
 # The skip limit acts only from this many skipped samples on: fewer cannot tell a data set that is
 # mostly unreadable from a healthy one that met a bad file or two early (one bad file in the first
@@ -67,6 +68,10 @@ class TrainProgress:
         # resumed process takes it from here instead of counting again, so a compiled run's resumed steps stay
         # compiled (counting runs a step eagerly) and every step of a run reports against one count.
         self.flops_per_sample: float | None = None
+        # The per-sample draw stream (trainer.randomness): a fresh run takes the current one, a resumed run
+        # the one its checkpoint was trained on, so it draws what the uninterrupted run would have.
+        self.rng_stream = CURRENT_STREAM
+        set_stream_version(self.rng_stream)
 
     @property
     def epoch(self) -> int:
@@ -77,10 +82,14 @@ class TrainProgress:
         """Whether the names of newly skipped samples are still worth gathering (the list is not full)."""
         return len(self.skipped_files) < MAX_SKIPPED_FILES
 
-    def advance(self, skipped: int, skipped_files: Sequence[str] = ()) -> None:
-        """One optimizer step done: `skipped` samples of the job's batch were unreadable (`skipped_files` why)."""
+    def advance(self, skipped: int = 0, skipped_files: Sequence[str] = ()) -> None:
+        """One optimizer step done (its skips, when known now: see `add_skipped`)."""
         self.step += 1
         self.cursor += self.batch_size
+        self.add_skipped(skipped, skipped_files)
+
+    def add_skipped(self, skipped: int, skipped_files: Sequence[str] = ()) -> None:
+        """`skipped` samples of one of the job's steps were unreadable (`skipped_files` why); see JobAgreement."""
         self.skipped_samples += skipped
         for name in skipped_files:
             if self.wants_skipped_files and name not in self.skipped_files:
@@ -121,6 +130,7 @@ class TrainProgress:
             "time_unix": time.time(),
             "trackers": dict(self.trackers),
             "flops_per_sample": self.flops_per_sample,
+            "rng_stream": self.rng_stream,
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -149,27 +159,59 @@ class TrainProgress:
         flops = state.get("flops_per_sample")  # informative: anything but a positive finite number is dropped
         ok = isinstance(flops, (int, float)) and not isinstance(flops, bool) and 0 < flops < float("inf")
         self.flops_per_sample = float(flops) if ok else None
+        # Checkpoints written before streams were versioned drew from stream 1.
+        stream = state.get("rng_stream", STREAM_PER_SAMPLE_CPU)
+        if stream not in STREAMS:
+            raise ConfigError(
+                f"the checkpoint was trained on per-sample draw stream {stream!r}, which this gentrain does not know "
+                f"(it knows {', '.join(map(str, STREAMS))}); resume it with the gentrain version that wrote it"
+            )
+        self.rng_stream = stream
+        set_stream_version(stream)
         self.saved_world_size = state.get("world_size")
         self.saved_time = state.get("time_unix")
 
 
-def job_skips(batch: Mapping[str, Any], progress: TrainProgress, device: torch.device) -> tuple[int, list[str]]:
-    """(skipped samples of this step over every rank, the names of the new ones when still wanted).
+class JobAgreement:
+    """What every rank must agree on after each step: whether any rank was asked to stop, and how many
+    samples the job skipped (the names of the first few when the progress still wants them).
 
-    One all-reduce of an int per step; the names are all-gathered only at a
-    step where some rank skipped and the progress still records names. Both
-    conditions are the same on every rank (the total and the list are), so
-    every rank enters the same collectives. One process: no collective.
+    One all-reduce of two ints per step, piggybacking the stop flag on the skip count (they were two
+    collectives). On CUDA its result is read `lag` steps later, after the later steps' work is queued, so the
+    host never waits for the step it just queued and the GPU's queue stays full; every rank reads the same
+    step's result at the same step, so all ranks still stop at the same step, and `drain` settles everything
+    before a checkpoint, so a saved progress holds every skip of its steps. One process: no collective, no lag.
     """
-    skipped = int(batch["skipped"])
-    files = list(batch.get("skipped_files", ()))
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
-        return skipped, files
-    total = torch.tensor([skipped], dtype=torch.int64, device=device)
-    dist.all_reduce(total)
-    skipped = int(total.item())
-    if skipped == 0 or not progress.wants_skipped_files:
-        return skipped, []
-    gathered: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, files[:MAX_SKIPPED_FILES])
-    return skipped, [name for names in gathered for name in names]
+
+    def __init__(self, device: torch.device, lag: int | None = None):
+        self.device = device
+        self.distributed = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+        self.lag = (1 if device.type == "cuda" else 0) if lag is None else lag
+        self._pending: list[tuple[torch.Tensor, list[str]]] = []
+
+    def post(self, stop: bool, batch: Mapping[str, Any]) -> list[tuple[bool, int, list[str]]]:
+        """This step's local facts in; the settled (stop, skipped, skipped files) of every step now due out."""
+        files = list(batch.get("skipped_files", ()))[:MAX_SKIPPED_FILES]
+        if not self.distributed:
+            return [(stop, int(batch["skipped"]), files)]
+        t = torch.tensor([1 if stop else 0, int(batch["skipped"])], dtype=torch.int64, device=self.device)
+        dist.all_reduce(t)
+        self._pending.append((t, files))
+        return self._settle(len(self._pending) - self.lag)
+
+    def drain(self) -> list[tuple[bool, int, list[str]]]:
+        """Everything still pending (before a checkpoint, a stop or the end)."""
+        return self._settle(len(self._pending))
+
+    def _settle(self, count: int) -> list[tuple[bool, int, list[str]]]:
+        out = []
+        for t, files in self._pending[: max(count, 0)]:
+            stop, skipped = (int(v) for v in t.tolist())
+            names: list[str] = []
+            if skipped:  # the same on every rank, so every rank enters the same gather
+                gathered: list[Any] = [None] * dist.get_world_size()
+                dist.all_gather_object(gathered, files)
+                names = [name for names in gathered for name in names]
+            out.append((stop > 0, skipped, names))
+        self._pending = self._pending[max(count, 0) :]
+        return out

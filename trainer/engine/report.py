@@ -9,6 +9,7 @@ import math
 import os
 import secrets
 import sys
+import time
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -274,6 +275,11 @@ class Reporter:
         self._ledger = None
         self._ledger_enabled = ledger
         self._bar = None
+        # Steps run since the values were last read: (step, logs as device tensors, lr, data wait).
+        self._pending: list[tuple[int, dict[str, torch.Tensor], float, float]] = []
+        self._window_start: float | None = None
+        self._window_steps = 0
+        self._excluded = 0.0  # seconds of checkpoints, validation and previews inside the window
 
     def start(self) -> None:
         if self.is_main and sys.stderr.isatty():
@@ -283,50 +289,79 @@ class Reporter:
                 total=self.max_steps, initial=self.progress.step, desc=self.name, unit="step", dynamic_ncols=True
             )
 
-    def on_step(self, batch: dict, logs: dict[str, float], lr: float, t_data: float, t_step: float) -> None:
+    def on_step(
+        self, batch: dict, logs: dict[str, torch.Tensor], lr: float, t_data: float, t_step: float, t0: float
+    ) -> None:
+        """One step done (`t0`: when it started). Host-side counts are recorded now; the step's device values
+        (losses, grad norms) are read only at the log cadence, all pending steps in one transfer, so the host
+        never waits for the step it just queued (see `read_due`)."""
         step = self.progress.step
-        losses = {k.rsplit("/", 1)[0]: v for k, v in logs.items() if k.endswith("/loss")}
-        perf = {"samples_per_s": self.progress.batch_size / max(t_step, 1e-9), **self.throughput.rates(t_step)}
-        self.metrics.on_step(
-            step,
-            len(batch["positions"]),
-            t_data,
-            t_step,
-            lr,
-            losses if self.is_main else None,
-            batch["skipped"],
-            perf if self.is_main else None,
-        )
+        if self._window_start is None:
+            self._window_start = t0
+        self._window_steps += 1
+        self.metrics.on_step(step, len(batch["positions"]), t_data, lr, batch["skipped"])
         if "io" in batch:
             self.metrics.on_data_io(batch["io"])
         if self._ledger_enabled:
             self._write_ledger(batch)
-        if not self.is_main:
-            return
-        if not all(math.isfinite(v) for v in logs.values()):
-            log.warning("non-finite loss or grad norm at step %d: %s", step, logs)
         if self._bar is not None:
             self._bar.update(1)
-            self._bar.set_postfix({k: f"{v:.4f}" for k, v in logs.items() if k.endswith("loss")}, refresh=False)
-        if step % self.log_every_steps == 0 or step == 1:
-            self.track(step, {**logs, "lr": lr, **{f"perf/{k}": v for k, v in perf.items()}})
-            if self._bar is None:
-                fields = " ".join(f"{k}={v:.5f}" for k, v in logs.items())
-                rates = f" tflops={perf['flops_per_s'] / 1e12:.4g}" if "flops_per_s" in perf else ""
-                rates += f" mfu={perf['mfu']:.4f}" if "mfu" in perf else ""
-                if torch.cuda.is_available() and torch.cuda.is_initialized():  # the peak since start, this rank
-                    rates += f" gpu_mem_gb={torch.cuda.max_memory_allocated() / 1e9:.2f}"
-                log.info(
-                    "step=%d/%d %s lr=%.3e samples_per_s=%.0f%s data_wait_s=%.4f epoch=%d",
-                    step,
-                    self.max_steps,
-                    fields,
-                    lr,
-                    perf["samples_per_s"],
-                    rates,
-                    t_data,
-                    self.progress.epoch,
-                )
+        if self.is_main:
+            self._pending.append((step, logs, lr, t_data))
+        if self.read_due(step):
+            self.read()
+
+    def read_due(self, step: int) -> bool:
+        """The steps whose values are read (and logged): every `train.log_every_steps`, the first and the last."""
+        return step % self.log_every_steps == 0 or step == 1 or step == self.max_steps
+
+    def on_other_work(self, seconds: float) -> None:
+        """Checkpoints, validation, previews between steps: kept out of the step rates."""
+        self._excluded += seconds
+
+    def read(self) -> None:
+        """Read every pending step's values (one device-to-host transfer), warn about the first non-finite
+        one by its step, log the newest, and restart the rate window. Every rank calls it at the same steps
+        (rank 0 alone holds values); it waits for the device only here."""
+        now = time.perf_counter()
+        steps_run = max(1, self._window_steps)
+        seconds = max(now - (self._window_start or now) - self._excluded, 1e-9) / steps_run
+        self._window_start, self._window_steps, self._excluded = None, 0, 0.0
+        pending, self._pending = self._pending, []
+        self.metrics.on_step_time(seconds, steps_run)
+        if not pending:
+            return
+        flat = [v for _, logs, _, _ in pending for v in logs.values()]
+        numbers = iter(torch.stack([v.float() for v in flat]).tolist() if flat else [])
+        rows = [(s, {k: next(numbers) for k in logs}, lr, t_data) for s, logs, lr, t_data in pending]
+        for s, values, _, _ in rows:
+            if not all(math.isfinite(v) for v in values.values()):
+                log.warning("non-finite loss or grad norm at step %d: %s", s, values)
+                break
+        step, values, lr, t_data = rows[-1]
+        perf = {"samples_per_s": self.progress.batch_size / seconds, **self.throughput.rates(seconds)}
+        losses = {k.rsplit("/", 1)[0]: v for k, v in values.items() if k.endswith("/loss")}
+        self.metrics.on_read(losses, perf)
+        if self._bar is not None:
+            self._bar.set_postfix({k: f"{v:.4f}" for k, v in values.items() if k.endswith("loss")}, refresh=False)
+        self.track(step, {**values, "lr": lr, **{f"perf/{k}": v for k, v in perf.items()}})
+        if self._bar is None:
+            fields = " ".join(f"{k}={v:.5f}" for k, v in values.items())
+            rates = f" tflops={perf['flops_per_s'] / 1e12:.4g}" if "flops_per_s" in perf else ""
+            rates += f" mfu={perf['mfu']:.4f}" if "mfu" in perf else ""
+            if torch.cuda.is_available() and torch.cuda.is_initialized():  # the peak since start, this rank
+                rates += f" gpu_mem_gb={torch.cuda.max_memory_allocated() / 1e9:.2f}"
+            log.info(
+                "step=%d/%d %s lr=%.3e samples_per_s=%.0f%s data_wait_s=%.4f epoch=%d",
+                step,
+                self.max_steps,
+                fields,
+                lr,
+                perf["samples_per_s"],
+                rates,
+                t_data,
+                self.progress.epoch,
+            )
 
     def on_validation(self, step: int, values: dict[str, float]) -> None:
         if not self.is_main:

@@ -17,6 +17,7 @@ Why the details are the way they are:
 
 from __future__ import annotations
 
+import logging
 import random
 from collections.abc import Iterator, Mapping
 from contextlib import ExitStack, nullcontext
@@ -24,13 +25,18 @@ from typing import Any
 
 import numpy as np
 import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
 
 from trainer.config import Config
 from trainer.engine.parts import FrozenPart, ModuleView, Part
 from trainer.engine.runtime import Runtime
+from trainer.engine.shard import is_fsdp
+from trainer.engine.throughput import StepFlops
 from trainer.errors import ConfigError
 from trainer.randomness import Stream, stream_seed
 from trainer.tasks.base import Batch, Phase, StepInfo, Task
+
+log = logging.getLogger(__name__)
 
 
 def autocast(device: torch.device, precision: str):
@@ -77,7 +83,7 @@ def to_device(batch: dict, s: int, e: int, device: torch.device) -> Batch:
         labels=batch["labels"][s:e].to(device, non_blocking=True),
         indices=batch["indices"][s:e],
         positions=batch["positions"][s:e],
-        valid=batch["valid"][s:e].to(device, dtype=torch.float32),
+        valid=batch["valid"][s:e].to(device, dtype=torch.float32, non_blocking=True),
         extras={k: v[s:e].to(device, non_blocking=True) for k, v in batch.get("extras", {}).items()},
         captions=batch["captions"][s:e] if "captions" in batch else None,
     )
@@ -170,8 +176,47 @@ class StepRunner:
     def _add(sums: dict[str, torch.Tensor], key: str, value: torch.Tensor) -> None:
         sums[key] = sums[key] + value if key in sums else value
 
-    def run(self, batch: dict, step: int) -> dict[str, float]:
-        """One optimizer step of every part the task trains now; returns this rank's logs.
+    def count_flops(self, batch: dict, step: int) -> int | None:
+        """The FLOPs of the step `run(batch, step)` would take, counted on fake tensors: every chunk's forward
+        and each phase's loss and backward dispatched with shapes only (torch's FakeTensorMode), so nothing is
+        computed or allocated and no weight, gradient, buffer or random state changes. A compiled run's peak
+        memory is then its compiled step's, not an eager step's. None where shapes alone cannot say (sharded
+        parts gather over the process group; a task that reads a value back, e.g. to tokenize captions): the
+        caller then counts the real first step."""
+        if any(is_fsdp(p.module) for p in self.parts.values()) or any(is_fsdp(f.module) for f in self.frozen.values()):
+            return None
+        phases = [ph for ph in self.task.phases(step, {n: p.step for n, p in self.parts.items()})]
+        phases = [ph for ph in phases if self.parts[ph.part].learns_now()]
+        if not phases:
+            return 0
+        counter = StepFlops()
+        bare = ModuleView(self.parts, self.frozen, set())  # no DDP wrapper: no hooks, no collectives
+        try:
+            with FakeTensorMode(allow_non_fake_inputs=True), torch.compiler.set_stance("force_eager"), counter:
+                for chunk in self.chunks(batch):
+                    self._set_trainable({ph.part for ph in phases})
+                    with autocast(self.device, self.cfg.train.precision):
+                        outputs = self.task.forward(bare, chunk, step)
+                    for j, phase in enumerate(phases):
+                        part = self.parts[phase.part]
+                        self._set_trainable({phase.part})
+                        shared = outputs if j == 0 else detach_tree(outputs)
+                        with autocast(self.device, self.cfg.train.precision):
+                            out = self.task.loss(phase, bare, chunk, shared, StepInfo(step, part.step))
+                            loss = (out.per_sample.float() * chunk.valid).sum() / self.rank_batch
+                        params = [p for p in part.params if p.requires_grad]
+                        if loss.requires_grad and params:
+                            torch.autograd.grad(loss, params, allow_unused=True)
+        except Exception as e:  # noqa: BLE001 - any op shapes cannot run: count the real step instead
+            log.info("throughput: FLOPs not countable on fake tensors (%s); counting the first step", type(e).__name__)
+            return None
+        finally:
+            self._set_trainable(set(self.parts))
+        return counter.total
+
+    def run(self, batch: dict, step: int) -> dict[str, torch.Tensor]:
+        """One optimizer step of every part the task trains now; returns this rank's logs as 0-d tensors on
+        the device. Nothing here waits for the device: the reporter reads the values at its cadence.
 
         Phases of parts this run does not train (outside `train.stages`) or that reached their own
         `optim.<part>.max_steps` are dropped: those parts are not touched at all."""
@@ -181,11 +226,7 @@ class StepRunner:
             return {}
         for phase in phases:
             self.parts[phase.part].optimizer.zero_grad(set_to_none=True)
-        sums = self.accumulate(batch, step, phases)
-        # One device sync for all logged values, not one per chunk or term.
-        keys = list(sums)
-        values = torch.stack([sums[k] for k in keys]).tolist() if keys else []
-        logs = dict(zip(keys, values, strict=True))
+        logs = self.accumulate(batch, step, phases)
         for phase in phases:
             logs[f"{phase.name}/grad_norm"] = self.parts[phase.part].optimizer_step()
         return logs

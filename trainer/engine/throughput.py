@@ -108,6 +108,12 @@ class Throughput:
         else:
             self.peak, self.peak_source = None, f"{device.type}: no peak known"
 
+    def set_counted(self, flops: int) -> None:
+        """This process's FLOPs per step, counted on fake tensors before the run's first step."""
+        self.flops_per_step = int(flops)
+        peak = f"{self.peak / 1e12:.3g} TFLOP/s ({self.peak_source})" if self.peak else self.peak_source
+        log.info("throughput: %.4g GFLOP per step on this process; peak %s", flops / 1e9, peak)
+
     def set_flops_per_step(self, flops: float) -> None:
         """This process's FLOPs per step, from the count an earlier process of the run saved (no counting)."""
         self.flops_per_step = int(flops)

@@ -34,7 +34,7 @@ from trainer.errors import ConfigError
 from trainer.models.export import plain_autoencoder_kl
 from trainer.models.gan import AdversarialConfig, AdversarialLosses, ConvAutoencoderShape, PatchDiscriminator
 from trainer.models.perceptual import VGGPerceptual
-from trainer.randomness import Stream, per_sample_randn, sample_generators
+from trainer.randomness import Stream, sample_draws
 from trainer.tasks.base import Batch, Export, Loss, Phase, PreviewContext, StepInfo, Task, TaskContext, bare
 from trainer.tasks.sampling import SampleRequest
 
@@ -168,8 +168,8 @@ class AutoencoderTask(Task):
     def forward(self, modules, batch: Batch, step: int) -> dict[str, Any]:
         noise = None
         if self.cfg.sample_posterior and step >= 0:
-            gens = sample_generators(self.seed, step, batch.positions, Stream.AUTOENCODER)
-            noise = per_sample_randn(gens, self.latent_shape).to(batch.images.device)
+            draws = sample_draws(self.seed, step, batch.positions, Stream.AUTOENCODER, device=batch.images.device)
+            noise = draws.randn(self.latent_shape)
         return modules["generator"](batch.images, noise)
 
     def loss(self, phase: Phase, modules, batch: Batch, outputs, info: StepInfo) -> Loss:

@@ -59,7 +59,7 @@ from trainer.diffusion import (
 from trainer.diffusion.backbones import unet_block_types
 from trainer.errors import ConfigError
 from trainer.models.finetune import EXTRAS_NAME, load_weights, prepare_unet
-from trainer.randomness import Stream, per_sample_rand, per_sample_randn, sample_generators
+from trainer.randomness import Stream, per_sample_randn, sample_draws, sample_generators
 from trainer.tasks.base import Batch, Export, Loss, Phase, PreviewContext, StepInfo, Task, TaskContext
 from trainer.tasks.ddpm import NoiseConfig, architecture_hints, changed_unet_keys
 from trainer.tasks.sampling import SampleRequest
@@ -497,19 +497,17 @@ class CascadeTask(Task):
         n, device = x0.shape[0], x0.device
         # Per sample: its noise, its noise level (the objective's draw), its condition dropout, then (stage > 1)
         # its augmentation level and augmentation noise.
-        gens = sample_generators(self.seed, step, batch.positions, Stream.CASCADE_STAGE, substream=k)
-        noise = per_sample_randn(gens, x0.shape[1:]).to(device, x0.dtype)
+        draws = sample_draws(self.seed, step, batch.positions, Stream.CASCADE_STAGE, substream=k, device=device)
+        noise = draws.randn(x0.shape[1:]).to(x0.dtype)
         objective = self.objectives[k - 1]
-        draw = objective.draw(gens, n, device, x0.dtype)
-        drop = per_sample_rand(gens) < self.cfg.cond_drop_prob
+        draw = objective.draw(draws, n, device, x0.dtype)
+        drop = draws.rand() < self.cfg.cond_drop_prob
         cond = self.conditions(n, device, drop, batch.labels, batch.captions, self.image_embeds(batch))
         if k > 1:
-            level = per_sample_rand(gens) * s.noise_aug_max
+            level = draws.rand() * s.noise_aug_max
             aug_t = (level * _AUG_TIMESTEPS).long().clamp(max=_AUG_TIMESTEPS - 1)
             low = resize(batch.images, self.cfg.stages[k - 2].image_size)
-            cond["lowres"] = self._lowres(
-                k, low, aug_t, per_sample_randn(gens, (low.shape[1], s.image_size, s.image_size))
-            )
+            cond["lowres"] = self._lowres(k, low, aug_t, draws.randn((low.shape[1], s.image_size, s.image_size)))
             cond["aug_t"] = aug_t.to(device)
         return objective.loss(_net(net), x0, noise, draw, cond)
 

@@ -38,7 +38,7 @@ from trainer.diffusion import (
 from trainer.errors import ConfigError
 from trainer.models.export import DIT_PIPELINE_NULL_CLASS, dit_for_pipeline
 from trainer.models.finetune import FinetuneFields, prepare_unet
-from trainer.randomness import per_sample_rand, per_sample_randn, sample_generators
+from trainer.randomness import sample_draws
 from trainer.tasks.base import Batch, Export, FrozenSource, Loss, Phase, PreviewContext, StepInfo, Task, TaskContext
 from trainer.tasks.latent import PART as AUTOENCODER
 from trainer.tasks.latent import LatentAutoencoderConfig, LatentSpace, frozen_source
@@ -430,12 +430,12 @@ class DDPMTask(Task):
         device = x0.device
         # The sample's noise first, then its noise level, then its condition dropout (the draws' order is the
         # checkpointed runs' contract: a resumed run draws what an uninterrupted one would).
-        gens = sample_generators(self.seed, info.step, batch.positions)
-        noise = per_sample_randn(gens, x0.shape[1:]).to(device, x0.dtype)
-        draw = self.objective.draw(gens, len(batch), device, x0.dtype)
+        draws = sample_draws(self.seed, info.step, batch.positions, device=device)
+        noise = draws.randn(x0.shape[1:]).to(x0.dtype)
+        draw = self.objective.draw(draws, len(batch), device, x0.dtype)
         cond = {}
         if self.conditional:
-            drop = per_sample_rand(gens).to(device) < self.cfg.cond_drop_prob
+            drop = draws.rand() < self.cfg.cond_drop_prob
             cond = self.conditions(len(batch), device, drop, batch.labels, batch.captions)
         return self.objective.loss(self._net(modules[self.part]), x0, noise, draw, cond)
 

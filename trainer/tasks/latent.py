@@ -35,7 +35,7 @@ from torch import nn
 from trainer.engine.services import ProcessServices
 from trainer.errors import ConfigError
 from trainer.models.export import plain_autoencoder_kl
-from trainer.randomness import Stream, per_sample_randn, sample_generators
+from trainer.randomness import Stream, sample_draws
 from trainer.registry import task_class
 from trainer.tasks.autoencoder import AutoencoderTask, KLAutoencoder
 from trainer.tasks.base import FrozenSource, FrozenWeights
@@ -225,8 +225,9 @@ class LatentSpace:
             mean, std = self._posterior(module, images)
         z = mean
         if self.cfg.sample_posterior:
-            gens = sample_generators(self.seed, step, positions, Stream.AUTOENCODER)
-            z = mean + std * per_sample_randn(gens, self.shape).to(mean.device)
+            z = mean + std * sample_draws(self.seed, step, positions, Stream.AUTOENCODER, device=mean.device).randn(
+                self.shape
+            )
         scale, shift = self._scale_shift(module)
         return ((z - shift) * scale).to(images.dtype)
 

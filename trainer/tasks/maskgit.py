@@ -33,7 +33,7 @@ from torch import nn
 from trainer.conditioning.text import TextEncoder, TextEncoderConfig
 from trainer.diffusion.guidance import check_num_classes, default_labels, guide, labels_or_null
 from trainer.errors import ConfigError
-from trainer.randomness import Stream, per_sample_rand, sample_generators
+from trainer.randomness import Stream, sample_draws
 from trainer.registry import task_class
 from trainer.tasks.base import Batch, FrozenSource, Loss, Phase, PreviewContext, StepInfo, Task, TaskContext
 from trainer.tasks.sampling import SampleRequest
@@ -357,17 +357,17 @@ class MaskGITTask(Task):
         """Per-sample cosine-scheduled masks over the real tokens, drawn from (seed, step, position): exact
         on resume."""
         n, length = tokens.shape
-        gens = sample_generators(self.seed, step, positions, Stream.MASKGIT)
-        r = per_sample_rand(gens)
-        drop = per_sample_rand(gens) < self.cfg.cond_drop_prob
-        scores = torch.stack([torch.rand(length, generator=g) for g in gens])
-        count = torch.full((n,), length) if real is None else real.sum(1).cpu()
+        device = tokens.device
+        draws = sample_draws(self.seed, step, positions, Stream.MASKGIT, device=device)
+        r = draws.rand()
+        drop = draws.rand() < self.cfg.cond_drop_prob
+        scores = draws.rand((length,))
+        count = torch.full((n,), length, device=device) if real is None else real.sum(1)
         if real is not None:  # padding ranks after every real token, so it is never masked
-            scores = torch.where(real.cpu(), scores, 2.0)
+            scores = torch.where(real, scores, 2.0)
         num_masked = (cosine_mask_ratio(r) * count).ceil().clamp(min=1).minimum(count).long()
         ranks = scores.argsort(dim=1).argsort(dim=1)
-        mask = ranks < num_masked[:, None]
-        return mask.to(tokens.device), drop.to(tokens.device)
+        return ranks < num_masked[:, None], drop
 
     def _token_loss(self, modules, batch: Batch, tokens: torch.Tensor, step: int, smoothing: float):
         real = self.token_mask(batch, tokens)
