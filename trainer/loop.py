@@ -34,6 +34,7 @@ from trainer.engine.calibrate import Calibrator
 from trainer.engine.checkpointing import apply_activation_checkpointing
 from trainer.engine.compile import CompileStats, apply_compile
 from trainer.engine.evaluate import Evaluator
+from trainer.engine.float8 import apply_float8
 from trainer.engine.parts import FrozenPart, Part, build_parts
 from trainer.engine.preview import Previewer
 from trainer.engine.progress import JobAgreement, TrainProgress
@@ -301,6 +302,7 @@ class Trainer:
         wrapping.check_supported(self.task, modules, trainable)
         # Only parts this run trains are wrapped (a cascade stage outside train.stages is not).
         learning = set(self.task.learning_parts())
+        apply_float8(modules, learning, self.cfg.train.float8, self.runtime.device, self.cfg.task)
         wrapping.prepare(modules, frozen=frozen, learning=learning)
         apply_activation_checkpointing(modules, learning, self.cfg.train.activation_checkpointing, self.cfg.task)
         if self.cfg.train.compile:
