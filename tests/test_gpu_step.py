@@ -145,15 +145,21 @@ def test_flops_are_counted_on_fake_tensors_as_the_real_step_counts_them_and_noth
         iter(build_train_loader(trainer.train_set, cfg, cursor=0, rank=0, world_size=1, device=trainer.device))
     )
     part = trainer.parts["unet"]
+    trainer.step_runner.run(batch, 0)  # the loop counts before its second step (see Trainer.fit)
     before = {k: v.clone() for k, v in part.module.state_dict().items()}
+    opt_state = {id(p): {k: v.clone() for k, v in s.items()} for p, s in part.optimizer.state.items()}
     rng = torch.get_rng_state()
-    fake = trainer.step_runner.count_flops(batch, 0)
+    grads = [p.grad.clone() for p in part.module.parameters()]
+    fake = trainer.step_runner.count_flops(batch, 1)
     assert torch.equal(torch.get_rng_state(), rng)
     assert all(torch.equal(before[k], v) for k, v in part.module.state_dict().items())
-    assert all(p.grad is None for p in part.module.parameters()) and not part.optimizer.state
+    assert all(torch.equal(g, p.grad) for g, p in zip(grads, part.module.parameters(), strict=True))
+    assert all(
+        torch.equal(v, part.optimizer.state[p][k]) for p in part.optimizer.state for k, v in opt_state[id(p)].items()
+    )
     counter = StepFlops()
     with counter:
-        trainer.step_runner.run(batch, 0)
+        trainer.step_runner.run(batch, 1)
     assert fake == counter.total > 0
 
 
