@@ -61,9 +61,10 @@ SAMPLE_RELATIVE = 1e-3
 # float noise. Each of its components is a float32 sum of n <= ~300 terms (4 images x 8x8 pixels for a
 # conv weight, 16 channels x 9 taps for a conv output) reordered at each of ~20 layers: at most
 # ~20 x 300 x 2^-24 ~ 4e-4 relative in the worst case, ~1e-5 when rounding errors do not all align
-# (measured per tensor between an Intel Xeon and the goldens' CPU: at most 7e-6). Adam passes a relative
-# gradient error on at most at the same size (m_3 = b1 m_2 + (1-b1) g_3, v_3 likewise, both m_2 and v_2
-# exact). 1e-3 holds even the worst case. The changes it must catch move some tensor's update by about its
+# (measured per tensor between an Intel Xeon and the goldens' CPU: at most 7e-6). Clipping scales every
+# gradient by one factor, and Adam passes a tensor's relative gradient error on at about the same size
+# (m_3 = b1 m_2 + (1-b1) g_3 and v_3 likewise, with m_2 and v_2 exact; elements where m_3 nearly cancels
+# amplify it, but carry little of the tensor's L2 norm). 1e-3 holds even the worst case. The changes it must catch move some tensor's update by about its
 # own size: the random stream shifted by one step by 1.0 to 2.2, two parameters' Adam moments swapped by
 # 1.06 to 1.33 (the worst tensor of each case).
 UPDATE_RELATIVE = 1e-3
