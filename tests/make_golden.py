@@ -11,6 +11,13 @@ Each case is a shipped preset shrunk to a tiny model (a few thousand parameters,
 Files per case:
     tests/golden/<case>/checkpoints/step-000000002/   the checkpoint as the trainer wrote it
     tests/golden/<case>/expected.safetensors          the tensors above, metadata: how they were made
+    tests/golden/<case>/machine.json                  the CPU and torch build that computed them (`machine()`)
+
+machine.json is what decides whether tests/test_golden.py may demand bit-identical tensors: float32
+kernels give the same bits only on the same CPU (vendor, family, model, stepping, feature flags) with the
+same torch build and thread count. torch's CPU capability alone ("AVX512") names an Intel Xeon and an AMD
+EPYC alike, whose kernels sum in other orders. The goldens of commit 5a0b3da predate the file: their
+machine.json says "unknown" for the CPU (see its note), so they are compared within bounds everywhere.
 
 The goldens pin behaviour across code changes: they were written before the ddpm and cascade tasks moved
 onto trainer/diffusion (issue 25), so tests/test_golden.py proves that checkpoints written before the move
@@ -25,8 +32,10 @@ The run takes about 15 seconds on one CPU core.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import os
+import platform
 import shutil
 import sys
 import tempfile
@@ -140,6 +149,42 @@ def weight_files(checkpoints: Path, step: int) -> dict[str, dict[str, torch.Tens
     return {n.removesuffix(".safetensors"): store.read_tensors(info, n) for n in names}
 
 
+MACHINE_JSON = "machine.json"
+UNKNOWN = "unknown"
+
+
+def machine() -> dict[str, str | int]:
+    """What decides the bits of a float32 result on CPU: the processor (from /proc/cpuinfo on Linux;
+    "unknown" elsewhere, which never counts as the same machine), torch's build and kernel choice, and
+    the intra-op thread count."""
+    cpu = {"vendor_id": UNKNOWN, "model name": UNKNOWN, "cpu family": UNKNOWN, "model": UNKNOWN}
+    cpu |= {"stepping": UNKNOWN, "flags": ""}
+    with contextlib.suppress(OSError):
+        first = Path("/proc/cpuinfo").read_text().split("\n\n")[0]  # the first logical processor
+        for line in first.splitlines():
+            key, _, value = line.partition(":")
+            if key.strip() in cpu:
+                cpu[key.strip()] = value.strip()
+    flags = " ".join(sorted(set(cpu["flags"].split())))
+    return {
+        "cpu_vendor": cpu["vendor_id"],
+        "cpu_model_name": cpu["model name"],
+        "cpu_family_model_stepping": f"{cpu['cpu family']}/{cpu['model']}/{cpu['stepping']}",
+        # the instruction sets the kernels may dispatch on (a VM may hide some from a model it names)
+        "cpu_flags_sha256": hashlib.sha256(flags.encode()).hexdigest()[:16] if flags else UNKNOWN,
+        "machine": platform.machine() or UNKNOWN,
+        "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+        "torch": torch.__version__,
+        "threads": torch.get_num_threads(),
+    }
+
+
+def recorded_machine(name: str, root: Path = GOLDEN) -> dict:
+    """The machine.json of a case (missing: an unknown machine)."""
+    path = root / name / MACHINE_JSON
+    return json.loads(path.read_text()) if path.is_file() else {"cpu_model_name": UNKNOWN}
+
+
 @contextlib.contextmanager
 def _cwd(path: str):
     before = os.getcwd()
@@ -150,8 +195,8 @@ def _cwd(path: str):
         os.chdir(before)
 
 
-def make(name: str) -> None:
-    out = GOLDEN / name
+def make(name: str, root: Path = GOLDEN) -> None:
+    out = root / name
     with tempfile.TemporaryDirectory() as tmp, _cwd(tmp):
         run = Path("run")  # relative: the manifest's run.dir names no temporary folder
         train(name, run, STEPS)
@@ -174,13 +219,14 @@ def make(name: str) -> None:
         "sample": json.dumps(CASES[name].sample),
     }
     save_file(expected, str(out / "expected.safetensors"), metadata=meta)
+    (out / MACHINE_JSON).write_text(json.dumps(machine(), indent=1) + "\n")
     size = sum(p.stat().st_size for p in out.rglob("*") if p.is_file())
-    print(f"{name}: {len(expected)} tensors, {size / 1024:.0f} KiB in {out.relative_to(REPO)}")
+    print(f"{name}: {len(expected)} tensors, {size / 1024:.0f} KiB in {out}")
 
 
-def expected(name: str) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+def expected(name: str, root: Path = GOLDEN) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
     """The stored tensors of a case and their metadata."""
-    path = GOLDEN / name / "expected.safetensors"
+    path = root / name / "expected.safetensors"
     # safe_open's metadata: the machine and recipe that wrote the goldens
     from safetensors import safe_open
 

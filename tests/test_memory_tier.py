@@ -23,7 +23,7 @@ from elastic_helpers import start_torchrun
 from helpers import kill_group, kill_tree, start_cli, wait_for_log
 from test_vqgan_maskgit import tensors
 
-from trainer.checkpoint.memory import KEEP, Topology, agree, memory_root
+from trainer.checkpoint.memory import KEEP, Topology, agree, memory_root, scan
 from trainer.checkpoint.store import CheckpointStore
 
 # ------------------------------------------------------------------ placement and agreement
@@ -142,6 +142,16 @@ def _corrupt(path: Path) -> None:
     path.write_bytes(bytes(data))
 
 
+def _assert_newest_memory_steps(mem: Path, newest: list[int]) -> None:
+    """The memory steps holding a committed piece after a SIGKILL: `newest`, and at most the one step
+    before them. The writer thread drops the step beyond KEEP (retention) only after it committed the
+    newest step's piece, the event the kill waits for, so a kill may land before that step is gone; the
+    process is dead then and no later event can be waited for. What is promised: the KEEP newest steps
+    are there, nothing older than the step retention was about to drop, nothing newer."""
+    held = sorted(scan(str(mem)))
+    assert held[-KEEP:] == newest and set(held) <= {newest[0] - 1, *newest}, held
+
+
 def _killed(args: list[str], log: Path, env: dict[str, str], piece: Path) -> None:
     kill = {"PROBE_TASK_KILL": "0:10", "PROBE_TASK_KILL_AFTER": str(piece)}
     proc = start_cli("train", *args, env={**env, **kill}, log_path=log, cwd=REPO)
@@ -166,7 +176,7 @@ def test_one_process_resumes_from_memory_skips_corrupt_snapshots_and_falls_back_
     # SIGKILL in the step after step 10, once step 10's snapshot is in memory: memory holds 9 and 10, the
     # durable tier 4 and 8.
     _killed(args, tmp_path / "k1.log", env, step_dir(10) / "piece-r00000.json")
-    assert sorted(p.name for p in mem.glob("step-*")) == [step_dir(s).name for s in (9, 10)]
+    _assert_newest_memory_steps(mem, [9, 10])
     assert [i.step for i in CheckpointStore(durable).list()] == [4, 8]
     # Step 10's snapshot fails its digest: the resume skips it for step 9, the newest sound one.
     _corrupt(step_dir(10) / "unet.model.safetensors")

@@ -149,7 +149,12 @@ def test_two_rank_torchrun_job_reports_samples_from_both_ranks_once(tmp_path):
         # Both ranks' step histograms are merged into one series by local rank 0.
         assert text.count("gentrain_step_duration_seconds_count") == 1
         assert proc.wait(timeout=400) == 0, log.read_text()[-3000:]
-        time.sleep(1.5)
+
+        # The exporter lingered after the last step; Prometheus's last scrape of it may still be landing.
+        def final_step_scraped() -> bool:
+            return bool(prom.query("last_over_time(gentrain_step[5m])")) and value(prom, "gentrain_step") == steps
+
+        wait_until(final_step_scraped, "Prometheus's scrape of the final step")
         assert value(prom, "gentrain_samples_total") == steps * batch  # each rank adds its half
         assert value(prom, "gentrain_world_size") == 2
         assert value(prom, "gentrain_step") == steps
