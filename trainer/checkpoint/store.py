@@ -49,6 +49,7 @@ from trainer.checkpoint.layout import (
     TRAINER_JSON,
     group_name,
     is_rank_json,
+    is_rank_tensors,
     is_tensor_file,
     parse_group_file,
     parse_step_dir,
@@ -57,6 +58,7 @@ from trainer.checkpoint.layout import (
 )
 from trainer.checkpoint.validity import (
     FORMAT_VERSION,
+    check_rank_tensors,
     parse_json,
     parse_manifest,
     parse_rank_json,
@@ -501,6 +503,8 @@ class CheckpointStore:
                     self.verify_file(info, name)
                 if is_tensor_file(name):
                     parsed[name] = self.read_safetensors_header(info, name)[0]
+                    if is_rank_tensors(name):  # small: its RNG state is read and tried on scratch generators
+                        check_rank_tensors(self.read_tensors(info, name), f"{info.url}/{name}")
                 elif name.endswith(".json"):
                     parsed[name] = self.read_json(info, name)
             except CheckpointCorrupt as e:

@@ -6,8 +6,10 @@ byte read from it is parsed against a schema here before anything else looks at 
 - `parse_manifest`: the manifest's fields and types (file names that stay inside the step dir, sizes,
   one digest per file of a known algorithm, frozen-part and input records).
 - `parse_safetensors_header`: a safetensors header bounded by the file's size, known dtypes, shapes and
-  data offsets that tile the data exactly (what the safetensors library checks, done on a stream).
-- `parse_trainer_json`, `parse_rank_json`, `parse_shard_index`: the JSON state files.
+  data offsets that tile the data exactly, read on a stream; then read again by the safetensors library
+  itself and made on torch's meta device, so a header passes only if the loaders accept it.
+- `parse_trainer_json`, `parse_rank_json`, `parse_shard_index`: the JSON state files; `check_rank_tensors`:
+  a rank's RNG tensors. RNG states are applied to scratch generators, so what passes can be set.
 - `check_payload`: one file, by its role in the layout, through its digest and its structure.
 
 The store (`CheckpointStore.check` cheaply, `CheckpointStore.verify` fully), resume, sampling and the
@@ -24,6 +26,7 @@ import re
 from collections.abc import Callable, Mapping
 from typing import Annotated, Any
 
+import torch
 from pydantic import (
     BaseModel,
     ConfigDict,
@@ -36,9 +39,10 @@ from pydantic import (
     model_validator,
 )
 
-from trainer.checkpoint.format import SAFETENSORS_DTYPES
+from trainer.checkpoint.format import SAFETENSORS_DTYPES, library_header
 from trainer.checkpoint.layout import MANIFEST
 from trainer.errors import CheckpointCorrupt
+from trainer.randomness import check_rng_state
 
 FORMAT_VERSION = 2  # 2: blake3 digests, sharded layout; 1 (sha256, one writer) still loads
 MAX_HEADER_BYTES = 100 << 20  # the safetensors library's own limit on a header
@@ -257,9 +261,11 @@ def parse_safetensors_header(read: Callable[[int, int], bytes], size: int, what:
     n = int.from_bytes(read(0, 8), "little")
     if n > min(size - 8, MAX_HEADER_BYTES):
         raise CheckpointCorrupt(f"{what}: safetensors header length {n} does not fit the file ({size} bytes)")
+    raw = read(8, n)
     try:
-        header = json.loads(read(8, n))
-    except (ValueError, RecursionError) as e:
+        # UTF-8 only, as the library reads it (Python's json would also take UTF-16 and UTF-32 bytes).
+        header = json.loads(raw.decode("utf-8"))
+    except (ValueError, RecursionError) as e:  # UnicodeDecodeError is a ValueError
         raise CheckpointCorrupt(f"{what}: unreadable safetensors header ({type(e).__name__})") from None
     if not isinstance(header, dict):
         raise CheckpointCorrupt(f"{what}: safetensors header is a {type(header).__name__}, not an object")
@@ -275,7 +281,7 @@ def parse_safetensors_header(read: Callable[[int, int], bytes], size: int, what:
         dtype, shape, offsets = entry["dtype"], entry["shape"], entry["data_offsets"]
         if not isinstance(dtype, str) or dtype not in SAFETENSORS_DTYPES:
             raise CheckpointCorrupt(f"{what}: tensor {key!r} has unknown dtype {dtype!r}")
-        if not isinstance(shape, list) or not all(type(d) is int and d >= 0 for d in shape):
+        if not isinstance(shape, list) or not all(type(d) is int and 0 <= d < 1 << 63 for d in shape):
             raise CheckpointCorrupt(f"{what}: tensor {key!r} has shape {shape!r}")
         if not (isinstance(offsets, list) and len(offsets) == 2 and all(type(o) is int for o in offsets)):
             raise CheckpointCorrupt(f"{what}: tensor {key!r} has data_offsets {offsets!r}")
@@ -290,7 +296,32 @@ def parse_safetensors_header(read: Callable[[int, int], bytes], size: int, what:
         pos = stop
     if 8 + n + pos != size:
         raise CheckpointCorrupt(f"{what}: its tensors hold {pos} bytes, the file has {size - 8 - n} after the header")
+    _check_loadable(header, n.to_bytes(8, "little") + raw, size, what)
     return header, 8 + n
+
+
+def _check_loadable(header: Mapping[str, Any], head: bytes, size: int, what: str) -> None:
+    """The safetensors library reads the same tensors from the header, and torch can make each of them.
+
+    The checks above are gentrain's reading of the format; the library that loads the file parses the
+    header again its own way (see `trainer.checkpoint.format.library_header`), and torch sizes are signed
+    64-bit where the format's are unsigned. A header passes only if both accept it as gentrain read it,
+    so what verify accepts loads (tests/test_checkpoint_fuzz.py holds this on fuzzed headers)."""
+    try:
+        seen = library_header(head, size)
+    except ValueError as e:
+        raise CheckpointCorrupt(f"{what}: the safetensors library refuses its header ({e})") from None
+    ours = {key: (entry["dtype"], tuple(entry["shape"])) for key, entry in header.items()}
+    theirs = {key: (dtype, tuple(shape)) for key, (dtype, shape) in seen.items()}
+    if theirs != ours:
+        differ = sorted(set(theirs.items()) ^ set(ours.items()), key=repr)[:2]
+        raise CheckpointCorrupt(f"{what}: the safetensors library reads its header otherwise ({differ})"[:300])
+    for key, (dtype, shape) in ours.items():
+        try:
+            torch.empty(shape, dtype=SAFETENSORS_DTYPES[dtype], device="meta")
+        except (RuntimeError, ValueError, TypeError, OverflowError) as e:
+            why = (str(e).splitlines() or [type(e).__name__])[0][:200]
+            raise CheckpointCorrupt(f"{what}: tensor {key!r} of shape {list(shape)} cannot be made ({why})") from None
 
 
 # ------------------------------------------------------------------ JSON state
@@ -337,9 +368,30 @@ def tensor_refs(tree: Any) -> set[str]:
 
 
 def parse_rank_json(raw: bytes) -> dict[str, Any]:
+    """A rank's RNG values (Python's `random`, numpy), checked against their schema and by applying them to
+    scratch generators: the values a resume would refuse to set are refused here."""
     doc = parse_json(raw, "rank state")
     _model(RankState, doc, "rank state")
+    try:
+        check_rng_state(None, doc["rng"])
+    except ValueError as e:
+        raise CheckpointCorrupt(f"rank state: its RNG state cannot be set ({e})") from None
     return doc
+
+
+def check_rank_tensors(tensors: Mapping[str, Any], what: str) -> None:
+    """A rank's RNG tensors (`rank-NNNNN.safetensors`): a torch CPU state (a uint8 vector named torch_cpu)
+    that a scratch generator accepts, and a CUDA one where this process has CUDA."""
+    cpu = tensors.get("torch_cpu")
+    if not isinstance(cpu, torch.Tensor) or cpu.dtype != torch.uint8 or cpu.ndim != 1:
+        raise CheckpointCorrupt(f"{what}: no CPU RNG state (a uint8 vector named torch_cpu)")
+    cuda = tensors.get("torch_cuda")
+    if cuda is not None and (cuda.dtype != torch.uint8 or cuda.ndim != 1):
+        raise CheckpointCorrupt(f"{what}: its CUDA RNG state is not a uint8 vector")
+    try:
+        check_rng_state(tensors, None)
+    except ValueError as e:
+        raise CheckpointCorrupt(f"{what}: its RNG state cannot be set ({e})") from None
 
 
 def parse_shard_index(raw: bytes, files: Mapping[str, Any]) -> dict[str, Any]:
