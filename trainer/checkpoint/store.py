@@ -152,7 +152,7 @@ class CheckpointStore:
         """
         if self._local:
             tmp = f"{path}.tmp-{threading.get_ident()}"
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o640)
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o640)
             os.fchmod(fd, os.fstat(fd).st_mode & 0o770)  # a leftover tmp file keeps its old mode otherwise
             with os.fdopen(fd, "wb") as f:
                 f.write(data)
@@ -295,7 +295,7 @@ class CheckpointStore:
             # No world access on local disks, set before a byte is written: files 0o640 in a 0o750 step dir
             # (or stricter under the umask). A checkpoint holds the run's weights and settings.
             os.chmod(d, os.stat(d).st_mode & 0o770)
-            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o640)
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o640)  # never through a link
             os.fchmod(fd, os.fstat(fd).st_mode & 0o770)  # a file already there keeps its old mode otherwise
             opened = os.fdopen(fd, "wb")
         else:

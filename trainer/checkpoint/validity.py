@@ -102,7 +102,7 @@ class PieceDoc(_Open):
     world_size: Annotated[StrictInt, Field(ge=1)]
     sharded: StrictBool
     files: dict[StrictStr, FileEntry]
-    index: dict[StrictStr, Any] = {}  # this owner's part of shards.json (sharded)
+    index: dict[StrictStr, dict[StrictStr, IndexedTensor]] = {}  # this owner's part of shards.json (sharded)
     meta: dict[StrictStr, Any] | None = None  # owner 0: what the manifest says about the run
 
 
@@ -183,6 +183,9 @@ class ShardIndexDoc(_Open):
     tensors: dict[StrictStr, dict[StrictStr, IndexedTensor]]
 
 
+PieceDoc.model_rebuild()  # its index holds IndexedTensor entries, defined after it
+
+
 def _first_error(e: ValidationError) -> str:
     err = e.errors()[0]
     where = ".".join(str(p) for p in err["loc"]) or "top level"
@@ -240,6 +243,8 @@ def parse_piece(raw: bytes, step: int, owner: int) -> dict[str, Any]:
         )
     if (owner == 0) != (doc.get("meta") is not None):
         raise CheckpointCorrupt(f"piece of rank {owner}: only rank 0's piece carries the run's manifest fields")
+    if doc.get("meta") is not None:  # what the manifest will say: its fields and types, as in a manifest
+        _model(Manifest, {**doc["meta"], "step": step, "files": {}}, f"piece of rank {owner}: its manifest fields")
     for name in doc["files"]:
         if not FILE_NAME.match(name) or name == MANIFEST or ".." in name or name.startswith("piece-"):
             raise CheckpointCorrupt(f"piece of rank {owner} lists a file named {name!r}, not a payload file name")
