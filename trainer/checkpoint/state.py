@@ -275,27 +275,19 @@ def check_fits(part: Any, state: Mapping[str, Any], what: str) -> None:
 
 
 def check_settings_load(part: Any, state: Mapping[str, Any], what: str) -> None:
-    """The saved schedule, loss scaler and EMA settings load: each is loaded into a scratch object of the
-    live one's kind (the schedule into a shallow copy of the live schedule, whose attributes it sets), so a
-    value the object's own `load_state_dict` refuses (an EMA decay of 5, a scaler without its scale, a
-    schedule without its lambdas) is a corrupt checkpoint found before anything is applied."""
-    trials = []
+    """The saved schedule loads into this part's: it is loaded into a shallow copy of the live schedule (its
+    own attribute dict, stand-ins for the lambdas), so a state with more lambdas than the part has groups
+    fails here, before anything is applied. The loaders' own refusals (EMA, scaler, schedule) were found
+    when trainer.json was parsed (trainer.checkpoint.validity)."""
     saved = state.get("lr_schedule")
-    if saved is not None:
-        trials.append(
-            ("learning-rate schedule", lambda: _scratch_schedule(part.lr_schedule).load_state_dict(dict(saved)))
-        )
-    if state.get("scaler") and part.scaler.is_enabled():
-        trials.append(("loss scaler", lambda: torch.amp.GradScaler("cpu").load_state_dict(dict(state["scaler"]))))
-    if part.ema is not None and state.get("ema") is not None and state.get("ema_meta"):
-        scratch = type(part.ema)([torch.nn.Parameter(torch.zeros(1))])
-        meta = {**state["ema_meta"], "shadow_params": [torch.zeros(1)]}
-        trials.append(("EMA settings", lambda: scratch.load_state_dict(meta)))
-    for name, trial in trials:
-        try:
-            trial()
-        except (RuntimeError, ValueError, TypeError, KeyError, IndexError, AttributeError) as e:
-            raise CheckpointCorrupt(f"{what}: its {name} cannot be loaded ({type(e).__name__}: {e})"[:300]) from None
+    if saved is None:
+        return
+    try:
+        _scratch_schedule(part.lr_schedule).load_state_dict(dict(saved))
+    except (RuntimeError, ValueError, TypeError, KeyError, IndexError, AttributeError) as e:
+        raise CheckpointCorrupt(
+            f"{what}: its learning-rate schedule cannot be loaded ({type(e).__name__}: {e})"[:300]
+        ) from None
 
 
 def _scratch_schedule(live: Any) -> Any:

@@ -23,10 +23,12 @@ from __future__ import annotations
 import json
 import math
 import re
+import types
 from collections.abc import Callable, Mapping
 from typing import Annotated, Any
 
 import torch
+from diffusers.training_utils import EMAModel
 from pydantic import (
     BaseModel,
     ConfigDict,
@@ -342,7 +344,44 @@ def parse_trainer_json(raw: bytes, step: int | None = None) -> dict[str, Any]:
         raise CheckpointCorrupt(f"trainer.json says step {doc['progress']['step']}, the manifest {step}")
     for name, part in doc["parts"].items():
         _check_skeleton(part["optimizer"], f"trainer.json parts.{name}.optimizer")
+        _check_settings_load(part, f"trainer.json parts.{name}")
     return doc
+
+
+def _check_settings_load(part: Mapping[str, Any], what: str) -> None:
+    """A part's schedule, loss scaler and EMA settings load: each goes through the `load_state_dict` of a
+    scratch object of the kind gentrain builds (torch's LambdaLR and GradScaler, diffusers' EMAModel), so
+    a value their loaders refuse (an EMA decay of 5, a scaler without its scale, a schedule without its
+    lambdas) fails here, not half-way through a resume. Whether they fit the live part is checked at
+    resume (trainer.checkpoint.state)."""
+    trials = []
+    if part.get("lr_schedule") is not None:
+        trials.append(("lr_schedule", lambda: _load_schedule(part["lr_schedule"])))
+    if part.get("scaler"):
+        trials.append(("scaler", lambda: torch.amp.GradScaler("cpu").load_state_dict(dict(part["scaler"]))))
+    if part.get("ema"):
+        meta = {**part["ema"], "shadow_params": [torch.zeros(1)]}
+        trials.append(("ema", lambda: EMAModel([torch.nn.Parameter(torch.zeros(1))]).load_state_dict(meta)))
+    for name, trial in trials:
+        try:
+            trial()
+        except (RuntimeError, ValueError, TypeError, KeyError, IndexError, AttributeError, OverflowError) as e:
+            raise CheckpointCorrupt(f"{what}.{name} cannot be loaded ({type(e).__name__}: {e})"[:300]) from None
+
+
+def _load_schedule(saved: Mapping[str, Any]) -> None:
+    scratch = torch.optim.lr_scheduler.LambdaLR(torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=1.0), _one)
+    unknown = sorted(set(saved) - set(scratch.state_dict()))
+    if unknown:
+        raise KeyError(f"unknown entries {unknown[:3]}")
+    lambdas = saved.get("lr_lambdas")
+    if isinstance(lambdas, list) and len(lambdas) <= 4096:  # stand-ins whose __dict__ a saved state may update
+        scratch.lr_lambdas = [types.SimpleNamespace() for _ in lambdas]
+    scratch.load_state_dict(dict(saved))
+
+
+def _one(step: int) -> float:
+    return 1.0
 
 
 def _check_skeleton(tree: Any, what: str, depth: int = 0) -> None:
