@@ -297,7 +297,9 @@ def test_verify_sample_and_export_refuse_a_header_only_python_can_read_without_a
     ):
         r = run_cli(*args)
         no_traceback(r)
-        assert r.returncode == 1 and "unreadable safetensors header" in r.stdout + r.stderr, (r.stdout + r.stderr)[-2000:]
+        assert r.returncode == 1 and "unreadable safetensors header" in r.stdout + r.stderr, (r.stdout + r.stderr)[
+            -2000:
+        ]
     verified = run_cli("checkpoints", "verify", str(root))
     assert verified.returncode == 0 and "(step 2," in verified.stdout, verified.stdout + verified.stderr[-2000:]
     sampled = run_cli("sample", str(root), "--num", "1", "--steps", "1", "--out", str(tmp_path / "b.png"))
