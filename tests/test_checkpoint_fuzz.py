@@ -186,7 +186,11 @@ def apply(root: Path, outside: Path, kind: str, step: int, rnd) -> int | None:
             replace_file(root, step, name, json.dumps(doc).encode())
             return step
         # The rank file takes an extra tensor; any file takes another encoding of the same header.
-        name = "rank-00000.safetensors" if choice == "header" else rnd.choice(sorted(p.name for p in d.glob("*.st*")))
+        name = (
+            "rank-00000.safetensors"
+            if choice == "header"
+            else rnd.choice(sorted(p.name for p in d.glob("*.safetensors")))
+        )
         data = (d / name).read_bytes()
         n = int.from_bytes(data[:8], "little")
         raw = data[8 : 8 + n].rstrip(b" ")
