@@ -439,9 +439,9 @@ class MemoryTier:
         return _owners(self.root, step)
 
     def _remove_step(self, step: int) -> None:
-        """Delete a step folder: a link (or file) in its place goes, never what a link points to."""
+        """Delete a step folder: a link in its place goes, never what it points to."""
         d = self._step_path(step)
-        if os.path.islink(d) or os.path.isfile(d):
+        if os.path.islink(d):
             os.unlink(d)
             return
         # Manifest and pieces first: a half-deleted step must look incomplete, never whole.
