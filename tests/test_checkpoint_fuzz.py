@@ -23,17 +23,54 @@ import pytest
 import torch
 from ckpt_tamper import manifest, read_tensors, replace_file, step_dir, write_manifest
 from conftest import run_cli, tiny
+from diffusers.training_utils import EMAModel
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from safetensors.torch import load as safetensors_load
 
 from trainer.checkpoint import CheckpointStore
 from trainer.cli import main
+from trainer.randomness import rng_state, set_rng_state
 
 # Reported in docs/reliability.md; raise them for a longer hunt (the seed stays fixed: derandomize).
 IN_PROCESS_EXAMPLES = int(os.environ.get("GENTRAIN_FUZZ_EXAMPLES", "300"))
 END_TO_END_EXAMPLES = int(os.environ.get("GENTRAIN_FUZZ_E2E_EXAMPLES", "8"))
 
 JUNK = [None, "abc", -1, -64, 2**64, 1.5, float("1e308"), [], {}, True, "\x00\xff", [1, 2], {"__tensor__": "nope"}]
+# Tampering that the schemas take and a loader may refuse (#35). Each either makes the loader refuse (then
+# verify must refuse too) or changes nothing a resume uses, so the end-to-end run still ends bit-identical.
+LOADER_REFUSED_JSON = [
+    ("trainer.json", ("parts", "unet", "ema", "decay"), 5.0),  # EMAModel: "Decay must be between 0 and 1"
+    ("trainer.json", ("parts", "unet", "ema", "decay"), -1),
+    ("trainer.json", ("parts", "unet", "ema", "min_decay"), 0),  # an int: EMAModel wants a float
+    ("trainer.json", ("parts", "unet", "lr_schedule", "lr_lambdas"), None),  # deleted: LambdaLR needs it
+    ("rank-00000.json", ("rng", "python", 1, -1), 625),  # random.setstate: position past the 624 words
+    ("rank-00000.json", ("rng", "python", 1, -1), 2**32 - 1),
+    ("rank-00000.json", ("rng", "python", 0), 7),  # a state version Python does not know
+    ("rank-00000.json", ("rng", "numpy", 0), "PCG64"),  # numpy's legacy setter takes MT19937 only
+    ("rank-00000.json", ("rng", "numpy", 3), 2**64),  # has_gauss past a C long
+]
+# A zero-size tensor appended to the rank file's header, written as raw bytes: spellings of its shape and
+# entry that Python's json reads (and gentrain's arithmetic takes) but the safetensors library or torch may
+# not. Its data offsets are the end of the data, so the bytes still tile the file; "0" and 2^63-1 load.
+RAW_SHAPES = [b"-0", b"0.0", b"0e0", b"18446744073709551616,0", b"9223372036854775808,0", b"4294967296,4294967296,0"]
+RAW_SHAPES += [b"0", b"9223372036854775807,0"]
+
+
+def raw_header_edit(raw: bytes, end: int, rnd) -> bytes:
+    entry = b'{"dtype":"U8","shape":[%s],"data_offsets":[%d,%d]}' % (rnd.choice(RAW_SHAPES), end, end)
+    how = rnd.choice(["shape", "duplicate-field", "nan-metadata", "lone-surrogate", "utf-16", "utf-32"])
+    if how == "duplicate-field":
+        entry = entry.replace(b'"dtype":', b'"dtype":"U8","dtype":')
+    key = b'"\\ud800"' if how == "lone-surrogate" else b'"zz"'
+    raw = b"{" + key + b":" + entry + b"," + raw[1:]
+    if how == "nan-metadata":
+        raw = b'{"__metadata__":{"a":NaN},' + raw[1:]
+    if how in ("utf-16", "utf-32"):
+        raw = raw.decode().encode(how)
+    return raw
+
+
 DEEP = json.loads("[" * 200 + "]" * 200)
 
 
@@ -79,7 +116,17 @@ def mutate_json(doc, path: tuple, action: str, junk):
 def mutations(draw) -> list[tuple]:
     """A list of (kind, step, args) mutations of a root holding steps 2 and 4."""
     kinds = st.sampled_from(
-        ["manifest", "payload-json", "safetensors-header", "file-list", "bytes", "stray", "link-inside", "latest"]
+        [
+            "manifest",
+            "payload-json",
+            "safetensors-header",
+            "file-list",
+            "bytes",
+            "stray",
+            "link-inside",
+            "latest",
+            "loader-refused",
+        ]
     )
     out = []
     for _ in range(draw(st.integers(1, 3))):
@@ -122,6 +169,37 @@ def apply(root: Path, outside: Path, kind: str, step: int, rnd) -> int | None:
         else:
             data = data[: rnd.randrange(0, 16)]
         replace_file(root, step, name, data)
+        return step
+    if kind == "loader-refused":
+        # Consistent sizes and digests, a structure the schemas take: only a check that is the loader's finds it.
+        choice = rnd.choice(["header", "header-encoding", "json"])
+        if choice == "json":
+            name, path, value = rnd.choice(LOADER_REFUSED_JSON)
+            doc = json.loads((d / name).read_text())
+            parent = doc
+            for p in path[:-1]:
+                parent = parent[p]
+            if value is None:
+                del parent[path[-1]]
+            else:
+                parent[path[-1]] = value
+            replace_file(root, step, name, json.dumps(doc).encode())
+            return step
+        # The rank file takes an extra tensor; any file takes another encoding of the same header.
+        name = (
+            "rank-00000.safetensors"
+            if choice == "header"
+            else rnd.choice(sorted(p.name for p in d.glob("*.safetensors")))
+        )
+        data = (d / name).read_bytes()
+        n = int.from_bytes(data[:8], "little")
+        raw = data[8 : 8 + n].rstrip(b" ")
+        if choice == "header":
+            end = max(e["data_offsets"][1] for k, e in json.loads(raw).items() if k != "__metadata__")
+            raw = raw_header_edit(raw, end, rnd)
+        else:
+            raw = raw.decode().encode(rnd.choice(["utf-16", "utf-16-le", "utf-32", "utf-8-sig"]))
+        replace_file(root, step, name, len(raw).to_bytes(8, "little") + raw + data[8 + n :])
         return step
     if kind == "file-list":
         doc = manifest(root, step)
@@ -180,6 +258,34 @@ def apply(root: Path, outside: Path, kind: str, step: int, rnd) -> int | None:
         latest.write_bytes(rnd.choice([b"", os.urandom(8), b"step-000000009", b"../../etc", b"step-000000004"]))
         return None
     raise AssertionError(kind)
+
+
+def assert_loads(store: CheckpointStore, info) -> None:
+    """Every file of a checkpoint through the loaders themselves, past gentrain's checks: the safetensors
+    library on every tensor file, the RNG setters on every rank's state (the process's own RNG restored
+    after), and the schedule, scaler and EMA settings through the `load_state_dict` of a fresh part."""
+    files = info.manifest["files"]
+    for name in files:
+        if name.endswith(".safetensors"):
+            safetensors_load(store.read_file(info, name))
+    saved_rng = rng_state()
+    try:
+        for name in files:
+            if name.startswith("rank-") and name.endswith(".safetensors"):
+                values = json.loads(store.read_file(info, name.removesuffix(".safetensors") + ".json"))
+                set_rng_state(safetensors_load(store.read_file(info, name)), values["rng"])
+    finally:
+        set_rng_state(*saved_rng)
+    if "trainer.json" in files:
+        for state in json.loads(store.read_file(info, "trainer.json"))["parts"].values():
+            sched = torch.optim.lr_scheduler.LambdaLR(
+                torch.optim.SGD([torch.zeros(1, requires_grad=True)]), lambda s: 1
+            )
+            sched.load_state_dict(dict(state["lr_schedule"]))
+            if state.get("ema"):
+                EMAModel([torch.nn.Parameter(torch.zeros(1))]).load_state_dict(
+                    {**state["ema"], "shadow_params": [torch.zeros(1)]}
+                )
 
 
 def cli(argv: list[str]) -> tuple[int, str]:
@@ -246,6 +352,9 @@ def test_fuzzed_roots_are_listed_verified_and_pruned_without_errors_or_losses(re
         assert valid.get(step), (
             f"untouched step {step} lost: {store.check(step).reason} {store.verify(store.check(step))}"
         )
+    for step, ok in valid.items():  # whatever verify accepts, the loaders load (#35)
+        if ok:
+            assert_loads(store, store.check(step))
     newest = store.latest_valid(deep=True)
     want = max((s for s, ok in valid.items() if ok), default=None)
     assert (newest.step if newest else None) == want

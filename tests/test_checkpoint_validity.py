@@ -170,6 +170,82 @@ def _ema_wrong_shape(root):
     edit_tensors(root, 4, "unet.ema.safetensors", edit)
 
 
+def _rewrite_header(root, name, edit, encoding="utf-8"):
+    """Rewrite a safetensors file's header with `edit(header)`, encoded as `encoding`, data unchanged."""
+    data = (step_dir(root, 4) / name).read_bytes()
+    n = int.from_bytes(data[:8], "little")
+    raw = json.dumps(edit(json.loads(data[8 : 8 + n]))).encode(encoding)
+    replace_file(root, 4, name, len(raw).to_bytes(8, "little") + raw + data[8 + n :])
+
+
+def _header_utf16(root):
+    """#35: Python's json reads a UTF-16 header, the safetensors library does not (verify said valid, then
+    resume, sample and export crashed)."""
+    _rewrite_header(root, "unet.ema.safetensors", lambda h: h, encoding="utf-16")
+
+
+def _header_dim_2_64(root):
+    """#35: a zero-size tensor with a dimension of 2^64: Python's arithmetic takes it, the library does not."""
+    _rewrite_header(root, "rank-00000.safetensors", lambda h: {**h, "pad": _empty_at_end(h, [2**64, 0])})
+
+
+def _header_dim_2_63(root):
+    """The library takes 2^63 (an unsigned 64-bit size), torch does not (its sizes are signed)."""
+    _rewrite_header(root, "rank-00000.safetensors", lambda h: {**h, "pad": _empty_at_end(h, [2**63, 0])})
+
+
+def _empty_at_end(header, shape):
+    end = max(e["data_offsets"][1] for k, e in header.items() if k != "__metadata__")
+    return {"dtype": "U8", "shape": shape, "data_offsets": [end, end]}
+
+
+def _rng_python_position(root):
+    """#35: Python's Mersenne Twister position 1000 fits the schema (< 2^32); `random.setstate` refuses it."""
+
+    def edit(doc):
+        doc["rng"]["python"][1][-1] = 1000
+        return doc
+
+    edit_json(root, 4, "rank-00000.json", edit)
+
+
+def _rng_torch_short(root):
+    """A torch CPU RNG state of the right dtype and rank but the wrong length: `torch.set_rng_state` refuses it."""
+    edit_tensors(root, 4, "rank-00000.safetensors", lambda t: {**t, "torch_cpu": t["torch_cpu"][:10].clone()})
+
+
+def _ema_decay(root):
+    """An EMA decay of 5: the right type, but diffusers' EMAModel.load_state_dict refuses it."""
+
+    def edit(doc):
+        doc["parts"]["unet"]["ema"]["decay"] = 5.0
+        return doc
+
+    edit_json(root, 4, "trainer.json", edit)
+
+
+def _schedule_without_lambdas(root):
+    """A learning-rate schedule state without its `lr_lambdas`: LambdaLR.load_state_dict raises KeyError."""
+
+    def edit(doc):
+        del doc["parts"]["unet"]["lr_schedule"]["lr_lambdas"]
+        return doc
+
+    edit_json(root, 4, "trainer.json", edit)
+
+
+# Loader-refused payloads (#35): each passed verify before, then crashed the loader that reads it.
+LOADER_REFUSED = {
+    "safetensors-header-utf16": _header_utf16,
+    "safetensors-dim-2^64": _header_dim_2_64,
+    "safetensors-dim-2^63": _header_dim_2_63,
+    "rng-python-position": _rng_python_position,
+    "rng-torch-short": _rng_torch_short,
+    "ema-decay-out-of-range": _ema_decay,
+    "lr-schedule-no-lambdas": _schedule_without_lambdas,
+}
+
+
 PAYLOADS = {
     "safetensors-header-2^62": _header_too_long,
     "safetensors-header-not-json": _header_not_json,
@@ -179,6 +255,7 @@ PAYLOADS = {
     "cursor-negative": _progress(lambda p: {**p, "cursor": -64}),
     "rng-string": lambda root: edit_json(root, 4, "rank-00000.json", lambda d: {"rng": "abc"}),
     "ema-wrong-shape": _ema_wrong_shape,
+    **LOADER_REFUSED,
 }
 
 
@@ -194,7 +271,9 @@ def test_verify_finds_digest_consistent_malformed_payloads(root, case):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("case", ["safetensors-header-2^62", "cursor-negative", "ema-wrong-shape", "rng-string"])
+@pytest.mark.parametrize(
+    "case", ["safetensors-header-2^62", "cursor-negative", "ema-wrong-shape", "rng-string", *sorted(LOADER_REFUSED)]
+)
 def test_resume_falls_back_past_a_malformed_payload_and_ends_bit_identical(root, run4, case):
     PAYLOADS[case](root)
     r = rerun(root)
@@ -202,6 +281,61 @@ def test_resume_falls_back_past_a_malformed_payload_and_ends_bit_identical(root,
     no_traceback(r)
     assert "trying the previous one" in r.stderr
     assert_same_step(root, run4[0], 4)
+
+
+@pytest.mark.slow
+def test_verify_sample_and_export_refuse_a_header_only_python_can_read_without_a_traceback(root, tmp_path):
+    # #35: the EMA weights' header in UTF-16. verify said valid; sample and export then crashed in the
+    # safetensors library with a traceback. Now verify, sample and export of that step say why (exit 1),
+    # and on the root all three use step 2, the newest the loaders accept.
+    _header_utf16(root)
+    named = str(step_dir(root, 4))
+    for args in (
+        ["checkpoints", "verify", named],
+        ["sample", named, "--num", "1", "--steps", "1", "--out", str(tmp_path / "a.png")],
+        ["checkpoints", "export", named, str(tmp_path / "export-4")],
+    ):
+        r = run_cli(*args)
+        no_traceback(r)
+        assert r.returncode == 1 and "unreadable safetensors header" in r.stdout + r.stderr, (r.stdout + r.stderr)[
+            -2000:
+        ]
+    verified = run_cli("checkpoints", "verify", str(root))
+    assert verified.returncode == 0 and "(step 2," in verified.stdout, verified.stdout + verified.stderr[-2000:]
+    sampled = run_cli("sample", str(root), "--num", "1", "--steps", "1", "--out", str(tmp_path / "b.png"))
+    assert sampled.returncode == 0 and "(step 2)" in sampled.stdout, sampled.stderr[-2000:]
+    exported = run_cli("checkpoints", "export", str(root), str(tmp_path / "export"))
+    assert exported.returncode == 0, exported.stderr[-2000:]
+    no_traceback(exported)
+
+
+def test_verify_accepts_exactly_the_rng_states_the_setters_accept():
+    import random
+
+    import numpy as np
+
+    from trainer.checkpoint.validity import check_rank_tensors, parse_rank_json
+    from trainer.randomness import rng_state
+
+    tensors, values = rng_state()
+    before = (random.getstate(), np.random.get_state()[1].tolist(), torch.get_rng_state())
+    parse_rank_json(json.dumps({"rng": values}).encode())
+    check_rank_tensors(tensors, "rank-00000.safetensors")
+    for edit in (
+        lambda v: v["python"][1].__setitem__(-1, 625),  # the position past the 624 words
+        lambda v: v["python"].__setitem__(0, 7),  # a state version Python does not know
+        lambda v: v["numpy"].__setitem__(0, "PCG64"),  # numpy's legacy setter takes MT19937 only
+        lambda v: v["numpy"].__setitem__(3, 2**70),  # has_gauss past a C long
+    ):
+        bad = json.loads(json.dumps(values))
+        edit(bad)
+        with pytest.raises(CheckpointCorrupt, match="cannot be set"):
+            parse_rank_json(json.dumps({"rng": bad}).encode())
+    with pytest.raises(CheckpointCorrupt, match="cannot be set"):
+        check_rank_tensors({"torch_cpu": tensors["torch_cpu"][:-1].clone()}, "rank-00000.safetensors")
+    # The checks set scratch generators only: the process's own streams are where they were.
+    assert random.getstate() == before[0] and np.random.get_state()[1].tolist() == before[1]
+    assert torch.equal(torch.get_rng_state(), before[2])
 
 
 # ------------------------------------------------------------------ 4. sample / eval on a corrupt newest

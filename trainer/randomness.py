@@ -13,7 +13,7 @@ from __future__ import annotations
 import enum
 import math
 import random
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import numpy as np
 import torch
@@ -317,6 +317,23 @@ def set_rng_state(tensors: dict[str, torch.Tensor], values: dict) -> None:
     random.setstate(_tuplify(values["python"]))
     n = values["numpy"]
     np.random.set_state((n[0], np.array(n[1], dtype=np.uint32), *n[2:]))
+
+
+def check_rng_state(tensors: Mapping[str, torch.Tensor] | None, values: Mapping | None) -> None:
+    """Raise ValueError unless `set_rng_state` accepts these states: each is applied to a scratch generator
+    (torch, Python's `random.Random`, numpy's `RandomState`), never to the global ones, so a checkpoint
+    whose RNG state the setters refuse is found before anything of it is applied."""
+    try:
+        if tensors is not None:
+            torch.Generator().set_state(tensors["torch_cpu"])
+            if "torch_cuda" in tensors and torch.cuda.is_available():
+                torch.Generator(device="cuda").set_state(tensors["torch_cuda"])
+        if values is not None:
+            random.Random().setstate(_tuplify(values["python"]))
+            n = values["numpy"]
+            np.random.RandomState().set_state((n[0], np.array(n[1], dtype=np.uint32), *n[2:]))
+    except (RuntimeError, ValueError, TypeError, OverflowError, KeyError, IndexError) as e:
+        raise ValueError(f"{type(e).__name__}: {str(e)[:200]}") from None
 
 
 def _jsonable(x):

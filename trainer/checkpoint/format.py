@@ -8,12 +8,14 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import tempfile
 from collections.abc import Callable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import blake3
 import torch
+from safetensors import safe_open
 
 _CHUNK = 64 << 20
 
@@ -94,6 +96,44 @@ def torch_dtype(name: str) -> torch.dtype:
         return SAFETENSORS_DTYPES[name]
     except (KeyError, TypeError):
         raise ValueError(f"unknown safetensors dtype {name!r}") from None
+
+
+def library_header(head: bytes, size: int) -> dict[str, tuple[str, list[int]]]:
+    """{key: (dtype, shape)} as the safetensors library itself reads them from a file of `size` bytes that
+    starts with `head` (the 8-byte length and the header); ValueError with the library's reason if it
+    refuses them.
+
+    The library parses headers its own way (strict UTF-8 JSON, shapes as unsigned 64-bit integers, no
+    duplicate fields, overflow-checked sizes), which Python's `json` does not match, so whatever a
+    checkpoint's header is checked with must be the library that later loads it. It runs on a sparse
+    image of the file: the real header over `size` bytes of which only the header is stored (an
+    anonymous memory file, or a temporary file where there is none), so no tensor data is read or held.
+    """
+    made = None
+    try:
+        fd = os.memfd_create("gentrain-safetensors-header", os.MFD_CLOEXEC)
+        path = f"/proc/self/fd/{fd}"
+    except (AttributeError, OSError):  # no memfd (not Linux): a temporary file, sparse where the disk allows
+        fd, made = tempfile.mkstemp(prefix="gentrain-header-")
+        path = made
+    try:
+        _write_all(fd, head)
+        os.ftruncate(fd, size)
+        try:
+            with safe_open(path, framework="pt") as f:
+                return {k: (f.get_slice(k).get_dtype(), list(f.get_slice(k).get_shape())) for k in f.keys()}
+        except Exception as e:  # noqa: BLE001 - SafetensorError, or whatever else the library refuses with
+            raise ValueError(f"{type(e).__name__}: {str(e)[:200]}") from None
+    finally:
+        os.close(fd)
+        if made is not None:
+            os.unlink(made)
+
+
+def _write_all(fd: int, data: bytes) -> None:
+    view = memoryview(data)
+    while view:
+        view = view[os.write(fd, view) :]
 
 
 def _tensor_bytes(t: torch.Tensor) -> memoryview:

@@ -111,6 +111,11 @@ def is_rank_json(name: str) -> bool:
     return bool(m) and m.group(2) == "json"
 
 
+def is_rank_tensors(name: str) -> bool:
+    m = _RANK_STATE.match(name)
+    return bool(m) and m.group(2) == "safetensors"
+
+
 @dataclass(frozen=True)
 class GroupFile:
     """What a tensor-group file name says: whose, which kind, and which slice."""

@@ -13,7 +13,7 @@ from typing import Any
 import torch
 
 from trainer import __version__
-from trainer.checkpoint.memory import INDEX, OWNER, MemoryTier, agree, memory_root
+from trainer.checkpoint.memory import INDEX, OWNER, MemoryTier, agree, make_root, memory_root
 from trainer.checkpoint.sharded import write_sharded
 from trainer.checkpoint.state import (
     Stateful,
@@ -109,7 +109,7 @@ class CheckpointManager:
         root = memory_root(c.memory_dir, cfg.checkpoint_url)
         usable = False
         try:
-            os.makedirs(root, mode=0o700, exist_ok=True)
+            make_root(root)  # never a link, nor anyone else's folder (see trainer.checkpoint.memory)
             usable = os.access(root, os.W_OK)
         except OSError as e:
             log.warning("checkpoint.memory: cannot use %s (%s); continuing with the durable tier only", root, e)

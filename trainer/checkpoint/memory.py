@@ -26,6 +26,15 @@ fetches the pieces it lacks from a node that holds them, writes the step's shard
 (the same commit rule as the durable tier), and the step is loaded and checked like a durable one (a
 torn, stale or digest-failing step is skipped, then older ones, then the durable tier).
 
+Links: `checkpoint.memory_dir` is the user's choice and is followed if it is a link; it must belong to
+this user (or root), and if others may write in it, carry the sticky bit (as /dev/shm does), or else
+another user could swap the run's folder under it. Below it nothing is followed: the run's folder is made
+by this process (0o700, this user's; a link or someone else's folder there turns the tier off with a
+warning, `make_root`), a step folder or payload file that is a link is never written through (a payload
+name is unlinked before it is written, a step folder that is a link fails that snapshot), and deletion
+(clearing, retention, a failed snapshot's clean-up) removes links, never what they point to. A snapshot
+that fails removes what it created, its step folder too when nothing else is in it.
+
 Why not a library: DLRover's Flash Checkpoint needs its own agent (dlrover-run) in place of torchrun's
 and passes its state's metadata between processes pickled; nvidia-resiliency-ext's local checkpoints
 are `torch.save` files (pickle) and CUDA-first; torchft heals a replica from a live peer's state over
@@ -45,6 +54,7 @@ import posixpath
 import re
 import shutil
 import socket
+import stat
 import threading
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -83,6 +93,59 @@ def run_key(durable_url: str) -> str:
 
 def memory_root(memory_dir: str, durable_url: str) -> str:
     return os.path.join(memory_dir, run_key(durable_url))
+
+
+def make_root(root: str) -> None:
+    """Make the run's memory folder `root` (`memory_root`), or raise OSError saying why it cannot be used.
+
+    Its parent, `checkpoint.memory_dir`, may be a link the user made (a link another user made is
+    refused); the folder it names must belong to this user or to root, and if others may write in it, it
+    must be sticky (/dev/shm is 1777), so nobody else can rename or replace the run's folder. The run's
+    folder itself (a predictable name) must be a real directory of this user's: a link or anyone else's
+    folder there is refused, never followed, since clearing and retention delete step folders in it."""
+    memory_dir = os.path.dirname(root) or "."
+    os.makedirs(memory_dir, mode=0o700, exist_ok=True)
+    me = os.geteuid()
+    if os.path.islink(memory_dir) and os.lstat(memory_dir).st_uid not in (me, 0):
+        raise OSError(
+            f"checkpoint.memory_dir {memory_dir} is a symbolic link of uid {os.lstat(memory_dir).st_uid}, not "
+            "yours: choose a folder of your own"
+        )
+    st = os.stat(memory_dir)
+    if st.st_uid not in (me, 0):
+        raise OSError(
+            f"checkpoint.memory_dir {memory_dir} belongs to uid {st.st_uid}: choose a folder of your own "
+            "(its owner could replace the run's folder in it)"
+        )
+    if st.st_mode & 0o022 and not st.st_mode & stat.S_ISVTX:
+        raise OSError(
+            f"checkpoint.memory_dir {memory_dir} is writable by others without the sticky bit (mode "
+            f"{stat.S_IMODE(st.st_mode):o}): others could replace the run's folder in it; chmod +t it or "
+            "choose another folder"
+        )
+    try:
+        os.mkdir(root, 0o700)
+    except FileExistsError:
+        pass
+    try:
+        fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+    except OSError as e:
+        what = "a symbolic link" if os.path.islink(root) else "not a directory"
+        raise OSError(
+            f"the memory tier's folder {root} is {what}; it is never followed. Remove it (or choose another "
+            f"checkpoint.memory_dir) ({e.strerror})"
+        ) from None
+    try:
+        mine = os.fstat(fd)
+        if mine.st_uid != me:
+            raise OSError(
+                f"the memory tier's folder {root} belongs to uid {mine.st_uid}, not this user; remove it or "
+                "choose another checkpoint.memory_dir"
+            )
+        if stat.S_IMODE(mine.st_mode) != 0o700:
+            os.fchmod(fd, 0o700)
+    finally:
+        os.close(fd)
 
 
 @dataclass(frozen=True)
@@ -129,7 +192,7 @@ class MemoryTier:
     def __init__(self, root: str, env: DistEnv, sharded: bool, timeout_seconds: float, origin: str):
         self.root = root
         self.env, self.sharded = env, sharded
-        os.makedirs(root, mode=0o700, exist_ok=True)
+        make_root(root)
         self.store = _MemoryStore(root)
         self.node = f"{socket.gethostname()}:{os.path.realpath(root)}"
         self.topology = Topology(tuple(gather_objects(self.node)))
@@ -188,7 +251,7 @@ class MemoryTier:
                 self._put_piece(step, owner, doc)
             except Exception as e:
                 error = f"{type(e).__name__}: {e}"
-                self._remove_files(step, files)
+                self._remove_files(step, [*files, piece_file(owner)])
         if self.replicated:
             self._trade(step, owner, doc)
         if self.is_leader:
@@ -257,11 +320,11 @@ class MemoryTier:
             raise CheckpointCorrupt(f"the piece rank {src} sent names no owner rank")
         doc = parse_piece(raw_bytes, step, owner)
         d = self._step_path(step)
-        os.makedirs(d, mode=0o700, exist_ok=True)
+        _real_dir(d)
         for name, entry in sorted(doc["files"].items()):
             size = int(entry["bytes"])
             path = os.path.join(d, name)
-            with open(path, "wb") as f:
+            with _create(path) as f:
                 f.truncate(size)
             if size == 0:
                 continue
@@ -274,12 +337,26 @@ class MemoryTier:
     def _put_piece(self, step: int, owner: int, doc: Mapping[str, Any]) -> None:
         _put(os.path.join(self._step_path(step), piece_file(owner)), json.dumps(doc).encode())
 
-    def _remove_files(self, step: int, files: Mapping[str, Payload]) -> None:
-        for name in files:
-            try:
-                os.unlink(os.path.join(self._step_path(step), name))
-            except OSError:
-                pass
+    def _remove_files(self, step: int, names: list[str]) -> None:
+        """What a failed snapshot wrote (never through a link), and its step folder if nothing else is in it
+        (a full /dev/shm must not collect an empty folder per failed snapshot)."""
+        d = self._step_path(step)
+        try:
+            fd = os.open(d, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+        except OSError:
+            return  # nothing was made there, or it is a link: left alone
+        try:
+            for name in names:
+                try:
+                    os.unlink(name, dir_fd=fd)
+                except OSError:
+                    pass
+        finally:
+            os.close(fd)
+        try:
+            os.rmdir(d)  # only if empty: another rank's files or pieces keep it
+        except OSError:
+            pass
 
     def _retain(self) -> None:
         """Keep the KEEP newest steps that hold a piece, and anything newer (being written)."""
@@ -362,6 +439,7 @@ class MemoryTier:
         return _owners(self.root, step)
 
     def _remove_step(self, step: int) -> None:
+        """Delete a step folder: a link in its place goes, never what it points to."""
         d = self._step_path(step)
         if os.path.islink(d):
             os.unlink(d)
@@ -383,11 +461,23 @@ class _MemoryStore(CheckpointStore):
     def apply_retention(self) -> list[int]:
         return []
 
+    def write_files(self, step: int, files: Mapping[str, Payload]) -> dict[str, dict[str, Any]]:
+        """The durable writer's, into a step folder that is a real directory (never through a link), with
+        any entry already named like a payload file (a link, a stale file) unlinked first."""
+        d = self._path(step_dir_name(step))
+        _real_dir(d)
+        for name in files:
+            _unlink_entry(os.path.join(d, name))
+        return super().write_files(step, files)
+
 
 def scan(root: str) -> dict[int, dict[int, dict[str, Any]]]:
     """{step: {owner: piece}} of the complete pieces in one node's memory folder, oldest step first; a
     piece that does not parse or whose files are missing or of the wrong size is skipped with a warning."""
     out: dict[int, dict[int, dict[str, Any]]] = {}
+    if os.path.islink(root):
+        log.warning("memory tier %s is a symbolic link; it is never followed", root)
+        return out
     for step in _steps(root):
         for owner in _owners(root, step):
             try:
@@ -399,6 +489,8 @@ def scan(root: str) -> dict[int, dict[int, dict[str, Any]]]:
 
 def read_piece(root: str, step: int, owner: int) -> dict[str, Any]:
     d = os.path.join(root, step_dir_name(step))
+    if os.path.islink(d):
+        raise CheckpointCorrupt(f"{d} is a symbolic link (the memory tier never follows links)")
     try:
         doc = parse_piece(_read(os.path.join(d, piece_file(owner))), step, owner)
     except OSError as e:
@@ -435,17 +527,45 @@ def _stall_at() -> int | None:
 
 
 def _read(path: str) -> bytes:
-    with open(path, "rb") as f:
+    """A file's bytes; OSError (ELOOP) if it is a link."""
+    with os.fdopen(os.open(path, os.O_RDONLY | os.O_NOFOLLOW), "rb") as f:
         return f.read()
 
 
 def _put(path: str, data: bytes) -> None:
-    """Readers see the old content or the new, never half (rename over it)."""
+    """Readers see the old content or the new, never half (rename over it; a link there is replaced)."""
     tmp = f"{path}.tmp-{os.getpid()}-{threading.get_ident()}"
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "wb") as f:
+    with _create(tmp) as f:
         f.write(data)
     os.replace(tmp, path)
+
+
+def _create(path: str):
+    """A new file at `path`, open for writing: whatever had the name (a link, a stale file) is unlinked
+    first, and the open neither follows a link nor reuses a file."""
+    _unlink_entry(path)
+    return os.fdopen(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600), "wb")
+
+
+def _unlink_entry(path: str) -> None:
+    """Remove a link or file at `path` (not what a link points to); a directory there is left alone."""
+    try:
+        if not stat.S_ISDIR(os.lstat(path).st_mode):
+            os.unlink(path)
+    except FileNotFoundError:
+        pass
+
+
+def _real_dir(path: str) -> None:
+    """Make the step folder `path` if it is missing; OSError if a link or anything but a directory is there."""
+    try:
+        os.mkdir(path, 0o700)
+    except FileExistsError:
+        pass
+    st = os.lstat(path)
+    if not stat.S_ISDIR(st.st_mode):
+        kind = "a symbolic link" if stat.S_ISLNK(st.st_mode) else "not a directory"
+        raise OSError(f"{path} is {kind}; the memory tier never writes through it")
 
 
 @dataclass(frozen=True)

@@ -19,8 +19,10 @@ module only decides the files. Frozen parts are not saved: their source
 
 from __future__ import annotations
 
+import copy
 import json
 import math
+import types
 from collections.abc import Callable, Mapping
 from typing import Any, Protocol
 
@@ -31,7 +33,7 @@ from trainer.checkpoint.format import join_tensors, split_tensors, torch_dtype
 from trainer.checkpoint.layout import TRAINER_JSON, ema_file, group_name, model_file, optimizer_file, rank_files
 from trainer.checkpoint.sharded import ShardIndex, is_sharded, load_group, local_slices
 from trainer.checkpoint.store import CheckpointInfo, CheckpointStore, Payload
-from trainer.checkpoint.validity import tensor_refs
+from trainer.checkpoint.validity import check_rank_tensors, tensor_refs
 from trainer.checkpoint.writer import storage_key
 from trainer.errors import CheckpointCorrupt, ConfigError
 from trainer.randomness import rng_state, set_rng_state
@@ -141,11 +143,14 @@ class LoadedState:
         self._progress, self._parts = progress, parts
 
     def apply(self) -> dict[str, Any]:
-        for name, state in self._states.items():
-            self._parts[name].load_state_dict(state)
+        # Progress first: the one refusal left at this point is its own (a changed data order, a config
+        # error that ends the run), and it comes before anything else is applied. Everything after it was
+        # tried on scratch objects when it was read (read_state), so nothing fails half-way.
         self._progress.load_state_dict(self.doc["progress"])
         if self._rng is not None:
             set_rng_state(*self._rng)
+        for name, state in self._states.items():
+            self._parts[name].load_state_dict(state)
         return self.doc
 
 
@@ -191,14 +196,13 @@ def read_state(
                 "step": meta["step"],
             }
         check_fits(part, states[name], f"{info.url}: part {name!r}")
+        check_settings_load(part, states[name], f"{info.url}: part {name!r}")
     tensor_name, json_name = rank_files(rank)
     rng = None
     if tensor_name in files:
         tensors = store.read_tensors(info, tensor_name)
-        cpu = tensors.get("torch_cpu")
-        if cpu is None or cpu.dtype != torch.uint8 or cpu.ndim != 1:
-            raise CheckpointCorrupt(f"{info.url}/{tensor_name}: no CPU RNG state (a uint8 vector named torch_cpu)")
-        rng = (tensors, store.read_json(info, json_name)["rng"])
+        check_rank_tensors(tensors, f"{info.url}/{tensor_name}")  # set on scratch generators: apply cannot fail
+        rng = (tensors, store.read_json(info, json_name)["rng"])  # the values likewise (parse_rank_json)
     return LoadedState(doc, states, rng, progress, parts)
 
 
@@ -268,6 +272,31 @@ def check_fits(part: Any, state: Mapping[str, Any], what: str) -> None:
     if part.ema is not None and state.get("ema_meta"):
         live_meta = {k: v for k, v in part.ema.state_dict().items() if k != "shadow_params"}
         _check_like(state["ema_meta"], live_meta, f"{what}: EMA settings")
+
+
+def check_settings_load(part: Any, state: Mapping[str, Any], what: str) -> None:
+    """The saved schedule loads into this part's: it is loaded into a shallow copy of the live schedule (its
+    own attribute dict, stand-ins for the lambdas), so a state with more lambdas than the part has groups
+    fails here, before anything is applied. The loaders' own refusals (EMA, scaler, schedule) were found
+    when trainer.json was parsed (trainer.checkpoint.validity)."""
+    saved = state.get("lr_schedule")
+    if saved is None:
+        return
+    try:
+        _scratch_schedule(part.lr_schedule).load_state_dict(dict(saved))
+    except (RuntimeError, ValueError, TypeError, KeyError, IndexError, AttributeError) as e:
+        raise CheckpointCorrupt(
+            f"{what}: its learning-rate schedule cannot be loaded ({type(e).__name__}: {e})"[:300]
+        ) from None
+
+
+def _scratch_schedule(live: Any) -> Any:
+    """A copy of a schedule that shares nothing a `load_state_dict` writes to: its own attribute dict, and
+    stand-ins for LambdaLR's lambdas (whose `__dict__` a saved state updates)."""
+    scratch = copy.copy(live)
+    if hasattr(live, "lr_lambdas"):
+        scratch.lr_lambdas = [types.SimpleNamespace() for _ in live.lr_lambdas]
+    return scratch
 
 
 def _check_like(saved: Any, live: Mapping[str, Any], what: str) -> None:

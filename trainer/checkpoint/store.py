@@ -49,6 +49,7 @@ from trainer.checkpoint.layout import (
     TRAINER_JSON,
     group_name,
     is_rank_json,
+    is_rank_tensors,
     is_tensor_file,
     parse_group_file,
     parse_step_dir,
@@ -57,6 +58,7 @@ from trainer.checkpoint.layout import (
 )
 from trainer.checkpoint.validity import (
     FORMAT_VERSION,
+    check_rank_tensors,
     parse_json,
     parse_manifest,
     parse_rank_json,
@@ -150,7 +152,7 @@ class CheckpointStore:
         """
         if self._local:
             tmp = f"{path}.tmp-{threading.get_ident()}"
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o640)
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o640)
             os.fchmod(fd, os.fstat(fd).st_mode & 0o770)  # a leftover tmp file keeps its old mode otherwise
             with os.fdopen(fd, "wb") as f:
                 f.write(data)
@@ -293,7 +295,7 @@ class CheckpointStore:
             # No world access on local disks, set before a byte is written: files 0o640 in a 0o750 step dir
             # (or stricter under the umask). A checkpoint holds the run's weights and settings.
             os.chmod(d, os.stat(d).st_mode & 0o770)
-            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o640)
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o640)  # never through a link
             os.fchmod(fd, os.fstat(fd).st_mode & 0o770)  # a file already there keeps its old mode otherwise
             opened = os.fdopen(fd, "wb")
         else:
@@ -501,6 +503,8 @@ class CheckpointStore:
                     self.verify_file(info, name)
                 if is_tensor_file(name):
                     parsed[name] = self.read_safetensors_header(info, name)[0]
+                    if is_rank_tensors(name):  # small: its RNG state is read and tried on scratch generators
+                        check_rank_tensors(self.read_tensors(info, name), f"{info.url}/{name}")
                 elif name.endswith(".json"):
                     parsed[name] = self.read_json(info, name)
             except CheckpointCorrupt as e:

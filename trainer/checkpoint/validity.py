@@ -6,8 +6,10 @@ byte read from it is parsed against a schema here before anything else looks at 
 - `parse_manifest`: the manifest's fields and types (file names that stay inside the step dir, sizes,
   one digest per file of a known algorithm, frozen-part and input records).
 - `parse_safetensors_header`: a safetensors header bounded by the file's size, known dtypes, shapes and
-  data offsets that tile the data exactly (what the safetensors library checks, done on a stream).
-- `parse_trainer_json`, `parse_rank_json`, `parse_shard_index`: the JSON state files.
+  data offsets that tile the data exactly, read on a stream; then read again by the safetensors library
+  itself and made on torch's meta device, so a header passes only if the loaders accept it.
+- `parse_trainer_json`, `parse_rank_json`, `parse_shard_index`: the JSON state files; `check_rank_tensors`:
+  a rank's RNG tensors. RNG states are applied to scratch generators, so what passes can be set.
 - `check_payload`: one file, by its role in the layout, through its digest and its structure.
 
 The store (`CheckpointStore.check` cheaply, `CheckpointStore.verify` fully), resume, sampling and the
@@ -21,9 +23,12 @@ from __future__ import annotations
 import json
 import math
 import re
+import types
 from collections.abc import Callable, Mapping
 from typing import Annotated, Any
 
+import torch
+from diffusers.training_utils import EMAModel
 from pydantic import (
     BaseModel,
     ConfigDict,
@@ -36,10 +41,10 @@ from pydantic import (
     model_validator,
 )
 
-from trainer.checkpoint.format import SAFETENSORS_DTYPES
+from trainer.checkpoint.format import SAFETENSORS_DTYPES, library_header
 from trainer.checkpoint.layout import MANIFEST
 from trainer.errors import CheckpointCorrupt
-from trainer.randomness import CURRENT_STREAM
+from trainer.randomness import CURRENT_STREAM, check_rng_state
 
 FORMAT_VERSION = 2  # 2: blake3 digests, sharded layout; 1 (sha256, one writer) still loads
 MAX_HEADER_BYTES = 100 << 20  # the safetensors library's own limit on a header
@@ -99,7 +104,7 @@ class PieceDoc(_Open):
     world_size: Annotated[StrictInt, Field(ge=1)]
     sharded: StrictBool
     files: dict[StrictStr, FileEntry]
-    index: dict[StrictStr, Any] = {}  # this owner's part of shards.json (sharded)
+    index: dict[StrictStr, dict[StrictStr, IndexedTensor]] = {}  # this owner's part of shards.json (sharded)
     meta: dict[StrictStr, Any] | None = None  # owner 0: what the manifest says about the run
 
 
@@ -181,6 +186,9 @@ class ShardIndexDoc(_Open):
     tensors: dict[StrictStr, dict[StrictStr, IndexedTensor]]
 
 
+PieceDoc.model_rebuild()  # its index holds IndexedTensor entries, defined after it
+
+
 def _first_error(e: ValidationError) -> str:
     err = e.errors()[0]
     where = ".".join(str(p) for p in err["loc"]) or "top level"
@@ -238,6 +246,8 @@ def parse_piece(raw: bytes, step: int, owner: int) -> dict[str, Any]:
         )
     if (owner == 0) != (doc.get("meta") is not None):
         raise CheckpointCorrupt(f"piece of rank {owner}: only rank 0's piece carries the run's manifest fields")
+    if doc.get("meta") is not None:  # what the manifest will say: its fields and types, as in a manifest
+        _model(Manifest, {**doc["meta"], "step": step, "files": {}}, f"piece of rank {owner}: its manifest fields")
     for name in doc["files"]:
         if not FILE_NAME.match(name) or name == MANIFEST or ".." in name or name.startswith("piece-"):
             raise CheckpointCorrupt(f"piece of rank {owner} lists a file named {name!r}, not a payload file name")
@@ -259,9 +269,11 @@ def parse_safetensors_header(read: Callable[[int, int], bytes], size: int, what:
     n = int.from_bytes(read(0, 8), "little")
     if n > min(size - 8, MAX_HEADER_BYTES):
         raise CheckpointCorrupt(f"{what}: safetensors header length {n} does not fit the file ({size} bytes)")
+    raw = read(8, n)
     try:
-        header = json.loads(read(8, n))
-    except (ValueError, RecursionError) as e:
+        # UTF-8 only, as the library reads it (Python's json would also take UTF-16 and UTF-32 bytes).
+        header = json.loads(raw.decode("utf-8"))
+    except (ValueError, RecursionError) as e:  # UnicodeDecodeError is a ValueError
         raise CheckpointCorrupt(f"{what}: unreadable safetensors header ({type(e).__name__})") from None
     if not isinstance(header, dict):
         raise CheckpointCorrupt(f"{what}: safetensors header is a {type(header).__name__}, not an object")
@@ -277,7 +289,7 @@ def parse_safetensors_header(read: Callable[[int, int], bytes], size: int, what:
         dtype, shape, offsets = entry["dtype"], entry["shape"], entry["data_offsets"]
         if not isinstance(dtype, str) or dtype not in SAFETENSORS_DTYPES:
             raise CheckpointCorrupt(f"{what}: tensor {key!r} has unknown dtype {dtype!r}")
-        if not isinstance(shape, list) or not all(type(d) is int and d >= 0 for d in shape):
+        if not isinstance(shape, list) or not all(type(d) is int and 0 <= d < 1 << 63 for d in shape):
             raise CheckpointCorrupt(f"{what}: tensor {key!r} has shape {shape!r}")
         if not (isinstance(offsets, list) and len(offsets) == 2 and all(type(o) is int for o in offsets)):
             raise CheckpointCorrupt(f"{what}: tensor {key!r} has data_offsets {offsets!r}")
@@ -292,7 +304,32 @@ def parse_safetensors_header(read: Callable[[int, int], bytes], size: int, what:
         pos = stop
     if 8 + n + pos != size:
         raise CheckpointCorrupt(f"{what}: its tensors hold {pos} bytes, the file has {size - 8 - n} after the header")
+    _check_loadable(header, n.to_bytes(8, "little") + raw, size, what)
     return header, 8 + n
+
+
+def _check_loadable(header: Mapping[str, Any], head: bytes, size: int, what: str) -> None:
+    """The safetensors library reads the same tensors from the header, and torch can make each of them.
+
+    The checks above are gentrain's reading of the format; the library that loads the file parses the
+    header again its own way (see `trainer.checkpoint.format.library_header`), and torch sizes are signed
+    64-bit where the format's are unsigned. A header passes only if both accept it as gentrain read it,
+    so what verify accepts loads (tests/test_checkpoint_fuzz.py holds this on fuzzed headers)."""
+    try:
+        seen = library_header(head, size)
+    except ValueError as e:
+        raise CheckpointCorrupt(f"{what}: the safetensors library refuses its header ({e})") from None
+    ours = {key: (entry["dtype"], tuple(entry["shape"])) for key, entry in header.items()}
+    theirs = {key: (dtype, tuple(shape)) for key, (dtype, shape) in seen.items()}
+    if theirs != ours:
+        differ = sorted(set(theirs.items()) ^ set(ours.items()), key=repr)[:2]
+        raise CheckpointCorrupt(f"{what}: the safetensors library reads its header otherwise ({differ})"[:300])
+    for key, (dtype, shape) in ours.items():
+        try:
+            torch.empty(shape, dtype=SAFETENSORS_DTYPES[dtype], device="meta")
+        except (RuntimeError, ValueError, TypeError, OverflowError) as e:
+            why = (str(e).splitlines() or [type(e).__name__])[0][:200]
+            raise CheckpointCorrupt(f"{what}: tensor {key!r} of shape {list(shape)} cannot be made ({why})") from None
 
 
 # ------------------------------------------------------------------ JSON state
@@ -308,7 +345,44 @@ def parse_trainer_json(raw: bytes, step: int | None = None) -> dict[str, Any]:
         raise CheckpointCorrupt(f"trainer.json says step {doc['progress']['step']}, the manifest {step}")
     for name, part in doc["parts"].items():
         _check_skeleton(part["optimizer"], f"trainer.json parts.{name}.optimizer")
+        _check_settings_load(part, f"trainer.json parts.{name}")
     return doc
+
+
+def _check_settings_load(part: Mapping[str, Any], what: str) -> None:
+    """A part's schedule, loss scaler and EMA settings load: each goes through the `load_state_dict` of a
+    scratch object of the kind gentrain builds (torch's LambdaLR and GradScaler, diffusers' EMAModel), so
+    a value their loaders refuse (an EMA decay of 5, a scaler without its scale, a schedule without its
+    lambdas) fails here, not half-way through a resume. Whether they fit the live part is checked at
+    resume (trainer.checkpoint.state)."""
+    trials = []
+    if part.get("lr_schedule") is not None:
+        trials.append(("lr_schedule", lambda: _load_schedule(part["lr_schedule"])))
+    if part.get("scaler"):
+        trials.append(("scaler", lambda: torch.amp.GradScaler("cpu").load_state_dict(dict(part["scaler"]))))
+    if part.get("ema"):
+        meta = {**part["ema"], "shadow_params": [torch.zeros(1)]}
+        trials.append(("ema", lambda: EMAModel([torch.nn.Parameter(torch.zeros(1))]).load_state_dict(meta)))
+    for name, trial in trials:
+        try:
+            trial()
+        except (RuntimeError, ValueError, TypeError, KeyError, IndexError, AttributeError, OverflowError) as e:
+            raise CheckpointCorrupt(f"{what}.{name} cannot be loaded ({type(e).__name__}: {e})"[:300]) from None
+
+
+def _load_schedule(saved: Mapping[str, Any]) -> None:
+    scratch = torch.optim.lr_scheduler.LambdaLR(torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=1.0), _one)
+    unknown = sorted(set(saved) - set(scratch.state_dict()))
+    if unknown:
+        raise KeyError(f"unknown entries {unknown[:3]}")
+    lambdas = saved.get("lr_lambdas")
+    if isinstance(lambdas, list) and len(lambdas) <= 4096:  # stand-ins whose __dict__ a saved state may update
+        scratch.lr_lambdas = [types.SimpleNamespace() for _ in lambdas]
+    scratch.load_state_dict(dict(saved))
+
+
+def _one(step: int) -> float:
+    return 1.0
 
 
 def _check_skeleton(tree: Any, what: str, depth: int = 0) -> None:
@@ -339,9 +413,30 @@ def tensor_refs(tree: Any) -> set[str]:
 
 
 def parse_rank_json(raw: bytes) -> dict[str, Any]:
+    """A rank's RNG values (Python's `random`, numpy), checked against their schema and by applying them to
+    scratch generators: the values a resume would refuse to set are refused here."""
     doc = parse_json(raw, "rank state")
     _model(RankState, doc, "rank state")
+    try:
+        check_rng_state(None, doc["rng"])
+    except ValueError as e:
+        raise CheckpointCorrupt(f"rank state: its RNG state cannot be set ({e})") from None
     return doc
+
+
+def check_rank_tensors(tensors: Mapping[str, Any], what: str) -> None:
+    """A rank's RNG tensors (`rank-NNNNN.safetensors`): a torch CPU state (a uint8 vector named torch_cpu)
+    that a scratch generator accepts, and a CUDA one where this process has CUDA."""
+    cpu = tensors.get("torch_cpu")
+    if not isinstance(cpu, torch.Tensor) or cpu.dtype != torch.uint8 or cpu.ndim != 1:
+        raise CheckpointCorrupt(f"{what}: no CPU RNG state (a uint8 vector named torch_cpu)")
+    cuda = tensors.get("torch_cuda")
+    if cuda is not None and (cuda.dtype != torch.uint8 or cuda.ndim != 1):
+        raise CheckpointCorrupt(f"{what}: its CUDA RNG state is not a uint8 vector")
+    try:
+        check_rng_state(tensors, None)
+    except ValueError as e:
+        raise CheckpointCorrupt(f"{what}: its RNG state cannot be set ({e})") from None
 
 
 def parse_shard_index(raw: bytes, files: Mapping[str, Any]) -> dict[str, Any]:
