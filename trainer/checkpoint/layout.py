@@ -29,7 +29,7 @@ from dataclasses import dataclass
 MANIFEST = "manifest.json"
 TRAINER_JSON = "trainer.json"
 SHARD_INDEX = "shards.json"
-LEASE_FILE = "lease.json"  # beside the step dirs; `lease.json.lock` next to it on local disks
+LEASE_FILE = "lease.json"  # beside the step dirs, while a trainer holds the root
 KINDS = ("model", "ema", "optimizer")  # the kinds of tensor group a part has
 
 _PIECE = re.compile(r"^piece-r(\d{5,})\.json$")

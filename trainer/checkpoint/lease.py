@@ -14,8 +14,8 @@ its own (`lease_seconds / 4`, off the step's path); any other trainer that finds
 
 Every write is conditional where the store can make it so, so two contenders never both win:
 
-- local disks: create with `os.link` (fails if the name exists) and replace under an `fcntl.flock`
-  of `<root>/lease.json.lock` (on NFS that lock is only as good as the server's lock manager);
+- local disks: create with `os.link` (fails if the name exists), replace and delete under an
+  `fcntl.flock` of the root dir (on a network file system only as good as its lock support);
 - S3: `PutObject` with `If-None-Match: *` (create) or `If-Match: <etag>` (renew, take over) and
   `DeleteObject` with `If-Match` (s3fs passes these to botocore >= 1.35.20; AWS honours them since
   2024, moto's server too);
@@ -238,10 +238,16 @@ class _LocalLeaseFile(_LeaseFile):
 
     @contextlib.contextmanager
     def _locked(self):
-        os.makedirs(os.path.dirname(self.path), exist_ok=True)
-        fd = os.open(f"{self.path}.lock", os.O_RDWR | os.O_CREAT, 0o640)
+        # The root dir itself is locked: no lock file is left behind. Where a directory cannot be locked
+        # (some network file systems) the create stays exclusive (os.link) and a replace is read-compare-write.
+        root = os.path.dirname(self.path)
+        os.makedirs(root, exist_ok=True)
+        fd = os.open(root, os.O_RDONLY)
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX)
+            except OSError as e:
+                log.debug("cannot lock %s (%s): lease writes are read-compare-write there", root, e)
             yield
         finally:
             os.close(fd)  # releases the lock
@@ -387,6 +393,10 @@ class _GCSLeaseFile(_LeaseFile):
         return self._confirm_gcs(data, version)
 
     def replace(self, data: bytes, version: str) -> str:
+        # Compared first as well: where ifGenerationMatch is ignored (the emulator) a stale writer still stops.
+        cur = self.read()
+        if cur is None or cur[1] != version:
+            raise _Conflict
         return self._confirm_gcs(data, self._upload(data, version))
 
     def _confirm_gcs(self, data: bytes, version: str) -> str:
@@ -397,6 +407,9 @@ class _GCSLeaseFile(_LeaseFile):
 
     def delete(self, version: str) -> None:
         bucket, key = self._split()
+        cur = self.read()
+        if cur is None or cur[1] != version:
+            return
         try:
             self.fs.call("DELETE", "b/{}/o/{}", bucket, key, ifGenerationMatch=version)
         except (FileNotFoundError, FileExistsError):
