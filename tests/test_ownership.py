@@ -21,6 +21,7 @@ from ckpt_tamper import edit_json, manifest, read_tensors, step_dir
 from conftest import clean_env, run_cli, tiny
 from helpers import assert_tensors_equal, kill_group, start_cli, wait_for_log
 
+from trainer.checkpoint import CheckpointStore
 from trainer.checkpoint.lease import Holder, Lease, LeaseError, LeaseLost, lease_file
 from trainer.storage import filesystem
 
@@ -81,9 +82,10 @@ def test_resume_false_in_a_torchrun_restart_of_the_same_job_continues_it(tmp_pat
     assert later["run"] == first["run"] and later["timeline"] != first["timeline"]
 
 
-def _unloadable(doc: dict) -> None:
+def _unloadable(doc: dict) -> dict:
     """trainer.json with an entry no schedule has: it verifies (digests, schemas), a resume cannot load it."""
     doc["parts"]["unet"]["lr_schedule"]["not_a_field"] = 1
+    return doc
 
 
 @pytest.mark.slow
@@ -97,6 +99,8 @@ def test_a_step_retrained_after_a_fallback_replaces_the_one_that_could_not_be_lo
     root = root_of(work)
     edit_json(root, 4, "trainer.json", _unloadable)
     old = manifest(root, 4)
+    store = CheckpointStore(str(root))
+    assert store.verify(store.check(4)) == [], "the tampered step must verify: only loading it fails"
 
     r = train(work, max_steps=4)
     assert r.returncode == 0, r.stderr[-3000:]
@@ -193,7 +197,8 @@ def test_a_paused_holder_loses_its_lease_after_the_ttl_and_never_commits_again(t
 HOLDER = textwrap.dedent(
     """
     import json, sys
-    from trainer.checkpoint.lease import Holder, Lease, LeaseLost
+    from trainer.checkpoint import CheckpointStore
+from trainer.checkpoint.lease import Holder, Lease, LeaseLost
     from trainer.storage import filesystem
     url, options, seconds = sys.argv[1], json.loads(sys.argv[2]), float(sys.argv[3])
     fs, root = filesystem(url, options)
