@@ -383,6 +383,7 @@ def test_training_on_a_fuzzed_root_resumes_exactly_or_starts_over(reference, tmp
     store = CheckpointStore(str(root))
     valid_before = {i.step for i in store.list() if i.valid and not store.verify(i)}
     newest = max(valid_before, default=None)
+    fingerprints = {s: store.check(s).fingerprint for s in valid_before}
     # The read-only commands on the same root: verify and sample agree with what training will resume from.
     # A checkpoint whose training state is intact but whose stored config cannot build a model (a fuzzed
     # manifest config) still resumes training (which runs the user's config); verify and sample both
@@ -399,6 +400,16 @@ def test_training_on_a_fuzzed_root_resumes_exactly_or_starts_over(reference, tmp
     assert resumed in r.stderr, f"expected {resumed}: {r.stderr[-3000:]}"
     for step in valid_before:  # keep=10: every valid checkpoint is still there and still valid
         assert store.check(step).valid and not store.verify(store.check(step)), f"valid step {step} lost"
+    # Every step it saved past the one it resumed from is its own timeline's: a step another timeline left
+    # there (the reference run's, valid or not) was replaced, never kept; older steps keep their writer.
+    start = newest or 0
+    ours = {s: store.check(s).manifest.get("timeline") for s in (2, 4, 6) if s > start}
+    assert len(set(ours.values())) == 1 and None not in ours.values(), ours
+    if start < 6:
+        assert ours[6] != manifest(reference, 6)["timeline"], "the reference run's step 6 was kept"
+    for s in valid_before:
+        if s <= start:  # the step it resumed from and older ones: never rewritten
+            assert store.check(s).fingerprint == fingerprints[s], f"step {s} was rewritten"
     # Whatever it resumed from (a valid step 4 or 2, or nothing), step 6 is the uninterrupted run's.
     for name in ("unet.model.safetensors", "unet.ema.safetensors", "unet.optimizer.safetensors"):
         got, want = read_tensors(root, 6, name), read_tensors(reference, 6, name)

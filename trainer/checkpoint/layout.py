@@ -1,5 +1,6 @@
 """Every name inside a checkpoint root, built and parsed in one place.
 
+    <root>/lease.json                         the trainer that owns the root now (trainer.checkpoint.lease)
     <root>/step-000001200/                    one checkpoint (step_dir_name / parse_step_dir)
         manifest.json                         written last: the commit point
         trainer.json                          steps, optimizer skeletons, data cursor, config
@@ -28,6 +29,7 @@ from dataclasses import dataclass
 MANIFEST = "manifest.json"
 TRAINER_JSON = "trainer.json"
 SHARD_INDEX = "shards.json"
+LEASE_FILE = "lease.json"  # beside the step dirs, while a trainer holds the root
 KINDS = ("model", "ema", "optimizer")  # the kinds of tensor group a part has
 
 _PIECE = re.compile(r"^piece-r(\d{5,})\.json$")

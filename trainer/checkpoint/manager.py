@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import atexit
 import logging
 import os
 import re
@@ -13,6 +14,7 @@ from typing import Any
 import torch
 
 from trainer import __version__
+from trainer.checkpoint.lease import Holder, Lease, LeaseError, LeaseLost
 from trainer.checkpoint.memory import INDEX, OWNER, MemoryTier, agree, make_root, memory_root
 from trainer.checkpoint.sharded import write_sharded
 from trainer.checkpoint.state import (
@@ -24,7 +26,16 @@ from trainer.checkpoint.state import (
     snapshot_files,
     updated_only_in_steps,
 )
-from trainer.checkpoint.store import CheckpointCorrupt, CheckpointError, CheckpointInfo, CheckpointStore, SaveResult
+from trainer.checkpoint.store import (
+    CheckpointCorrupt,
+    CheckpointError,
+    CheckpointInfo,
+    CheckpointStore,
+    SaveResult,
+    Timeline,
+    describe_owner,
+    new_owner_id,
+)
 from trainer.checkpoint.weights import check_pinned_inputs
 from trainer.checkpoint.writer import Checkpointer, SnapshotError
 from trainer.config import Config
@@ -61,6 +72,11 @@ class CheckpointManager:
     With `checkpoint.memory` every rank also hands its piece of every `checkpoint.memory_every_steps`-th
     step to the memory tier (trainer.checkpoint.memory), always in the background, and `resume` tries
     that tier's newest complete step first when it is newer than the durable tier's newest.
+
+    It also owns the run's claim on its root (docs/checkpoints.md, "Runs, timelines and the lease"):
+    rank 0 takes the root's lease before anything else (`checkpoint.lease`) and every manifest records
+    the run and the timeline that wrote it (`Timeline`), so a save replaces what another run or an
+    abandoned timeline left at its step.
     """
 
     def __init__(self, cfg: Config, runtime: Runtime, metrics: TrainingMetrics):
@@ -71,6 +87,8 @@ class CheckpointManager:
         self.store = CheckpointStore(cfg.checkpoint_url, c.storage_options, c.keep, c.keep_every_steps)
         self.store.prune_in_background = True  # the training thread does not wait for deletes
         self.group = new_gloo_group(cfg.elastic.collective_timeout_seconds) if self.sharded else None
+        self.lease = self._take_lease(cfg)
+        self.resuming = self._decide_resume()
         if self.sharded:
             self.writer = Checkpointer(
                 self.store,
@@ -87,6 +105,7 @@ class CheckpointManager:
         self.memory, self.memory_writer = self._memory_tier(cfg, runtime, metrics)
         self.memory_every_steps = c.memory_every_steps
         self.memory_failures = 0
+        self._memory_resumed: CheckpointInfo | None = None
         self.resumed_tier: str | None = None
         self.failures = 0
         self._stall: float | None = None  # an async save's stall so far; its fence adds the rest
@@ -160,7 +179,7 @@ class CheckpointManager:
         A record's URL is stored with its credentials redacted; where the part's URL in this run's
         config (`source_urls`) names the same scheme and host, its credentials are put back, so the
         pinned step can still be opened when the source run has moved on."""
-        if not self.cfg.checkpoint.resume:
+        if not self.resuming:
             return None
         records = None
         if self.env.is_main:
@@ -186,13 +205,15 @@ class CheckpointManager:
         live parts, rank 0 verifies the files no rank read, and only if all of that passed on every rank
         is it applied, everywhere at once. Otherwise nothing is applied and the previous one is tried.
         """
-        if not self.cfg.checkpoint.resume:
+        if not self.resuming:
             if self.memory is not None:
                 self.memory.clear()
+            self._start_timeline(None)
             return None
         if self.memory is not None:
             resumed = self._resume_from_memory()
             if resumed is not None:
+                self._start_timeline(self._memory_resumed, origin=False)
                 return resumed
         candidates = iter(self.store.valid_candidates()) if self.env.is_main else None
         first = True
@@ -201,6 +222,7 @@ class CheckpointManager:
             inputs = (info.manifest.get("inputs") or {}) if info is not None and first else None
             step, recorded = broadcast_object((info.step if info is not None else None, inputs))
             if step is None:
+                self._start_timeline(None)
                 return None
             if first:  # every rank raises together (exit 2) when a pinned input (the text encoder) changed
                 check_pinned_inputs(recorded, self.inputs, f"the run at {self.store.url}")
@@ -210,6 +232,7 @@ class CheckpointManager:
             if not errors:
                 self.resumed_from = self.store.url_for(step)
                 self.resumed_tier = "durable"
+                self._start_timeline(info)
                 return self.resumed_from
             if self.env.is_main:
                 log.warning("checkpoint %s cannot be loaded (%s); trying the previous one", info.url, "; ".join(errors))
@@ -259,6 +282,7 @@ class CheckpointManager:
                 problems = self._load_everywhere(tier.store.check(step), tier.store)
             if not problems:
                 tier.forget_after(step)
+                self._memory_resumed = tier.store.check(step)
                 self.resumed_from = f"memory:{tier.store.url_for(step)}"
                 self.resumed_tier = "memory"
                 return self.resumed_from
@@ -352,11 +376,14 @@ class CheckpointManager:
             "config": self.cfg.to_dict(),
             "frozen": dict(self.frozen),
             "inputs": dict(self.inputs),
+            **(self.store.timeline.fields() if self.store.timeline is not None else {}),
         }
         return redact(meta)
 
     def save(self, step: int, sync: bool = False, final: bool = False) -> bool:
-        """Collective: every rank contributes its own state. False if it failed."""
+        """Collective: every rank contributes its own state. False if it failed; LeaseLost (exit 2, every
+        rank) once another trainer took the root over."""
+        self._stop_if_lease_lost()
         t0 = time.perf_counter()
         if self.sharded:
             files, index = sharded_snapshot_files(self.progress, self.parts, self.frozen, self.env.rank)
@@ -375,6 +402,8 @@ class CheckpointManager:
             self.writer.save(
                 step, files, meta, sync=sync, stable=updated_only_in_steps(self.parts) if background else None
             )
+        except LeaseLost:
+            raise
         except Exception as e:  # storage outage, quota, credentials: training goes on
             self._count_failure(e)
             if final:
@@ -420,13 +449,16 @@ class CheckpointManager:
         local_index = meta.pop(_LOCAL_INDEX)
         # Rank 0's view decides: its previous save (and commit) has finished before this one starts. A step
         # dir that holds an invalid checkpoint (one resume fell back from) is cleared first, then rewritten.
-        committed = None
+        verdict: tuple[bool, BaseException | None] = (False, None)
         if self.env.is_main:
-            committed = self.store.committed(step) is not None
-            if not committed:
-                self.store.clear_invalid(step)
-        if broadcast_object(committed, group=self.group):
-            log.info("checkpoint %s is already committed; not writing it again", self.store.url_for(step))
+            try:
+                verdict = (self.store.claim(step) is not None, None)  # this timeline's already, or cleared for it
+            except Exception as e:  # noqa: BLE001 - raised on every rank below, together
+                verdict = (False, e)
+        committed, error = broadcast_object(verdict, group=self.group)
+        if error is not None:
+            raise error
+        if committed:
             return None
         return write_sharded(
             self.store,
@@ -508,6 +540,102 @@ class CheckpointManager:
         if self.writer is not None:
             self.writer.close()
         self.report_background_failure()
+        if self.lease is not None:
+            self.lease.release()  # a clean exit, or the end of an emergency save: a successor need not wait
+
+    # ---------------------------------------------------------------- ownership
+
+    def _take_lease(self, cfg: Config) -> Lease | None:
+        """Collective: rank 0 takes the root's lease (waiting up to a holder's lease_seconds to see whether it
+        lapses); every rank raises LeaseError together if another trainer holds it. None with checkpoint.lease
+        off."""
+        c = cfg.checkpoint
+        if not c.lease:
+            return None
+        if c.lease_seconds * 2 + 60 > cfg.elastic.collective_timeout_seconds and self.env.world_size > 1:
+            raise ConfigError(
+                f"checkpoint.lease_seconds={c.lease_seconds:g} is too long for elastic.collective_timeout_seconds="
+                f"{cfg.elastic.collective_timeout_seconds:g}: the other ranks wait for rank 0 to take the lease for "
+                "up to twice lease_seconds; make collective_timeout_seconds at least 2 * lease_seconds + 60"
+            )
+        lease, refusal = None, None
+        if self.env.is_main:
+            holder = Holder.me(self.env.run_id, self.env.restart_count)
+            lease = Lease(self.store.fs, self.store.root, self.store.url, c.lease_seconds, holder)
+            try:
+                lease.acquire()
+            except LeaseError as e:
+                refusal = str(e)
+            except OSError as e:  # the store itself: like any other failure to reach it at start-up
+                refusal = f"cannot take the lease on {self.store.url}: {type(e).__name__}: {e}"
+        refusal = broadcast_object(refusal)  # every rank waits for rank 0's answer, then raises together
+        if refusal is not None:
+            raise LeaseError(refusal)
+        if lease is not None:
+            self.store.fence = lease.check
+            atexit.register(lease.release)  # an exit on an error: the next launch need not wait for it to lapse
+        return lease
+
+    def _stop_if_lease_lost(self) -> None:
+        """Collective: LeaseLost on every rank once rank 0 learned that another trainer took the root over."""
+        lost = self.lease.lost if self.lease is not None else None
+        lost = broadcast_object(lost) if self.env.world_size > 1 else lost
+        if lost is not None:
+            raise LeaseLost(lost)
+
+    def _decide_resume(self) -> bool:
+        """Collective: whether this process resumes. `checkpoint.resume=false` over a root that holds another
+        run's checkpoints exits 2 (gentrain never mixes two runs in one root), except in a worker-group restart
+        of the job that wrote them: that job goes on (else a torchrun restart would start over, or be refused)."""
+        if self.cfg.checkpoint.resume:
+            return True
+        verdict: tuple[bool, str | None] = (False, None)
+        if self.env.is_main:
+            newest = next(iter(self.store.valid_candidates()), None)
+            if newest is not None:
+                job = (newest.manifest or {}).get("job")
+                if self.env.restart_count > 0 and self.env.run_id not in ("", "local") and job == self.env.run_id:
+                    log.warning(
+                        "checkpoint.resume=false, but this is restart %d of torchrun job %s, which wrote %s: "
+                        "resuming it (only the job's first start starts over)",
+                        self.env.restart_count,
+                        job,
+                        newest.url,
+                    )
+                    verdict = (True, None)
+                else:
+                    verdict = (
+                        False,
+                        f"checkpoint.resume=false, but {self.store.url} holds checkpoints of another run (newest "
+                        f"{newest.url}, written by {describe_owner(newest.manifest)}): gentrain does not write two "
+                        "runs into one root. To start over, give this run its own checkpoint.url (or name), or "
+                        f"delete {self.store.url}; to continue that run, leave checkpoint.resume=true",
+                    )
+        resuming, refusal = broadcast_object(verdict)
+        if refusal is not None:
+            raise ConfigError(refusal)
+        return resuming
+
+    def _start_timeline(self, info: CheckpointInfo | None, origin: bool = True) -> None:
+        """Collective: mint this process's timeline, carrying the run id of the checkpoint `info` it resumed
+        from (a fresh run id when it starts fresh, or from a checkpoint that recorded none)."""
+        run = (info.manifest or {}).get("run") if info is not None else None
+        timeline = Timeline(
+            run=run or new_owner_id(),
+            timeline=new_owner_id(),
+            job=self.env.run_id,
+            origin=(info.step, info.fingerprint) if info is not None and origin else None,
+        )
+        self.store.timeline = broadcast_object(timeline)  # rank 0's ids, on every rank
+        if self.lease is not None:
+            self.lease.run = self.store.timeline.run
+        if self.env.is_main:
+            log.info(
+                "checkpoints of this process: run %s, timeline %s%s",
+                self.store.timeline.run,
+                self.store.timeline.timeline,
+                f" (from step {info.step})" if info is not None else " (fresh start)",
+            )
 
 
 # scheme://[userinfo@]host at the start of a URL (userinfo as trainer.config.redact finds it).

@@ -17,7 +17,14 @@ these two, so they agree. Nothing here unpickles: safetensors and JSON only,
 and nothing in a root is trusted: a stray file, a link or a malformed entry is
 one invalid candidate, never an error of the whole root.
 
-Limits: one committer per root (rank 0 of one job). In a sharded save every
+Ownership: a save belongs to one run and one timeline of it (`Timeline`; docs/checkpoints.md, "Runs,
+timelines and the lease"). A step committed by another timeline (an older run, or the part of this run
+a resume fell back past) is replaced, never kept: its manifest goes first (the step is uncommitted),
+then its files, then the new payload and manifest. Only a step this timeline already wrote, or the one
+it started from, is not written again. `fence` (the lease's check) runs before every manifest write
+and before such a removal, so a trainer that lost the root to another never commits or deletes there.
+
+Limits: one committer per root (rank 0 of one job; the lease keeps other jobs out). In a sharded save every
 rank writes its own payload files (`write_files`) and rank 0 commits the
 manifest listing all of them (`commit`). Object stores give no atomic
 rename, so on them a half-written step dir is simply a dir without manifest,
@@ -30,9 +37,10 @@ import json
 import logging
 import os
 import posixpath
+import secrets
 import threading
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
@@ -72,7 +80,7 @@ from trainer.storage import filesystem
 
 log = logging.getLogger(__name__)
 
-__all__ = ["CheckpointCorrupt", "CheckpointError", "CheckpointInfo", "CheckpointStore", "FORMAT_VERSION"]
+__all__ = ["CheckpointCorrupt", "CheckpointError", "CheckpointInfo", "CheckpointStore", "FORMAT_VERSION", "Timeline"]
 
 LATEST = "LATEST"
 
@@ -99,6 +107,44 @@ class CheckpointInfo:
     @property
     def time_utc(self) -> str:
         return (self.manifest or {}).get("time_utc", "")
+
+
+def new_owner_id() -> str:
+    """A fresh run or timeline id (64 random bits, hex)."""
+    return secrets.token_hex(8)
+
+
+@dataclass(frozen=True)
+class Timeline:
+    """Which run and which timeline of it writes the checkpoints of a training process.
+
+    A run id is minted at a fresh start and carried through every resume; a timeline id is minted
+    every time training starts from a given state (fresh or resumed), so two processes that trained on
+    from the same step never share one. `origin` is the checkpoint the timeline started from (step and
+    manifest fingerprint): its state is the timeline's own first state, so it is not written again.
+    """
+
+    run: str
+    timeline: str
+    job: str = "local"  # TORCHELASTIC_RUN_ID of the job that wrote it
+    origin: tuple[int, str] | None = None
+
+    def fields(self) -> dict[str, str]:
+        """What the manifest records."""
+        return {"run": self.run, "timeline": self.timeline, "job": self.job}
+
+    def wrote(self, info: CheckpointInfo) -> bool:
+        """`info` is this timeline's: committed by it, or the checkpoint it started from."""
+        manifest = info.manifest or {}
+        return manifest.get("timeline") == self.timeline or (info.step, info.fingerprint) == self.origin
+
+
+def describe_owner(manifest: Mapping[str, Any] | None) -> str:
+    """Who wrote a checkpoint, in words (for logs and errors)."""
+    m = manifest or {}
+    if not m.get("run"):
+        return "a run that recorded no run id (an older gentrain)"
+    return f"run {m['run']} (timeline {m.get('timeline')}, job {m.get('job')}, at {m.get('time_utc')})"
 
 
 @dataclass
@@ -136,6 +182,11 @@ class CheckpointStore:
         self._pruning: Future | None = None
         self._verified: set[tuple[int, str]] = set()  # (step, manifest fingerprint) found valid by `verify`
         self._digests_ok: set[tuple[int, str, str]] = set()  # (step, fingerprint, file) whose digest matched
+        # A training process sets both: the timeline its saves belong to (recorded in every manifest; None:
+        # a tool or test writing a root, which keeps any valid step), and the lease check run before every
+        # manifest write and before removing a committed step (trainer.checkpoint.lease.Lease.check).
+        self.timeline: Timeline | None = None
+        self.fence: Callable[[], None] | None = None
 
     # -- paths
     def _path(self, *parts: str) -> str:
@@ -165,17 +216,42 @@ class CheckpointStore:
     def write(self, step: int, files: Mapping[str, Payload], meta: Mapping[str, Any]) -> SaveResult:
         """Write payload files, then the manifest (commit), then LATEST, then apply retention."""
         t0 = time.perf_counter()
-        existing = self.committed(step)
+        existing = self.claim(step)
         if existing is not None:
-            log.info("checkpoint %s is already committed and valid; not writing it again", existing.url)
             return SaveResult(existing, 0.0, existing.total_bytes)
-        self.clear_invalid(step)
         try:
             entries = self.write_files(step, files)
             return self.commit(step, entries, meta, t0)
         except BaseException:
             self.remove_uncommitted(step)  # a full disk must not stay full of a save that failed
             raise
+
+    def claim(self, step: int) -> CheckpointInfo | None:
+        """Before a save of `step`: the checkpoint there if this timeline already wrote it (the save is then
+        skipped); otherwise whatever holds `step` is removed (invalid, or another timeline's) and None.
+
+        Removal keeps the commit rules: manifest first, so readers see the old checkpoint, then none, then
+        the new one; never a mix, never the old one's manifest over new files."""
+        if step not in self.steps():
+            return None
+        info = self.check(step)
+        valid = info.valid and self.is_valid(info)
+        if valid and (self.timeline is None or self.timeline.wrote(info)):
+            log.info("checkpoint %s is already committed and valid; not writing it again", info.url)
+            return info
+        if self.fence is not None:
+            self.fence()  # a trainer that lost the root deletes nothing there
+        if valid:
+            log.warning(
+                "checkpoint %s was written by %s, not by this timeline (%s): replacing it",
+                info.url,
+                describe_owner(info.manifest),
+                self.timeline.timeline if self.timeline else "?",
+            )
+        else:
+            log.warning("checkpoint %s is invalid (%s); replacing it", info.url, info.reason or "see verify")
+        self._remove_step(step, committed=info.manifest is not None)
+        return None
 
     def committed(self, step: int) -> CheckpointInfo | None:
         """The checkpoint of `step` if it is committed *and valid* (digests and structure; verified once
@@ -250,8 +326,11 @@ class CheckpointStore:
             "time_utc": datetime.now(timezone.utc).isoformat(timespec="seconds"),
             "digest": DIGEST,
             **dict(meta),
+            **(self.timeline.fields() if self.timeline is not None else {}),
             "files": dict(entries),
         }
+        if self.fence is not None:
+            self.fence()  # fencing: never commit once another trainer holds the root
         self._put_small(posixpath.join(d, MANIFEST), json.dumps(manifest, indent=1).encode())
         info = self.check(step)
         if not info.valid:

@@ -52,6 +52,7 @@ MAX_JSON_BYTES = 256 << 20  # a trainer.json / shards.json larger than this is n
 # A payload file name: one path component, no dot files, nothing a join could turn into another path.
 FILE_NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]{0,254}$")
 _HEX64 = r"^[0-9a-f]{64}$"
+OWNER_ID = r"^[0-9a-f]{8,64}$"  # a run or timeline id (trainer.checkpoint.store.Timeline)
 
 NonNegInt = Annotated[StrictInt, Field(ge=0, lt=1 << 63)]  # counters and sizes: int64 at most
 
@@ -93,6 +94,10 @@ class Manifest(_Open):
     config: dict[StrictStr, Any] | None = None
     frozen: dict[StrictStr, FrozenRecord] = {}
     inputs: dict[StrictStr, dict[StrictStr, Any]] = {}
+    # Who wrote it (absent before gentrain recorded it: such a checkpoint belongs to no timeline of now).
+    run: Annotated[StrictStr, Field(pattern=OWNER_ID)] | None = None
+    timeline: Annotated[StrictStr, Field(pattern=OWNER_ID)] | None = None
+    job: Annotated[StrictStr, Field(max_length=256)] | None = None
 
 
 class PieceDoc(_Open):

@@ -144,7 +144,23 @@ class CheckpointConfig(_Section):
     # `async` is a Python keyword: the attribute is async_, the key stays `async`.
     async_: bool = Field(False, alias="async")
     storage_options: dict[str, Any] = Field(default_factory=dict)
-    resume: bool = True
+    resume: bool = Field(
+        True,
+        description="resume from the newest valid checkpoint; false starts over, and exits 2 if the root holds "
+        "another run's checkpoints (except in a torchrun restart of the job that wrote them: docs/checkpoints.md)",
+    )
+    lease: bool = Field(
+        True,
+        description="one trainer per checkpoint root: take an exclusive, renewed lease on it (<url>/lease.json); "
+        "a second trainer exits 2 naming the holder (docs/checkpoints.md)",
+    )
+    lease_seconds: float = Field(
+        30.0,
+        ge=1,
+        le=600,
+        description="the lease lapses this long after its holder stopped renewing it (renewed every quarter of it); "
+        "a new trainer finding a lease watches it this long before taking it over",
+    )
     memory: bool = Field(
         False,
         description="memory tier: keep the newest snapshots in each node's shared memory, replicated to a buddy "

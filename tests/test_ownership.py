@@ -1,0 +1,300 @@
+"""A run owns its checkpoints: run and timeline ids in every manifest, and one trainer per root (the lease).
+
+Real training processes on a local root, and the lease itself on loopback S3 (moto) and GCS
+(gcp-storage-emulator) servers. Each test waits for log lines and exits, never for a fixed time; the
+only waiting by time is the lease's own lapse, made short with checkpoint.lease_seconds.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import uuid
+from pathlib import Path
+
+import pytest
+from ckpt_tamper import edit_json, manifest, read_tensors, step_dir
+from conftest import clean_env, run_cli, tiny
+from helpers import assert_tensors_equal, kill_group, start_cli, wait_for_log
+
+from trainer.checkpoint import CheckpointStore
+from trainer.checkpoint.lease import Holder, Lease, LeaseError, LeaseLost, lease_file
+from trainer.storage import filesystem
+
+WEIGHTS = ("unet.model.safetensors", "unet.ema.safetensors", "unet.optimizer.safetensors")
+
+
+def train(tmp_path: Path, *extra: str, max_steps: int = 4, env: dict | None = None) -> subprocess.CompletedProcess:
+    args = tiny(tmp_path, "checkpoint.every_steps=2", "checkpoint.keep=10", *extra, max_steps=max_steps)
+    return run_cli("train", *args, env=env)
+
+
+def root_of(tmp_path: Path) -> Path:
+    return tmp_path / "run" / "checkpoints"
+
+
+def files_of(d: Path) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in sorted(d.iterdir())}
+
+
+# ------------------------------------------------------------------ runs and timelines
+
+
+@pytest.mark.slow
+def test_resume_false_over_an_older_runs_root_exits_2_and_leaves_it_alone(tmp_path):
+    r = train(tmp_path)
+    assert r.returncode == 0, r.stderr[-3000:]
+    root = root_of(tmp_path)
+    before = files_of(step_dir(root, 4))
+    assert manifest(root, 4)["run"] and manifest(root, 4)["timeline"]
+
+    r = train(tmp_path, "checkpoint.resume=false", "seed=7", "train.lr=5e-4")
+    assert r.returncode == 2, r.stderr[-3000:]
+    assert "holds checkpoints of another run" in r.stderr and "own checkpoint.url" in r.stderr, r.stderr[-2000:]
+    assert "Traceback" not in r.stderr
+    assert files_of(step_dir(root, 4)) == before
+    assert not (root / "lease.json").exists(), "a trainer that exits 2 releases its lease"
+
+
+@pytest.mark.slow
+def test_resume_false_in_a_torchrun_restart_of_the_same_job_continues_it(tmp_path):
+    job = clean_env(TORCHELASTIC_RUN_ID="job-a", TORCHELASTIC_RESTART_COUNT="0")
+    r = train(tmp_path, "checkpoint.resume=false", env=job)
+    assert r.returncode == 0, r.stderr[-3000:]
+    root = root_of(tmp_path)
+    first = manifest(root, 4)
+    assert first["job"] == "job-a"
+
+    # Another job that says resume=false is refused, restart or not ...
+    other = clean_env(TORCHELASTIC_RUN_ID="job-b", TORCHELASTIC_RESTART_COUNT="1")
+    r = train(tmp_path, "checkpoint.resume=false", env=other, max_steps=6)
+    assert r.returncode == 2 and "holds checkpoints of another run" in r.stderr, r.stderr[-3000:]
+    # ... and a worker-group restart of the job that wrote them goes on with it (neither refused nor over again).
+    restart = clean_env(TORCHELASTIC_RUN_ID="job-a", TORCHELASTIC_RESTART_COUNT="1")
+    r = train(tmp_path, "checkpoint.resume=false", env=restart, max_steps=6)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert f"resumed_from={step_dir(root, 4)}" in r.stderr, r.stderr[-3000:]
+    later = manifest(root, 6)
+    assert later["run"] == first["run"] and later["timeline"] != first["timeline"]
+
+
+def _unloadable(doc: dict) -> dict:
+    """trainer.json with an entry no schedule has: it verifies (digests, schemas), a resume cannot load it."""
+    doc["parts"]["unet"]["lr_schedule"]["not_a_field"] = 1
+    return doc
+
+
+@pytest.mark.slow
+def test_a_step_retrained_after_a_fallback_replaces_the_one_that_could_not_be_loaded(tmp_path):
+    reference = tmp_path / "reference"
+    r = train(reference)
+    assert r.returncode == 0, r.stderr[-3000:]
+    work = tmp_path / "work"
+    r = train(work, max_steps=4)
+    assert r.returncode == 0, r.stderr[-3000:]
+    root = root_of(work)
+    edit_json(root, 4, "trainer.json", _unloadable)
+    old = manifest(root, 4)
+    store = CheckpointStore(str(root))
+    assert store.verify(store.check(4)) == [], "the tampered step must verify: only loading it fails"
+
+    r = train(work, max_steps=4)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "step-000000004 cannot be loaded" in r.stderr and f"resumed_from={step_dir(root, 2)}" in r.stderr
+    assert "not by this timeline" in r.stderr and "replacing it" in r.stderr, r.stderr[-3000:]
+    new = manifest(root, 4)
+    assert new["timeline"] != old["timeline"] and new["run"] == old["run"]
+    for name in WEIGHTS:  # re-trained from step 2: exactly the uninterrupted run's step 4
+        assert_tensors_equal(read_tensors(root, 4, name), read_tensors(root_of(reference), 4, name), name)
+
+    r = train(work, max_steps=4)  # and it loads: no fallback any more
+    assert r.returncode == 0 and "cannot be loaded" not in r.stderr, r.stderr[-3000:]
+    assert f"resumed_from={step_dir(root, 4)}" in r.stderr
+
+
+# ------------------------------------------------------------------ one trainer per root
+
+
+def _long_run(tmp_path: Path, log: Path, *extra: str) -> subprocess.Popen:
+    args = tiny(tmp_path, "checkpoint.keep=100", *extra, max_steps=1_000_000)
+    return start_cli("train", *args, env=clean_env(), log_path=log)
+
+
+def _commits(log: Path) -> list[str]:
+    return [line for line in log.read_text().splitlines() if "checkpoint committed" in line]
+
+
+@pytest.mark.slow
+def test_a_second_trainer_on_the_same_root_exits_2_naming_the_holder(tmp_path):
+    log = tmp_path / "a.log"
+    a = _long_run(tmp_path, log, "checkpoint.every_steps=2", "checkpoint.lease_seconds=2")
+    try:
+        wait_for_log(log, "checkpoint committed", a)
+        r = train(tmp_path, max_steps=1_000_000)
+        assert r.returncode == 2, r.stderr[-3000:]
+        assert "in use by another trainer" in r.stderr and f"pid {a.pid}," in r.stderr, r.stderr[-2000:]
+        assert "renewed it" in r.stderr and "Traceback" not in r.stderr
+        assert a.poll() is None, "the holder goes on"
+        a.send_signal(signal.SIGTERM)  # an emergency save, then the lease is released
+        assert a.wait(timeout=300) == 143, log.read_text()[-3000:]
+    finally:
+        kill_group(a)
+    assert "released the lease" in log.read_text()
+    assert not (root_of(tmp_path) / "lease.json").exists()
+
+
+@pytest.mark.slow
+def test_a_killed_holders_lease_is_taken_over_without_waiting(tmp_path):
+    log = tmp_path / "a.log"
+    a = _long_run(tmp_path, log, "checkpoint.every_steps=2", "checkpoint.lease_seconds=600")
+    try:
+        wait_for_log(log, "checkpoint committed", a)
+        os.kill(a.pid, signal.SIGKILL)
+        a.wait(timeout=60)
+    finally:
+        kill_group(a)
+    assert (root_of(tmp_path) / "lease.json").exists(), "SIGKILL leaves the lease behind"
+    # lease_seconds=600 would outlast the test's bound: the process is gone from this host, so no wait.
+    r = train(tmp_path, max_steps=8, env=clean_env())
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "took over the lease" in r.stderr and "its process is gone" in r.stderr, r.stderr[-3000:]
+
+
+@pytest.mark.slow
+def test_a_paused_holder_loses_its_lease_after_the_ttl_and_never_commits_again(tmp_path):
+    log = tmp_path / "a.log"
+    a = _long_run(tmp_path, log, "checkpoint.every_steps=20", "checkpoint.lease_seconds=3")
+    root = root_of(tmp_path)
+    try:
+        wait_for_log(log, "step-000000020 (", a)  # the commit line of step 20
+        a.send_signal(signal.SIGSTOP)  # alive, but not renewing: like a partitioned or frozen node
+        mine = manifest(root, 20)["timeline"]
+        r = train(tmp_path, "checkpoint.every_steps=2", "checkpoint.lease_seconds=3", max_steps=24, env=clean_env())
+        assert r.returncode == 0, r.stderr[-3000:]
+        assert "took over the lease" in r.stderr and "not renewed for 3s" in r.stderr, r.stderr[-3000:]
+        assert f"resumed_from={step_dir(root, 20)}" in r.stderr
+        commits_before = len(_commits(log))
+        a.send_signal(signal.SIGCONT)
+        code = a.wait(timeout=600)
+    finally:
+        kill_group(a)
+    text = log.read_text()
+    assert code == 2, text[-3000:]
+    assert "lost its lease" in text and "Traceback" not in text, text[-3000:]
+    assert len(_commits(log)) == commits_before, "the fenced trainer committed after losing the lease"
+    written = {int(d.name[5:]): json.loads((d / "manifest.json").read_text()) for d in root.glob("step-*")}
+    assert [s for s, m in written.items() if m["timeline"] == mine and s > 20] == []
+    assert all(written[s]["timeline"] != mine for s in (22, 24))
+
+
+# ------------------------------------------------------------------ the lease on every store
+
+
+HOLDER = textwrap.dedent(
+    """
+    import json, sys
+    from trainer.checkpoint import CheckpointStore
+from trainer.checkpoint.lease import Holder, Lease, LeaseLost
+    from trainer.storage import filesystem
+    url, options, seconds = sys.argv[1], json.loads(sys.argv[2]), float(sys.argv[3])
+    fs, root = filesystem(url, options)
+    lease = Lease(fs, root.rstrip("/"), url, seconds, Holder("holder-host", 4242, "job-h", 0))
+    lease.acquire()
+    print("held", flush=True)
+    for line in sys.stdin:
+        try:
+            lease.check()
+            print("ok", flush=True)
+        except LeaseLost as e:
+            print("lost", e, flush=True)
+            sys.exit(2)
+    """
+)
+
+
+def _ask(proc: subprocess.Popen) -> str:
+    proc.stdin.write("check\n")
+    proc.stdin.flush()
+    return proc.stdout.readline().strip()
+
+
+@pytest.fixture(params=["local", "s3", "gcs"])
+def lease_root(request, tmp_path):
+    if request.param == "local":
+        return str(tmp_path / "root"), {}
+    server = request.getfixturevalue(f"{request.param}_server")
+    scheme = "s3" if request.param == "s3" else "gs"
+    return f"{scheme}://{server.make_bucket()}/run-{uuid.uuid4().hex[:6]}", server.storage_options()
+
+
+def test_the_lease_refuses_a_renewing_holder_takes_over_a_silent_one_and_fences_it(lease_root):
+    url, options = lease_root
+    holder = subprocess.Popen(
+        [sys.executable, "-c", HOLDER, url, json.dumps(options), "1"],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "PYTHONPATH": os.getcwd()},
+        start_new_session=True,
+    )
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        fs, root = filesystem(url, options)
+        other = Holder("other-host", 1, "job-o", 0)
+
+        # It renews while the newcomer watches: refused, naming it.
+        with pytest.raises(LeaseError, match="host holder-host, pid 4242, job job-h") as refused:
+            Lease(fs, root, url, 1, other).acquire(poll_seconds=0.02)
+        assert "renewed it" in str(refused.value)
+        assert _ask(holder) == "ok"
+
+        # Paused (alive, silent) for longer than its lease: taken over, and it never commits again.
+        holder.send_signal(signal.SIGSTOP)
+        newcomer = Lease(fs, root, url, 1, other)
+        newcomer.acquire(poll_seconds=0.02)
+        holder.send_signal(signal.SIGCONT)
+        assert _ask(holder).startswith("lost this trainer lost its lease")
+        assert holder.wait(timeout=60) == 2
+        newcomer.check()  # still the newcomer's
+        newcomer.release()
+        assert lease_file(fs, root).read() is None
+    finally:
+        holder.kill()
+        holder.wait()
+
+
+@pytest.mark.parametrize("kind", ["local", "s3"])
+def test_lease_writes_are_conditional_where_the_store_has_preconditions(kind, tmp_path, request):
+    """Local disks (link, flock) and S3 (If-None-Match, If-Match; moto honours both). The GCS emulator
+    ignores ifGenerationMatch, so GCS's preconditions are not testable here."""
+    if kind == "local":
+        url, options = str(tmp_path / "root"), {}
+    else:
+        server = request.getfixturevalue("s3_server")
+        url, options = f"s3://{server.make_bucket()}/run", server.storage_options()
+    fs, root = filesystem(url, options)
+    f = lease_file(fs, root)
+    assert f.conditional
+    v1 = f.create(b"one")
+    with pytest.raises(FileExistsError):
+        f.create(b"two")
+    v2 = f.replace(b"three", v1)
+    from trainer.checkpoint.lease import _Conflict
+
+    with pytest.raises(_Conflict):
+        f.replace(b"four", v1)  # made against a version that is gone
+    f.delete(v1)  # a stale delete leaves it
+    assert f.read()[0] == b"three"
+    f.delete(v2)
+    assert f.read() is None
+
+
+def test_a_lost_lease_is_a_usage_error_not_a_crash():
+    # exit 2 (never retried by gentrain launch's agent), so a restart cannot take the run back from its new holder
+    from trainer.errors import ConfigError
+
+    assert issubclass(LeaseLost, LeaseError) and issubclass(LeaseError, ConfigError)
