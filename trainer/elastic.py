@@ -170,6 +170,89 @@ class StopRequest:
             return self.grace_seconds
         return self.grace_seconds - (time.monotonic() - self.received_at)
 
+    def checker(self, work: str, device: torch.device, collective: bool = False) -> StopCheck:
+        """The check `work` calls between its steps (see `StopCheck`)."""
+        return StopCheck(self, work, device, collective)
+
+
+class StopRequested(Exception):
+    """A stop request cut `work` short (a preview, a validation, an evaluation).
+
+    `agreed`: every rank raised it at the same point (or there is one rank), so all of them can go
+    to the emergency checkpoint together. A rank that raised it alone (rank 0's own preview while
+    the others train on) must not: the others meet it in the next step, where the per-step
+    agreement (`agree_to_stop`) stops them all.
+    """
+
+    def __init__(self, work: str, agreed: bool) -> None:
+        super().__init__(f"stop requested: {work} cut short")
+        self.work = work
+        self.agreed = agreed
+
+
+class StopCheck:
+    """Called between the steps of work a stop must not wait for: sampler steps, validation batches,
+    FID chunks. Raises `StopRequested` once a stop was requested, so such work ends within one of its
+    steps instead of outlasting `elastic.grace_seconds` (a 1000-step preview grid takes minutes).
+
+    Local (`collective=False`, the default): only this rank's flag is read, no communication. Work
+    that all ranks do in step (sharded parts gather their parameters in every forward) passes
+    `collective=True`: every call is then an agreement (one all-reduce of an int), so all ranks
+    raise at the same call. Work that is local on each rank but ends in a collective (validation's
+    all-reduce, FID's gather) checks locally and calls `agree()` before its collective.
+
+    Failpoint `GENTRAIN_FAULT_SIGTERM_DURING=WORK[:RANK]`: on its second call (one step of the work
+    done), the check of the work whose name starts with WORK (`preview`, `validation`, `eval`) sends
+    SIGTERM to its own process, once per process; tests use it to stop exactly inside such work.
+    """
+
+    def __init__(self, stop: StopRequest, work: str, device: torch.device, collective: bool = False) -> None:
+        self.stop = stop
+        self.work = work
+        self.device = device
+        self.collective = collective
+        self._calls = 0
+
+    def __call__(self) -> None:
+        self._calls += 1
+        if self._calls == 2:
+            _fault_sigterm_during(self.work)
+        if self.collective:
+            self.agree()
+        elif self.stop.requested:
+            self._raise(agreed=not _several_ranks())
+
+    def agree(self) -> None:
+        """Collective: raise `StopRequested` (agreed) on every rank if any rank was asked to stop."""
+        if agree_to_stop(self.stop.requested, self.device):
+            self._raise(agreed=True)
+
+    def _raise(self, agreed: bool) -> NoReturn:
+        cut = StopRequested(self.work, agreed)
+        log.warning("%s", cut)
+        raise cut
+
+
+FAULT_SIGTERM_DURING = "GENTRAIN_FAULT_SIGTERM_DURING"
+_fault_fired = False
+
+
+def _fault_sigterm_during(work: str) -> None:
+    global _fault_fired
+    spec = os.environ.get(FAULT_SIGTERM_DURING)
+    if not spec or _fault_fired:
+        return
+    name, _, rank = spec.partition(":")
+    if not work.startswith(name) or (rank and int(rank) != int(os.environ.get("RANK", "0"))):
+        return
+    _fault_fired = True
+    _say(f"failpoint {FAULT_SIGTERM_DURING}={spec}: SIGTERM to this process during {work}")
+    os.kill(os.getpid(), signal.SIGTERM)
+
+
+def _several_ranks() -> bool:
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
 
 _STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 _QUIT = 0  # not a signal number: tells the deadline thread to end

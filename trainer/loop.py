@@ -24,9 +24,11 @@ from trainer.config import Config
 from trainer.data import build_splits, build_train_loader, is_video
 from trainer.elastic import (
     EXIT_OK,
+    EXIT_PREEMPTED,
     DistEnv,
     StartupClock,
     StopRequest,
+    StopRequested,
     barrier,
     exit_now,
     run_within,
@@ -131,6 +133,7 @@ class Trainer:
             batches=t.val_batches,
             chunk_size=self.step_runner.chunk_size,
             report=self.reporter.on_validation,
+            stop=self.stop_request,
         )
         self.previewer = Previewer(
             self.task,
@@ -141,6 +144,7 @@ class Trainer:
             cfg=cfg.sample,
             run_dir=cfg.run_dir,
             report=self.reporter.on_previews,
+            stop=self.stop_request,
         )
         self.calibrator = Calibrator(
             self.task,
@@ -152,7 +156,14 @@ class Trainer:
             chunk_size=self.step_runner.chunk_size,
         )
         self.evaluator = Evaluator(
-            self.task, self.parts, self.frozen, held_out, runtime=runtime, cfg=cfg, report=self.reporter.on_eval
+            self.task,
+            self.parts,
+            self.frozen,
+            held_out,
+            runtime=runtime,
+            cfg=cfg,
+            report=self.reporter.on_eval,
+            stop=self.stop_request,
         )
         self.evaluator.prepare()
         self.clock.mark("build")
@@ -221,9 +232,15 @@ class Trainer:
                 t_other = time.perf_counter()
                 self.calibrator.maybe_run(progress.step)  # before the save: it holds what was measured
                 self.checkpoints.maybe_save(progress.step)
-                self.validator.maybe_run(progress.step)
-                self.evaluator.maybe_run(progress.step)
-                self.previewer.maybe_run(progress.step)
+                try:  # a stop cuts these short; one that every rank agreed on stops the run at this step
+                    self.validator.maybe_run(progress.step)
+                    self.evaluator.maybe_run(progress.step)
+                    self.previewer.maybe_run(progress.step)
+                except StopRequested as cut:
+                    if cut.agreed:
+                        self._settle(agreement.drain())
+                        self.reporter.read()
+                        return self.stop_for_preemption()
                 if self.uploader is not None and self.checkpoints.every_steps:
                     if progress.step % self.checkpoints.every_steps == 0:
                         self.uploader.sync_in_background()
@@ -235,9 +252,13 @@ class Trainer:
             return self.stop_for_preemption()
         self.calibrator.run()
         self.checkpoints.save(progress.step, sync=True, final=True)
-        self.validator.maybe_run(progress.step, last=True)
-        self.evaluator.maybe_run(progress.step, last=True)
-        self.previewer.maybe_run(progress.step, last=True)
+        try:
+            self.validator.maybe_run(progress.step, last=True)
+            self.evaluator.maybe_run(progress.step, last=True)
+            self.previewer.maybe_run(progress.step, last=True)
+        except StopRequested:  # the final checkpoint is committed: close within the grace, exit 143
+            run_within(self.stop_request.seconds_left(), self.close, "closing the run")
+            exit_now(EXIT_PREEMPTED)
         self.close()
         self.stop_request.uninstall()
         return EXIT_OK

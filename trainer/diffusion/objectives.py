@@ -189,16 +189,25 @@ class Objective:
 
     @torch.no_grad()
     def denoise(
-        self, net_fn: NetFn, x: Tensor, steps: int, kind: str = "ddim", guidance: Guidance | None = None
+        self,
+        net_fn: NetFn,
+        x: Tensor,
+        steps: int,
+        kind: str = "ddim",
+        guidance: Guidance | None = None,
+        between_steps: Callable[[], None] | None = None,
     ) -> Tensor:
         """Turn unit-variance noise `x` into samples in `steps` sampler steps (classifier-free guided when
-        `guidance` says so); returns the raw result (images in about [-1, 1], not clamped)."""
+        `guidance` says so); returns the raw result (images in about [-1, 1], not clamped). `between_steps`
+        is called before each step: it raises to abandon the sample (a training run asked to stop)."""
         sched = self.inference_scheduler(kind)
         sched.set_timesteps(steps)
         # Not every sampler scales its start or its inputs (flow matching does neither).
         x = x * getattr(sched, "init_noise_sigma", 1.0)
         predict = (guidance or Guidance({})).predictor(net_fn)
         for t in sched.timesteps:
+            if between_steps is not None:
+                between_steps()
             model_in = sched.scale_model_input(x, t) if hasattr(sched, "scale_model_input") else x
             x = sched.step(predict(model_in, t), t, x).prev_sample
         return x

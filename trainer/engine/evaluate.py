@@ -8,6 +8,7 @@ from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING
 
 from trainer.config import Config
+from trainer.elastic import StopRequest
 from trainer.engine.parts import FrozenPart, Part, bare_modules, ema_swapped, eval_mode
 from trainer.eval.features import load_features
 from trainer.eval.fid import FidKid, check_share, evaluate, sample_options, write_result
@@ -37,6 +38,7 @@ class Evaluator:
         runtime: Runtime,
         cfg: Config,
         report: Callable[[int, dict[str, float]], None],
+        stop: StopRequest | None = None,
     ):
         self.task = task
         self.parts = parts
@@ -47,6 +49,7 @@ class Evaluator:
         self.world_size = runtime.world_size
         self.device = runtime.device
         self.report = report
+        self.stop = stop  # cuts an evaluation short (see trainer.eval.fid.evaluate)
         self._metric = None
         self._about: dict = {}
 
@@ -82,6 +85,8 @@ class Evaluator:
                 rank=self.rank,
                 world_size=self.world_size,
                 device=self.device,
+                stop=self.stop,
+                work=f"evaluation at step {step}",
             )
         if self.rank == 0:
             seconds = round(time.perf_counter() - t0, 3)

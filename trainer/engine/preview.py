@@ -12,6 +12,7 @@ import torch
 
 from trainer.config import SampleConfig
 from trainer.data import collate, validation_refs
+from trainer.elastic import StopRequest
 from trainer.engine.parts import FrozenPart, Part, bare_modules, ema_swapped, eval_mode
 from trainer.engine.step import to_device
 from trainer.media import save_media
@@ -31,6 +32,11 @@ class Previewer:
     `samples/step-N.png` holds the preview named "samples"; others are
     `samples/step-N-<name>.png` (videos also `.gif`). Reconstruction previews
     get the same real held-out batch every time, so grids compare across steps.
+
+    With `stop` (the run's StopRequest) the samplers check it between their
+    steps and a stop cuts the preview short (`StopRequested`, nothing written):
+    agreed by every rank under FSDP (each check is collective there), rank 0's
+    alone otherwise (the others meet it in the next step's agreement).
     """
 
     def __init__(
@@ -44,6 +50,7 @@ class Previewer:
         cfg: SampleConfig,
         run_dir: str,
         report: Callable[[int, dict[str, torch.Tensor], dict[str, list[str]]], None],
+        stop: StopRequest | None = None,
     ):
         self.task = task
         self.parts = parts
@@ -58,6 +65,7 @@ class Previewer:
         # Sharded parts need every rank in each forward: all ranks compute the (identical) previews,
         # rank 0 writes them.
         self.collective = runtime.sharded
+        self.stop = stop
         self._batch: Batch | None = None
 
     def maybe_run(self, step: int, last: bool = False) -> list[str]:
@@ -75,6 +83,11 @@ class Previewer:
     @torch.no_grad()
     def run(self, step: int) -> list[str]:
         t0 = time.perf_counter()
+        if self.is_main:
+            log.info("drawing previews at step %d", step)
+        check = None
+        if self.stop is not None:
+            check = self.stop.checker(f"preview at step {step}", self.device, collective=self.collective)
         ctx = PreviewContext(
             batch=self.fixed_batch(),
             num=self.cfg.num,
@@ -88,6 +101,7 @@ class Previewer:
             use_ema=self.cfg.use_ema,
             weights=lambda ema: ema_swapped(self.parts, ema),
             part_steps={n: p.step for n, p in self.parts.items()},
+            between_steps=check,
         )
         with eval_mode(self.modules), half_weights_autocast(self.modules, self.device):
             previews = self.task.previews(self.modules, ctx)

@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 
 from trainer.data import collate, validation_refs
-from trainer.elastic import gather_objects
+from trainer.elastic import StopRequest, StopRequested, gather_objects
 from trainer.engine.parts import FrozenPart, Part, bare_modules, eval_mode
 from trainer.engine.step import autocast, reseed_global_rng, to_device
 from trainer.tasks.base import Task
@@ -29,6 +29,11 @@ class Validator:
     Each metric is summed over valid samples and counted on every rank, then
     all-reduced, so the result is the mean over the whole validation set
     whatever the world size (up to float summation order).
+
+    With `stop` (the run's StopRequest) a stop request cuts validation short
+    between batches (`StopRequested`, nothing reported), on every rank together:
+    each rank checks its own flag between its batches, and all agree before the
+    all-reduce (under FSDP every check is an agreement: the forwards are collective).
     """
 
     def __init__(
@@ -43,6 +48,7 @@ class Validator:
         batches: int,
         chunk_size: int,
         report: Callable[[int, dict[str, float]], None],
+        stop: StopRequest | None = None,
     ):
         self.task = task
         self.modules = bare_modules(parts, frozen)
@@ -58,6 +64,7 @@ class Validator:
         self.report = report
         # Sharded parts: every rank must run the same number of forwards (each one gathers parameters).
         self.collective = runtime.sharded
+        self.stop = stop
 
     @property
     def enabled(self) -> bool:
@@ -82,17 +89,28 @@ class Validator:
         sums: dict[str, torch.Tensor] = {}
         count = torch.zeros((), dtype=torch.float64, device=self.device)
         reseed_global_rng(self.seed, step, self.rank, _VAL_CHUNK)
+        check = None
+        if self.stop is not None:
+            check = self.stop.checker(f"validation at step {step}", self.device, collective=self.collective)
         with eval_mode(self.modules):
-            for group, counts in refs:
-                chunk = to_device(collate([self.val_set[r] for r in group]), 0, len(group), self.device)
-                if not counts:
-                    chunk.valid = torch.zeros_like(chunk.valid)
-                with autocast(self.device, self.precision):
-                    metrics = self.task.validate(self.modules, chunk)
-                for name, per_sample in metrics.items():
-                    value = (per_sample.double() * chunk.valid).sum()
-                    sums[name] = sums[name] + value if name in sums else value
-                count += chunk.valid.sum()
+            try:
+                for group, counts in refs:
+                    if check is not None:
+                        check()
+                    chunk = to_device(collate([self.val_set[r] for r in group]), 0, len(group), self.device)
+                    if not counts:
+                        chunk.valid = torch.zeros_like(chunk.valid)
+                    with autocast(self.device, self.precision):
+                        metrics = self.task.validate(self.modules, chunk)
+                    for name, per_sample in metrics.items():
+                        value = (per_sample.double() * chunk.valid).sum()
+                        sums[name] = sums[name] + value if name in sums else value
+                    count += chunk.valid.sum()
+            except StopRequested as cut:
+                if cut.agreed:
+                    raise
+        if check is not None and not self.collective:
+            check.agree()  # a rank that stopped early must not leave the others in the all-reduce below
         names = sorted(sums)
         # Ranks without validation samples still take part in the all-reduce with zeros.
         names = _agree_on_names(names, self.world_size)

@@ -21,6 +21,7 @@ a rank with fewer chunks draws a throwaway one-image chunk to keep step.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 from collections.abc import Callable, Mapping
@@ -32,6 +33,7 @@ from torch import nn
 from trainer.checkpoint.layout import eval_result_name
 from trainer.data import collate
 from trainer.data.sampler import SampleRef
+from trainer.elastic import StopRequest, StopRequested
 from trainer.engine.services import ProcessServices
 from trainer.errors import ConfigError
 from trainer.models.finetune import half_weights_autocast
@@ -154,27 +156,58 @@ def evaluate(
     rank: int,
     world_size: int,
     device: torch.device,
+    stop: StopRequest | None = None,
+    work: str = "evaluation",
 ) -> dict[str, float]:
-    """FID/KID of `num` generated images vs up to `num` real ones; every rank must call it (collectives)."""
+    """FID/KID of `num` generated images vs up to `num` real ones; every rank must call it (collectives).
+
+    With `stop` (a training run's StopRequest), a stop request cuts it short between real batches,
+    generated chunks and sampler steps, and every rank raises `StopRequested` (agreed) together: local
+    work checks each rank's own flag and the ranks agree before the next collective (under FSDP each
+    check is an agreement, since every forward is collective)."""
     n_real = min(num, len(real_set))
     check_share(n_real, world_size)
     if n_real < 2:
         raise ValueError(f"evaluation needs at least 2 real images, the held-out set has {len(real_set)}")
+    services = ProcessServices()
+    lockstep = world_size > 1 and any(services.calls_are_collective(module) for module in modules.values())
+    local = stop.checker(work, device) if stop is not None else None
+    check = stop.checker(work, device, collective=lockstep) if stop is not None else None
     if not metric.has_real:
-        for images in real_images(real_set, n_real, rank, world_size):
-            metric.update(images.to(device), real=True)
+        with _until_stopped():
+            for images in real_images(real_set, n_real, rank, world_size):
+                if local is not None:
+                    local()
+                metric.update(images.to(device), real=True)
+        if local is not None:
+            local.agree()  # before the (possibly collective) sampling: every rank goes on, or none
         metric.has_real = True
 
     def sample(count: int, s: int) -> torch.Tensor:
+        if check is not None:
+            check()  # between chunks too: a task may sample in one step (a reconstruction)
+        request = SampleRequest(num=count, seed=s, between_steps=check, **sample_options)
         with half_weights_autocast(modules, device):  # a LoRA run's half-precision base
-            return task.sample(modules, SampleRequest(num=count, seed=s, **sample_options), device)
+            return task.sample(modules, request, device)
 
-    services = ProcessServices()
-    lockstep = world_size > 1 and any(services.calls_are_collective(module) for module in modules.values())
-    for images in generated_images(sample, num, seed, rank, world_size, lockstep=lockstep):
-        metric.update(images.to(device), real=False)
+    with _until_stopped():
+        for images in generated_images(sample, num, seed, rank, world_size, lockstep=lockstep):
+            metric.update(images.to(device), real=False)
+    if check is not None and not lockstep:
+        check.agree()  # before compute's gather
     values = metric.compute(n_real, num)
     return {**values, "num_generated": num, "num_real": n_real}
+
+
+@contextlib.contextmanager
+def _until_stopped():
+    """Leave the loop inside at a stop this rank alone raised (the ranks agree afterwards); an agreed
+    one goes on up."""
+    try:
+        yield
+    except StopRequested as cut:
+        if cut.agreed:
+            raise
 
 
 def sample_options(cfg) -> dict[str, Any]:

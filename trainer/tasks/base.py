@@ -173,14 +173,18 @@ class PreviewContext:
     use_ema: bool
     weights: Callable[[bool], AbstractContextManager]  # weights(True): EMA weights swapped in
     part_steps: Mapping[str, int] = field(default_factory=dict)  # each trainable part's own step count
+    between_steps: Callable[[], None] | None = None  # raises to cut the preview short (a stop request)
 
     def preferred_weights(self) -> AbstractContextManager:
         """EMA weights when `sample.use_ema` (the default), else the online weights."""
         return self.weights(self.use_ema)
 
     def request(self, **options: Any) -> SampleRequest:
-        """The sampling request of a preview: `num`, `seed` and the sampler options, plus `options`."""
-        return SampleRequest(num=self.num, seed=self.seed, **{**self.options, **options})
+        """The sampling request of a preview: `num`, `seed`, the sampler options and the stop check, plus
+        `options`."""
+        return SampleRequest(
+            num=self.num, seed=self.seed, between_steps=self.between_steps, **{**self.options, **options}
+        )
 
 
 class Task:

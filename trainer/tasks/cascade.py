@@ -601,7 +601,7 @@ class CascadeTask(Task):
             uncond = self._uncond(cond, n, device)  # lacks lowres and aug_t: both halves get the same ones
         guidance = Guidance(cond, uncond, guidance_scale)
         steps, scheduler = request.option("inference_steps", 50), request.option("scheduler", "ddim")
-        return self.objectives[k - 1].denoise(_net(net), x, steps, scheduler, guidance)
+        return self.objectives[k - 1].denoise(_net(net), x, steps, scheduler, guidance, request.check_between_steps)
 
     def sample_accepts(self) -> frozenset[str]:
         c = self.cfg

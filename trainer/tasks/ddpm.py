@@ -477,7 +477,9 @@ class DDPMTask(Task):
                 uncond = self.conditions(num, device, torch.ones(num, dtype=torch.bool), labels, prompts)
             guidance = Guidance(cond, uncond, guidance_scale)
         steps, scheduler = request.option("inference_steps", 50), request.option("scheduler", "ddim")
-        x = self.objective.denoise(self._net(modules[self.part]), x, steps, scheduler, guidance)
+        x = self.objective.denoise(
+            self._net(modules[self.part]), x, steps, scheduler, guidance, request.check_between_steps
+        )
         if self.text is not None:
             log.info(self.text.usage())
         if self.latent is not None:

@@ -441,6 +441,7 @@ class MaskGITTask(Task):
         guided = cond is not None and guidance_scale != 1.0
         steps = max(1, request.option("inference_steps", 12))
         for t in range(steps):
+            request.check_between_steps()
             x = tokens.to(device)
             logits = transformer(x, cond).float()
             if guided:

@@ -16,7 +16,7 @@ Nothing here knows ranks, devices or the engine.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -60,8 +60,9 @@ _BOUNDS: dict[str, tuple[float, bool]] = {
 class SampleRequest:
     """What one `Task.sample` call is asked for. `num` and `seed` every task takes; each option (see
     `OPTIONS`) is None when not asked for. `images` and `part_steps` are not the user's to give: held-out
-    images for a task that samples by reconstructing (`Task.samples_reconstruct`), and each part's step
-    count from the checkpoint (a cascade refuses stages that never trained)."""
+    images for a task that samples by reconstructing (`Task.samples_reconstruct`), each part's step
+    count from the checkpoint (a cascade refuses stages that never trained), and `between_steps`, which
+    a sampler calls between its steps (`check_between_steps`)."""
 
     num: int
     seed: int = 0
@@ -78,6 +79,7 @@ class SampleRequest:
     choice_temperature: float | None = None
     images: torch.Tensor | None = None  # (N, C, H, W) in [-1, 1]
     part_steps: Mapping[str, int] | None = None
+    between_steps: Callable[[], None] | None = None  # see `check_between_steps`
 
     def given(self) -> list[str]:
         """The options asked for (not None), in `OPTIONS` order."""
@@ -96,6 +98,13 @@ class SampleRequest:
 
     def replace(self, **fields: Any) -> SampleRequest:
         return dataclasses.replace(self, **fields)
+
+    def check_between_steps(self) -> None:
+        """Call between sampler steps (denoising steps, decoding iterations, cascade stages). Training's
+        previews and evaluations pass a check that raises once the run was asked to stop (a stop must not
+        wait for a long grid: see trainer.elastic.StopCheck); `gentrain sample` passes none."""
+        if self.between_steps is not None:
+            self.between_steps()
 
 
 def _flag(name: str) -> str:
