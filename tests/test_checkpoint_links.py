@@ -149,6 +149,7 @@ def test_no_snapshot_writes_through_a_step_folder_or_payload_that_is_a_link_and_
     assert _tree(outside) == before, "the memory tier changed something outside its run folder"
 
 
+@pytest.mark.slow
 def test_a_failed_snapshot_leaves_no_empty_step_folder(tmp_path):
     # #35: a full /dev/shm left an empty step folder per failed snapshot. RLIMIT_FSIZE makes the kernel refuse
     # writes past 64 KiB, as a full disk would (EFBIG instead of ENOSPC).

@@ -110,6 +110,9 @@ def _resumed(case: str, tmp_path: Path, root: Path = GOLDEN) -> dict[str, torch.
     shutil.rmtree(run, ignore_errors=True)
     shutil.copytree(root / case / "checkpoints", run / "checkpoints")
     train(case, run, STEP)
+    # The goldens predate draw streams (no rng_stream in their progress): resumed, they stay on stream 1.
+    progress = json.loads(next((run / "checkpoints").glob(f"step-*{STEP}/trainer.json")).read_text())["progress"]
+    assert progress["rng_stream"] == 1, progress
     files = weight_files(run / "checkpoints", STEP)
     return {f"step{STEP}/{file}/{k}": v for file, tensors in files.items() for k, v in tensors.items()}
 
@@ -203,13 +206,13 @@ def test_a_checkpoint_written_before_the_change_resumes_to_the_same_weights(case
 def _shift_the_training_draws_by_one_step(monkeypatch) -> None:
     """The diffusion tasks' per-sample noise, timesteps and dropout drawn for step + 1 (an off-by-one in
     keying the stream after a resume)."""
-    from trainer.randomness import sample_generators
+    from trainer.randomness import sample_draws
 
     def shifted(seed, step, *args, **kwargs):
-        return sample_generators(seed, step + 1, *args, **kwargs)
+        return sample_draws(seed, step + 1, *args, **kwargs)
 
     for task in ("ddpm", "cascade"):
-        monkeypatch.setattr(f"trainer.tasks.{task}.sample_generators", shifted)
+        monkeypatch.setattr(f"trainer.tasks.{task}.sample_draws", shifted)
 
 
 def _swap_two_parameters_adam_state(monkeypatch) -> None:

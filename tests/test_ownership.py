@@ -231,6 +231,7 @@ def lease_root(request, tmp_path):
     return f"{scheme}://{server.make_bucket()}/run-{uuid.uuid4().hex[:6]}", server.storage_options()
 
 
+@pytest.mark.slow
 def test_the_lease_refuses_a_renewing_holder_takes_over_a_silent_one_and_fences_it(lease_root):
     url, options = lease_root
     holder = subprocess.Popen(

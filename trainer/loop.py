@@ -278,7 +278,9 @@ class Trainer:
         return bool(cp.memory is not None or (cp.every_steps and step % cp.every_steps == 0))
 
     def _count_flops(self, batch: dict) -> None:
+        t0 = time.perf_counter()
         flops = self.step_runner.count_flops(batch, self.progress.step)
+        self.reporter.on_other_work(time.perf_counter() - t0)  # not the step's time
         if flops is not None:
             self.throughput.set_counted(flops)
             self.progress.flops_per_sample = flops * self.env.world_size / self.progress.batch_size

@@ -64,6 +64,13 @@ RENEWALS_PER_TTL = 4  # the holder renews every lease_seconds / 4
 STALE_FRACTION = 0.75  # a holder not renewed for this share of lease_seconds commits nothing
 
 
+def _exists(fs: AbstractFileSystem, path: str) -> bool:
+    try:
+        return bool(fs.exists(path))
+    except Exception:  # noqa: BLE001 - an unreachable store: treated as existing (never removed)
+        return True
+
+
 class LeaseError(ConfigError):
     """Another trainer holds this run's checkpoint root (exit 2: a restart would meet it again)."""
 
@@ -441,6 +448,10 @@ class Lease:
         self, fs: AbstractFileSystem, root: str, url: str, lease_seconds: float, holder: Holder, run: str = ""
     ):
         self.file = lease_file(fs, root)
+        self.fs, self.root = fs, root
+        # A root the lease itself created (a local folder) is removed again when the run leaves nothing in it
+        # (a config refused at start-up): a refused run leaves no trace.
+        self._root_existed = _exists(fs, root)
         self.url = url
         self.seconds = float(lease_seconds)
         self.me = holder
@@ -606,6 +617,9 @@ class Lease:
             try:
                 self.file.delete(version)
                 log.info("released the lease on %s", self.url)
+                if not self._root_existed:
+                    with contextlib.suppress(Exception):  # not empty, or a store without folders: kept
+                        self.fs.rmdir(self.root)
             except Exception as e:  # noqa: BLE001 - it lapses after lease_seconds anyway
                 log.warning("could not release the lease on %s (it lapses after %gs): %s", self.url, self.seconds, e)
 

@@ -123,13 +123,13 @@ class StepRunner:
             )
         self._trainable: set[str] | None = None
 
-    def chunks(self, batch: dict) -> Iterator[Batch]:
+    def chunks(self, batch: dict, device: torch.device | None = None) -> Iterator[Batch]:
         """This rank's share of the step: accumulation chunks, each split into micro-batches."""
         n = len(batch["positions"])
         for start in range(0, n, self.chunk_size):
             stop = min(start + self.chunk_size, n)
             for s in range(start, stop, self.micro):
-                yield to_device(batch, s, min(s + self.micro, stop), self.device)
+                yield to_device(batch, s, min(s + self.micro, stop), device or self.device)
 
     def _set_trainable(self, names: set[str]) -> None:
         if names == self._trainable:
@@ -191,9 +191,14 @@ class StepRunner:
             return 0
         counter = StepFlops()
         bare = ModuleView(self.parts, self.frozen, set())  # no DDP wrapper: no hooks, no collectives
+        # Fake tensors insist on one device object: the parameters' (accelerate names the CPU `cpu:0` under
+        # several processes, which real tensors treat as `cpu`; a library that then moves a table it keeps
+        # to the input's device would keep a fake copy).
+        params = [p for part in self.parts.values() for p in part.module.parameters()]
+        device = params[0].device if params else self.device
         try:
             with FakeTensorMode(allow_non_fake_inputs=True), torch.compiler.set_stance("force_eager"), counter:
-                for chunk in self.chunks(batch):
+                for chunk in self.chunks(batch, device):
                     self._set_trainable({ph.part for ph in phases})
                     with autocast(self.device, self.cfg.train.precision):
                         outputs = self.task.forward(bare, chunk, step)
