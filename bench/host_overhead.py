@@ -7,7 +7,8 @@ queue or, when it waits for the device, empties it. With a tiny model at a large
 difference between gentrain's step and a hand-written loop's is gentrain's host overhead per step, measurable
 on any machine.
 
-Variants, interleaved in rounds in this one process (A B A B ...): `hand` (the same DiT, torch.randn and
+Variants, interleaved in rounds in this one process (A B A B ...): `hand` (the same DiT on a fixed batch
+in memory, torch.randn and
 randint for the batch, DDPMScheduler.add_noise, MSE, clip_grad_norm_, AdamW, EMA by torch._foreach_lerp_,
 loss.item() each step: bench/gpu.py's hand-written loop) and `gentrain` (Trainer.fit of the same config:
 loader, per-sample draws, EMA, progress, reporter; logging every 50 steps). Each iteration is timed from one
@@ -74,15 +75,23 @@ def gentrain_iterations(batch: int, steps: int, workdir: str) -> list[float]:
         cfg = load_config("digits-ddpm", [a for a in args if not a.startswith("checkpoint.lease")], environ={})
     trainer = Trainer(cfg, DistEnv())
     stamps: list[float] = []
-    run = trainer.step_runner.run
+    waits: list[float] = []
+    run, on_step = trainer.step_runner.run, trainer.reporter.on_step
 
     def timed(batch, step):  # instrumentation only: when each iteration reaches its step
         stamps.append(time.perf_counter())
         return run(batch, step)
 
-    trainer.step_runner.run = timed
+    def data_wait(batch, logs, lr, t_data, *rest):  # and how long it waited for its batch
+        waits.append(t_data)
+        return on_step(batch, logs, lr, t_data, *rest)
+
+    trainer.step_runner.run, trainer.reporter.on_step = timed, data_wait
     assert trainer.fit() == 0
-    return list(np.diff(stamps))
+    # The iteration from one step's start to the next, less the wait for the next batch: the hand-written
+    # loop's batch is already in memory (as on the GPU: on the device), and gentrain's loader would read it
+    # in worker processes there.
+    return [d - w for d, w in zip(np.diff(stamps), waits[1:], strict=False)]
 
 
 def hand_iterations(batch: int, steps: int) -> list[float]:
@@ -107,15 +116,10 @@ def hand_iterations(batch: int, steps: int) -> list[float]:
     params = list(net.parameters())
     opt = torch.optim.AdamW(params, lr=1e-4)
     ema = [p.detach().clone() for p in params]
-    rng = np.random.default_rng(0)
-    perm, pos, stamps = rng.permutation(len(images)), 0, []
+    x0, y = images[:batch], labels[:batch]  # a fixed batch in memory, as bench/gpu.py's is on the device
+    stamps = []
     for _ in range(steps):
         stamps.append(time.perf_counter())
-        if pos + batch > len(perm):
-            perm, pos = rng.permutation(len(images)), 0
-        idx = torch.from_numpy(perm[pos : pos + batch])
-        pos += batch
-        x0, y = images[idx], labels[idx]
         noise = torch.randn_like(x0)
         t = torch.randint(0, 1000, (batch,))
         pred = net(sched.add_noise(x0, noise, t), timestep=t, class_labels=y).sample

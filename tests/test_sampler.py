@@ -51,3 +51,20 @@ def test_permutations_differ_between_epochs_and_seeds():
     assert list(a.permutation(0)) != list(a.permutation(1))
     assert list(SampleStream(100, seed=2).permutation(0)) != list(a.permutation(0))
     assert list(SampleStream(100, seed=1).permutation(5)) == list(a.permutation(5))
+
+
+def test_rank_slices_read_the_stream_as_take_defines_it_across_epoch_ends():
+    """rank_slice reads permutation slices (it runs every step in the training process); it must give the
+    entries `take` defines, one by one, with each ref's augmentation seed keyed by its epoch and index."""
+    from trainer.randomness import Stream, stream_seed
+
+    stream = SampleStream(10, seed=3)
+    for cursor in (0, 4, 8, 17, 29):
+        for world in (1, 2, 3):
+            batch = 6 * world
+            for rank in range(world):
+                refs = stream.rank_slice(cursor, batch, rank, world)
+                want = stream.take(cursor + rank * 6, 6)
+                assert [(r.epoch, r.index) for r in refs] == want
+                assert [r.position for r in refs] == list(range(rank * 6, rank * 6 + 6))
+                assert [r.aug_seed for r in refs] == [stream_seed(3, Stream.AUGMENT, e, i) for e, i in want]

@@ -327,7 +327,7 @@ def _held_out_images(cfg, num: int, seed: int):
     train, val, _ = build_splits(cfg)
     held = val or train
     order = torch.randperm(len(held), generator=torch.Generator().manual_seed(seed))[:num].tolist()
-    return collate([held[SampleRef(index=i, position=k, aug_seed=0)] for k, i in enumerate(order)])["images"]
+    return collate([held[SampleRef(index=i, position=k)] for k, i in enumerate(order)])["images"]
 
 
 def _request(args: argparse.Namespace):

@@ -176,5 +176,5 @@ def validation_refs(val: Subset, batch_size: int, batches: int, rank: int, world
     """Fixed validation batches (the first `batches` of the split, in order), this rank's share."""
     total = min(len(val), batch_size * batches)
     mine = list(range(rank, total, world_size))
-    refs = [SampleRef(index=i, position=i, aug_seed=0) for i in mine]
+    refs = [SampleRef(index=i, position=i) for i in mine]
     return [refs[i : i + batch_size] for i in range(0, len(refs), batch_size)]

@@ -26,7 +26,13 @@ class SampleRef:
 
     index: int  # position in the training subset
     position: int  # position in the step's global batch
-    aug_seed: int
+    epoch: int = 0
+    seed: int | None = None  # the run's seed; None: no augmentation stream (held-out and preview batches)
+
+    @property
+    def aug_seed(self) -> int:
+        """Derived where it is used (in a loader worker), not by the sampler in the training process."""
+        return 0 if self.seed is None else stream_seed(self.seed, Stream.AUGMENT, self.epoch, self.index)
 
 
 class SampleStream:
@@ -55,12 +61,19 @@ class SampleStream:
         return out
 
     def rank_slice(self, cursor: int, global_batch: int, rank: int, world_size: int) -> list[SampleRef]:
+        """This rank's refs of the step at `cursor`: slices of at most two epochs' permutations (the same
+        entries as `take`, read a slice at a time: this runs in the training process every step)."""
         per_rank = global_batch // world_size
         start = rank * per_rank
-        refs = []
-        for i, (epoch, index) in enumerate(self.take(cursor + start, per_rank)):
-            aug = stream_seed(self.seed, Stream.AUGMENT, epoch, index)
-            refs.append(SampleRef(index=index, position=start + i, aug_seed=aug))
+        refs: list[SampleRef] = []
+        p, end = cursor + start, cursor + start + per_rank
+        while p < end:
+            epoch, offset = divmod(p, self.num_samples)
+            stop = min(end, (epoch + 1) * self.num_samples)
+            indices = self.permutation(epoch)[offset : offset + stop - p].tolist()
+            first = start + len(refs)
+            refs += [SampleRef(i, first + k, epoch, self.seed) for k, i in enumerate(indices)]
+            p = stop
         return refs
 
 

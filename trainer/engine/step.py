@@ -61,7 +61,12 @@ def check_batch_split(batch_size: int, world_size: int, grad_accum: int) -> int:
 def reseed_global_rng(seed: int, step: int, rank: int, chunk: int) -> None:
     """Counter-based global RNG: torch (CPU and CUDA), numpy and random as a function of the position."""
     s = stream_seed(seed, Stream.STEP_GLOBAL, step, rank, chunk)
-    torch.manual_seed(s)
+    # The generators a step can draw from: the CPU's and, on CUDA, this process's device's. Not
+    # torch.manual_seed, which also walks every CUDA device and other backends (0.6 ms of host time per
+    # chunk); the states it sets on the generators used here are the same.
+    torch.default_generator.manual_seed(s)
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.default_generators[torch.cuda.current_device()].manual_seed(s)
     if chunk == 0:
         np.random.seed(s % (1 << 32))
         random.seed(s)
