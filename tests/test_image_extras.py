@@ -126,7 +126,9 @@ def test_every_extra_trainer_names_is_decided_from_the_config_or_is_a_flag():
     assert {"lowbit", "text", "trackers", "hf", "lora", "eval", "video", "s3", "gcs", "etcd"} <= named, named
     undecided = named - set(GATES) - set(STORE_EXTRAS.values()) - set(NOT_CONFIG)
     assert not undecided, f"trainer/ names extras no config key here turns on: {sorted(undecided)}"
-    assert named <= set(PYPROJECT_EXTRAS), f"trainer/ names extras pyproject.toml lacks: {named - set(PYPROJECT_EXTRAS)}"
+    assert named <= set(PYPROJECT_EXTRAS), (
+        f"trainer/ names extras pyproject.toml lacks: {named - set(PYPROJECT_EXTRAS)}"
+    )
 
 
 # Presets that need an extra the image leaves out (NOT_IN_IMAGE), each named here with the extra. shards-ddpm
