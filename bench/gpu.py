@@ -1,18 +1,22 @@
-"""The GPU checks and figures: each variant a `gentrain train` process on the GPU, its logged rates read back.
+"""gentrain's training step against the loop a user writes by hand, on one GPU, in one call.
 
-Variants (pick with --variants; all by default):
-- `ddpm-fp32`, `ddpm-bf16`: the digits UNet (`digits-ddpm`), TF32 matmuls / bf16 autocast.
-- `dit-eager`, `dit-compile`, `dit-blocks`, `dit-compile-blocks`, `dit-8bit`: a DiT-S/2-sized denoiser (12 blocks, width 384,
-  patch 2) on 32x32 digits (256 tokens), bf16, batch 256: eager; `train.compile=true` (regional, per
-  block); activation checkpointing `blocks`; both; `train.optimizer=adamw8bit` (torchao).
-- `dit-fsdp-async`: the same DiT under torchrun (NCCL, one process) with `train.parallel=fsdp` and
-  asynchronous checkpoints every 20 steps (pinned host buffers, background serialization).
+The hand-written loop (`hand`, this file's own code: no gentrain import) is what a careful user writes with
+torch and diffusers alone: diffusers' `DiTTransformer2DModel` of the shape gentrain builds for
+`model.backbone.kind=dit` (1-channel 32x32 images, patch 2, 10 classes), bf16 autocast,
+`DDPMScheduler.add_noise`, MSE, `clip_grad_norm_(1.0)`, fused AdamW, EMA by `torch._foreach_lerp_`,
+`loss.item()` every step, a fixed batch already on the GPU; compiled variants compile each transformer block
+(regional, as gentrain's `train.compile`). gentrain (`gt`) trains the same DiT through `gentrain train
+digits-ddpm ...` (its loader, per-sample draws, EMA, progress and stop agreement; checkpoints, previews and
+validation off), read back from its step lines.
 
-Printed as JSON: per variant the median samples/s, step seconds, TFLOP/s and MFU over the second half of
-its steps (the first half holds compile and warm-up), the compile line when there is one, the GPU's peak
-memory (`gpu_mem_gb` of the log lines: torch's peak allocation), and the exit code; ratios against `dit-eager` for the DiT variants.
+Each variant is a process of its own (its peak memory is its own). Step time: for `hand`, wall time per step
+over the second half of its steps (loss.item() syncs each step); for `gt`, the step lines' samples/s over
+the second half (each line covers the steps since the last one, wall time, device included). Printed as JSON
+lines, then the ratios (hand step time / gentrain step time: 1.0 or more means gentrain is at least as fast),
+peak GPU memory ratios, and MFU against the card's datasheet peak.
 
-Usage: python bench/gpu.py [--variants ddpm-fp32 dit-eager ...] [--steps 200] [--out DIR]
+Usage: python bench/gpu.py [--only dit-s dit-xl ...] [--out DIR] [--budget-s 480]
+       python bench/gpu.py --quick   # CPU smoke: tiny shapes, a few steps (checks the script, not speed)
 """
 
 from __future__ import annotations
@@ -27,103 +31,172 @@ import sys
 import tempfile
 import time
 
-DIT = "{kind: dit, num_layers: 12, num_attention_heads: 6, attention_head_dim: 64, patch_size: 2}"
-DIT_ARGS = [
-    "digits-ddpm",
-    f"model.backbone={DIT}",
-    "model.num_classes=10",
-    "data.image_size=32",
-    "train.batch_size=256",
-    "train.precision=bf16",
+# name: (layers, heads, head dim, batch, steps)
+MODELS = {"dit-s": (12, 6, 64, 256, 60), "dit-xl": (28, 16, 72, 128, 30)}
+QUICK = {"dit-s": (2, 2, 16, 16, 6), "dit-xl": (2, 2, 16, 16, 6)}
+# (model, mode, runner): mode eager | compile | float8 (compile + train.float8=tensorwise)
+VARIANTS = [  # in order of what matters most, should the time budget run out
+    ("dit-s", "eager", "hand"),
+    ("dit-s", "eager", "gt"),
+    ("dit-xl", "eager", "hand"),
+    ("dit-xl", "eager", "gt"),
+    ("dit-xl", "compile", "hand"),
+    ("dit-xl", "compile", "gt"),
+    ("dit-xl", "float8", "gt"),
+    ("dit-s", "compile", "hand"),
+    ("dit-s", "compile", "gt"),
 ]
-VARIANTS: dict[str, list[str]] = {
-    "ddpm-fp32": ["digits-ddpm"],
-    "ddpm-bf16": ["digits-ddpm", "train.precision=bf16"],
-    "dit-eager": DIT_ARGS,
-    "dit-compile": [*DIT_ARGS, "train.compile=true"],
-    "dit-blocks": [*DIT_ARGS, "train.activation_checkpointing=blocks"],
-    "dit-compile-blocks": [*DIT_ARGS, "train.compile=true", "train.activation_checkpointing=blocks"],
-    "dit-8bit": [*DIT_ARGS, "train.optimizer=adamw8bit"],
-    "dit-fsdp-async": [*DIT_ARGS, "train.parallel=fsdp", "checkpoint.async=true", "checkpoint.every_steps=20"],
-}
-TORCHRUN = {"dit-fsdp-async"}
 
+
+# ---------------------------------------------------------------------------------------------- hand-written
+def hand_loop(model: str, mode: str, quick: bool) -> dict:
+    import torch
+    import torch.nn.functional as F
+    from diffusers import DDPMScheduler, DiTTransformer2DModel
+
+    layers, heads, dim, batch, steps = (QUICK if quick else MODELS)[model]
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    torch.manual_seed(0)
+    net = DiTTransformer2DModel(
+        num_attention_heads=heads,
+        attention_head_dim=dim,
+        in_channels=1,
+        out_channels=1,
+        num_layers=layers,
+        sample_size=32,
+        patch_size=2,
+        num_embeds_ada_norm=10,
+    ).to(device)
+    if mode == "compile":
+        for block in net.transformer_blocks:
+            block.compile()
+    sched = DDPMScheduler(num_train_timesteps=1000, beta_schedule="squaredcos_cap_v2")
+    sched.alphas_cumprod = sched.alphas_cumprod.to(device)
+    opt = torch.optim.AdamW(net.parameters(), lr=1e-4, fused=device.type == "cuda")
+    params = list(net.parameters())
+    ema = [p.detach().clone() for p in params]
+    x0 = torch.rand(batch, 1, 32, 32, device=device) * 2 - 1
+    labels = torch.randint(0, 10, (batch,), device=device)
+    times = []
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        noise = torch.randn_like(x0)
+        t = torch.randint(0, 1000, (batch,), device=device)
+        with torch.autocast(device.type, dtype=torch.bfloat16):
+            pred = net(sched.add_noise(x0, noise, t), timestep=t, class_labels=labels).sample
+            loss = F.mse_loss(pred.float(), noise)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        with torch.no_grad():
+            torch._foreach_lerp_(ema, [p.detach() for p in params], 1 - 0.9999)
+        loss.item()
+        times.append(time.perf_counter() - t0)
+    late = times[len(times) // 2 :]
+    out = {"step_s": statistics.median(late), "params": sum(p.numel() for p in params)}
+    if device.type == "cuda":
+        out["gpu_mem_gb"] = torch.cuda.max_memory_allocated() / 1e9
+    return out
+
+
+# ---------------------------------------------------------------------------------------------- gentrain
 _STEP = re.compile(r"step=(\d+)/\d+ (.*)")
 _FIELD = re.compile(r"(\w+)=([\d.e+-]+)")
 
 
-def run(name: str, steps: int, out: str) -> dict:
+def gentrain_run(model: str, mode: str, quick: bool, out_dir: str) -> dict:
+    layers, heads, dim, batch, steps = (QUICK if quick else MODELS)[model]
+    dit = f"{{kind: dit, num_layers: {layers}, num_attention_heads: {heads}, attention_head_dim: {dim}, patch_size: 2}}"
     with tempfile.TemporaryDirectory() as tmp:
-        args = [*VARIANTS[name], f"run.dir={tmp}/run", f"train.max_steps={steps}", "train.log_every_steps=1"]
-        args += ["sample.every_steps=0", "sample.num=4", "train.val_every_steps=0"]
-        if name not in TORCHRUN:
-            args.append("checkpoint.every_steps=0")
-        if name in TORCHRUN:
-            cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=1", "--master-addr=127.0.0.1"]
-            cmd += ["--master-port=29555", "-m", "trainer", "train", *args]
-        else:
-            cmd = [sys.executable, "-m", "trainer", "train", *args]
-        start = time.perf_counter()
-        r = subprocess.run(cmd, capture_output=True, text=True)
-        wall = time.perf_counter() - start
-    with open(os.path.join(out, f"{name}.log"), "w") as f:
+        args = ["digits-ddpm", f"model.backbone={dit}", "model.num_classes=10", "data.image_size=32"]
+        args += [f"train.batch_size={batch}", "train.precision=bf16", f"train.max_steps={steps}"]
+        args += ["train.log_every_steps=5", "checkpoint.every_steps=0", "sample.every_steps=0", "sample.num=4"]
+        args += ["sample.inference_steps=2", "train.val_every_steps=0", f"run.dir={tmp}/run", "train.lr=1e-4"]
+        args += ["train.num_workers=4"] if not quick else []
+        if mode in ("compile", "float8"):
+            args.append("train.compile=true")
+        if mode == "float8":
+            args.append("train.float8=tensorwise")
+        r = subprocess.run([sys.executable, "-m", "trainer", "train", *args], capture_output=True, text=True)
+    with open(os.path.join(out_dir, f"gt-{model}-{mode}.log"), "w") as f:
         f.write(r.stderr)
-    rows = []
-    for m in _STEP.finditer(r.stderr):
-        fields = {k: float(v) for k, v in _FIELD.findall(m.group(2))}
-        rows.append((int(m.group(1)), fields))
-    late = [f for step, f in rows if step > steps // 2]
-    result: dict = {"exit": r.returncode, "wall_s": round(wall, 1), "steps_logged": len(rows)}
-
-    def med(key: str) -> float | None:
-        values = [f[key] for f in late if key in f]
-        return statistics.median(values) if values else None
-
-    sps = med("samples_per_s")
-    if sps:
-        batch = 256 if name.startswith("dit") else 64
-        result |= {"samples_per_s": round(sps, 1), "step_s": round(batch / sps, 4)}
-    for key in ("tflops", "mfu"):
-        value = med(key)
-        if value is not None:
-            result[key] = round(value, 4)
+    rows = [
+        (int(m.group(1)), dict((k, float(v)) for k, v in _FIELD.findall(m.group(2)))) for m in _STEP.finditer(r.stderr)
+    ]
+    late = [f for s, f in rows if s > steps // 2 and "samples_per_s" in f]
+    result: dict = {"exit": r.returncode}
+    if late:
+        sps = statistics.median(f["samples_per_s"] for f in late)
+        result |= {"step_s": batch / sps, "mfu": statistics.median(f.get("mfu", 0.0) for f in late)}
     mem = [f["gpu_mem_gb"] for _, f in rows if "gpu_mem_gb" in f]
     if mem:
         result["gpu_mem_gb"] = max(mem)
-    compile_line = re.search(r"compile: [\d.]+ s compiling.*", r.stderr)
-    if compile_line:
-        result["compile"] = compile_line.group(0)
-    device = re.search(r"device=(\S+)", r.stderr)
-    result["device"] = device.group(1) if device else None
-    peak = re.search(r"throughput: .* peak (.*)", r.stderr)
-    result["peak"] = peak.group(1) if peak else None
-    commits = re.findall(r"checkpoint committed \S+ \(([^)]*)\)", r.stderr)
-    if commits:
-        result["checkpoints"] = commits[-3:]
+    flops = re.search(r"throughput: ([\d.e+]+) GFLOP per step", r.stderr)
+    if flops:
+        result["gflop_per_step"] = float(flops.group(1))
+    peak = re.search(r"peak ([\d.]+) TFLOP/s \(([^)]*)\)", r.stderr)
+    if peak:
+        result["peak_tflops"], result["card"] = float(peak.group(1)), peak.group(2)
+    params = re.search(r"params=([\d.]+)M", r.stderr)
+    if params:
+        result["params"] = float(params.group(1)) * 1e6
     if r.returncode != 0:
-        result["stderr_tail"] = r.stderr[-2000:]
+        result["stderr_tail"] = r.stderr[-1500:]
     return result
 
 
 def main() -> None:
     p = argparse.ArgumentParser()
-    p.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
-    p.add_argument("--steps", type=int, default=200)
-    p.add_argument("--out", default=".")
+    p.add_argument("--only", nargs="+", help="model names or model-mode pairs, e.g. dit-s dit-xl-compile")
+    p.add_argument("--out", default=os.environ.get("OUT", "."))
+    p.add_argument("--quick", action="store_true")
+    p.add_argument("--budget-s", type=float, default=480)
+    p.add_argument("--child", nargs=2, metavar=("MODEL", "MODE"), help=argparse.SUPPRESS)
     args = p.parse_args()
-    results = {}
-    for name in args.variants:
-        results[name] = run(name, args.steps, args.out)
-        print(json.dumps({name: results[name]}), flush=True)
-    base = results.get("dit-eager", {}).get("step_s")
-    if base:
-        for name, r in results.items():
-            if name.startswith("dit") and r.get("step_s"):
-                r["step_time_vs_eager"] = round(r["step_s"] / base, 3)
-    import torch
-
-    gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else None
-    print(json.dumps({"gpu": gpu, "torch": torch.__version__, "steps": args.steps, "results": results}, indent=1))
+    if args.child:
+        print(json.dumps(hand_loop(*args.child, quick=args.quick)))
+        return
+    start = time.perf_counter()
+    results: dict[str, dict] = {}
+    for model, mode, runner in VARIANTS:
+        key = f"{runner}:{model}-{mode}"
+        if args.only and model not in args.only and f"{model}-{mode}" not in args.only:
+            continue
+        if time.perf_counter() - start > args.budget_s:
+            results[key] = {"skipped": "over the time budget"}
+            continue
+        t0 = time.perf_counter()
+        if runner == "hand":
+            cmd = [sys.executable, __file__, "--child", model, mode] + (["--quick"] if args.quick else [])
+            r = subprocess.run(cmd, capture_output=True, text=True)
+            lines = r.stdout.strip().splitlines()
+            results[key] = (
+                json.loads(lines[-1])
+                if r.returncode == 0 and lines
+                else {"exit": r.returncode, "stderr_tail": r.stderr[-1500:]}
+            )
+        else:
+            results[key] = gentrain_run(model, mode, args.quick, args.out)
+        results[key]["wall_s"] = round(time.perf_counter() - t0, 1)
+        print(json.dumps({key: results[key]}), flush=True)
+    ratios = {}
+    for model, mode, runner in VARIANTS:
+        if runner != "gt":
+            continue
+        gt = results.get(f"gt:{model}-{mode}", {})
+        hand = results.get(f"hand:{model}-{'compile' if mode == 'float8' else mode}", {})
+        if "step_s" in gt and "step_s" in hand:
+            entry = {"hand_over_gentrain_speed": round(hand["step_s"] / gt["step_s"], 3)}
+            if "gpu_mem_gb" in gt and "gpu_mem_gb" in hand:
+                entry["gentrain_over_hand_memory"] = round(gt["gpu_mem_gb"] / hand["gpu_mem_gb"], 3)
+            if "gflop_per_step" in gt and "peak_tflops" in gt:
+                entry["hand_mfu"] = round(gt["gflop_per_step"] * 1e9 / hand["step_s"] / (gt["peak_tflops"] * 1e12), 4)
+                entry["gentrain_mfu"] = round(gt["gflop_per_step"] * 1e9 / gt["step_s"] / (gt["peak_tflops"] * 1e12), 4)
+            ratios[f"{model}-{mode}"] = entry
+    print(json.dumps({"ratios": ratios, "total_s": round(time.perf_counter() - start, 1)}), flush=True)
+    with open(os.path.join(args.out, "gpu.json"), "w") as f:
+        json.dump({"results": results, "ratios": ratios}, f, indent=1)
 
 
 if __name__ == "__main__":

@@ -9,6 +9,7 @@ learns a task's name.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import time
@@ -34,6 +35,7 @@ from trainer.engine.calibrate import Calibrator
 from trainer.engine.checkpointing import apply_activation_checkpointing
 from trainer.engine.compile import CompileStats, apply_compile
 from trainer.engine.evaluate import Evaluator
+from trainer.engine.float8 import apply_float8
 from trainer.engine.parts import FrozenPart, Part, build_parts
 from trainer.engine.preview import Previewer
 from trainer.engine.progress import JobAgreement, TrainProgress
@@ -185,21 +187,26 @@ class Trainer:
             self.throughput.set_flops_per_step(progress.flops_per_sample * progress.batch_size / env.world_size)
         compile_pending = cfg.train.compile and env.is_main
         agreement = self.agreement = JobAgreement(self.device)
+        first_step = True
 
         while progress.step < cfg.train.max_steps:
             t0 = time.perf_counter()
             batch = next(batches)
             t_data = time.perf_counter() - t0
-            if self.throughput.flops_per_step is None:  # the run's first step: its FLOPs, on fake tensors
+            # FLOPs, once per run, on fake tensors before the second step this process runs: the first one has
+            # moved what libraries keep on the device (a scheduler's tables), which a count before it would
+            # leave fake. Where fake tensors cannot count, the step itself is counted.
+            if self.throughput.flops_per_step is None and not first_step:
                 self._count_flops(batch)
-            counting = self.throughput.flops_per_step is None  # not countable on fake tensors: count this step
-            with self.throughput.counting():
+            counting = self.throughput.flops_per_step is None and not first_step
+            with self.throughput.counting() if counting else contextlib.nullcontext():
                 logs = self.step_runner.run(batch, progress.step)
             if counting:
                 progress.flops_per_sample = self.throughput.flops_per_step * env.world_size / progress.batch_size
             elif compile_pending:  # the first compiled step (a step counted for real runs eagerly)
                 compile_pending = False
                 log.info("%s", CompileStats.now().line())
+            first_step = False
             progress.advance()
             stop = self._settle(agreement.post(self.stop_request.requested, batch))
             self.reporter.on_step(batch, logs, self._lr(), t_data, time.perf_counter() - t0, t0)
@@ -301,6 +308,7 @@ class Trainer:
         wrapping.check_supported(self.task, modules, trainable)
         # Only parts this run trains are wrapped (a cascade stage outside train.stages is not).
         learning = set(self.task.learning_parts())
+        apply_float8(modules, learning, self.cfg.train.float8, self.runtime.device, self.cfg.task)
         wrapping.prepare(modules, frozen=frozen, learning=learning)
         apply_activation_checkpointing(modules, learning, self.cfg.train.activation_checkpointing, self.cfg.task)
         if self.cfg.train.compile:

@@ -95,9 +95,21 @@ class TrainConfig(_Section):
         description="torch.compile each block (regional: the activation-checkpointing units) for the training "
         "forward and backward; compile time and graph breaks are logged after the first compiled step",
     )
+    float8: Literal["none", "tensorwise", "rowwise"] = Field(
+        "none",
+        description="transformer backbones' linear layers in float8 (torchao; NVIDIA compute capability 8.9+, "
+        "the float8 extra): tensorwise (fastest) or rowwise scaling; true means tensorwise. Best with train.compile",
+    )
     stages: list[int] | None = Field(
         None, min_length=1, description="cascade: which stages (1-based) this run trains; null = all"
     )
+
+    @field_validator("float8", mode="before")
+    @classmethod
+    def _float8_bool(cls, v: Any) -> Any:
+        if isinstance(v, bool) or v in ("true", "false"):
+            return "tensorwise" if v in (True, "true") else "none"
+        return v
 
     @model_validator(mode="after")
     def _offload_needs_fsdp(self) -> TrainConfig:

@@ -1,0 +1,95 @@
+"""float8 training (`train.float8`): torchao's `Float8Linear` in place of a transformer backbone's linear layers.
+
+Each converted layer keeps its weight as it was (float32 master weights, the same parameter names) and casts
+the matmul's operands to float8 with dynamic scales at every call; the matmul runs on the GPU's float8 tensor
+cores, the rest of the model as before (bf16 autocast). Hence:
+
+- **Checkpoints do not change**: weights, EMA and optimizer state are the bf16 run's tensors under the same
+  names, so a float8 run resumes without float8 and a bf16 run resumes with it (the step's numbers differ, as
+  with any change of kernels; exact resume holds within one setting).
+- **Scaling**: `tensorwise` (the default for `true`) takes one scale per tensor and cuBLAS's float8 GEMM, the
+  fastest recipe, and the one whose float8 all-gather FSDP2 supports; `rowwise` takes a scale per row of each
+  operand (CUTLASS kernel), more robust to outlier rows (large activations in a few tokens), somewhat slower.
+  torchao's own guidance, which torchtitan follows.
+- **Which layers**: the `nn.Linear` layers of the learning parts that are transformers, whose both dimensions
+  are multiples of 16 (the float8 GEMM's alignment): attention projections and MLPs. A DiT's final projection
+  (patch x patch x channels outputs) stays as it is. A UNet has no such backbone: refused.
+- **Where**: NVIDIA GPUs with float8 tensor cores (compute capability 8.9: L4, L40S; 9.0: H100, H200; B200);
+  anywhere else exit 2 with the reason. It pays off with `train.compile=true`, which fuses the casts and scales
+  into neighbouring kernels (eager, the casts cost more than the faster matmuls save on most shapes).
+
+Applied before DDP/FSDP wrapping, activation checkpointing and compile (torchtitan's order).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Collection, Mapping
+
+import torch
+from torch import nn
+
+from trainer.errors import ConfigError
+
+log = logging.getLogger("gentrain")
+
+_EXTRA = "pip install 'gentrain[float8]'"
+_TRANSFORMERS = ("DiTTransformer2DModel", "PixArtTransformer2DModel", "SD3Transformer2DModel")
+
+
+def check_float8_device(recipe: str, device: torch.device) -> None:
+    """ConfigError (exit 2) unless `device` has float8 tensor cores."""
+    if device.type != "cuda":
+        raise ConfigError(
+            f"train.float8={recipe}: float8 matmuls need an NVIDIA GPU with float8 tensor cores (compute capability "
+            f"8.9 or newer: L4, L40S, H100, H200, B200); this run is on {device.type}. Remove train.float8 (bf16 "
+            "trains the same model: the checkpoints are interchangeable)"
+        )
+    major, minor = torch.cuda.get_device_capability(device)
+    if (major, minor) < (8, 9):
+        name = torch.cuda.get_device_name(device)
+        raise ConfigError(
+            f"train.float8={recipe}: {name} (compute capability {major}.{minor}) has no float8 tensor cores (8.9 or "
+            "newer needed: L4, L40S, H100, H200, B200). Remove train.float8 (bf16 trains the same model)"
+        )
+
+
+def _is_transformer(module: nn.Module) -> bool:
+    return any(type(m).__name__ in _TRANSFORMERS for m in module.modules())
+
+
+def _eligible(module: nn.Module, fqn: str) -> bool:
+    """Token-level linears (attention and MLP) whose dims the float8 GEMM accepts. Per-sample ones (timestep
+    and label embeddings, adaLN modulation, the final projection) multiply a batch-sized M, which the GEMM
+    also wants a multiple of 16, for a negligible share of the FLOPs: they stay in bf16."""
+    if not isinstance(module, nn.Linear) or module.in_features % 16 or module.out_features % 16:
+        return False
+    return not any(word in fqn for word in ("norm", "emb", "proj_out", "time", "caption_projection", "context"))
+
+
+def apply_float8(
+    modules: Mapping[str, nn.Module], learning: Collection[str], recipe: str, device: torch.device, task: str
+) -> int:
+    """Convert the learning transformer parts' eligible linear layers to float8; the number converted."""
+    if recipe == "none":
+        return 0
+    check_float8_device(recipe, device)
+    try:
+        from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+    except ImportError as e:
+        raise ConfigError(f"train.float8={recipe} needs torchao: {_EXTRA} ({e})") from e
+    parts = [n for n in learning if _is_transformer(modules[n])]
+    if not parts:
+        raise ConfigError(
+            f"train.float8={recipe}: task {task!r} trains no transformer backbone (parts: {', '.join(learning)}); "
+            "float8 applies to DiT, PixArt and MMDiT backbones (model.backbone.kind). Remove train.float8"
+        )
+    config = Float8LinearConfig.from_recipe_name(recipe)
+    converted = 0
+    for name in parts:
+        before = sum(1 for m in modules[name].modules() if isinstance(m, nn.Linear))
+        convert_to_float8_training(modules[name], module_filter_fn=_eligible, config=config)
+        still = sum(1 for m in modules[name].modules() if type(m) is nn.Linear)
+        converted += before - still
+    log.info("float8 (%s scaling): %d linear layers of %s", recipe, converted, ", ".join(parts))
+    return converted
