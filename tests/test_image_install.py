@@ -255,7 +255,8 @@ GATES = {
     "eval": "from trainer.eval.features import require_torchmetrics; require_torchmetrics()",
     "etcd": "from trainer.launch import check_rendezvous_backend; check_rendezvous_backend('etcd-v2')",
     "lowbit": "from trainer.optim import adamw8bit_class; adamw8bit_class()",
-    "float8": "from torchao.float8 import convert_to_float8_training",
+    "float8": "from torchao.float8 import Float8LinearConfig, convert_to_float8_training\n"
+    "for recipe in ('tensorwise', 'rowwise'): Float8LinearConfig.from_recipe_name(recipe)",
     "text": "import pathlib, tempfile, sentence_transformers\n"
     "from trainer.conditioning.text import BUILTIN_ENCODER, resolve_encoder_dir\n"
     "assert (resolve_encoder_dir(BUILTIN_ENCODER, pathlib.Path(tempfile.mkdtemp())) / 'modules.json').is_file()",
