@@ -260,7 +260,10 @@ GATES = {
     "text": "import pathlib, tempfile, sentence_transformers\n"
     "from trainer.conditioning.text import BUILTIN_ENCODER, resolve_encoder_dir\n"
     "assert (resolve_encoder_dir(BUILTIN_ENCODER, pathlib.Path(tempfile.mkdtemp())) / 'modules.json').is_file()",
-    "trackers": "from trainer.config.schema import LogConfig; from trainer.engine.report import tracker_names\n"
+    # MLflow's default store (sqlite) needs full MLflow; a run in the image points MLFLOW_TRACKING_URI at a
+    # server (building the store contacts nothing).
+    "trackers": "import os; os.environ['MLFLOW_TRACKING_URI'] = 'http://127.0.0.1:9'\n"
+    "from trainer.config.schema import LogConfig; from trainer.engine.report import tracker_names\n"
     "assert tracker_names(LogConfig(report_to=['tensorboard', 'wandb', 'mlflow'])) == "
     "['tensorboard', 'wandb', 'mlflow']",
     "hf": "from trainer.data.hf import import_datasets; import_datasets()",
