@@ -1,7 +1,8 @@
 # gentrain training image: the CUDA build of the torch release the test suite runs
 # (scripts/test.sh installs the same version as its CPU build; tests/test_deploy.py fails
-# when the two drift apart) + gentrain with S3/GCS, video clips, FID/KID and torchrun's etcd rendezvous
-# (extras s3, gcs, video, eval, etcd).
+# when the two drift apart) + gentrain with every extra a GPU run can turn on: a run cannot
+# pip-install into its pod, so a missing one is an exit 2 on the cluster (tests/test_image_extras.py
+# derives each preset's and each GPU lever's extras from its config and checks them against the line below).
 # Used by the TorchX component (`bash -c "python -m trainer launch ..."`) and by k8s/ manifests.
 FROM python:3.11-slim-bookworm
 
@@ -35,10 +36,19 @@ RUN if [ -n "${TORCH_INDEX_URL}" ]; then export PIP_INDEX_URL="${TORCH_INDEX_URL
 # torch is already installed at TORCH_VERSION (it satisfies torch>=2.9 and stays as it is;
 # torch==2.13.0 also matches an index's local version such as 2.13.0+cu126). constraints-runtime.txt,
 # not the test environment's constraints.txt: no TorchX here, so urllib3 is current.
+# The extras: s3, gcs (stores), video (PyAV), eval (FID/KID), etcd (torchrun's etcd rendezvous),
+# lowbit (train.optimizer=adamw8bit) and float8 (train.float8; both torchao), text (captions:
+# sentence-transformers + the shipped encoder, which mmdit-512 uses), trackers (log.report_to:
+# tensorboard, wandb, mlflow), hf (data.source=hf), lora (model.lora: peft). train.compile needs
+# none: inductor and triton come with the torch wheel. Left out: inception (torch-fidelity needs a
+# torchvision built for this exact torch/CUDA build, and torchmetrics imports it whenever it is
+# installed, so a mismatched one breaks every FID), torchx (runs where jobs are submitted, and pins
+# urllib3<1.27), docs and test (development tools).
 COPY pyproject.toml constraints-runtime.txt README.md ./
 RUN mkdir -p trainer/presets trainer/data \
     && touch trainer/__init__.py \
-    && pip install --no-cache-dir -c constraints-runtime.txt "torch==${TORCH_VERSION}" ".[s3,gcs,video,eval,etcd]" \
+    && pip install --no-cache-dir -c constraints-runtime.txt "torch==${TORCH_VERSION}" \
+        ".[s3,gcs,video,eval,etcd,lowbit,float8,text,trackers,hf,lora]" \
     && pip uninstall -y gentrain
 
 # The code: small and changes often.

@@ -146,7 +146,9 @@ def pins(name: str) -> dict[str, str]:
 
 def test_runtime_constraints_agree_with_the_test_environment_except_for_urllib3():
     runtime, tested = pins("constraints-runtime.txt"), pins("constraints.txt")
-    image_extras = {"s3", "gcs", "video", "eval", "etcd"}  # tests/test_image_install.py checks the Dockerfile's
+    from test_image_install import dockerfile_install, extras_of
+
+    image_extras = extras_of(dockerfile_install()[1])  # the Dockerfile's install line
     needed = CORE - {"torch"} | set().union(*(EXTRAS[e] for e in image_extras))
     assert not needed - set(runtime), f"constraints-runtime.txt does not pin {sorted(needed - set(runtime))}"
     assert "torchx" not in runtime and "pytest" not in runtime
