@@ -136,8 +136,8 @@ def hand_iterations(batch: int, steps: int) -> list[float]:
 
 def draw_seconds(batch: int, repeats: int = 20) -> dict[str, float]:
     """Median seconds of one step's draws (noise (1, 8, 8), timestep, label dropout) on each stream."""
-    try:  # absent before draw streams: this bench also measures the code before them
-        from trainer.randomness import sample_draws, set_stream_version
+    try:
+        from trainer.randomness import sample_draws, set_stream_version  # absent before draw streams
     except ImportError:  # before draw streams: the per-sample generators only
         return {}
     out = {}

@@ -294,7 +294,7 @@ def test_flow_matching_dream_and_edm_lower_the_loss_on_the_digits_and_sample(sta
     opt = torch.optim.Adam(net.parameters(), lr=3e-3)
 
     def batch(subset, start: int, n: int):
-        refs = [SampleRef(index=i, position=i - start, aug_seed=0) for i in range(start, start + n)]
+        refs = [SampleRef(index=i, position=i - start) for i in range(start, start + n)]
         return to_device(collate([subset[r] for r in refs]), 0, n, torch.device("cpu"))
 
     held_out = batch(val_set, 0, 32)

@@ -150,7 +150,7 @@ def test_broken_rows_are_skipped_and_counted_like_corrupt_files_and_name_their_r
     digits_dataset(6, images).save_to_disk(str(tmp_path / "disk"))
     ds = HFDataset(str(tmp_path / "disk"), image_size=8, channels=1, label_column="label")
     train, _, _ = split(ds, 0.0, False, (1, 8, 8))
-    batch = collate([train[SampleRef(index=i, position=i, aug_seed=0)] for i in range(6)])
+    batch = collate([train[SampleRef(index=i, position=i)] for i in range(6)])
     assert batch["valid"].tolist() == [True, False, False, True, False, True]
     assert batch["skipped"] == 3
     assert batch["images"][~batch["valid"]].abs().sum() == 0 and batch["labels"].tolist()[1] == -1

@@ -166,7 +166,7 @@ def test_pack_round_trip_keeps_pixels_captions_classes_and_embeddings_and_index_
     assert shards.counts.tolist() == [4, 4, 2] and shards.classes == ["cats", "dogs"] and shards.num_classes == 2
     ds = ShardSet(shards, None, image_size=16, channels=3)
     split = ShardSplit(ds, "all", 0.0, False, (3, 16, 16))
-    items = split.__getitems__([SampleRef(index=i, position=i, aug_seed=0) for i in range(len(split))])
+    items = split.__getitems__([SampleRef(index=i, position=i) for i in range(len(split))])
     folder = ImageFolderDataset(str(src), image_size=16, channels=3)
     good = [i for i, p in enumerate(folder.files) if p.name != "broken.png"]
     for k, ((image, label, gid, _, valid, extras), fi) in enumerate(zip(items, good, strict=True)):

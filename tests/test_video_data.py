@@ -355,7 +355,7 @@ def test_clips_packed_into_shards_decode_like_the_folder_and_mix_with_images(tmp
     cfg = load_config(CLIP_PROBE, ["data.source=shards", "data.image_size=8", "data.channels=3", *args])
     train, val, num_classes = build_splits(cfg)
     assert len(train) == 7 and val is None and num_classes == 2
-    items = train.__getitems__([SampleRef(index=i, position=i, aug_seed=0) for i in range(7)])
+    items = train.__getitems__([SampleRef(index=i, position=i) for i in range(7)])
     folder = VideoFolderDataset(str(src), 8, 3, num_frames=3, frame_stride=1)
     good = [p for p in folder.files if p.name != "broken.mp4"]
     for (clip, label, _, _, valid, extras), path in zip(items, good, strict=True):

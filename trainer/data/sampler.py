@@ -53,28 +53,23 @@ class SampleStream:
         return self._perm
 
     def take(self, cursor: int, count: int) -> list[tuple[int, int]]:
-        """(epoch, index) for stream entries [cursor, cursor + count)."""
-        out = []
-        for p in range(cursor, cursor + count):
-            epoch, offset = divmod(p, self.num_samples)
-            out.append((epoch, int(self.permutation(epoch)[offset])))
-        return out
-
-    def rank_slice(self, cursor: int, global_batch: int, rank: int, world_size: int) -> list[SampleRef]:
-        """This rank's refs of the step at `cursor`: slices of at most two epochs' permutations (the same
-        entries as `take`, read a slice at a time: this runs in the training process every step)."""
-        per_rank = global_batch // world_size
-        start = rank * per_rank
-        refs: list[SampleRef] = []
-        p, end = cursor + start, cursor + start + per_rank
+        """(epoch, index) for stream entries [cursor, cursor + count): slices of at most two epochs'
+        permutations (this runs in the training process every step)."""
+        out: list[tuple[int, int]] = []
+        p, end = cursor, cursor + count
         while p < end:
             epoch, offset = divmod(p, self.num_samples)
             stop = min(end, (epoch + 1) * self.num_samples)
-            indices = self.permutation(epoch)[offset : offset + stop - p].tolist()
-            first = start + len(refs)
-            refs += [SampleRef(i, first + k, epoch, self.seed) for k, i in enumerate(indices)]
+            out += [(epoch, i) for i in self.permutation(epoch)[offset : offset + stop - p].tolist()]
             p = stop
-        return refs
+        return out
+
+    def rank_slice(self, cursor: int, global_batch: int, rank: int, world_size: int) -> list[SampleRef]:
+        """This rank's refs of the step at `cursor` (their augmentation seeds derived where they are used)."""
+        per_rank = global_batch // world_size
+        start = rank * per_rank
+        entries = self.take(cursor + start, per_rank)
+        return [SampleRef(index, start + k, epoch, self.seed) for k, (epoch, index) in enumerate(entries)]
 
 
 class StepBatchSampler:
