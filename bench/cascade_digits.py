@@ -83,7 +83,7 @@ def main() -> None:
 
 
 def _refs(n: int):
-    return [SampleRef(index=i, position=i, aug_seed=0) for i in range(n)]
+    return [SampleRef(index=i, position=i) for i in range(n)]
 
 
 if __name__ == "__main__":

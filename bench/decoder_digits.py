@@ -47,7 +47,7 @@ def main() -> None:
         raise SystemExit("this checkpoint has no model.image_encoder: not a digits-decoder run")
     steps = {n: int(v["step"]) for n, v in store.read_json(info, TRAINER_JSON)["parts"].items()}
     _, val, _ = build_splits(cfg)
-    refs = [SampleRef(index=i, position=i, aug_seed=0) for i in range(min(args.num, len(val)))]
+    refs = [SampleRef(index=i, position=i) for i in range(min(args.num, len(val)))]
     real = torch.stack([val[r][0] for r in refs])
     labels = torch.tensor([val[r][1] for r in refs])
     embeds = task.image_encoder.encode(real)

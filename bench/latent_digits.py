@@ -56,7 +56,7 @@ def main() -> None:
     images = task.sample(modules, request, device)
     clf = fit_digits_classifier()
     _, val, _ = build_splits(cfg)
-    refs = [SampleRef(index=i, position=i, aug_seed=0) for i in range(len(val))]
+    refs = [SampleRef(index=i, position=i) for i in range(len(val))]
     real = torch.stack([val[r][0] for r in refs])
     real_labels = torch.tensor([val[r][1] for r in refs])
     ae, latent = modules[AUTOENCODER], task.latent

@@ -135,7 +135,7 @@ def judge(clips: torch.Tensor, digits: torch.Tensor, directions: torch.Tensor, n
 
 def held_out_clips(cfg, limit: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     _, val, _ = build_splits(cfg)
-    items = [val[SampleRef(index=i, position=i, aug_seed=0)] for i in range(min(limit, len(val)))]
+    items = [val[SampleRef(index=i, position=i)] for i in range(min(limit, len(val)))]
     clips = torch.stack([x[0] for x in items])
     labels = torch.tensor([x[1] for x in items])
     return clips, labels % 10, labels // 10

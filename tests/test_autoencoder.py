@@ -68,7 +68,7 @@ def latents_of_fixed_sample(cfg, weights: dict[str, torch.Tensor]) -> torch.Tens
     model.load_state_dict(weights)
     train, _, _ = build_splits(cfg)
     n = cfg.model_cfg.scale_samples
-    images = torch.stack([train[SampleRef(index=i, position=i, aug_seed=0)][0] for i in range(n)])
+    images = torch.stack([train[SampleRef(index=i, position=i)][0] for i in range(n)])
     with torch.no_grad():
         return model.eval().vae.encode(images).latent_dist.mean.double()
 

@@ -490,7 +490,7 @@ def test_ddpm_trains_flow_edm_and_every_backbone_on_the_digits(run, tmp_path, mo
     phase, backbone = Phase(task.part, task.part), task.backbone
 
     def batch(subset, start: int, n: int):
-        refs = [SampleRef(index=i, position=i - start, aug_seed=0) for i in range(start, start + n)]
+        refs = [SampleRef(index=i, position=i - start) for i in range(start, start + n)]
         return to_device(collate([subset[r] for r in refs]), 0, n, CPU)
 
     def held_out_loss() -> float:
@@ -656,7 +656,7 @@ def test_cascade_stages_train_on_transformer_backbones(run):
     opt = torch.optim.Adam(net.parameters(), lr=3e-3)
 
     def batch(subset, start: int, n: int):
-        refs = [SampleRef(index=i, position=i - start, aug_seed=0) for i in range(start, start + n)]
+        refs = [SampleRef(index=i, position=i - start) for i in range(start, start + n)]
         return to_device(collate([subset[r] for r in refs]), 0, n, CPU)
 
     held_out = batch(val_set, 0, 32)

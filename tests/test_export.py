@@ -287,7 +287,7 @@ def _digits(cfg, n: int = 8) -> torch.Tensor:
     from trainer.data import SampleRef, build_splits
 
     _, val, _ = build_splits(cfg)
-    return torch.stack([val[SampleRef(index=i, position=i, aug_seed=0)][0] for i in range(n)])
+    return torch.stack([val[SampleRef(index=i, position=i)][0] for i in range(n)])
 
 
 def _card_names_the_generator_digest(out: Path, root: str) -> str:

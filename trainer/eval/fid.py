@@ -105,7 +105,7 @@ def real_images(real_set, n: int, rank: int, world_size: int, batch: int = 64):
     """Yield this rank's share of the first n images of a split, in [0, 1] (invalid ones dropped, counted)."""
     block = rank_block(n, rank, world_size)
     for s in range(block.start, block.stop, batch):
-        refs = [SampleRef(index=i, position=i, aug_seed=0) for i in range(s, min(s + batch, block.stop))]
+        refs = [SampleRef(index=i, position=i) for i in range(s, min(s + batch, block.stop))]
         getter = getattr(real_set, "__getitems__", None)
         items = getter(refs) if getter else [real_set[r] for r in refs]
         b = collate(items)
