@@ -369,7 +369,9 @@ def _set_eval_flags(cfg, args: argparse.Namespace) -> None:
             setattr(cfg.eval, key, value)
         except ValidationError as e:
             why = "; ".join(err["msg"].removeprefix("Value error, ") for err in e.errors())
-            raise ConfigError(f"{flag} {value}: not allowed ({why}; eval.{key})") from None
+            raise ConfigError(
+                f"{flag} {value} is not allowed: {why.lower()} (as eval.{key}); give another value"
+            ) from None
 
 
 def _held_out_images(cfg, num: int, seed: int):

@@ -81,17 +81,18 @@ def is_credential_key(key: object) -> bool:
 def _userinfo_end(rest: str) -> int:
     """Where the user info of a URL ends (the index of its `@` in `rest`, the URL after `scheme://`), or -1.
 
-    The last `@` before the query or fragment, so a password holding `@` or `/` is taken whole; text that
-    holds a `/` before any `:` is a path (`s3://bucket/a@b`), not user info."""
+    The last `@` before the query or fragment whose text before it can be user info (no `/`, or a `:`
+    before the first `/`), so a password holding `@` or `/` is taken whole, and `s3://bucket/a@b` (a `/`
+    before any `:`) is a path, not user info."""
     cut = min((i for i in (rest.find("?"), rest.find("#")) if i >= 0), default=len(rest))
     at = rest.rfind("@", 0, cut)
-    if at <= 0:
-        return -1
-    userinfo = rest[:at]
-    slash, colon = userinfo.find("/"), userinfo.find(":")
-    if slash >= 0 and not 0 <= colon < slash:
-        return -1
-    return at
+    while at > 0:  # an '@' in the path (`tok@host/model@v2`): the one before it may still end user info
+        userinfo = rest[:at]
+        slash, colon = userinfo.find("/"), userinfo.find(":")
+        if slash < 0 or 0 <= colon < slash:
+            return at
+        at = rest.rfind("@", 0, at)
+    return -1
 
 
 def _is_url_credential(name: str) -> bool:

@@ -35,8 +35,15 @@ from diffusers.models.embeddings import LabelEmbedding
 from torch import nn
 
 from trainer.errors import ConfigError
-from trainer.models.finetune import CONFIG_NAME, LORA_WEIGHTS_NAME, WEIGHTS_NAME, merged_state_dict, write_folder
-from trainer.storage import filesystem
+from trainer.models.finetune import (
+    CONFIG_NAME,
+    LORA_WEIGHTS_NAME,
+    WEIGHTS_NAME,
+    has_lora,
+    merged_state_dict,
+    write_folder,
+)
+from trainer.storage import check_output_folder, filesystem
 
 SCHEDULER_CONFIG_NAME = "scheduler_config.json"  # diffusers' name
 MODEL_INDEX_NAME = "model_index.json"
@@ -173,6 +180,8 @@ def check_export_target(out_url: str, storage_options: Mapping[str, Any] | None 
     """Refuse (ConfigError, exit 2) an export into a folder that is not one: a file, or a non-empty folder
     that a gentrain export did not write (an export replaces what is there, so it never replaces
     anything else)."""
+    fix = "give a new or empty folder, or a previous export's folder"
+    check_output_folder(out_url, f"OUT {out_url!r}", fix)  # local: a file or a dangling link on the way
     fs, root = filesystem(out_url.rstrip("/"), storage_options)
     if not fs.exists(root):
         return
@@ -222,7 +231,8 @@ def write_export(
         for folder in _previous_folders(fs, root):
             if fs.exists(posixpath.join(root, folder)):
                 fs.rm(posixpath.join(root, folder), recursive=True)
-    folders = [*export.models, *(f"{name}-lora" for name in export.models), *export.schedulers]
+    lora = [f"{name}-lora" for name, (module, _) in export.models.items() if has_lora(module)]
+    folders = [*export.models, *lora, *export.schedulers]
     marker = {"format": 1, "complete": False, "folders": folders, **dict(about or {})}
     marker_path = posixpath.join(root, MARKER_NAME)
     fs.makedirs(root, exist_ok=True)
