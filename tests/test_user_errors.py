@@ -278,7 +278,7 @@ def test_a_failed_re_export_leaves_no_index_or_card_of_the_previous_export_and_t
     assert_ok(_export(CFG, out))
     assert not (out / "model_index.json").exists()
     card = (out / "README.md").read_text()
-    assert "no diffusers pipeline" in card and "DDIMPipeline" not in card
+    assert "no diffusers pipeline" in card and "- diffusers pipeline: `DDIMPipeline`" not in card
     assert json.loads((out / MARKER_NAME).read_text())["complete"] is True
 
 
