@@ -236,7 +236,7 @@ def cmd_train(args: argparse.Namespace) -> int:
 def _check_run_outputs(cfg) -> None:
     """Refuse (exit 2) a run whose local output folders cannot be made: run.dir, checkpoint.url and, with
     the memory tier, checkpoint.memory_dir (trainer.storage.check_output_folder)."""
-    from trainer.storage import check_output_folder
+    from trainer.storage import check_output_folder  # fsspec (see the module doc)
 
     default = " (its default: run.dir/checkpoints)" if cfg.checkpoint.url is None else ""
     check_output_folder(
@@ -508,7 +508,7 @@ def cmd_checkpoints(args: argparse.Namespace) -> int:
 
         check_export_target(args.out, args.storage_options)  # before the checkpoint is read
     elif args.action == "consolidate":
-        from trainer.storage import check_output_folder
+        from trainer.storage import check_output_folder  # fsspec (see the module doc)
 
         check_output_folder(args.out, f"OUT {args.out!r}", "give a checkpoint root folder (it is made if missing)")
     store, info = resolve_checkpoint(args.url, args.storage_options)
@@ -610,7 +610,7 @@ def cmd_data(args: argparse.Namespace) -> int:
 
     progress = sys.stderr.isatty()
     if args.action == "pack":
-        from trainer.storage import check_output_folder
+        from trainer.storage import check_output_folder  # fsspec (see the module doc)
 
         check_output_folder(args.out_url, f"OUT_URL {args.out_url!r}", "give a folder for the shards")
         seed = None if args.no_shuffle else args.shuffle_seed
