@@ -214,7 +214,8 @@ class HFDataset:
     image is missing, of another type or undecodable, or whose caption is not a string, is skipped at load
     time like an unreadable file of the folder source: the slot stays zeros with valid=False, the loop
     counts it against `data.max_skipped_fraction`, and each bad row is logged once per process. A missing
-    column is found at start: exit 2 naming the columns there are."""
+    column is found at start: exit 2 naming the columns there are; so is a split with no readable image
+    (`check_readable`, see `_check_readable`)."""
 
     def __init__(
         self,
