@@ -212,6 +212,22 @@ def test_consolidate_and_pack_refuse_an_out_that_cannot_be_a_folder(paths, comma
         assert_usage_error(r, str(paths[kind]))
 
 
+@pytest.mark.parametrize("kind", ["file", "folder", "missing-parent", "dangling"])
+@pytest.mark.parametrize(
+    "command, named",
+    [
+        (["sample", DDPM, "--num", "1", "--steps", "1", "--embeddings", "IN"], "--embeddings"),
+        (["data", "pack", "IN", "OUT", "--samples-per-shard", "2"], "data pack"),
+        (["data", "index", "IN"], "data index"),
+        (["eval", DDPM, "--num", "2", "--steps", "1", "--features", "IN"], "eval.features="),
+    ],
+)
+def test_input_paths_that_hold_nothing_readable_exit_2(tmp_path, paths, command, named, kind):
+    """An empty file, an empty folder, a path under a missing folder and a dangling link, where a flag reads."""
+    args = [str(paths[kind]) if a == "IN" else str(tmp_path / "out") if a == "OUT" else a for a in command]
+    assert_usage_error(run_cli(*args), named)
+
+
 @pytest.mark.parametrize(
     "args",
     [

@@ -398,8 +398,8 @@ def _request(args: argparse.Namespace):
     if args.embeddings is not None:
         try:
             image_embeds = np.load(args.embeddings, allow_pickle=False)
-        except (OSError, ValueError) as e:
-            raise ConfigError(f"--embeddings {args.embeddings}: not a readable .npy file ({e})") from None
+        except (OSError, ValueError, EOFError) as e:  # EOFError: an empty file
+            raise ConfigError(f"--embeddings {args.embeddings}: not a readable .npy file ({e or 'empty'})") from None
     return SampleRequest(
         num=args.num,
         seed=args.seed,
