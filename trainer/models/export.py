@@ -233,7 +233,7 @@ def write_export(
                 fs.rm(posixpath.join(root, folder), recursive=True)
     lora = [f"{name}-lora" for name, (module, _) in export.models.items() if has_lora(module)]
     folders = [*export.models, *lora, *export.schedulers]
-    marker = {"format": 1, "complete": False, "folders": folders, **dict(about or {})}
+    marker = {**dict(about or {}), "format": 1, "complete": False, "folders": folders}
     marker_path = posixpath.join(root, MARKER_NAME)
     fs.makedirs(root, exist_ok=True)
     fs.pipe_file(marker_path, (json.dumps(marker, indent=2, sort_keys=True) + "\n").encode())
