@@ -244,7 +244,7 @@ def test_a_caption_backbone_exports_its_folders_without_model_index_and_the_card
     write_export(export, str(tmp_path / "out"), card)
     out = tmp_path / "out"
     assert not (out / "model_index.json").exists()
-    assert sorted(p.name for p in out.iterdir()) == ["README.md", "scheduler", "transformer"]
+    assert sorted(p.name for p in out.iterdir()) == ["README.md", "gentrain-export.json", "scheduler", "transformer"]
     assert "CLIP/T5" in (out / "README.md").read_text()
     net = PixArtTransformer2DModel.from_pretrained(str(out / "transformer"))
     mine = modules["transformer"].state_dict()
@@ -304,7 +304,7 @@ def test_a_kl_autoencoder_exports_as_an_autoencoder_kl_with_its_measured_scaling
     out = tmp_path / "ae"
     printed = _export(root, out, capsys)
     assert "without model_index.json" in printed and not (out / "model_index.json").exists(), printed
-    assert sorted(p.name for p in out.iterdir()) == ["README.md", "vae"]
+    assert sorted(p.name for p in out.iterdir()) == ["README.md", "gentrain-export.json", "vae"]
     card = _card_names_the_generator_digest(out, root)
     assert "AutoencoderKL.from_pretrained" in card
     vae = AutoencoderKL.from_pretrained(str(out / "vae")).eval()
@@ -333,7 +333,7 @@ def test_a_vqgan_exports_as_a_vqmodel_that_reconstructs_like_gentrain(tmp_path, 
     out = tmp_path / "vq"
     printed = _export(root, out, capsys)
     assert "without model_index.json" in printed, printed
-    assert sorted(p.name for p in out.iterdir()) == ["README.md", "vqvae"]
+    assert sorted(p.name for p in out.iterdir()) == ["README.md", "gentrain-export.json", "vqvae"]
     assert "VQModel.from_pretrained" in _card_names_the_generator_digest(out, root)
     vq = VQModel.from_pretrained(str(out / "vqvae")).eval()
     cfg, task, modules = _loaded(root)

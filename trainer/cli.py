@@ -31,6 +31,19 @@ _TEXT_ENCODER_HELP = (
 )
 
 
+def _json_object(text: str) -> dict[str, Any]:
+    """A `--storage-options` value: a JSON object (fsspec takes keyword arguments), else a usage error."""
+    # The text is not echoed: it may hold a credential, and argparse prints its errors unredacted.
+    example = "give a JSON object of fsspec options, e.g. '{\"anon\": true}'"
+    try:
+        value = json.loads(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"the value is not JSON ({e}); {example}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"the value is a JSON {type(value).__name__}, not an object; {example}")
+    return value
+
+
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="gentrain",
@@ -65,7 +78,7 @@ def _parser() -> argparse.ArgumentParser:
         help="token models (MaskGIT): temperature of the token draws (default: the run's model.temperature)",
     )
     s.add_argument("--batch-size", type=int, default=None, help="sample in chunks of this many (memory)")
-    s.add_argument("--storage-options", type=json.loads, default={}, help="JSON passed to fsspec")
+    s.add_argument("--storage-options", type=_json_object, default={}, help="JSON passed to fsspec")
     s.add_argument("--task", default=None, metavar="TASK", help=_TASK_HELP)
     s.add_argument("--text-encoder", default=None, metavar="PATH_OR_URL", help=_TEXT_ENCODER_HELP)
 
@@ -89,11 +102,11 @@ def _parser() -> argparse.ArgumentParser:
     e.add_argument("--steps", type=int, default=None, help="inference steps (default: eval/sample settings)")
     e.add_argument("--no-ema", action="store_true", help="use the raw weights instead of the EMA weights")
     e.add_argument(
-        "--storage-options", type=json.loads, default={}, help="JSON passed to fsspec (checkpoints, and data too)"
+        "--storage-options", type=_json_object, default={}, help="JSON passed to fsspec (checkpoints, and data too)"
     )
     e.add_argument(
         "--data-storage-options",
-        type=json.loads,
+        type=_json_object,
         default=None,
         help="JSON passed to fsspec for the data when it needs other options than --storage-options",
     )
@@ -104,7 +117,7 @@ def _parser() -> argparse.ArgumentParser:
     csub = c.add_subparsers(dest="action", required=True)
     cl = csub.add_parser("list", help="table of the checkpoints under a root")
     cl.add_argument("root")
-    cl.add_argument("--storage-options", type=json.loads, default={})
+    cl.add_argument("--storage-options", type=_json_object, default={})
     cl.add_argument("--task", default=None, metavar="TASK", help=_TASK_HELP)
     cl.add_argument("--text-encoder", default=None, metavar="PATH_OR_URL", help=_TEXT_ENCODER_HELP)
     cl.add_argument(
@@ -119,13 +132,13 @@ def _parser() -> argparse.ArgumentParser:
         "the checkpoint's config builds; exit 1 when invalid",
     )
     cv.add_argument("url", help="one checkpoint, or a root (verifies the newest valid one)")
-    cv.add_argument("--storage-options", type=json.loads, default={})
+    cv.add_argument("--storage-options", type=_json_object, default={})
     cv.add_argument("--task", default=None, metavar="TASK", help=_TASK_HELP)
     cv.add_argument("--text-encoder", default=None, metavar="PATH_OR_URL", help=_TEXT_ENCODER_HELP)
     cc = csub.add_parser("consolidate", help="copy a (sharded) checkpoint as one file per part, for inference")
     cc.add_argument("url", help="one checkpoint, or a root (the newest valid one)")
     cc.add_argument("out", help="checkpoint root to write the copy under (any fsspec URL)")
-    cc.add_argument("--storage-options", type=json.loads, default={}, help="JSON passed to fsspec for both")
+    cc.add_argument("--storage-options", type=_json_object, default={}, help="JSON passed to fsspec for both")
 
     ce = csub.add_parser(
         "export",
@@ -137,7 +150,7 @@ def _parser() -> argparse.ArgumentParser:
         "out", help="folder (any fsspec URL): OUT/<folder>/ per model and, for LoRA parts, OUT/<part>-lora/"
     )
     ce.add_argument("--no-ema", action="store_true", help="export the raw weights instead of the EMA weights")
-    ce.add_argument("--storage-options", type=json.loads, default={}, help="JSON passed to fsspec for both")
+    ce.add_argument("--storage-options", type=_json_object, default={}, help="JSON passed to fsspec for both")
     ce.add_argument("--task", default=None, metavar="TASK", help=_TASK_HELP)
     ce.add_argument("--text-encoder", default=None, metavar="PATH_OR_URL", help=_TEXT_ENCODER_HELP)
 
@@ -149,7 +162,7 @@ def _parser() -> argparse.ArgumentParser:
     dp.add_argument("src", help="local image folder")
     dp.add_argument("out_url", help="output folder on any fsspec store (s3://bucket/data, gs://..., a path)")
     dp.add_argument("--samples-per-shard", type=int, required=True)
-    dp.add_argument("--storage-options", type=json.loads, default={}, help="JSON passed to fsspec")
+    dp.add_argument("--storage-options", type=_json_object, default={}, help="JSON passed to fsspec")
     dp.add_argument("--shuffle-seed", type=int, default=0, help="samples are written in an order permuted by it")
     dp.add_argument("--no-shuffle", action="store_true", help="write the samples in the folder's sorted order")
     dp.add_argument(
@@ -159,7 +172,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     di = dsub.add_parser("index", help="write the byte-offset index (and shards.json) for existing tar shards")
     di.add_argument("pattern", help="shard URL or brace pattern, e.g. s3://b/x/{00000..00099}.tar")
-    di.add_argument("--storage-options", type=json.loads, default={})
+    di.add_argument("--storage-options", type=_json_object, default={})
 
     sub.add_parser("presets", help="list the built-in presets")
     sub.add_parser(
@@ -210,6 +223,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     # argparse puts the first word in `config` even when it is a key=value override.
     cfg = load_config(*split_preset([a for a in [args.config, *args.overrides] if a]))
     _REDACT.add_secrets(cfg.to_dict())
+    _check_run_outputs(cfg)  # before any work: never a run that trains for hours and fails at its first save
     # Before anything imports prometheus_client (see trainer.metrics).
     from trainer.metrics import configure_multiprocess_dir
 
@@ -219,6 +233,30 @@ def cmd_train(args: argparse.Namespace) -> int:
     return Trainer(cfg, env).fit()
 
 
+def _check_run_outputs(cfg) -> None:
+    """Refuse (exit 2) a run whose local output folders cannot be made: run.dir, checkpoint.url and, with
+    the memory tier, checkpoint.memory_dir (trainer.storage.check_output_folder)."""
+    from trainer.storage import check_output_folder  # fsspec (see the module doc)
+
+    default = " (its default: run.dir/checkpoints)" if cfg.checkpoint.url is None else ""
+    check_output_folder(
+        cfg.run_dir,
+        f"run.dir={cfg.run_dir!r}" + (" (its default: runs/<name>)" if cfg.run.dir is None else ""),
+        "set run.dir to a folder (it is made if missing), or move the file out of the way",
+    )
+    check_output_folder(
+        cfg.checkpoint_url,
+        f"checkpoint.url={cfg.checkpoint_url!r}{default}",
+        "set checkpoint.url to a folder or a store URL (it is made if missing), or move the file out of the way",
+    )
+    if cfg.checkpoint.memory:
+        check_output_folder(
+            cfg.checkpoint.memory_dir,
+            f"checkpoint.memory_dir={cfg.checkpoint.memory_dir!r}",
+            "set checkpoint.memory_dir to a node-local folder (shared memory such as /dev/shm/gentrain)",
+        )
+
+
 def cmd_sample(args: argparse.Namespace) -> int:
     _setup_logging()
     import torch
@@ -226,9 +264,13 @@ def cmd_sample(args: argparse.Namespace) -> int:
     # torch-heavy layers, imported by the commands that use them (see the module doc)
     from trainer.checkpoint import resolve_checkpoint
     from trainer.media import contact_sheet, save_gif, save_grid, save_media, slugify
+    from trainer.storage import check_output_file
     from trainer.tasks.sampling import check_request
 
     _REDACT.add_secrets({"storage_options": args.storage_options})
+    check_output_file(
+        args.out, f"--out {args.out!r}", "give the file to write, e.g. --out grid.png (its folder is made if missing)"
+    )
     store, info = resolve_checkpoint(args.checkpoint, args.storage_options)
     if info is None or not info.valid:
         why = info.reason if info else "no valid checkpoint under this root"
@@ -284,14 +326,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
     cfg, task, modules = _load_for_inference(args, store, info, device)
     if args.data_storage_options is not None:
         cfg.data.storage_options = args.data_storage_options
-    for key, value in (
-        ("num", args.num),
-        ("features", args.features),
-        ("features_url", args.features_url),
-        ("inference_steps", args.steps),
-    ):
-        if value is not None:
-            setattr(cfg.eval, key, value)
+    _set_eval_flags(cfg, args)
     net, about = load_features(cfg.eval.features, cfg.eval.features_url, args.storage_options or None)
     if env.world_size > 1:
         init_process_group(env, "nccl" if torch.cuda.is_available() else "gloo", cfg.elastic.collective_timeout_seconds)
@@ -315,6 +350,28 @@ def cmd_eval(args: argparse.Namespace) -> int:
         print(json.dumps(result))
         print(f"fid={values['fid']:.4f} kid={values['kid']:.5f} (±{values['kid_std']:.5f}) -> {url}")
     return EXIT_OK
+
+
+def _set_eval_flags(cfg, args: argparse.Namespace) -> None:
+    """`eval`'s flags over the run's eval.* settings, checked as the config checks them (exit 2 naming the
+    flag, the value and what is allowed)."""
+    from pydantic import ValidationError
+
+    for flag, key, value in (
+        ("--num", "num", args.num),
+        ("--features", "features", args.features),
+        ("--features-url", "features_url", args.features_url),
+        ("--steps", "inference_steps", args.steps),
+    ):
+        if value is None:
+            continue
+        try:
+            setattr(cfg.eval, key, value)
+        except ValidationError as e:
+            why = "; ".join(err["msg"].removeprefix("Value error, ") for err in e.errors())
+            raise ConfigError(
+                f"{flag} {value} is not allowed: {why.lower()} (as eval.{key}); give another value"
+            ) from None
 
 
 def _held_out_images(cfg, num: int, seed: int):
@@ -341,8 +398,8 @@ def _request(args: argparse.Namespace):
     if args.embeddings is not None:
         try:
             image_embeds = np.load(args.embeddings, allow_pickle=False)
-        except (OSError, ValueError) as e:
-            raise ConfigError(f"--embeddings {args.embeddings}: not a readable .npy file ({e})") from None
+        except (OSError, ValueError, EOFError) as e:  # EOFError: an empty file
+            raise ConfigError(f"--embeddings {args.embeddings}: not a readable .npy file ({e or 'empty'})") from None
     return SampleRequest(
         num=args.num,
         seed=args.seed,
@@ -446,6 +503,14 @@ def cmd_checkpoints(args: argparse.Namespace) -> int:
             print(line)
         return EXIT_OK
 
+    if args.action == "export":
+        from trainer.models.export import check_export_target  # torch-heavy (see the module doc)
+
+        check_export_target(args.out, args.storage_options)  # before the checkpoint is read
+    elif args.action == "consolidate":
+        from trainer.storage import check_output_folder  # fsspec (see the module doc)
+
+        check_output_folder(args.out, f"OUT {args.out!r}", "give a checkpoint root folder (it is made if missing)")
     store, info = resolve_checkpoint(args.url, args.storage_options)
     if info is None:
         print(f"INVALID: no valid checkpoint under {args.url}")
@@ -517,7 +582,16 @@ def _export(args: argparse.Namespace, store, info) -> int:
         digests=digests,
         config=redact(cfg.to_dict()),
     )
-    for url in write_export(export, out, _REDACT.clean(card), args.storage_options):
+    about = {"step": info.step, "checkpoint": redact_text(info.url), "weights": "online" if args.no_ema else "ema"}
+    try:
+        written = write_export(export, out, _REDACT.clean(card), args.storage_options, about)
+    except OSError as e:  # the store failed part way (a full disk, a lost connection, a failpoint)
+        _fail(
+            f"export to {out} failed while writing ({e}); it holds no model_index.json and no model card now "
+            f"(gentrain-export.json says complete: false), so nothing loads it as an export: run it again"
+        )
+        return EXIT_INVALID_CHECKPOINT
+    for url in written:
         print(_REDACT.clean(f"wrote {url}"))
     if export.pipeline:
         how = f"a diffusers {export.pipeline}: DiffusionPipeline.from_pretrained({out!r})"
@@ -536,6 +610,9 @@ def cmd_data(args: argparse.Namespace) -> int:
 
     progress = sys.stderr.isatty()
     if args.action == "pack":
+        from trainer.storage import check_output_folder  # fsspec (see the module doc)
+
+        check_output_folder(args.out_url, f"OUT_URL {args.out_url!r}", "give a folder for the shards")
         seed = None if args.no_shuffle else args.shuffle_seed
         summary = pack_folder(
             args.src, args.out_url, args.samples_per_shard, args.storage_options, progress, seed, args.caption_column

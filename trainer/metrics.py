@@ -12,9 +12,11 @@ imported, so `configure_multiprocess_dir` must run before anything imports it;
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import shutil
+import socket
 import tempfile
 import time
 from typing import Any
@@ -22,6 +24,7 @@ from typing import Any
 import torch
 
 from trainer.elastic import DistEnv
+from trainer.errors import ConfigError
 
 log = logging.getLogger(__name__)
 
@@ -46,6 +49,23 @@ def configure_multiprocess_dir(env: DistEnv, enabled: bool) -> str | None:
                 shutil.rmtree(old, ignore_errors=True)
     os.environ["PROMETHEUS_MULTIPROC_DIR"] = path
     return path
+
+
+def _listen_error(host: str, port: int, error: OSError) -> str:
+    """What the exporter could not listen on, and what to do (a config error: exit 2, never retried)."""
+    if error.errno == errno.EADDRINUSE:
+        why = "the port is in use (another run or service on this machine listens there)"
+        fix = "set metrics.port to a free port, or metrics.port=0 for no exporter"
+    elif isinstance(error, socket.gaierror) or error.errno == errno.EADDRNOTAVAIL:
+        why = "the host is not a name or address of this machine"
+        fix = "set metrics.host to an address of this machine (0.0.0.0: every interface; 127.0.0.1: this machine)"
+    elif error.errno == errno.EACCES:
+        why = "this user may not listen on that port (ports below 1024 need privileges)"
+        fix = "set metrics.port to a port from 1024 up"
+    else:
+        why = "the address cannot be listened on"
+        fix = "set metrics.host and metrics.port to an address of this machine and a free port"
+    return f"metrics.host={host!r} metrics.port={port}: the Prometheus exporter cannot listen there: {why} ({error}); {fix}"
 
 
 class TrainingMetrics:
@@ -182,7 +202,10 @@ class TrainingMetrics:
         if env.is_local_main:
             registry = CollectorRegistry()
             multiprocess.MultiProcessCollector(registry)
-            self.server, _ = start_http_server(port, addr=host, registry=registry)
+            try:
+                self.server, _ = start_http_server(port, addr=host, registry=registry)
+            except OSError as e:  # in use, not an address of this machine, not a host name at all
+                raise ConfigError(_listen_error(host, port, e)) from None
             log.info("metrics on http://%s:%d/metrics", host, port)
 
     def on_resume(self, step: int, checkpoint_time: float | None) -> None:

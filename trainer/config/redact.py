@@ -8,13 +8,20 @@ so nothing a run stores may hold a secret. What is redacted:
   so a reader still sees which options were set; booleans and nulls kept,
   they cannot be secrets);
 - the value of any key that looks like a credential: a key whose words
-  (split at `_`, `-`, `.` and camelCase) include secret, password, passwd,
-  passphrase, credential(s), apikey, cookie, auth, authorization or authentication,
-  or whose last word is key, token, sig or signature (`key`, `aws_secret_access_key`,
-  `sessionToken`, `X-Amz-Signature`; but not `token_cache` or `max_tokens`);
+  (split at `_`, `-`, `.` and camelCase) include secret, password, passwd, pwd,
+  passphrase, credential(s), apikey, cookie, jwt, auth, authorization or authentication,
+  or whose last word is key, token, sig, signature or pass (`key`, `aws_secret_access_key`,
+  `sessionToken`, `X-Amz-Signature`, `db_pass`; but not `token_cache` or `max_tokens`);
   `..._key_id` / `..._token_id` count too;
 - in any text, the user info of a URL (`s3://user:pass@host/...` ->
-  `s3://<redacted>@host/...`) and query parameters named like credentials.
+  `s3://<redacted>@host/...`), and the query parameters and fragment parameters
+  (`#access_token=...`) named like credentials, and every `X-Amz-*` query parameter.
+
+A password may hold `@`, `/` and `:` unescaped (users paste them so): the user
+info runs to the LAST `@` before the URL's query or fragment, and is taken as user
+info when it holds no `/` or a `:` comes before its first `/` (`user:pa/ss@host`).
+So a path with an `@` after a `host:port` is redacted too: more than needed, never less.
+A bare token (no `:`) that holds a `/` cannot be told from a path and is not redacted.
 
 Nothing that is needed later is lost: a resume takes storage options from
 the run's own config, and `sample` / `eval` from `--storage-options`.
@@ -27,18 +34,30 @@ import logging
 import re
 from collections.abc import Iterable, Mapping
 from typing import Any
-from urllib.parse import parse_qsl, quote, urlsplit, urlunsplit
+from urllib.parse import unquote
 
 REDACTED = "<redacted>"
 
-_STRONG = {"secret", "secrets", "password", "passwd", "passphrase", "credential", "credentials", "apikey", "cookie"}
+_STRONG = {
+    "secret",
+    "secrets",
+    "password",
+    "passwd",
+    "pwd",
+    "passphrase",
+    "credential",
+    "credentials",
+    "apikey",
+    "cookie",
+    "jwt",
+}
 _AUTH = ("authori", "authent", "authtoken", "authkey")  # authorization, authentication (not "author")
-_LAST = {"key", "token", "sig", "signature", "apikey"}
+_LAST = {"key", "token", "sig", "signature", "apikey", "pass"}
 _ID_OF = {"key", "token"}  # aws_access_key_id: the id names a credential too
 _WORDS = re.compile(r"[A-Z]+(?=[A-Z][a-z]|$|[^A-Za-z])|[A-Z]?[a-z]+|\d+")
-# scheme://userinfo@ ; userinfo has no '/', '@' or whitespace.
-_URL_USERINFO = re.compile(r"(?P<scheme>\b[A-Za-z][A-Za-z0-9+.\-]*://)(?P<userinfo>[^/@\s'\"]+)@")
-_URL = re.compile(r"\b[A-Za-z][A-Za-z0-9+.\-]*://[^\s'\"<>]+")
+_URL = re.compile(r"(?P<scheme>\b[A-Za-z][A-Za-z0-9+.\-]*://)(?P<rest>[^\s'\"<>]+)")
+# One name=value of a query or fragment (separated by & or ;); the value runs to the next separator.
+_PARAM = re.compile(r"(?P<lead>^|[&;])(?P<name>[^&;=]+)=(?P<value>[^&;]*)")
 
 
 def _words(key: str) -> list[str]:
@@ -59,26 +78,54 @@ def is_credential_key(key: object) -> bool:
     return len(words) >= 2 and words[-1] in {"id", "ids"} and words[-2] in _ID_OF
 
 
+def _userinfo_end(rest: str) -> int:
+    """Where the user info of a URL ends (the index of its `@` in `rest`, the URL after `scheme://`), or -1.
+
+    The last `@` before the query or fragment whose text before it can be user info (no `/`, or a `:`
+    before the first `/`), so a password holding `@` or `/` is taken whole, and `s3://bucket/a@b` (a `/`
+    before any `:`) is a path, not user info."""
+    cut = min((i for i in (rest.find("?"), rest.find("#")) if i >= 0), default=len(rest))
+    at = rest.rfind("@", 0, cut)
+    while at > 0:  # an '@' in the path (`tok@host/model@v2`): the one before it may still end user info
+        userinfo = rest[:at]
+        slash, colon = userinfo.find("/"), userinfo.find(":")
+        if slash < 0 or 0 <= colon < slash:
+            return at
+        at = rest.rfind("@", 0, at)
+    return -1
+
+
+def _is_url_credential(name: str) -> bool:
+    name = unquote(name)
+    return is_credential_key(name) or name.lower().startswith("x-amz-")
+
+
+def _redact_params(params: str) -> str:
+    """A query or fragment with the values of credential-named parameters redacted, the rest as typed."""
+    return _PARAM.sub(
+        lambda m: f"{m['lead']}{m['name']}={REDACTED}" if _is_url_credential(m["name"]) else m.group(0), params
+    )
+
+
+def _redact_url(scheme: str, rest: str) -> str:
+    at = _userinfo_end(rest)
+    if at > 0:
+        rest = f"{REDACTED}{rest[at:]}"
+    hash_at = rest.find("#")
+    fragment = ""
+    if hash_at >= 0:
+        rest, fragment = rest[:hash_at], "#" + _redact_params(rest[hash_at + 1 :])
+    query_at = rest.find("?")
+    if query_at >= 0:
+        rest = rest[: query_at + 1] + _redact_params(rest[query_at + 1 :])
+    return f"{scheme}{rest}{fragment}"
+
+
 def redact_text(text: str) -> str:
-    """`text` with URL user info and credential query parameters replaced by `<redacted>`."""
+    """`text` with URL user info and credential query and fragment parameters replaced by `<redacted>`."""
     if "://" not in text:
         return text
-    text = _URL_USERINFO.sub(lambda m: f"{m['scheme']}{REDACTED}@", text)
-    return _URL.sub(lambda m: _redact_query(m.group(0)), text)
-
-
-def _redact_query(url: str) -> str:
-    try:
-        parts = urlsplit(url)
-    except ValueError:
-        return url
-    if not parts.query:
-        return url
-    pairs = parse_qsl(parts.query, keep_blank_values=True)
-    if not any(is_credential_key(k) for k, _ in pairs):
-        return url
-    query = "&".join(f"{quote(k, safe='')}={REDACTED if is_credential_key(k) else quote(v, safe='')}" for k, v in pairs)
-    return urlunsplit(parts._replace(query=query))
+    return _URL.sub(lambda m: _redact_url(m["scheme"], m["rest"]), text)
 
 
 def _blank(value: Any) -> Any:
@@ -137,9 +184,11 @@ def secret_values(tree: Any, min_length: int = 4) -> set[str]:
             for x in v:
                 walk(x)
         elif isinstance(v, str):
-            for m in _URL_USERINFO.finditer(v):
-                userinfo = m["userinfo"]
-                out.add(userinfo.split(":", 1)[1] if ":" in userinfo else userinfo)
+            for m in _URL.finditer(v):
+                at = _userinfo_end(m["rest"])
+                if at > 0:
+                    userinfo = m["rest"][:at]
+                    out.add(userinfo.split(":", 1)[1] if ":" in userinfo else userinfo)
 
     walk(tree)
     return {s for s in out if len(s) >= min_length}

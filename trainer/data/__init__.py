@@ -64,6 +64,7 @@ def build_dataset(cfg: Config):
             caption_required="caption_column" in d.model_fields_set,
             label_column=d.label_column,
             storage_options=d.storage_options,
+            check_readable=d.max_skipped_fraction < 1,
         )
     return ImageFolderDataset(
         d.path, d.image_size, d.channels, caption_column=d.caption_column, storage_options=d.storage_options

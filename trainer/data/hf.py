@@ -113,6 +113,8 @@ def resolve_source(path: str, storage_options: Mapping[str, Any], key: str = "da
     raise ConfigError(f"{key}={path!r} is not a dataset ({found}); set it to {WANTED}")
 
 
+PROBE_ROWS = 32  # rows decoded at start, at most, to find one readable image
+
 # Split names as the Hub's file layout spells them (`data/train-00000-of-00002.parquet`, `test/0.parquet`).
 SPLIT_NAMES = ("train", "validation", "valid", "val", "test", "eval", "dev")
 
@@ -212,7 +214,8 @@ class HFDataset:
     image is missing, of another type or undecodable, or whose caption is not a string, is skipped at load
     time like an unreadable file of the folder source: the slot stays zeros with valid=False, the loop
     counts it against `data.max_skipped_fraction`, and each bad row is logged once per process. A missing
-    column is found at start: exit 2 naming the columns there are."""
+    column is found at start: exit 2 naming the columns there are; so is a split with no readable image
+    (`check_readable`, see `_check_readable`)."""
 
     def __init__(
         self,
@@ -227,6 +230,7 @@ class HFDataset:
         storage_options: Mapping[str, Any] | None = None,
         key: str = "data.path",
         cache_dir: str | None = None,
+        check_readable: bool = True,
     ):
         datasets = import_datasets()
         ds = open_split(path, split, storage_options, key, cache_dir)
@@ -268,6 +272,8 @@ class HFDataset:
         self.image_size = image_size
         self.channels = channels
         self._skips: dict[int, str] = {}  # row -> why it was skipped (this process)
+        if check_readable:
+            self._check_readable(key)
         log.info(
             "%s (split %r): %d rows, image column %r, captions %s, labels %s",
             path,
@@ -276,6 +282,34 @@ class HFDataset:
             image_column,
             repr(caption_column) if caption_column else "none",
             f"{label_column!r} ({self.num_classes} classes)" if label_column else "none",
+        )
+
+    def _check_readable(self, key: str) -> None:
+        """Refuse (exit 2) a split none of whose images can be read: up to `PROBE_ROWS` rows spread evenly
+        over it are decoded until one reads. Without this an all-broken dataset (images of another column,
+        truncated bytes, paths that do not exist here) trained on zero-weight slots and, in a short run
+        (fewer skips than `data.max_skipped_fraction` waits for), exited 0."""
+        n = len(self.rows)
+        if n == 0:
+            return
+        rows = sorted({round(i * (n - 1) / max(PROBE_ROWS - 1, 1)) for i in range(min(n, PROBE_ROWS))})
+        reasons = []
+        for index in rows:
+            cell = self.rows[index][self.image_column]
+            if cell is None:
+                reasons.append(f"row {index}: {self.image_column} is null")
+                continue
+            try:
+                with self._open_image(cell) as im:
+                    image_to_tensor(im, self.image_size, self.channels)
+                return
+            except (*_READ_ERRORS, UnidentifiedImageError, Image.DecompressionBombError) as e:
+                reasons.append(f"row {index}: {short_reason(str(e))}")
+        every = "every one" if len(rows) == n else f"{len(rows)} rows spread over its {n}"
+        raise ConfigError(
+            f"{key}={self.path!r} (split {self.split!r}): no image in column {self.image_column!r} can be read "
+            f"({every} tried; {'; '.join(reasons[:3])}), so the run would train on nothing; fix the images or "
+            "set data.image_column to the column that holds them (data.max_skipped_fraction=1 skips this check)"
         )
 
     def _read_labels(self, ds, column: str | None, datasets) -> tuple[list[int] | None, int | None]:

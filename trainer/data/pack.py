@@ -12,6 +12,7 @@ import glob
 import logging
 import os
 import posixpath
+import tarfile
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -203,6 +204,10 @@ def index_shards(pattern: str, storage_options: dict | None = None, progress: bo
                 offsets, _, seen = scan_tar(f)
         except FileNotFoundError:
             raise ConfigError(f"data index: shard {url} does not exist") from None
+        except (IsADirectoryError, tarfile.TarError) as e:  # a folder, an empty file, not a tar
+            raise ConfigError(
+                f"data index: {url} is not a tar shard ({e}); give tar files or a brace pattern"
+            ) from None
         size = fs.size(path)
         fs.pipe_file(strip_protocol(fs, index_url(url)), index_json(offsets, size))
         max_cls = max(max_cls, seen["max_cls"])

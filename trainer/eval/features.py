@@ -162,7 +162,7 @@ def _user_net(url: str, storage_options: dict | None) -> tuple[nn.Module, dict]:
     try:
         desc = json.loads(fs.cat_file(posixpath.join(root, "features.json")))
         raw = fs.cat_file(posixpath.join(root, "features.safetensors"))
-    except FileNotFoundError as e:
+    except (FileNotFoundError, NotADirectoryError, IsADirectoryError) as e:
         raise ConfigError(
             f"eval.features={url!r}: {e.filename or e} is missing; a feature network is a folder with "
             "features.json (architecture, channels, input_size, widths, feature_dim) and features.safetensors"

@@ -8,7 +8,10 @@ with `--storage-options`), as safetensors and JSON only: each model as `config.j
 `trainer.models.finetune.write_folder`), each scheduler as `scheduler_config.json`, then `README.md` (the
 model card) and last `model_index.json` (only for a pipeline, so a partly written folder never loads as one).
 model_index.json is the one diffusers' `save_pretrained` writes: the pipeline object's own config, built
-from the components in memory.
+from the components in memory. `gentrain-export.json` marks the folder as an export (written first with
+`complete: false`, last with `complete: true`): a re-export first removes the previous export's index and
+card, then its folders, so no failure leaves one export's index or card beside another's weights; a
+non-empty folder without the marker is refused (it is not an export to replace).
 
 The helpers below turn gentrain's modules into what diffusers' pipelines expect: `dit_for_pipeline` pads a
 DiT's label tables so DiTPipeline's hard-coded null class 1000 is gentrain's null row; `plain_autoencoder_kl`
@@ -19,7 +22,9 @@ generator as a diffusers VQModel, its codebook (vector-quantize-pytorch's VQ or 
 
 from __future__ import annotations
 
+import errno
 import json
+import os
 import posixpath
 from collections.abc import Mapping
 from typing import Any
@@ -30,11 +35,24 @@ from diffusers.models.embeddings import LabelEmbedding
 from torch import nn
 
 from trainer.errors import ConfigError
-from trainer.models.finetune import merged_state_dict, write_folder
+from trainer.models.finetune import (
+    CONFIG_NAME,
+    LORA_WEIGHTS_NAME,
+    WEIGHTS_NAME,
+    has_lora,
+    merged_state_dict,
+    write_folder,
+)
+from trainer.storage import check_output_folder, filesystem
 
 SCHEDULER_CONFIG_NAME = "scheduler_config.json"  # diffusers' name
 MODEL_INDEX_NAME = "model_index.json"
 CARD_NAME = "README.md"
+CARD_TITLE = b"# gentrain "  # how every model card starts (`model_card`)
+MARKER_NAME = "gentrain-export.json"  # written first (complete: false) and last (complete: true)
+_FOLDER_FILES = (CONFIG_NAME, WEIGHTS_NAME, LORA_WEIGHTS_NAME)
+# Failpoint (docs/development.md): the export fails right after writing this model folder.
+FAULT_EXPORT_AFTER_FOLDER = "GENTRAIN_FAULT_EXPORT_AFTER_FOLDER"
 DIT_PIPELINE_NULL_CLASS = 1000  # DiTPipeline.__call__: class_null = torch.tensor([1000] * batch_size)
 
 
@@ -124,28 +142,112 @@ def model_index(export: Any) -> dict[str, Any]:
     return {**json.loads(pipe.to_json_string()), **export.index_extra}
 
 
-def write_export(export: Any, out_url: str, card: str, storage_options: Mapping[str, Any] | None = None) -> list[str]:
-    """Write `export` (a `trainer.tasks.base.Export`) under `out_url` and the model card `card`; returns
-    the URLs written, model_index.json last."""
-    import fsspec
+def _is_gentrain_export(fs: Any, root: str) -> bool:
+    """True when folder `root` was written by `gentrain checkpoints export`: it holds the marker, or (an
+    export written before the marker existed) a model card of gentrain's."""
+    if fs.exists(posixpath.join(root, MARKER_NAME)):
+        return True
+    card = posixpath.join(root, CARD_NAME)
+    try:
+        return fs.isfile(card) and fs.cat_file(card, start=0, end=len(CARD_TITLE)) == CARD_TITLE
+    except OSError:
+        return False
 
+
+def _previous_folders(fs: Any, root: str) -> list[str]:
+    """The folders a previous gentrain export in `root` wrote: the marker's list, or (an older export
+    without one) every folder beside its card that holds a diffusers config or LoRA weights."""
+    marker = posixpath.join(root, MARKER_NAME)
+    if fs.exists(marker):
+        try:
+            folders = json.loads(fs.cat_file(marker)).get("folders", [])
+        except (OSError, ValueError, AttributeError):
+            folders = []
+        listed = [f for f in folders if isinstance(f, str) and f and "/" not in f and f not in (".", "..")]
+        if listed:
+            return listed
+    found = []
+    for entry in fs.ls(root, detail=True):
+        name = posixpath.basename(entry["name"].rstrip("/"))
+        if entry["type"] == "directory" and any(
+            fs.exists(posixpath.join(root, name, f)) for f in (*_FOLDER_FILES, SCHEDULER_CONFIG_NAME)
+        ):
+            found.append(name)
+    return found
+
+
+def check_export_target(out_url: str, storage_options: Mapping[str, Any] | None = None) -> None:
+    """Refuse (ConfigError, exit 2) an export into a folder that is not one: a file, or a non-empty folder
+    that a gentrain export did not write (an export replaces what is there, so it never replaces
+    anything else)."""
+    fix = "give a new or empty folder, or a previous export's folder"
+    check_output_folder(out_url, f"OUT {out_url!r}", fix)  # local: a file or a dangling link on the way
+    fs, root = filesystem(out_url.rstrip("/"), storage_options)
+    if not fs.exists(root):
+        return
+    if not fs.isdir(root):
+        raise ConfigError(
+            f"OUT {out_url!r} is a file, not a folder; give a new or empty folder, or a previous export's folder"
+        )
+    if fs.ls(root) and not _is_gentrain_export(fs, root):
+        raise ConfigError(
+            f"OUT {out_url!r} is a folder that holds other files and no gentrain export ({MARKER_NAME} or a "
+            f"gentrain {CARD_NAME}); an export replaces its folder's export, so it is written only into a new "
+            "or empty folder or over a previous export: give another folder"
+        )
+
+
+def write_export(
+    export: Any,
+    out_url: str,
+    card: str,
+    storage_options: Mapping[str, Any] | None = None,
+    about: Mapping[str, Any] | None = None,
+) -> list[str]:
+    """Write `export` (a `trainer.tasks.base.Export`) under `out_url` with the model card `card`; returns
+    the URLs written, model_index.json last. `about` (step, checkpoint, ...; already redacted) goes into
+    the marker.
+
+    A re-export never leaves another export's index or card beside its weights: the previous export's
+    model_index.json and README.md are removed first, then its folders; the marker says `complete: false`
+    while the folders are written, then the card and the index follow, and the marker last says
+    `complete: true`. A write that fails part way leaves weights without an index or a card (never loaded
+    as a pipeline, never described as another step's) and the marker, so the next export replaces them."""
     out = out_url.rstrip("/")
     index = model_index(export) if export.pipeline else None  # before writing: a pipeline that cannot be built fails
+    check_export_target(out, storage_options)
+    fs, root = filesystem(out, storage_options)
     written: list[str] = []
-    for name, (module, extras) in export.models.items():
-        written += write_folder(module, f"{out}/{name}", extras, storage_options)
-    fs, root = fsspec.core.url_to_fs(out, **dict(storage_options or {}))
 
     def put(path: str, text: str) -> None:
         fs.makedirs(posixpath.dirname(path), exist_ok=True)
         fs.pipe_file(path, text.encode())
         written.append(path)
 
+    if fs.exists(root):
+        for name in (MODEL_INDEX_NAME, CARD_NAME):  # first: nothing old may describe the new weights
+            if fs.exists(posixpath.join(root, name)):
+                fs.rm(posixpath.join(root, name))
+        for folder in _previous_folders(fs, root):
+            if fs.exists(posixpath.join(root, folder)):
+                fs.rm(posixpath.join(root, folder), recursive=True)
+    lora = [f"{name}-lora" for name, (module, _) in export.models.items() if has_lora(module)]
+    folders = [*export.models, *lora, *export.schedulers]
+    marker = {**dict(about or {}), "format": 1, "complete": False, "folders": folders}
+    marker_path = posixpath.join(root, MARKER_NAME)
+    fs.makedirs(root, exist_ok=True)
+    fs.pipe_file(marker_path, (json.dumps(marker, indent=2, sort_keys=True) + "\n").encode())
+    fault = os.environ.get(FAULT_EXPORT_AFTER_FOLDER)
+    for name, (module, extras) in export.models.items():
+        written += write_folder(module, f"{out}/{name}", extras, storage_options)
+        if fault == name:
+            raise OSError(errno.EIO, f"failpoint {FAULT_EXPORT_AFTER_FOLDER}={name}: failing after {name}/")
     for name, scheduler in export.schedulers.items():
         put(posixpath.join(root, name, SCHEDULER_CONFIG_NAME), scheduler.to_json_string())
     put(posixpath.join(root, CARD_NAME), card)
     if index is not None:
         put(posixpath.join(root, MODEL_INDEX_NAME), json.dumps(index, indent=2, sort_keys=True) + "\n")
+    fs.pipe_file(marker_path, (json.dumps({**marker, "complete": True}, indent=2, sort_keys=True) + "\n").encode())
     return written
 
 
