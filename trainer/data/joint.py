@@ -107,7 +107,7 @@ class JointSet:
             if r.index < n:
                 items.append(next(loaded))
             else:
-                image_ref = SampleRef(index=r.index - n, position=r.position, aug_seed=r.aug_seed)
+                image_ref = SampleRef(index=r.index - n, position=r.position, fixed_aug_seed=r.aug_seed)
                 items.append(self._as_clip(self.images[image_ref]))
         if hasattr(clip_items, "stats"):
             items.stats = clip_items.stats

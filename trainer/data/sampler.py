@@ -28,10 +28,13 @@ class SampleRef:
     position: int  # position in the step's global batch
     epoch: int = 0
     seed: int | None = None  # the run's seed; None: no augmentation stream (held-out and preview batches)
+    fixed_aug_seed: int | None = None  # a seed carried over from another ref (a joint set's image stream)
 
     @property
     def aug_seed(self) -> int:
         """Derived where it is used (in a loader worker), not by the sampler in the training process."""
+        if self.fixed_aug_seed is not None:
+            return self.fixed_aug_seed
         return 0 if self.seed is None else stream_seed(self.seed, Stream.AUGMENT, self.epoch, self.index)
 
 
