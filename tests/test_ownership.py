@@ -17,7 +17,7 @@ import uuid
 from pathlib import Path
 
 import pytest
-from ckpt_tamper import edit_json, manifest, read_tensors, step_dir
+from ckpt_tamper import edit_tensors, manifest, read_tensors, step_dir
 from conftest import clean_env, run_cli, tiny
 from helpers import assert_tensors_equal, kill_group, start_cli, wait_for_log
 
@@ -82,10 +82,12 @@ def test_resume_false_in_a_torchrun_restart_of_the_same_job_continues_it(tmp_pat
     assert later["run"] == first["run"] and later["timeline"] != first["timeline"]
 
 
-def _unloadable(doc: dict) -> dict:
-    """trainer.json with an entry no schedule has: it verifies (digests, schemas), a resume cannot load it."""
-    doc["parts"]["unet"]["lr_schedule"]["not_a_field"] = 1
-    return doc
+def _unloadable(tensors: dict) -> dict:
+    """An optimizer state tensor reshaped (its digest recomputed): the file verifies on its own (a valid
+    header, the listed size and digest), but it does not fit the model, so a resume cannot load it."""
+    name = next(k for k, v in tensors.items() if v.ndim == 4)  # a conv weight's Adam moment
+    tensors[name] = tensors[name].reshape(tensors[name].shape[0], -1)
+    return tensors
 
 
 @pytest.mark.slow
@@ -97,7 +99,7 @@ def test_a_step_retrained_after_a_fallback_replaces_the_one_that_could_not_be_lo
     r = train(work, max_steps=4)
     assert r.returncode == 0, r.stderr[-3000:]
     root = root_of(work)
-    edit_json(root, 4, "trainer.json", _unloadable)
+    edit_tensors(root, 4, "unet.optimizer.safetensors", _unloadable)
     old = manifest(root, 4)
     store = CheckpointStore(str(root))
     assert store.verify(store.check(4)) == [], "the tampered step must verify: only loading it fails"
@@ -198,7 +200,7 @@ HOLDER = textwrap.dedent(
     """
     import json, sys
     from trainer.checkpoint import CheckpointStore
-from trainer.checkpoint.lease import Holder, Lease, LeaseLost
+    from trainer.checkpoint.lease import Holder, Lease, LeaseLost
     from trainer.storage import filesystem
     url, options, seconds = sys.argv[1], json.loads(sys.argv[2]), float(sys.argv[3])
     fs, root = filesystem(url, options)

@@ -22,6 +22,9 @@ from trainer.errors import ConfigError
 from trainer.models.export import FAULT_EXPORT_AFTER_FOLDER, MARKER_NAME
 from trainer.storage import check_output_file, check_output_folder
 
+# Most of these start gentrain processes (the CLI's own exits); the rest are quick.
+pytestmark = pytest.mark.slow
+
 GOLDEN = REPO / "tests" / "golden"
 DDPM = str(GOLDEN / "digits-ddpm" / "checkpoints")  # step 2, exports as a DDIMPipeline
 CFG = str(GOLDEN / "digits-cfg" / "checkpoints")  # step 2, class-conditional: folders without model_index.json

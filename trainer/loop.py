@@ -87,86 +87,90 @@ class Trainer:
             linger_seconds=cfg.metrics.linger_seconds,
         )
         self.checkpoints = CheckpointManager(cfg, runtime, self.metrics)
-        self.uploader = run_dir_uploader(cfg) if env.is_main else None
-        self.train_set, self.val_set, num_classes = build_splits(cfg)
-        held_out = self.val_set or self.train_set
-        self.task = task_class(cfg.task)(cfg.model_cfg, self._task_context(num_classes))
-        self.wrapping = wrapping_for(runtime, t)
-        self.parts, self.frozen = self._build_parts()
-        self.progress = TrainProgress(
-            batch_size=t.batch_size,
-            epoch_size=len(self.train_set),
-            world_size=env.world_size,
-            seed=cfg.seed,
-            order=self._order_keys(),
-            max_skipped_fraction=cfg.data.max_skipped_fraction,
-        )
-        frozen_records = {n: f.record for n, f in self.frozen.items()}
-        self.checkpoints.attach(self.progress, self.parts, frozen_records, self.task.inputs())
-        self.step_runner = StepRunner(
-            task=self.task,
-            parts=self.parts,
-            frozen=self.frozen,
-            cfg=cfg,
-            runtime=runtime,
-            no_sync=self.wrapping.no_sync,
-        )
-        self.throughput = Throughput(self.device, t.precision, t.tf32)
-        self.reporter = Reporter(
-            runtime=runtime,
-            throughput=self.throughput,
-            metrics=self.metrics,
-            progress=self.progress,
-            max_steps=t.max_steps,
-            log_every_steps=t.log_every_steps,
-            name=cfg.name,
-            run_dir=cfg.run_dir,
-            ledger=cfg.data.ledger,
-        )
-        self.validator = Validator(
-            self.task,
-            self.parts,
-            self.frozen,
-            self.val_set,
-            runtime=runtime,
-            every_steps=t.val_every_steps,
-            batches=t.val_batches,
-            chunk_size=self.step_runner.chunk_size,
-            report=self.reporter.on_validation,
-            stop=self.stop_request,
-        )
-        self.previewer = Previewer(
-            self.task,
-            self.parts,
-            self.frozen,
-            held_out,
-            runtime=runtime,
-            cfg=cfg.sample,
-            run_dir=cfg.run_dir,
-            report=self.reporter.on_previews,
-            stop=self.stop_request,
-        )
-        self.calibrator = Calibrator(
-            self.task,
-            self.parts,
-            self.frozen,
-            self.train_set,
-            runtime=runtime,
-            every_steps=cfg.checkpoint.every_steps,
-            chunk_size=self.step_runner.chunk_size,
-        )
-        self.evaluator = Evaluator(
-            self.task,
-            self.parts,
-            self.frozen,
-            held_out,
-            runtime=runtime,
-            cfg=cfg,
-            report=self.reporter.on_eval,
-            stop=self.stop_request,
-        )
-        self.evaluator.prepare()
-        self.clock.mark("build")
+        try:  # a refusal while building (exit 2) gives the root's lease back: nothing of the run stays behind
+            self.uploader = run_dir_uploader(cfg) if env.is_main else None
+            self.train_set, self.val_set, num_classes = build_splits(cfg)
+            held_out = self.val_set or self.train_set
+            self.task = task_class(cfg.task)(cfg.model_cfg, self._task_context(num_classes))
+            self.wrapping = wrapping_for(runtime, t)
+            self.parts, self.frozen = self._build_parts()
+            self.progress = TrainProgress(
+                batch_size=t.batch_size,
+                epoch_size=len(self.train_set),
+                world_size=env.world_size,
+                seed=cfg.seed,
+                order=self._order_keys(),
+                max_skipped_fraction=cfg.data.max_skipped_fraction,
+            )
+            frozen_records = {n: f.record for n, f in self.frozen.items()}
+            self.checkpoints.attach(self.progress, self.parts, frozen_records, self.task.inputs())
+            self.step_runner = StepRunner(
+                task=self.task,
+                parts=self.parts,
+                frozen=self.frozen,
+                cfg=cfg,
+                runtime=runtime,
+                no_sync=self.wrapping.no_sync,
+            )
+            self.throughput = Throughput(self.device, t.precision, t.tf32)
+            self.reporter = Reporter(
+                runtime=runtime,
+                throughput=self.throughput,
+                metrics=self.metrics,
+                progress=self.progress,
+                max_steps=t.max_steps,
+                log_every_steps=t.log_every_steps,
+                name=cfg.name,
+                run_dir=cfg.run_dir,
+                ledger=cfg.data.ledger,
+            )
+            self.validator = Validator(
+                self.task,
+                self.parts,
+                self.frozen,
+                self.val_set,
+                runtime=runtime,
+                every_steps=t.val_every_steps,
+                batches=t.val_batches,
+                chunk_size=self.step_runner.chunk_size,
+                report=self.reporter.on_validation,
+                stop=self.stop_request,
+            )
+            self.previewer = Previewer(
+                self.task,
+                self.parts,
+                self.frozen,
+                held_out,
+                runtime=runtime,
+                cfg=cfg.sample,
+                run_dir=cfg.run_dir,
+                report=self.reporter.on_previews,
+                stop=self.stop_request,
+            )
+            self.calibrator = Calibrator(
+                self.task,
+                self.parts,
+                self.frozen,
+                self.train_set,
+                runtime=runtime,
+                every_steps=cfg.checkpoint.every_steps,
+                chunk_size=self.step_runner.chunk_size,
+            )
+            self.evaluator = Evaluator(
+                self.task,
+                self.parts,
+                self.frozen,
+                held_out,
+                runtime=runtime,
+                cfg=cfg,
+                report=self.reporter.on_eval,
+                stop=self.stop_request,
+            )
+            self.evaluator.prepare()
+            self.clock.mark("build")
+        except BaseException:
+            self.checkpoints.release_lease()
+            raise
 
     @property
     def env(self) -> DistEnv:

@@ -543,6 +543,11 @@ class CheckpointManager:
         if self.lease is not None:
             self.lease.release()  # a clean exit, or the end of an emergency save: a successor need not wait
 
+    def release_lease(self) -> None:
+        """Give the root's lease back now (a run refused while it was being built)."""
+        if self.lease is not None:
+            self.lease.release()
+
     # ---------------------------------------------------------------- ownership
 
     def _take_lease(self, cfg: Config) -> Lease | None:
@@ -566,9 +571,14 @@ class CheckpointManager:
                 lease.acquire()
             except LeaseError as e:
                 refusal = str(e)
-            except OSError as e:  # the store itself: like any other failure to reach it at start-up
-                refusal = f"cannot take the lease on {self.store.url}: {type(e).__name__}: {e}"
+            except OSError as e:  # the store itself: an outage, not a config error (exit 1: retried)
+                refusal = (
+                    f"OSError: cannot take the lease on {self.store.url} ({type(e).__name__}: {e}); the store may "
+                    "be unreachable: the job's restart tries again"
+                )
         refusal = broadcast_object(refusal)  # every rank waits for rank 0's answer, then raises together
+        if refusal is not None and refusal.startswith("OSError: "):
+            raise CheckpointError(refusal.removeprefix("OSError: "))
         if refusal is not None:
             raise LeaseError(refusal)
         if lease is not None:

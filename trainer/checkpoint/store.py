@@ -583,6 +583,9 @@ class CheckpointStore:
                 if is_tensor_file(name):
                     parsed[name] = self.read_safetensors_header(info, name)[0]
                     if is_rank_tensors(name):  # small: its RNG state is read and tried on scratch generators
+                        partner = name.removesuffix(".safetensors") + ".json"
+                        if partner not in info.manifest["files"]:  # a resume reads both: one without the other
+                            raise CheckpointCorrupt(f"{info.url}: {name} is listed without its {partner}")
                         check_rank_tensors(self.read_tensors(info, name), f"{info.url}/{name}")
                 elif name.endswith(".json"):
                     parsed[name] = self.read_json(info, name)

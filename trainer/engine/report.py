@@ -316,8 +316,10 @@ class Reporter:
         return step % self.log_every_steps == 0 or step == 1 or step == self.max_steps
 
     def on_other_work(self, seconds: float) -> None:
-        """Checkpoints, validation, previews between steps: kept out of the step rates."""
-        self._excluded += seconds
+        """Checkpoints, validation, previews between steps: kept out of the step rates (only while a rate window
+        is open: after a read the next window starts with the next step, after this work)."""
+        if self._window_start is not None:
+            self._excluded += seconds
 
     def read(self) -> None:
         """Read every pending step's values (one device-to-host transfer), warn about the first non-finite
