@@ -12,7 +12,9 @@ import torch
 from trainer.conditioning.text import TextEncoder, TextEncoderConfig, check_stored_encoders, text_encoders
 from trainer.errors import ConfigError
 
-WORDS = "a an the handwritten photo of red blue cat dog on mat zero one two three four five six seven eight nine".split()
+WORDS = (
+    "a an the handwritten photo of red blue cat dog on mat zero one two three four five six seven eight nine".split()
+)
 
 
 def _tokenizer(folder: Path, *, clip: bool) -> None:
@@ -237,9 +239,83 @@ def test_a_checkpoint_may_name_transformers_encoders_they_run_no_folder_code():
     from trainer.registry import load_config
 
     sd3 = ["model.text={kind: sd3, encoder: /l, encoder_2: /g, encoder_3: /t5, width: 4096, pooled_width: 2048}"]
-    cfg = load_config("mmdit-512", sd3, {}).model_cfg
+    cfg = load_config("mmdit-512", [*sd3, "data.path=/data"], {}).model_cfg
     assert ("model.text.encoder_3", "/t5") in text_encoders(cfg)
     check_stored_encoders(cfg, None, "checkpoint x")  # no flag needed: no folder code runs
     with pytest.raises(ConfigError, match="has no text encoder that needs it"):
         check_stored_encoders(cfg, "/l", "checkpoint x")
 
+
+def _flow(tmp_path, folders, backbone: str, text: str, *extra: str, max_steps: int = 2) -> list[str]:
+    from conftest import tiny
+
+    return tiny(
+        tmp_path,
+        f"model.backbone={backbone}",
+        "model.prediction_type=flow",
+        f"model.text={{{text}, cache_dir: {tmp_path}/text}}",
+        *extra,
+        max_steps=max_steps,
+    )
+
+
+def test_a_pixart_ddpm_trains_on_t5_tokens_and_their_mask(folders, tmp_path, monkeypatch):
+    """In process: the task hands PixArt T5's tokens and attention mask (the empty caption for dropped ones)."""
+    from trainer.checkpoint import CheckpointStore
+    from trainer.elastic import DistEnv
+    from trainer.loop import Trainer
+    from trainer.registry import load_config
+
+    monkeypatch.setenv("HOME", str(tmp_path))
+    backbone = "{kind: pixart, num_layers: 1, num_attention_heads: 2, attention_head_dim: 8, caption_channels: 24}"
+    text = f"kind: t5, encoder: {folders['t5']}, width: 24, max_tokens: 8, batch_size: 4"
+    cfg = load_config(None, _flow(tmp_path, folders, backbone, text), environ={})
+    trainer = Trainer(cfg, DistEnv())
+    assert trainer.fit() == 0
+    info = CheckpointStore(str(tmp_path / "run" / "checkpoints")).latest_valid()
+    assert info.manifest["inputs"]["text_encoder"]["source"] == str(folders["t5"])
+    drop = torch.tensor([False, True])
+    cond = trainer.task.conditions(2, torch.device("cpu"), drop, None, ["a handwritten seven", "a red cat"])
+    assert cond["caption_mask"].sum(1).tolist() == [4, 1]  # "a handwritten seven </s>"; dropped: "" = </s>
+    assert cond["captions"].shape == (2, 8, 24) and trainer.task.text.encoded > 2
+
+
+@pytest.mark.slow
+def test_an_mmdit_trains_on_sd3_encoders_samples_and_refuses_a_changed_t5_on_resume(folders, tmp_path):
+    """Through the CLI: an MMDiT on the tiny SD3 set trains, pins the set's digest in its manifest, samples with
+    a prompt; a T5 with other weights at the same folder is exit 2 on resume, nothing written."""
+    from conftest import clean_env, run_cli
+
+    from trainer.checkpoint import CheckpointStore
+    from trainer.checkpoint.weights import load_for_inference
+    from trainer.tasks.sampling import SampleRequest
+
+    t5 = tmp_path / "t5"
+    shutil.copytree(folders["t5"], t5)
+    backbone = (
+        "{kind: mmdit, num_layers: 1, num_attention_heads: 2, attention_head_dim: 8, caption_channels: 24, "
+        "pooled_channels: 16}"
+    )
+    text = (
+        f"kind: sd3, encoder: {folders['clip_l']}, encoder_2: {folders['clip_g']}, tokenizer_2: "
+        f"{folders['tokenizer_2']}, encoder_3: {t5}, width: 24, pooled_width: 16, max_tokens: 6, clip_max_tokens: 8"
+    )
+    env = clean_env(HOME=str(tmp_path))
+    r = run_cli("train", *_flow(tmp_path, folders, backbone, text), env=env)
+    assert r.returncode == 0, r.stderr[-3000:]
+    root = str(tmp_path / "run" / "checkpoints")
+    store = CheckpointStore(root)
+    recorded = store.latest_valid().manifest["inputs"]["text_encoder"]
+    assert recorded["pin"] and recorded["source"].startswith(f"encoder={folders['clip_l']}, ")
+    _, task, modules = load_for_inference(store, store.latest_valid(), True, torch.device("cpu"))
+    assert task.text.digest == recorded["digest"] and task.cfg.text.kind == "sd3"
+    request = SampleRequest(num=2, seed=1, inference_steps=2, prompts=["a handwritten seven"], guidance_scale=3.0)
+    images = task.sample(modules, request, torch.device("cpu"))
+    assert images.shape == (2, 1, 8, 8) and torch.isfinite(images).all()
+
+    tiny_t5(t5, 24, seed=7)  # the same T5 shape, other weights, at the same folder
+    r = run_cli("train", *_flow(tmp_path, folders, backbone, text, max_steps=4), env=env)
+    assert r.returncode == 2, r.stderr[-3000:]
+    assert f"text_encoder: the run at {root} was trained with encoder={folders['clip_l']}" in r.stderr
+    assert "Use the same weights again, or start a new run" in r.stderr
+    assert store.latest_valid().step == 2
