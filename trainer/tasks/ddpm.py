@@ -120,10 +120,11 @@ class DiffusionModelConfig(NoiseConfig):
                 "token embeddings are the text encoder's width"
             )
         pooled = getattr(d, "pooled_channels", None)
-        if pooled is not None and pooled != self.text.width:
+        if pooled is not None and pooled != self.text.pooled_dim:
+            key = "model.text.width" if self.text.pooled_width is None else "model.text.pooled_width"
             raise ValueError(
-                f"model.backbone.pooled_channels={pooled} but model.text.width={self.text.width}: the pooled "
-                "caption embedding is the text encoder's width"
+                f"model.backbone.pooled_channels={pooled} but {key}={self.text.pooled_dim}: the pooled caption "
+                "embedding is the text encoder's (model.text.pooled_width, null = model.text.width)"
             )
         if d.kind in ("pixart", "mmdit") and self.num_classes is not None:
             raise ValueError(
@@ -243,7 +244,7 @@ class DDPMTask(Task):
     def inputs(self) -> dict[str, dict]:
         out = dict(self._inputs)
         if self.text is not None:
-            out["text_encoder"] = {"source": self.cfg.text.encoder, "digest": self.text.digest, "pin": True}
+            out["text_encoder"] = {"source": self.cfg.text.source, "digest": self.text.digest, "pin": True}
         return out
 
     def export_unets(self, modules) -> dict[str, tuple[nn.Module, dict[str, torch.Tensor]]]:
@@ -261,7 +262,7 @@ class DDPMTask(Task):
             pooled = ", plus the pooled embedding" if kind == "mmdit" else ""
             return (
                 f"diffusers' text-to-image pipelines load their own CLIP/T5 text encoder and tokenizer; this {kind} "
-                f"is conditioned on the frozen sentence encoder {c.text.encoder!r} ({c.text.width} wide: caption "
+                f"is conditioned on the frozen {c.text.kind} encoder {c.text.source!r} ({c.text.width} wide: caption "
                 f"token embeddings and mask{pooled}; the empty caption is the unconditional one), which no diffusers "
                 "pipeline runs"
             )
