@@ -240,7 +240,7 @@ def test_encode_under_torchrun_to_s3_then_train_across_world_sizes_reads_every_s
     cmd = [sys.executable, "-m", "torch.distributed.run", *standalone(2), "-m", "trainer", "data", "encode"]
     cmd += [*latent_args(tmp_path, vae), "--out", url, "--samples-per-shard", "400"]
     cmd += ["--storage-options", json.dumps(options)]
-    proc = _start_agent(cmd, log, ENV)
+    proc = _start_agent(cmd, log, {"PYTHONPATH": ENV["PYTHONPATH"]})
     assert finish(proc, log) == 0, log.read_text()[-4000:]
     text = log.read_text()
     assert "rank 0 of 2): 3 shards" in text and "rank 1 of 2): 2 shards" in text
@@ -266,7 +266,7 @@ def test_encode_under_torchrun_to_s3_then_train_across_world_sizes_reads_every_s
     for i, (world, until) in enumerate([(2, 4), (1, 9)]):
         leg = tmp_path / f"leg{i}.log"
         cmd = [sys.executable, "-m", "torch.distributed.run", *standalone(world), "-m", "trainer", "train"]
-        proc = _start_agent([*cmd, "digits-ddpm", *base, f"train.max_steps={until}"], leg, ENV)
+        proc = _start_agent([*cmd, "digits-ddpm", *base, f"train.max_steps={until}"], leg, {"PYTHONPATH": ENV["PYTHONPATH"]})
         assert finish(proc, leg) == 0, leg.read_text()[-4000:]
         if previous:
             assert f"step={previous} cursor={previous * batch}" in leg.read_text()
