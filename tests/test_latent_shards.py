@@ -39,7 +39,10 @@ DIGITS = 1797
 
 
 def latent_args(root, vae: str, *extra: str, max_steps: int = 2) -> list[str]:
-    return ["digits-ddpm", *tiny(root, f"model.autoencoder.url={vae}", "model.num_classes=10", *extra, max_steps=max_steps)]
+    return [
+        "digits-ddpm",
+        *tiny(root, f"model.autoencoder.url={vae}", "model.num_classes=10", *extra, max_steps=max_steps),
+    ]
 
 
 def from_shards(url: str, *extra: str) -> list[str]:
@@ -129,7 +132,9 @@ def test_a_run_on_encoded_shards_builds_no_encoder_and_draws_the_posterior_noise
     item = split[SampleRef(index=5, position=3)]
     posterior = item[0].unsqueeze(0)
     z = t.task.latent.encode(module, posterior, 7, [3])
-    on_the_fly = LatentSpace(t.task.cfg.autoencoder, load_frozen(PART, frozen_source(t.task.cfg.autoencoder), {}), 8, 1, 0)
+    on_the_fly = LatentSpace(
+        t.task.cfg.autoencoder, load_frozen(PART, frozen_source(t.task.cfg.autoencoder), {}), 8, 1, 0
+    )
     whole = on_the_fly.build()
     FrozenPart(PART, whole, load_frozen(PART, frozen_source(t.task.cfg.autoencoder), {}))
     from trainer.data.datasets import DigitsDataset
@@ -144,9 +149,10 @@ def test_a_run_on_encoded_shards_builds_no_encoder_and_draws_the_posterior_noise
     torch.testing.assert_close(z, fresh, rtol=1e-5, atol=1e-6)
     assert t.fit() == 0
     manifest = json.loads((tmp_path / "run/run/checkpoints/step-000000002/manifest.json").read_text())
-    assert manifest["frozen"]["autoencoder"]["digest"] == json.loads(open(f"{encoded}/shards.json").read())[
-        "encoded"
-    ]["autoencoder"]["digest"]
+    assert (
+        manifest["frozen"]["autoencoder"]["digest"]
+        == json.loads(open(f"{encoded}/shards.json").read())["encoded"]["autoencoder"]["digest"]
+    )
 
 
 def test_another_autoencoder_images_where_latents_are_expected_and_the_reverse_exit_2(tmp_path, vae, encoded):
@@ -265,7 +271,9 @@ def test_encode_under_torchrun_to_s3_then_train_across_world_sizes_reads_every_s
     for i, (world, until) in enumerate([(2, 4), (1, 9)]):
         leg = tmp_path / f"leg{i}.log"
         cmd = [sys.executable, "-m", "torch.distributed.run", *standalone(world), "-m", "trainer", "train"]
-        proc = _start_agent([*cmd, "digits-ddpm", *base, f"train.max_steps={until}"], leg, {"PYTHONPATH": ENV["PYTHONPATH"]})
+        proc = _start_agent(
+            [*cmd, "digits-ddpm", *base, f"train.max_steps={until}"], leg, {"PYTHONPATH": ENV["PYTHONPATH"]}
+        )
         assert finish(proc, leg) == 0, leg.read_text()[-4000:]
         if previous:
             assert f"step={previous} cursor={previous * batch}" in leg.read_text()
