@@ -6,7 +6,7 @@ from collections import OrderedDict
 
 import numpy as np
 
-from trainer.data.sampler import SampleRef, SampleStream
+from trainer.data.sampler import SampleStream
 from trainer.randomness import Stream, stream_seed
 
 
@@ -66,14 +66,6 @@ class ShardStream(SampleStream):
             while len(self._windows) > 2:
                 self._windows.popitem(last=False)
         return self._windows[key]
-
-    def rank_slice(self, cursor: int, global_batch: int, rank: int, world_size: int) -> list[SampleRef]:
-        """This rank's refs of the step at `cursor`: the entries `take` gives (the base class's slices of a
-        whole-epoch permutation would ignore the shard windows and blocks)."""
-        per_rank = global_batch // world_size
-        start = rank * per_rank
-        entries = self.take(cursor + start, per_rank)
-        return [SampleRef(i, start + k, epoch, self.seed) for k, (epoch, i) in enumerate(entries)]
 
     def take(self, cursor: int, count: int) -> list[tuple[int, int]]:
         out = []
