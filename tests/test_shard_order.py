@@ -57,6 +57,9 @@ def test_ranks_read_disjoint_parts_of_the_world_size_1_order_and_every_sample_on
         positions = [ref.position for ref in refs]
         assert sorted(positions) == positions == list(range(batch))  # disjoint, together the whole batch
         assert [r.index for r in refs] == [r.index for r in single.rank_slice(cursor, batch, 0, 1)]
+        # ... which is the shard order itself (windows, blocks), not a plain permutation of the samples.
+        assert [(cursor + r.position) // n for r in refs] == [e for e, _ in single.take(cursor, batch)]
+        assert [r.index for r in refs] == [i for _, i in single.take(cursor, batch)]
         seen.update(((cursor + r.position) // n, r.index) for r in refs)
     full = steps * batch // n
     for epoch in range(full):

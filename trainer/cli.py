@@ -174,6 +174,24 @@ def _parser() -> argparse.ArgumentParser:
     di.add_argument("pattern", help="shard URL or brace pattern, e.g. s3://b/x/{00000..00099}.tar")
     di.add_argument("--storage-options", type=_json_object, default={})
 
+    de = dsub.add_parser(
+        "encode",
+        help="a latent diffusion config's data through its frozen autoencoder (and text encoder) into latent "
+        "shards, once; under torchrun each rank encodes its own shards; rerun to resume",
+    )
+    de.add_argument("config", nargs="?", help="preset name or YAML file (task ddpm with model.autoencoder)")
+    de.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides, e.g. data.path=...")
+    de.add_argument("--out", required=True, help="output folder on any fsspec store (s3://bucket/latents, a path)")
+    de.add_argument("--samples-per-shard", type=int, required=True)
+    de.add_argument(
+        "--dtype", choices=["float16", "float32"], default="float16", help="stored posterior (and embeddings)"
+    )
+    de.add_argument("--text", action="store_true", help="also store the captions' model.text embeddings")
+    de.add_argument("--flip", action="store_true", help="also store the mirrored images' posteriors (data.flip)")
+    de.add_argument("--batch-size", type=int, default=64, help="images per encoder call")
+    de.add_argument("--shuffle-seed", type=int, default=0, help="samples are written in an order permuted by it")
+    de.add_argument("--no-shuffle", action="store_true", help="write the samples in the source's order")
+    de.add_argument("--storage-options", type=json.loads, default={}, help="JSON passed to fsspec for --out")
     sub.add_parser("presets", help="list the built-in presets")
     sub.add_parser(
         "launch",
@@ -605,6 +623,8 @@ def _export(args: argparse.Namespace, store, info) -> int:
 
 
 def cmd_data(args: argparse.Namespace) -> int:
+    if args.action == "encode":
+        return cmd_data_encode(args)
     _setup_logging()
     from trainer.data.pack import index_shards, pack_folder  # torch-heavy (see the module doc)
 
@@ -621,6 +641,32 @@ def cmd_data(args: argparse.Namespace) -> int:
     else:
         summary = index_shards(args.pattern, args.storage_options, progress)
         print(f"indexed {args.pattern}: {summary.line()}")
+    return EXIT_OK
+
+
+def cmd_data_encode(args: argparse.Namespace) -> int:
+    """`gentrain data encode`: this process's shards (rank r of W under torchrun: shards r, r + W, ...)."""
+    rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
+    _setup_logging(rank, world)
+    cfg = load_config(*split_preset([a for a in [args.config, *args.overrides] if a]))
+    _REDACT.add_secrets({**cfg.to_dict(), "storage_options": args.storage_options})
+    from trainer.data.encode import encode_dataset  # torch-heavy (see the module doc)
+
+    summary = encode_dataset(
+        cfg,
+        args.out,
+        args.samples_per_shard,
+        storage_options=args.storage_options,
+        dtype=args.dtype,
+        text=args.text,
+        flip=args.flip,
+        batch_size=args.batch_size,
+        shuffle_seed=None if args.no_shuffle else args.shuffle_seed,
+        rank=rank,
+        world_size=world,
+        progress=sys.stderr.isatty(),
+    )
+    print(f"encoded into {args.out} (rank {rank} of {world}): {summary.line()}")
     return EXIT_OK
 
 

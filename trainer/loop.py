@@ -313,6 +313,7 @@ class Trainer:
             storage_options=cfg.checkpoint.storage_options,
             stages=cfg.train.stages,
             num_frames=cfg.data.num_frames if is_video(cfg) else 1,
+            encoding=getattr(self.train_set, "encoding", None),
         )
 
     def _order_keys(self) -> dict:

@@ -267,6 +267,11 @@ class DataConfig(_Section):
         description="shards: runs of this many consecutive samples of a shard stay together in the shuffle "
         "(a batch of B draws from >= B/N runs, each read with one request); 1 = every sample on its own",
     )
+    encoded: bool | None = Field(
+        None,
+        description="shards: true = they must be `gentrain data encode` latents, false = images (either mismatch "
+        "exits 2); null = whatever their shards.json says",
+    )
     read_merge_gap: int = Field(
         0, ge=0, description="shards: merge a step's ranges of one shard at most this many bytes apart into one read"
     )

@@ -12,6 +12,7 @@ from trainer.data.hf import HFDataset
 from trainer.data.joint import JointSet
 from trainer.data.sampler import SampleRef, SampleStream, StepBatchSampler
 from trainer.data.shards import ShardSet, ShardSplit, load_shard_list
+from trainer.data.shards.latents import ENCODED_FORMAT, posterior_shape
 from trainer.data.video import MovingDigitsDataset, VideoFolderDataset, import_av
 from trainer.errors import ConfigError
 
@@ -141,15 +142,77 @@ def build_shard_splits(cfg: Config):
         )
 
     train_set = shard_set(d.urls, "data.urls")
-    if d.val_urls:
+    encoded = check_encoded(cfg, train_set.shards.encoded)
+    val_set = shard_set(d.val_urls, "data.val_urls") if d.val_urls else None
+    if val_set is not None and val_set.shards.encoded != encoded:
+        raise ConfigError(
+            f"data.val_urls={d.val_urls!r} are {_what(val_set.shards.encoded)} but data.urls={d.urls!r} are "
+            f"{_what(encoded)}: validate on shards made the same way"
+        )
+    if encoded is not None:
+        shape = posterior_shape(encoded)
+    if val_set is not None:
         train = ShardSplit(train_set, "all", 0.0, d.flip, shape, d.shard_window, d.shuffle_block)
-        val = ShardSplit(shard_set(d.val_urls, "data.val_urls"), "all", 0.0, False, shape)
+        val = ShardSplit(val_set, "all", 0.0, False, shape)
     else:
         train = ShardSplit(train_set, "train", d.val_fraction, d.flip, shape, d.shard_window, d.shuffle_block)
         val = ShardSplit(train_set, "val", d.val_fraction, False, shape)
     if len(train) == 0:
         raise ConfigError(f"data.urls={d.urls!r}: no training samples")
+    train.encoding = val.encoding = encoded
     return train, (val if len(val) else None), train_set.num_classes
+
+
+def _what(encoded: dict | None) -> str:
+    if encoded is None:
+        return "image shards"
+    return f"latents encoded by the autoencoder {encoded['autoencoder']['digest']}"
+
+
+def check_encoded(cfg: Config, encoded: dict | None) -> dict | None:
+    """The `encoded` settings of `gentrain data encode`'s shards (None: image shards), checked against the
+    run: latents need a latent diffusion model of the same image geometry; `data.encoded` (when set) says
+    which kind the run expects. Everything here exits 2 before a model is built."""
+    d = cfg.data
+    urls = f"data.urls={d.urls!r}"
+    if d.encoded is True and encoded is None:
+        raise ConfigError(
+            f"data.encoded=true but {urls} are image shards (their shards.json has no `encoded` settings): encode "
+            "them with `gentrain data encode`, point data.urls at the shards.json it wrote, or set data.encoded=false"
+        )
+    if encoded is None:
+        return None
+    if d.encoded is False:
+        raise ConfigError(
+            f"data.encoded=false but {urls} are {_what(encoded)}, not images: point data.urls at image shards, "
+            "or unset data.encoded"
+        )
+    if encoded.get("format") != ENCODED_FORMAT:
+        raise ConfigError(f"{urls}: encoded shards of format {encoded.get('format')!r}, not {ENCODED_FORMAT}")
+    if getattr(cfg.model_cfg, "autoencoder", None) is None:
+        raise ConfigError(
+            f"{urls} are {_what(encoded)}, not images, and this {cfg.task} model has no model.autoencoder to "
+            "decode them: set model.autoencoder.url to that autoencoder, or point data.urls at image shards"
+        )
+    for key in ("image_size", "channels"):
+        if getattr(d, key) != encoded[key]:
+            raise ConfigError(
+                f"data.{key}={getattr(d, key)} but {urls} were encoded from {key}={encoded[key]}: set "
+                f"data.{key}={encoded[key]}, or encode the images again at {getattr(d, key)}"
+            )
+    if d.flip and not encoded.get("flip"):
+        raise ConfigError(
+            f"data.flip=true but {urls} hold no posteriors of the mirrored images (encoded without --flip): "
+            "set data.flip=false, or encode again with --flip"
+        )
+    if d.num_frames > 1:
+        raise ConfigError(f"data.num_frames={d.num_frames}: {urls} hold image latents, not clips")
+    if cfg.eval.every_steps:
+        raise ConfigError(
+            f"eval.every_steps={cfg.eval.every_steps}: FID compares samples with real images, and {urls} hold "
+            "latents; set eval.every_steps=0 and run `gentrain eval` with data.* naming the images"
+        )
+    return encoded
 
 
 def build_train_loader(

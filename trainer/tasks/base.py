@@ -147,6 +147,9 @@ class TaskContext:
     storage_options: dict[str, Any] = field(default_factory=dict)
     stages: list[int] | None = None  # `train.stages`: the cascade stages this run trains (None = all)
     num_frames: int = 1  # `data.num_frames`: frames per clip of video sources (batches are (N, T, C, H, W))
+    # The settings of `gentrain data encode` when the training data are its latent shards (see
+    # trainer/data/encode.py): batches then carry posteriors, not images. None: images.
+    encoding: Mapping[str, Any] | None = None
     # False where a checkpoint's weights replace whatever `build` loads (sampling): pretrained folders
     # (`model.pretrained`) are then not read at all.
     load_pretrained: bool = True

@@ -191,7 +191,7 @@ class StageNet(nn.Module):
             self.aug_proj = Timesteps(s.block_out_channels[0], flip_sin_to_cos=True, downscale_freq_shift=0)
             self.aug_embed = TimestepEmbedding(s.block_out_channels[0], cond_dim)
         if cfg.text is not None:
-            self.text_pooled = nn.Linear(cfg.text.width, cond_dim)
+            self.text_pooled = nn.Linear(cfg.text.pooled_dim, cond_dim)
             self.text_tokens = nn.Linear(cfg.text.width, cfg.context_dim)
         self.embed_tokens_n = cfg.image_embed_tokens
         if cfg.image_embed_dim is not None:
@@ -254,7 +254,7 @@ class TransformerStageNet(nn.Module):
             self.aug_proj = Timesteps(64, flip_sin_to_cos=True, downscale_freq_shift=0)
             self.aug_embed = TimestepEmbedding(64, vec)
         if cfg.text is not None:
-            self.text_pooled = nn.Linear(cfg.text.width, vec)
+            self.text_pooled = nn.Linear(cfg.text.pooled_dim, vec)
             self.text_tokens = nn.Linear(cfg.text.width, width)
         self.embed_tokens_n = cfg.image_embed_tokens
         if cfg.image_embed_dim is not None:
@@ -400,7 +400,7 @@ class CascadeTask(Task):
     def inputs(self) -> dict[str, dict]:
         out = dict(self._inputs)
         if self.text is not None:
-            out["text_encoder"] = {"source": self.cfg.text.encoder, "digest": self.text.digest, "pin": True}
+            out["text_encoder"] = {"source": self.cfg.text.source, "digest": self.text.digest, "pin": True}
         if self.image_encoder is not None:
             enc = self.image_encoder
             out["image_encoder"] = {"source": enc.name, "digest": enc.digest, "pin": True}

@@ -22,7 +22,7 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 from torch import nn
 
-from trainer.conditioning.text import TextEncoder, TextEncoderConfig
+from trainer.conditioning.text import TextEmbeddings, TextEncoder, TextEncoderConfig
 from trainer.diffusion import (
     Backbone,
     BackboneConfig,
@@ -120,10 +120,11 @@ class DiffusionModelConfig(NoiseConfig):
                 "token embeddings are the text encoder's width"
             )
         pooled = getattr(d, "pooled_channels", None)
-        if pooled is not None and pooled != self.text.width:
+        if pooled is not None and pooled != self.text.pooled_dim:
+            key = "model.text.width" if self.text.pooled_width is None else "model.text.pooled_width"
             raise ValueError(
-                f"model.backbone.pooled_channels={pooled} but model.text.width={self.text.width}: the pooled "
-                "caption embedding is the text encoder's width"
+                f"model.backbone.pooled_channels={pooled} but {key}={self.text.pooled_dim}: the pooled caption "
+                "embedding is the text encoder's (model.text.pooled_width, null = model.text.width)"
             )
         if d.kind in ("pixart", "mmdit") and self.num_classes is not None:
             raise ValueError(
@@ -200,9 +201,26 @@ class DDPMTask(Task):
             )
         self.part = part_name(self.cfg)
         self.text = TextEncoder(self.cfg.text, ctx.storage_options) if self.cfg.text is not None else None
+        # Caption embeddings stored in encoded shards (`gentrain data encode --text`) stand in for the encoder's.
+        self.stored_text = self.text is not None and self._check_stored_text(ctx.encoding)
         self.backbone: Backbone | None = None  # set by `build`: how to call the part
         self.latent: LatentSpace | None = None  # set by `build` in latent diffusion
         self._inputs: dict[str, dict] = {}
+
+    def _check_stored_text(self, encoding) -> bool:
+        """Whether the data carry this encoder's caption embeddings; other ones exit 2 naming both digests."""
+        made = (encoding or {}).get("text")
+        if made is None:
+            return False
+        assert self.text is not None and self.cfg.text is not None
+        if made["digest"] != self.text.digest or made["max_tokens"] != self.cfg.text.max_tokens:
+            raise ConfigError(
+                f"data.urls: the shards' caption embeddings are {made['encoder']} ({made['digest']}, max_tokens "
+                f"{made['max_tokens']}), but model.text is {self.cfg.text.encoder} ({self.text.digest}, max_tokens "
+                f"{self.cfg.text.max_tokens}): set model.text to the encoder that embedded them, or encode the "
+                "data again with `gentrain data encode --text`"
+            )
+        return True
 
     @classmethod
     def trainable_part_names(cls, model_cfg: DiffusionModelConfig) -> list[str]:
@@ -221,7 +239,9 @@ class DDPMTask(Task):
         c = self.cfg
         size, channels, extra = self.image_size, self.channels, {}
         if c.autoencoder is not None:
-            self.latent = LatentSpace(c.autoencoder, frozen[AUTOENCODER], size, channels, self.seed, self.ctx.services)
+            self.latent = LatentSpace(
+                c.autoencoder, frozen[AUTOENCODER], size, channels, self.seed, self.ctx.services, self.ctx.encoding
+            )
             channels, size = self.latent.shape[0], self.latent.side
             extra[AUTOENCODER] = self.latent.build()
             if c.denoiser.kind == "unet":
@@ -243,7 +263,7 @@ class DDPMTask(Task):
     def inputs(self) -> dict[str, dict]:
         out = dict(self._inputs)
         if self.text is not None:
-            out["text_encoder"] = {"source": self.cfg.text.encoder, "digest": self.text.digest, "pin": True}
+            out["text_encoder"] = {"source": self.cfg.text.source, "digest": self.text.digest, "pin": True}
         return out
 
     def export_unets(self, modules) -> dict[str, tuple[nn.Module, dict[str, torch.Tensor]]]:
@@ -261,7 +281,7 @@ class DDPMTask(Task):
             pooled = ", plus the pooled embedding" if kind == "mmdit" else ""
             return (
                 f"diffusers' text-to-image pipelines load their own CLIP/T5 text encoder and tokenizer; this {kind} "
-                f"is conditioned on the frozen sentence encoder {c.text.encoder!r} ({c.text.width} wide: caption "
+                f"is conditioned on the frozen {c.text.kind} encoder {c.text.source!r} ({c.text.width} wide: caption "
                 f"token embeddings and mask{pooled}; the empty caption is the unconditional one), which no diffusers "
                 "pipeline runs"
             )
@@ -404,20 +424,27 @@ class DDPMTask(Task):
         drop: torch.Tensor,
         labels: torch.Tensor | None = None,
         captions: list[str] | None = None,
+        stored: TextEmbeddings | None = None,
     ) -> dict[str, torch.Tensor]:
-        """The denoiser's conditions; samples with `drop` set get the null class and the empty caption."""
+        """The denoiser's conditions; samples with `drop` set get the null class and the empty caption.
+        `stored`: the captions' embeddings read from encoded shards (the encoder then embeds only "")."""
         cond: dict[str, torch.Tensor] = {}
         drop = drop.to(device)
         if self.cfg.num_classes is not None:
             labels = torch.full((n,), -1, dtype=torch.long) if labels is None else labels
             cond["labels"] = labels_or_null(labels.to(device), drop, self.cfg.num_classes)
         if self.text is not None:
-            if captions is None:
+            if stored is not None:
+                emb = _with_empty_caption(stored, self.text.encode([""], device), drop)
+            elif captions is None:
                 raise ConfigError(
                     "model.text is set but the data has no captions: put a .txt beside each image (or use "
                     "shards with a txt field), or remove model.text"
                 )
-            emb = self.text.encode(["" if d else cap for cap, d in zip(captions, drop.tolist(), strict=True)], device)
+            else:
+                emb = self.text.encode(
+                    ["" if d else cap for cap, d in zip(captions, drop.tolist(), strict=True)], device
+                )
             every = {"captions": emb.tokens, "caption_mask": emb.mask, "pooled": emb.pooled}
             assert self.backbone is not None, "build() first"
             cond.update({k: v for k, v in every.items() if k in self.backbone.accepts})
@@ -436,7 +463,11 @@ class DDPMTask(Task):
         cond = {}
         if self.conditional:
             drop = draws.rand() < self.cfg.cond_drop_prob
-            cond = self.conditions(len(batch), device, drop, batch.labels, batch.captions)
+            stored = None
+            if self.stored_text:
+                e = batch.extras
+                stored = TextEmbeddings(e["text_tokens"], e["text_mask"], e["text_pooled"])
+            cond = self.conditions(len(batch), device, drop, batch.labels, batch.captions, stored)
         return self.objective.loss(self._net(modules[self.part]), x0, noise, draw, cond)
 
     def previews(self, modules, ctx: PreviewContext) -> dict[str, torch.Tensor]:
@@ -485,6 +516,18 @@ class DDPMTask(Task):
         if self.latent is not None:
             x = self.latent.decode(modules[AUTOENCODER], x)
         return ((x.float().clamp(-1, 1) + 1) / 2).cpu()
+
+
+def _with_empty_caption(stored: TextEmbeddings, empty: TextEmbeddings, drop: torch.Tensor) -> TextEmbeddings:
+    """The stored embeddings, with the empty caption's where `drop` is set (as the encoder would give)."""
+
+    def pick(kept: torch.Tensor, blank: torch.Tensor) -> torch.Tensor:
+        where = drop.view(-1, *([1] * (kept.dim() - 1)))
+        return torch.where(where, blank.to(kept.dtype), kept)
+
+    return TextEmbeddings(
+        pick(stored.tokens, empty.tokens), pick(stored.mask, empty.mask), pick(stored.pooled, empty.pooled)
+    )
 
 
 TASK = DDPMTask

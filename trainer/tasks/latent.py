@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -122,8 +123,10 @@ class LatentSpace:
         channels: int,
         seed: int,
         services: ProcessServices | None = None,
+        encoding: Mapping[str, Any] | None = None,
     ):
         self.cfg = c
+        self.encoding = encoding  # the data are `gentrain data encode` latents: the encoder is never built
         self.services = services
         self.weights = weights
         self.seed = seed
@@ -155,16 +158,48 @@ class LatentSpace:
         self.geometry = g
         self.side = side
         self.shape = (g.latent_channels, side, side)
-        self.cache = LatentCache(c.cache, weights.record["digest"]) if c.cache else None
+        self.cache = LatentCache(c.cache, weights.record["digest"]) if c.cache and encoding is None else None
+        if encoding is not None:
+            self._check_encoding(encoding, url)
+
+    def _check_encoding(self, encoding: Mapping[str, Any], url: str) -> None:
+        """Encoded shards must come from this very autoencoder (digest) at this geometry: exit 2 naming both."""
+        made = encoding["autoencoder"]
+        if made["digest"] != self.weights.record["digest"]:
+            raise ConfigError(
+                f"data.urls: the shards were encoded by the autoencoder {made['url']} ({made['digest']}), but "
+                f"model.autoencoder.url={self.cfg.url} is {url} ({self.weights.record['digest']}): the latents "
+                "would not be this autoencoder's. Point model.autoencoder.url at the autoencoder that encoded them, "
+                "or encode the data again with `gentrain data encode`"
+            )
+        if tuple(encoding["latent_shape"]) != self.shape:
+            raise ConfigError(
+                f"data.urls: the shards hold {list(encoding['latent_shape'])} latents but this autoencoder at "
+                f"data.image_size gives {list(self.shape)}: encode the data again at this size"
+            )
 
     def build(self) -> nn.Module:
-        """The autoencoder module, freshly initialized (the engine loads the frozen weights into it)."""
+        """The autoencoder module, freshly initialized (the engine loads the frozen weights into it). On
+        encoded shards it is decoder-only: the encoder submodules are removed and their tensors dropped from
+        the frozen weights (read from the file, whose digest covers them, but never put in a module)."""
         config = self.weights.config
         if isinstance(config, dict):
-            return FolderAutoencoderKL.from_config({k: v for k, v in config.items() if not k.startswith("_")})
-        if issubclass(task_class(config.task), VQGANTask):
-            return VQAutoencoder(config.model_cfg, config.data.channels)
-        return KLAutoencoder(config.model_cfg, config.data.channels, config.data.image_size)
+            module = FolderAutoencoderKL.from_config({k: v for k, v in config.items() if not k.startswith("_")})
+        elif issubclass(task_class(config.task), VQGANTask):
+            module = VQAutoencoder(config.model_cfg, config.data.channels)
+        else:
+            module = KLAutoencoder(config.model_cfg, config.data.channels, config.data.image_size)
+        if self.encoding is not None:
+            self._drop_encoder(module)
+        return module
+
+    def _drop_encoder(self, module: nn.Module) -> None:
+        owner, prefix = (module.vae, "vae.") if isinstance(module, KLAutoencoder) else (module, "")
+        gone = [name for name in ("encoder", "quant_conv") if getattr(owner, name, None) is not None]
+        for name in gone:
+            setattr(owner, name, None)
+        prefixes = tuple(f"{prefix}{name}." for name in gone)
+        self.weights.tensors = {k: v for k, v in self.weights.tensors.items() if not k.startswith(prefixes)}
 
     @staticmethod
     def _vae(module: nn.Module) -> AutoencoderKL:
@@ -218,8 +253,11 @@ class LatentSpace:
 
     @torch.no_grad()
     def encode(self, module: nn.Module, images: torch.Tensor, step: int, positions: list[int]) -> torch.Tensor:
-        """Images in [-1, 1] -> scaled latents the denoiser trains on (see the module docstring)."""
-        if self.cache is not None:
+        """Images in [-1, 1] -> scaled latents the denoiser trains on (see the module docstring); on encoded
+        shards `images` are the stored posteriors, mean and std stacked on the channel axis."""
+        if self.encoding is not None:
+            mean, std = images.float().chunk(2, dim=1)
+        elif self.cache is not None:
             mean, std = self.cache.posterior(images, lambda x: self._posterior(module, x))
         else:
             mean, std = self._posterior(module, images)

@@ -299,7 +299,7 @@ class MaskGITTask(Task):
         if c.token_cache:
             self.cache = TokenCache(c.token_cache, frozen["tokenizer"].record["digest"])
         tokenizer = tok_task(source.model_cfg, self._tokenizer_context(source)).build({})["generator"]
-        cond_tokens = (1 if c.num_classes else 0) + (c.text.max_tokens if c.text else 0)
+        cond_tokens = (1 if c.num_classes else 0) + (c.text.tokens if c.text else 0)
         transformer = MaskTransformer(c, self.num_codes, self.token_layout(), cond_tokens)
         return {"tokenizer": tokenizer, "transformer": transformer}
 

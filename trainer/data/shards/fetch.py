@@ -28,6 +28,7 @@ from PIL import Image, UnidentifiedImageError
 from trainer.data.datasets import short_reason
 from trainer.data.shards.decode import decode_sample
 from trainer.data.shards.index import ShardList, filesystem, index_url, parse_index, strip_protocol
+from trainer.data.shards.latents import decode_encoded_sample
 from trainer.data.shards.tar import parse_sample
 
 log = logging.getLogger(__name__)
@@ -205,6 +206,9 @@ class ShardSet:
             try:
                 if len(blob) != end - start:
                     raise ValueError(f"short read: {len(blob)} of {end - start} bytes")
+                if self.shards.encoded is not None:  # `gentrain data encode`'s shards: posteriors, not images
+                    out[slot] = decode_encoded_sample(parse_sample(blob), self.shards.encoded, flip, aug_seed)
+                    continue
                 out[slot] = decode_sample(
                     parse_sample(blob),
                     self.image_size,

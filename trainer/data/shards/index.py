@@ -73,6 +73,8 @@ class ShardList:
     counts: np.ndarray  # samples per shard
     classes: list[str] | None = None
     num_classes: int | None = None
+    # `shards.json`'s `encoded` settings when `gentrain data encode` wrote the shards (latents, not images).
+    encoded: dict | None = None
 
 
 def load_shard_list(urls: str | list[str], storage_options: dict | None, key: str = "data.urls") -> ShardList:
@@ -121,7 +123,10 @@ def load_shard_list(urls: str | list[str], storage_options: dict | None, key: st
 def _shard_list(urls: list[str], counts: np.ndarray, listed: dict) -> ShardList:
     classes = listed.get("classes")
     num_classes = listed.get("num_classes") or (len(classes) if classes else None)
-    return ShardList(urls, counts.astype(np.int64), classes, num_classes)
+    encoded = listed.get("encoded")
+    return ShardList(
+        urls, counts.astype(np.int64), classes, num_classes, encoded if isinstance(encoded, dict) else None
+    )
 
 
 def _read_json(url: str, storage_options: dict | None, key: str) -> dict:

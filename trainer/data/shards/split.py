@@ -29,6 +29,9 @@ class ShardSplit:
     reads a whole step's refs with concurrent range requests.
     """
 
+    # `gentrain data encode`'s settings when the shards hold latents (set by `build_shard_splits`), else None.
+    encoding: dict | None = None
+
     def __init__(
         self, shardset: ShardSet, part: str, fraction: float, flip: bool, image_shape, window: int = 0, block: int = 1
     ):

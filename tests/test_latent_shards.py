@@ -1,0 +1,315 @@
+"""`gentrain data encode` and training from its latent shards: the stored posterior is the autoencoder's, a run
+on them loads no encoder and draws its posterior noise as on-the-fly encoding does, a SIGKILLed encode keeps
+its finished shards and resumes to the same bytes, a SIGKILLed training run resumes bit-identically, a
+world-size change reads every sample once per epoch, shards on loopback S3 work, and shards of another
+autoencoder or text encoder (or images where latents are expected, and the reverse) exit 2."""
+
+from __future__ import annotations
+
+import io
+import json
+import subprocess
+import sys
+import tarfile
+from collections import defaultdict
+
+import numpy as np
+import pytest
+import torch
+from conftest import REPO, clean_env, run_cli, tiny
+from elastic_helpers import _start_agent
+from helpers import assert_tensors_equal
+from test_latent import vae_folder
+from test_shards import finish, make_folder, pack, standalone
+from test_vqgan_maskgit import _kill_and_resume_one_process
+
+from trainer.checkpoint.weights import load_frozen
+from trainer.data.encode import encode_dataset
+from trainer.data.shards import ShardStream, filesystem
+from trainer.data.shards.tar import scan_tar
+from trainer.elastic import DistEnv
+from trainer.engine.parts import FrozenPart
+from trainer.loop import Trainer
+from trainer.randomness import Stream, sample_draws
+from trainer.registry import load_config
+from trainer.tasks.latent import PART, LatentSpace, frozen_source
+
+ENV = clean_env(PYTHONPATH=f"{REPO}:{REPO / 'tests'}", HF_HUB_OFFLINE="1")
+DIGITS = 1797
+
+
+def latent_args(root, vae: str, *extra: str, max_steps: int = 2) -> list[str]:
+    return [
+        "digits-ddpm",
+        *tiny(root, f"model.autoencoder.url={vae}", "model.num_classes=10", *extra, max_steps=max_steps),
+    ]
+
+
+def from_shards(url: str, *extra: str) -> list[str]:
+    return ["data.source=shards", f"data.urls={url}/shards.json", "data.val_fraction=0", *extra]
+
+
+def config(args: list[str]):
+    return load_config(args[0], args[1:], environ={})
+
+
+def members(url: str, shard: int, options=None) -> list[dict[str, bytes]]:
+    data = filesystem(url, options).cat_file(f"{url}/{shard:06d}.tar")
+    out: dict[str, dict[str, bytes]] = defaultdict(dict)
+    with tarfile.open(fileobj=io.BytesIO(data)) as tf:
+        for m in tf:
+            key, ext = m.name.split(".", 1)
+            out[key][ext] = tf.extractfile(m).read()
+    return list(out.values())
+
+
+def npy(raw: bytes) -> np.ndarray:
+    return np.load(io.BytesIO(raw), allow_pickle=False)
+
+
+@pytest.fixture(scope="module")
+def vae(tmp_path_factory) -> str:
+    return vae_folder(tmp_path_factory.mktemp("vae") / "vae")
+
+
+@pytest.fixture(scope="module")
+def encoded(tmp_path_factory, vae) -> str:
+    """The digits (8x8) through the tiny VAE, float32, with mirrored posteriors, 4 shards of 500."""
+    root = tmp_path_factory.mktemp("enc")
+    encode_dataset(config(latent_args(root, vae)), f"{root}/shards", 500, dtype="float32", flip=True, progress=False)
+    return f"{root}/shards"
+
+
+def test_encoded_shards_hold_the_autoencoders_posterior_of_each_source_sample_and_its_mirror(tmp_path, vae, encoded):
+    listed = json.loads(open(f"{encoded}/shards.json").read())
+    assert [e["nsamples"] for e in listed["shardlist"]] == [500, 500, 500, 297] and listed["num_classes"] == 10
+    settings = listed["encoded"]
+    cfg = config(latent_args(tmp_path, vae))
+    weights = load_frozen(PART, frozen_source(cfg.model_cfg.autoencoder), {})
+    assert settings["autoencoder"]["digest"] == weights.record["digest"]
+    assert settings["latent_shape"] == [4, 4, 4] and settings["dtype"] == "float32" and settings["flip"] is True
+    latent = LatentSpace(cfg.model_cfg.autoencoder, weights, 8, 1, 0)
+    module = latent.build()
+    FrozenPart(PART, module, weights)
+    from trainer.data.datasets import DigitsDataset
+
+    digits = DigitsDataset(8, 1)
+    samples = members(encoded, 3)
+    index = torch.tensor([int(s["src"]) for s in samples])
+    images = digits.images[index]
+    with torch.no_grad():
+        mean, std = latent._posterior(module, images)
+        fmean, fstd = latent._posterior(module, images.flip(-1))
+    for i, s in enumerate(samples):
+        assert torch.equal(torch.from_numpy(npy(s["mean.npy"])), mean[i])
+        assert torch.equal(torch.from_numpy(npy(s["std.npy"])), std[i])
+        assert torch.equal(torch.from_numpy(npy(s["flip.mean.npy"])), fmean[i])
+        assert torch.equal(torch.from_numpy(npy(s["flip.std.npy"])), fstd[i])
+        assert int(s["cls"]) == int(digits.labels[index[i]]) and s["txt"].decode().startswith("a handwritten")
+    # Every source sample once, in the order the shuffle seed gave.
+    keys = [int(s["src"]) for j in range(4) for s in members(encoded, j)]
+    assert keys == list(np.random.default_rng(0).permutation(DIGITS))
+    # float16: the same numbers rounded once (every run reads those same numbers).
+    half = f"{tmp_path}/half"
+    encode_dataset(cfg, half, 500, dtype="float16", progress=False)
+    for a, b in zip(members(half, 3), members(encoded, 3), strict=True):
+        assert npy(a["mean.npy"]).dtype == np.float16
+        assert np.array_equal(npy(a["mean.npy"]), npy(b["mean.npy"]).astype(np.float16))
+
+
+def test_a_run_on_encoded_shards_builds_no_encoder_and_draws_the_posterior_noise_of_on_the_fly_encoding(
+    tmp_path, vae, encoded
+):
+    t = Trainer(config(latent_args(tmp_path / "run", vae, *from_shards(encoded), "data.flip=true")), DistEnv())
+    module = t.frozen["autoencoder"].module
+    assert module.encoder is None and module.quant_conv is None and module.decoder is not None
+    assert not any(k.startswith(("encoder.", "quant_conv.")) for k in module.state_dict())
+    assert t.task.latent.cache is None
+    # The latents of a batch from the shards are mean + std * eps with the stream on-the-fly encoding uses.
+    split = t.train_set
+    from trainer.data.sampler import SampleRef
+
+    item = split[SampleRef(index=5, position=3)]
+    posterior = item[0].unsqueeze(0)
+    z = t.task.latent.encode(module, posterior, 7, [3])
+    on_the_fly = LatentSpace(
+        t.task.cfg.autoencoder, load_frozen(PART, frozen_source(t.task.cfg.autoencoder), {}), 8, 1, 0
+    )
+    whole = on_the_fly.build()
+    FrozenPart(PART, whole, load_frozen(PART, frozen_source(t.task.cfg.autoencoder), {}))
+    from trainer.data.datasets import DigitsDataset
+
+    shard, member = split.locate(5)
+    src = int(members(encoded, shard)[member]["src"])
+    mean, std = posterior.chunk(2, dim=1)
+    eps = sample_draws(0, 7, [3], Stream.AUTOENCODER).randn((4, 4, 4))
+    assert torch.equal(z, (mean + std * eps - module.latent_shift) * module.latent_scale)  # the same draw
+    # ... of the posterior a fresh encode gives (up to the rounding a batch of another size gives on this CPU).
+    fresh = on_the_fly.encode(whole, DigitsDataset(8, 1).images[src : src + 1], 7, [3])
+    torch.testing.assert_close(z, fresh, rtol=1e-5, atol=1e-6)
+    assert t.fit() == 0
+    manifest = json.loads((tmp_path / "run/run/checkpoints/step-000000002/manifest.json").read_text())
+    assert (
+        manifest["frozen"]["autoencoder"]["digest"]
+        == json.loads(open(f"{encoded}/shards.json").read())["encoded"]["autoencoder"]["digest"]
+    )
+
+
+def test_another_autoencoder_images_where_latents_are_expected_and_the_reverse_exit_2(tmp_path, vae, encoded):
+    other = vae_folder(tmp_path / "other", seed=1)
+    r = run_cli("train", *latent_args(tmp_path / "a", other, *from_shards(encoded)), env=ENV)
+    assert r.returncode == 2, r.stderr[-3000:]
+    made = json.loads(open(f"{encoded}/shards.json").read())["encoded"]["autoencoder"]["digest"]
+    assert made in r.stderr and other in r.stderr and "encoded by the autoencoder" in r.stderr
+    # Latent shards for a pixel model.
+    pixels = ["digits-ddpm", *tiny(tmp_path / "b", "model.num_classes=10", *from_shards(encoded))]
+    r = run_cli("train", *pixels, env=ENV)
+    assert r.returncode == 2 and "no model.autoencoder" in r.stderr, r.stderr[-3000:]
+    # Image shards where the config expects latents.
+    src = tmp_path / "imgs"
+    make_folder(src, per_class=4, size=8)
+    pack(src, tmp_path / "img-shards", 4)
+    expects = latent_args(tmp_path / "c", vae, *from_shards(str(tmp_path / "img-shards")), "data.encoded=true")
+    r = run_cli("train", *expects, env=ENV)
+    assert r.returncode == 2 and "data.encoded=true but" in r.stderr, r.stderr[-3000:]
+    # data.flip=true on shards encoded without mirrored posteriors.
+    plain = f"{tmp_path}/plain"
+    encode_dataset(config(latent_args(tmp_path, vae)), plain, 900, progress=False)
+    r = run_cli("train", *latent_args(tmp_path / "d", vae, *from_shards(plain), "data.flip=true"), env=ENV)
+    assert r.returncode == 2 and "--flip" in r.stderr, r.stderr[-3000:]
+
+
+_KILLING_ENCODE = """
+import os, signal, sys
+import trainer.data.encode as encode
+commit, tars = encode._commit, []
+def dying_commit(fs, what, url):
+    if url.endswith(".tar"):
+        tars.append(url)
+        if len(tars) == 3:  # the third shard: its tar is uploaded under the temporary name, then the process dies
+            fs.put_file(what, encode.strip_protocol(fs, url + ".partial-" + str(os.getpid())))
+            os.kill(os.getpid(), signal.SIGKILL)
+    commit(fs, what, url)
+encode._commit = dying_commit
+from trainer.cli import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def test_sigkill_during_encoding_keeps_finished_shards_hides_the_half_written_one_and_resumes_to_the_same_bytes(
+    tmp_path, vae
+):
+    args = ["data", "encode", *latent_args(tmp_path, vae), "--samples-per-shard", "300", "--batch-size", "50"]
+    ref = run_cli(*args, "--out", f"{tmp_path}/ref", env=ENV)
+    assert ref.returncode == 0, ref.stderr[-3000:]
+    out = tmp_path / "killed"
+    cmd = [sys.executable, "-c", _KILLING_ENCODE, *args, "--out", str(out)]
+    killed = subprocess.run(cmd, env=ENV, cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert killed.returncode == -9, killed.stderr[-3000:]
+    assert not (out / "shards.json").exists()
+    visible = sorted(p.name for p in out.glob("*.tar"))
+    assert visible == ["000000.tar", "000001.tar"]  # the third is only under its temporary name
+    assert any(".partial-" in p.name for p in out.iterdir())
+    finished = {p: p.stat().st_mtime_ns for p in out.glob("*.tar")}
+    resumed = run_cli(*args, "--out", str(out), env=ENV)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert {p: p.stat().st_mtime_ns for p in finished} == finished  # kept, not encoded again
+    names = sorted(p.name for p in (tmp_path / "ref").iterdir())
+    assert names == sorted(p.name for p in out.iterdir() if ".partial-" not in p.name)
+    for name in names:
+        assert (tmp_path / "ref" / name).read_bytes() == (out / name).read_bytes(), name
+    # Settings that differ from the interrupted encode's are refused.
+    again = run_cli(*args, "--out", str(out), "--dtype", "float32", env=ENV)
+    assert again.returncode == 2 and "other settings" in again.stderr and "dtype" in again.stderr
+
+
+@pytest.mark.slow
+def test_sigkill_while_training_from_encoded_shards_resumes_bit_identical(tmp_path, vae, encoded):
+    steps = 6
+    extra = [*from_shards(encoded), "data.flip=true", "checkpoint.every_steps=2", "task=probe_tasks:KillableDDPM"]
+
+    def args(root):
+        return latent_args(root, vae, *extra, max_steps=steps)
+
+    a, b, _ = _kill_and_resume_one_process(tmp_path, args, ENV, kill_step=3, saved_step=2, steps=steps)
+    assert_tensors_equal(a, b)
+
+
+@pytest.mark.slow
+def test_encode_under_torchrun_to_s3_then_train_across_world_sizes_reads_every_sample_once_per_epoch(
+    tmp_path, vae, s3_server
+):
+    options = s3_server.storage_options()
+    url = f"s3://{s3_server.make_bucket()}/latents"
+    log = tmp_path / "encode.log"
+    cmd = [sys.executable, "-m", "torch.distributed.run", *standalone(2), "-m", "trainer", "data", "encode"]
+    cmd += [*latent_args(tmp_path, vae), "--out", url, "--samples-per-shard", "400"]
+    cmd += ["--storage-options", json.dumps(options)]
+    proc = _start_agent(cmd, log, {"PYTHONPATH": ENV["PYTHONPATH"]})
+    assert finish(proc, log) == 0, log.read_text()[-4000:]
+    text = log.read_text()
+    assert "rank 0 of 2): 3 shards" in text and "rank 1 of 2): 2 shards" in text
+    fs = filesystem(url, options)
+    listed = json.loads(fs.cat_file(f"{url}/shards.json"))
+    assert [e["nsamples"] for e in listed["shardlist"]] == [400, 400, 400, 400, 197]
+    for j in range(5):  # every shard whole: its index describes its bytes
+        offsets, keys, _ = scan_tar(io.BytesIO(fs.cat_file(f"{url}/{j:06d}.tar")))
+        assert len(keys) == listed["shardlist"][j]["nsamples"]
+
+    batch = 6
+    base = latent_args(
+        tmp_path,
+        vae,
+        *from_shards(url),
+        f"data.storage_options={json.dumps(options)}",
+        f"checkpoint.storage_options={json.dumps(options)}",
+        "data.ledger=true",
+        f"train.batch_size={batch}",
+        "checkpoint.every_steps=0",
+    )[1:]
+    previous = 0
+    for i, (world, until) in enumerate([(2, 4), (1, 9)]):
+        leg = tmp_path / f"leg{i}.log"
+        cmd = [sys.executable, "-m", "torch.distributed.run", *standalone(world), "-m", "trainer", "train"]
+        proc = _start_agent(
+            [*cmd, "digits-ddpm", *base, f"train.max_steps={until}"], leg, {"PYTHONPATH": ENV["PYTHONPATH"]}
+        )
+        assert finish(proc, leg) == 0, leg.read_text()[-4000:]
+        if previous:
+            assert f"step={previous} cursor={previous * batch}" in leg.read_text()
+        previous = until
+    stream = []
+    per_step: dict[int, dict[int, list[int]]] = defaultdict(dict)
+    for f in (tmp_path / "run" / "ledger").glob("rank-*.jsonl"):
+        for line in f.read_text().splitlines():
+            rec = json.loads(line)
+            per_step[rec["step"]][rec["rank"]] = rec["indices"]
+    stream = [i for s in sorted(per_step) for r in sorted(per_step[s]) for i in per_step[s][r]]
+    counts = np.array([e["nsamples"] for e in listed["shardlist"]])
+    assert stream == [i for _, i in ShardStream(counts, 0, 8, 8).take(0, 9 * batch)]
+
+
+@pytest.mark.slow
+def test_caption_embeddings_are_stored_and_a_run_with_another_text_encoder_setting_exits_2(tmp_path, vae, monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    backbone = "model.backbone={kind: pixart, patch_size: 2, num_layers: 1, num_attention_heads: 2, attention_head_dim: 8, caption_channels: 384}"
+    text = f"model.text={{cache_dir: {tmp_path}/text, max_tokens: 8}}"
+    args = ["digits-ddpm", *tiny(tmp_path, f"model.autoencoder.url={vae}", backbone, text, max_steps=2)]
+    cfg = config(args)
+    url = f"{tmp_path}/shards"
+    encode_dataset(cfg, url, 900, text=True, dtype="float32", progress=False)
+    settings = json.loads(open(f"{url}/shards.json").read())["encoded"]["text"]
+    assert settings["max_tokens"] == 8 and settings["digest"].startswith("blake3:")
+    from trainer.conditioning.text import TextEncoder
+
+    encoder = TextEncoder(cfg.model_cfg.text)
+    sample = members(url, 0)[0]
+    emb = encoder.encode([sample["txt"].decode()])
+    assert torch.equal(torch.from_numpy(npy(sample["text.tokens.npy"])), emb.tokens[0])
+    assert torch.equal(torch.from_numpy(npy(sample["text.pooled.npy"])), emb.pooled[0])
+    t = Trainer(config([*args, *from_shards(url)]), DistEnv())
+    assert t.task.stored_text and t.fit() == 0
+    wider = ["digits-ddpm", *tiny(tmp_path / "b", f"model.autoencoder.url={vae}", backbone, text.replace("8}", "6}"))]
+    r = run_cli("train", *wider, *from_shards(url), env=ENV)
+    assert r.returncode == 2, r.stderr[-3000:]
+    assert settings["digest"] in r.stderr and "max_tokens 8" in r.stderr and "max_tokens 6" in r.stderr

@@ -1,0 +1,203 @@
+"""The transformers text encoders published diffusion models train with: T5 (PixArt), CLIP, SD3's three.
+
+`model.text.kind` picks one (trainer/conditioning/text.py caches what they give, per caption):
+
+- `t5`: a `T5EncoderModel` and its tokenizer, as diffusers' PixArt pipelines and training scripts run it:
+  padding="max_length" to `max_tokens` (PixArt-alpha 120, -sigma 300), truncation, the attention mask passed
+  to T5 and handed on to the backbone (`caption_mask`); pooled = the mean of the real tokens (PixArt uses
+  none; a cascade or an MMDiT reads it).
+- `clip`: a `CLIPTextModelWithProjection`: tokens = the penultimate hidden states (SD3 and SDXL's choice),
+  pooled = `text_embeds` (the projection of the end-of-text token); CLIP is causal and SD pipelines pass no
+  mask, so every position counts (mask all ones).
+- `sd3`: Stable Diffusion 3's `encode_prompt` (pipeline_stable_diffusion_3.py, train_dreambooth_sd3.py):
+  CLIP-L and CLIP-G penultimate states (each `clip_max_tokens`, 77) concatenated on the channel axis
+  (768 + 1280), zero-padded to T5's width (4096), then T5's tokens (`max_tokens`: 77 in the training script,
+  256 in the pipeline; no mask, as SD3 runs it) appended along the sequence axis; pooled = the two CLIP
+  projections concatenated (768 + 1280 = 2048). The MMDiT attends to every token (mask all ones).
+
+Loading runs nothing a folder names: the models are the classes above (never an auto class or remote
+code), weights only from safetensors (`use_safetensors=True`), tokenizers with `trust_remote_code=False`,
+`local_files_only=True` with HF_HUB_OFFLINE set, so nothing is downloaded.
+
+Exactness: every forward has the same shape, `batch_size` rows of the same padded length, the missing rows
+filled with the empty caption. Each row's math reads only its own tokens (fixed-length padding, no padding to
+the longest neighbour), and with the shape fixed the kernels (CPU GEMM blocking, cuBLAS algorithm choice) are
+the same whoever the neighbours are, so a caption embeds bit-identically alone or in any batch
+(tests/test_text_encoders.py holds it); exact resume needs that, as the cache may be cold on one run and warm
+on the next.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from trainer.errors import ConfigError
+
+if TYPE_CHECKING:
+    from trainer.conditioning.text import TextEncoderConfig
+
+# The model_type a folder's config.json must carry for each class (a full CLIP config holds a text_config).
+_MODEL_TYPES = {"t5": ("t5",), "clip": ("clip_text_model", "clip")}
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def _model_class(kind: str):
+    from transformers import CLIPTextModelWithProjection, T5EncoderModel
+
+    return T5EncoderModel if kind == "t5" else CLIPTextModelWithProjection
+
+
+def encoder_widths(kind: str, configs: list[Any]) -> tuple[int, int]:
+    """(token width, pooled width) that encoders of `kind` with these transformers configs give: one config for
+    t5 and clip; [CLIP-L, CLIP-G, T5] for sd3. Pure: presets are checked with it against published configs."""
+    if kind == "t5":
+        return configs[0].d_model, configs[0].d_model
+    if kind == "clip":
+        return configs[0].hidden_size, configs[0].projection_dim
+    clip_l, clip_g, t5 = configs
+    clip = clip_l.hidden_size + clip_g.hidden_size
+    if clip > t5.d_model:
+        raise ConfigError(
+            f"model.text.kind=sd3: the two CLIP models' hidden states ({clip_l.hidden_size} + {clip_g.hidden_size} "
+            f"= {clip}) are wider than T5's {t5.d_model}; SD3 zero-pads the CLIP tokens to T5's width, so T5 must be "
+            "at least as wide"
+        )
+    return t5.d_model, clip_l.projection_dim + clip_g.projection_dim
+
+
+def _text_config(config: Any) -> Any:
+    return config.text_config if getattr(config, "model_type", None) == "clip" else config
+
+
+def load_model(kind: str, folder: Path, key: str, dtype: str = "float32") -> torch.nn.Module:
+    """A frozen `T5EncoderModel` (kind t5) or `CLIPTextModelWithProjection` (clip) from a local folder."""
+    import json
+
+    try:
+        model_type = json.loads((folder / "config.json").read_text()).get("model_type")
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"{key}: {folder} holds no readable transformers config.json ({e})") from None
+    if model_type not in _MODEL_TYPES[kind]:
+        want = "a T5 encoder (model_type t5)" if kind == "t5" else "a CLIP text model (model_type clip_text_model)"
+        raise ConfigError(f"{key}: {folder} holds a {model_type!r} model, but it names {want}")
+    import transformers
+
+    cls = _model_class(kind)
+    dtype_key = "dtype" if int(transformers.__version__.split(".")[0]) >= 5 else "torch_dtype"
+    try:
+        model = cls.from_pretrained(
+            str(folder), local_files_only=True, use_safetensors=True, **{dtype_key: _DTYPES[dtype]}
+        )
+    except (OSError, ValueError, KeyError) as e:
+        raise ConfigError(
+            f"{key}: {folder} is not a loadable {cls.__name__} with safetensors weights ({e}); gentrain loads "
+            "no pickled weights (.bin): convert them with save_pretrained(safe_serialization=True)"
+        ) from None
+    return model.eval().requires_grad_(False)
+
+
+def load_tokenizer(folder: Path, key: str, max_length: int) -> Any:
+    from transformers import AutoTokenizer
+
+    try:
+        tok = AutoTokenizer.from_pretrained(str(folder), local_files_only=True, trust_remote_code=False)
+    except (OSError, ValueError, ImportError, TypeError) as e:
+        raise ConfigError(
+            f"{key}: {folder} is not a loadable tokenizer ({e}); a T5 folder without tokenizer.json needs the "
+            "sentencepiece package"
+        ) from None
+    if tok.pad_token is None:
+        raise ConfigError(f"{key}: the tokenizer in {folder} has no pad token; captions are padded to {max_length}")
+    return tok
+
+
+class _Encoder:
+    """One transformers model and its tokenizer, called on fixed-shape batches (see the module doc)."""
+
+    def __init__(self, kind: str, folder: Path, tokenizer: Path, key: str, max_length: int, dtype: str):
+        self.kind, self.max_length = kind, max_length
+        self.model = load_model(kind, folder, key, dtype)
+        self.tokenizer = load_tokenizer(tokenizer, key.replace("encoder", "tokenizer"), max_length)
+        self.config = _text_config(self.model.config)
+        positions = getattr(self.config, "max_position_embeddings", None)
+        if kind == "clip" and positions is not None and max_length > positions:
+            raise ConfigError(f"{key}: CLIP reads at most {positions} tokens, but {max_length} are asked for")
+
+    def ids(self, captions: list[str]) -> tuple[torch.Tensor, torch.Tensor]:
+        t = self.tokenizer(
+            captions, padding="max_length", max_length=self.max_length, truncation=True, return_tensors="pt"
+        )
+        return t.input_ids, t.attention_mask
+
+    def t5(self, captions: list[str], masked: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """T5's last hidden states and the tokens' mask; `masked`: the mask is passed to T5 (PixArt)."""
+        ids, mask = self.ids(captions)
+        hidden = self.model(input_ids=ids, attention_mask=mask if masked else None)[0]
+        return hidden.float(), mask.float()
+
+    def clip(self, captions: list[str]) -> tuple[torch.Tensor, torch.Tensor]:
+        """CLIP's penultimate hidden states and its projected end-of-text embedding."""
+        ids, _ = self.ids(captions)
+        out = self.model(input_ids=ids, output_hidden_states=True)
+        return out.hidden_states[-2].float(), out.text_embeds.float()
+
+
+class TransformersTextEncoder:
+    """`kind: t5 | clip | sd3`: `encode(captions)` -> (tokens, mask, pooled), float32 on CPU."""
+
+    def __init__(self, cfg: TextEncoderConfig, folders: dict[str, Path]):
+        self.cfg = cfg
+        d = cfg.dtype
+        if cfg.kind == "sd3":
+            L = cfg.clip_max_tokens
+            self.parts = [
+                _Encoder("clip", folders["encoder"], folders["tokenizer"], "model.text.encoder", L, d),
+                _Encoder("clip", folders["encoder_2"], folders["tokenizer_2"], "model.text.encoder_2", L, d),
+                _Encoder("t5", folders["encoder_3"], folders["tokenizer_3"], "model.text.encoder_3", cfg.max_tokens, d),
+            ]
+        else:
+            self.parts = [
+                _Encoder(cfg.kind, folders["encoder"], folders["tokenizer"], "model.text.encoder", cfg.max_tokens, d)
+            ]
+        self.widths = encoder_widths(cfg.kind, [p.config for p in self.parts])
+
+    def encode(self, captions: list[str]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        rows = self.cfg.batch_size
+        out = []
+        for start in range(0, len(captions), rows):
+            chunk = captions[start : start + rows]
+            # The empty caption fills the chunk: every forward has the same shape (module doc: exactness).
+            got = self._forward(chunk + [""] * (rows - len(chunk)))
+            out.append([t[: len(chunk)] for t in got])
+        return tuple(torch.cat([o[i] for o in out]) for i in range(3))  # type: ignore[return-value]
+
+    def _forward(self, captions: list[str]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        kind = self.cfg.kind
+        if kind == "t5":
+            tokens, mask = self.parts[0].t5(captions, masked=True)
+            pooled = (tokens * mask[..., None]).sum(1) / mask.sum(1, keepdim=True).clamp(min=1)
+            return tokens, mask, pooled
+        if kind == "clip":
+            tokens, pooled = self.parts[0].clip(captions)
+            return tokens, torch.ones(tokens.shape[:2]), pooled
+        t5, _ = self.parts[2].t5(captions, masked=False)  # SD3 runs T5 without the mask
+        return sd3_combine(*self.parts[0].clip(captions), *self.parts[1].clip(captions), t5)
+
+
+def sd3_combine(
+    clip_l: torch.Tensor, pooled_l: torch.Tensor, clip_g: torch.Tensor, pooled_g: torch.Tensor, t5: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """SD3's `encode_prompt`: (tokens, mask, pooled) from the CLIP-L and CLIP-G penultimate states and
+    projections and T5's states; the CLIP tokens, concatenated on channels, are zero-padded to T5's width and
+    put before T5's."""
+    clip = torch.cat([clip_l, clip_g], dim=-1)
+    clip = torch.nn.functional.pad(clip, (0, t5.shape[-1] - clip.shape[-1]))
+    tokens = torch.cat([clip, t5], dim=-2)
+    return tokens, torch.ones(tokens.shape[:2]), torch.cat([pooled_l, pooled_g], dim=-1)
+
+
+def build_transformers_encoder(cfg: TextEncoderConfig, folders: dict[str, Path]) -> TransformersTextEncoder:
+    return TransformersTextEncoder(cfg, folders)

@@ -1,0 +1,343 @@
+"""`gentrain data encode`: a data set through the frozen autoencoder (and text encoder) once, into latent shards.
+
+Why: a latent run otherwise encodes every image with the frozen autoencoder inside every training step (or
+hashes every image to find it in a per-node cache). Encoding once, in advance, is what fast-DiT, PixArt,
+MosaicML and diffusers' SD3 scripts do; training then reads a few KB of posterior per sample and never runs
+the encoder.
+
+What a sample of an encoded shard holds (WebDataset members, `__key__` = its place in the encoded set):
+- `mean.npy`, `std.npy`: the autoencoder's posterior q(z | x) at `data.image_size` (float16 or float32,
+  `--dtype`); `flip.mean.npy`, `flip.std.npy`: the same of the mirrored image, when encoded with `--flip`
+  (a run with `data.flip=true` picks one by the sample's augmentation draw, as it would flip the image);
+- `cls` (the label), `txt` (the caption), `src` (the sample's key in the source: a file's relative path, a
+  row number, `shard#member`);
+- with `--text`: `text.tokens.npy`, `text.mask.npy`, `text.pooled.npy`, the caption's embeddings by the
+  configured `model.text` encoder (the empty caption, which classifier-free dropout needs, is embedded by
+  the training run itself).
+
+The posterior noise is not stored: training draws `mean + std * eps` per step from the counter-based
+stream exactly as on-the-fly encoding does, so a run from shards and a resumed one draw the same.
+
+Layout and commit rules (those of `gentrain data pack`): shards `000000.tar ...` with their `.idx.json`
+byte-offset indexes, then `shards.json`. `encode.json` (the settings and the autoencoder's and text
+encoder's digests) is written first; a resume with other settings is refused. Sample i of the source
+(permuted by `--shuffle-seed`) goes to shard i // samples_per_shard, and rank r of W encodes the shards
+j = r mod W, so ranks never share a shard. A shard is committed by uploading its tar under a temporary
+name, moving it in place, then writing its index the same way: a shard without its index is unfinished
+(re-encoded on resume), a finished one is kept. `shards.json`, with the `encoded` settings a training run
+checks, is written last, by whichever rank finds every shard finished.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import logging
+import os
+import posixpath
+import tempfile
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from trainer.data.pack import PackSummary
+from trainer.data.shards.index import (
+    SHARDLIST_NAME,
+    filesystem,
+    index_json,
+    index_url,
+    parse_index,
+    shard_list_json,
+    strip_protocol,
+)
+from trainer.data.shards.latents import ENCODED_FORMAT
+from trainer.data.shards.tar import scan_tar
+from trainer.errors import ConfigError
+
+log = logging.getLogger(__name__)
+
+SETTINGS_NAME = "encode.json"
+DTYPES = ("float16", "float32")
+
+
+def _npy(array: np.ndarray) -> bytes:
+    buf = io.BytesIO()
+    np.save(buf, np.ascontiguousarray(array), allow_pickle=False)
+    return buf.getvalue()
+
+
+# ---------------------------------------------------------------------------------------------- encoding
+
+
+@dataclass
+class _Source:
+    """A source in the order training would read it, with each sample's key."""
+
+    items: Any  # a Subset or ShardSplit over every sample
+    keys: Any  # index -> str
+    classes: list[str] | None = None
+    num_classes: int | None = None
+
+    def __len__(self) -> int:
+        return len(self.items)
+
+
+def _source(cfg) -> _Source:
+    from trainer.data import build_dataset, sample_shape
+    from trainer.data.datasets import ImageFolderDataset, Subset
+    from trainer.data.shards import ShardSet, ShardSplit, load_shard_list
+
+    d = cfg.data
+    shape = sample_shape(cfg)
+    if d.source in ("moving-digits", "video") or d.num_frames > 1:
+        raise ConfigError(f"data encode: data.source={d.source} gives clips; only image sources are encoded")
+    if d.source == "shards":
+        shards = load_shard_list(d.urls, d.storage_options, "data.urls")
+        if shards.encoded is not None:
+            raise ConfigError(f"data encode: data.urls={d.urls!r} are already encoded shards, not images")
+        ss = ShardSet(shards, d.storage_options, d.image_size, d.channels, retries=d.read_retries)
+        split = ShardSplit(ss, "all", 0.0, False, shape)
+
+        def shard_key(i: int) -> str:
+            shard, member = split.locate(i)
+            return f"{posixpath.basename(shards.urls[shard])}#{member}"
+
+        return _Source(split, shard_key, shards.classes, shards.num_classes)
+    ds = build_dataset(cfg)
+    items = Subset(ds, np.arange(len(ds)), False, shape)
+    num_classes = getattr(ds, "num_classes", None)
+    if isinstance(ds, ImageFolderDataset):
+        base = ds.store.base()
+        classes = sorted(ds.class_index, key=ds.class_index.get) or None
+        return _Source(items, lambda i: str(ds.files[i].relative_to(base)), classes, num_classes)
+    return _Source(items, lambda i: f"{i:09d}", None, num_classes)
+
+
+def _settings(cfg, ae_record: dict, geometry: tuple[int, ...], text, dtype: str, flip: bool, **how) -> dict:
+    d = cfg.data
+    where = {"source": d.source}
+    for k in ("path", "urls", "hf_split", "image_column", "caption_column", "label_column"):
+        if getattr(d, k) is not None and (d.source != "digits"):
+            where[k] = getattr(d, k)
+    return {
+        "format": ENCODED_FORMAT,
+        "kind": "latents",
+        "autoencoder": {"url": ae_record["url"], "digest": ae_record["digest"]},
+        "image_size": d.image_size,
+        "channels": d.channels,
+        "latent_shape": list(geometry),
+        "dtype": dtype,
+        "flip": flip,
+        "text": None
+        if text is None
+        else {"encoder": text.cfg.encoder, "digest": text.digest, "max_tokens": text.cfg.max_tokens},
+        "data": where,
+        **how,
+    }
+
+
+def _commit(fs, local_or_bytes: str | bytes, url: str) -> None:
+    """Put a file (a local path or bytes) at `url` so a reader never sees part of it: under a temporary
+    name first, then moved in place (a rename on local disks; an object store's upload is whole anyway)."""
+    partial = f"{url}.partial-{os.getpid()}"
+    if isinstance(local_or_bytes, bytes):
+        fs.pipe_file(strip_protocol(fs, partial), local_or_bytes)
+    else:
+        fs.put_file(local_or_bytes, strip_protocol(fs, partial))
+    fs.mv(strip_protocol(fs, partial), strip_protocol(fs, url))
+
+
+def _finished(fs, url: str) -> tuple[int, int] | None:
+    """(samples, bytes) of a committed shard (its index exists and matches the tar), else None."""
+    try:
+        blob = fs.cat_file(strip_protocol(fs, index_url(url)), start=0)
+        offsets = parse_index(blob, index_url(url))
+        size = int(json.loads(blob)["shard_bytes"])
+        if fs.size(strip_protocol(fs, url)) != size:
+            return None
+    except (FileNotFoundError, ValueError, KeyError):
+        return None
+    return len(offsets) - 1, size
+
+
+def _device() -> torch.device:
+    if torch.cuda.is_available():
+        local = int(os.environ.get("LOCAL_RANK", "0"))
+        torch.cuda.set_device(local)
+        return torch.device("cuda", local)
+    return torch.device("cpu")
+
+
+def encode_dataset(
+    cfg,
+    out_url: str,
+    samples_per_shard: int,
+    *,
+    storage_options: dict | None = None,
+    dtype: str = "float16",
+    text: bool = False,
+    flip: bool = False,
+    batch_size: int = 64,
+    shuffle_seed: int | None = 0,
+    rank: int = 0,
+    world_size: int = 1,
+    device: torch.device | None = None,
+    progress: bool = True,
+    stop_after_shards: int | None = None,
+) -> PackSummary:
+    """Encode every sample of `cfg`'s data into shards at `out_url` (this rank's shards; see the module doc).
+
+    `cfg` is a training config (`task: ddpm` with `model.autoencoder`, and `model.text` for `text`): the
+    data are read as that run would read them (`data.*`), through the autoencoder it would load."""
+    from tqdm.auto import tqdm
+    from webdataset import TarWriter
+
+    from trainer.checkpoint.weights import load_frozen
+    from trainer.data.sampler import SampleRef
+    from trainer.engine.parts import FrozenPart
+    from trainer.tasks.latent import PART, LatentSpace, frozen_source
+
+    if dtype not in DTYPES:
+        raise ConfigError(f"data encode: --dtype={dtype!r}; use one of {', '.join(DTYPES)}")
+    if samples_per_shard < 1:
+        raise ConfigError(f"data encode: --samples-per-shard={samples_per_shard} must be at least 1")
+    ae = getattr(cfg.model_cfg, "autoencoder", None)
+    if ae is None:
+        raise ConfigError(
+            f"data encode: the config (task {cfg.task}) has no model.autoencoder: encode with a latent "
+            "diffusion config (e.g. the digits-latent-dit preset, or model.autoencoder.url=...)"
+        )
+    text_cfg = getattr(cfg.model_cfg, "text", None)
+    if text and text_cfg is None:
+        raise ConfigError("data encode: --text needs model.text in the config (the encoder whose embeddings to store)")
+    device = device or _device()
+    options = cfg.checkpoint.storage_options
+    weights = load_frozen(PART, frozen_source(ae), options)
+    latent = LatentSpace(ae, weights, cfg.data.image_size, cfg.data.channels, cfg.seed)
+    module = latent.build()
+    FrozenPart(PART, module, weights)  # loads the weights, eval mode, no gradients
+    module.to(device)
+    encoder = None
+    if text:
+        from trainer.conditioning.text import TextEncoder
+
+        encoder = TextEncoder(text_cfg, options)
+    src = _source(cfg)
+    n = len(src)
+    order = np.random.default_rng(shuffle_seed).permutation(n) if shuffle_seed is not None else np.arange(n)
+    settings = _settings(
+        cfg,
+        weights.record,
+        latent.shape,
+        encoder,
+        dtype,
+        flip,
+        samples=n,
+        samples_per_shard=samples_per_shard,
+        shuffle_seed=shuffle_seed,
+    )
+    fs = filesystem(out_url, storage_options)
+    out = out_url.rstrip("/")
+    fs.makedirs(strip_protocol(fs, out), exist_ok=True)
+    _check_settings(fs, out, settings)
+    num_shards = -(-n // samples_per_shard)
+    mine = list(range(rank, num_shards, world_size))
+    summary = PackSummary()
+    np_dtype = np.float16 if dtype == "float16" else np.float32
+    done_here = 0
+
+    def posterior(images: torch.Tensor) -> tuple[np.ndarray, np.ndarray]:
+        with torch.no_grad():
+            mean, std = latent._posterior(module, images.to(device))
+        return mean.cpu().numpy().astype(np_dtype), std.cpu().numpy().astype(np_dtype)
+
+    for j in tqdm(mine, desc=f"encoding (rank {rank})", unit="shard", disable=not progress):
+        url = posixpath.join(out, f"{j:06d}.tar")
+        if _finished(fs, url) is not None:
+            continue
+        positions = list(range(j * samples_per_shard, min((j + 1) * samples_per_shard, n)))
+        samples: list[dict[str, bytes]] = []
+        for b in range(0, len(positions), batch_size):
+            chunk = positions[b : b + batch_size]
+            refs = [SampleRef(index=int(order[p]), position=k) for k, p in enumerate(chunk)]
+            got = src.items.__getitems__(refs) if hasattr(src.items, "__getitems__") else [src.items[r] for r in refs]
+            ok = [k for k, item in enumerate(got) if item[4]]
+            summary.skipped += len(chunk) - len(ok)
+            for k, item in enumerate(got):
+                if not item[4]:
+                    log.warning("data encode: skipping %s", item[5].get("skip_reason", f"sample {refs[k].index}"))
+            if not ok:
+                continue
+            images = torch.stack([got[k][0] for k in ok])
+            members = {"": posterior(images)}
+            if flip:
+                members["flip."] = posterior(images.flip(-1))
+            captions = [str(got[k][5].get("caption", "")) for k in ok]
+            emb = encoder.encode(captions, device) if encoder is not None else None
+            for i, k in enumerate(ok):
+                item = got[k]
+                sample: dict[str, bytes] = {"__key__": f"{chunk[k]:09d}", "src": src.keys(refs[k].index).encode()}
+                for prefix, (mean, std) in members.items():
+                    sample[f"{prefix}mean.npy"] = _npy(mean[i])
+                    sample[f"{prefix}std.npy"] = _npy(std[i])
+                if item[1] >= 0:
+                    sample["cls"] = str(int(item[1])).encode()
+                if "caption" in item[5]:
+                    sample["txt"] = str(item[5]["caption"]).encode()
+                if emb is not None:
+                    for name, t in (("tokens", emb.tokens), ("mask", emb.mask), ("pooled", emb.pooled)):
+                        sample[f"text.{name}.npy"] = _npy(t[i].float().cpu().numpy().astype(np_dtype))
+                samples.append(sample)
+        with tempfile.NamedTemporaryFile(suffix=".tar") as tmp:
+            with TarWriter(tmp.name, encoder=False, mtime=0) as writer:
+                for sample in samples:
+                    writer.write(sample)
+            with open(tmp.name, "rb") as f:
+                offsets, _, _ = scan_tar(f)
+            size = os.path.getsize(tmp.name)
+            _commit(fs, tmp.name, url)
+        _commit(fs, index_json(offsets, size), index_url(url))
+        summary.shards += 1
+        summary.samples += len(samples)
+        summary.bytes += size
+        done_here += 1
+        if stop_after_shards is not None and done_here >= stop_after_shards:
+            return summary
+    _maybe_write_shard_list(fs, out, num_shards, settings, src.classes, src.num_classes)
+    return summary
+
+
+def _check_settings(fs, out: str, settings: dict) -> None:
+    """Write `encode.json`, or check that the one there (an earlier, interrupted encode) has the same settings."""
+    url = posixpath.join(out, SETTINGS_NAME)
+    try:
+        found = json.loads(fs.cat_file(strip_protocol(fs, url), start=0))
+    except FileNotFoundError:
+        _commit(fs, json.dumps(settings, indent=1).encode(), url)
+        return
+    if found != settings:
+        diff = sorted(k for k in set(found) | set(settings) if found.get(k) != settings.get(k))
+        shown = "; ".join(f"{k}: {found.get(k)!r} there, {settings.get(k)!r} now" for k in diff)
+        raise ConfigError(
+            f"data encode: {out} holds shards encoded with other settings ({shown}); resume with the same "
+            "config and options, or encode into another folder"
+        )
+
+
+def _maybe_write_shard_list(
+    fs, out: str, num_shards: int, settings: dict, classes: list[str] | None, num_classes: int | None
+) -> bool:
+    """`shards.json` with the `encoded` settings, once every shard is committed (by any rank: the same bytes)."""
+    entries = []
+    for j in range(num_shards):
+        name = f"{j:06d}.tar"
+        done = _finished(fs, posixpath.join(out, name))
+        if done is None:
+            return False
+        entries.append({"url": name, "nsamples": done[0], "filesize": done[1]})
+    doc = json.loads(shard_list_json(entries, classes, num_classes))
+    doc["encoded"] = settings
+    _commit(fs, json.dumps(doc, indent=1).encode(), posixpath.join(out, SHARDLIST_NAME))
+    return True
