@@ -76,7 +76,7 @@ def in_memory(cfg, steps: int, warmup: int) -> float:
     """The hand-written loop on posteriors held on the device (see the module docstring)."""
     t = Trainer(cfg, DistEnv())
     split = t.train_set
-    from trainer.data.sampler import SampleRef
+    from trainer.data.sampler import SampleRef  # the hand-written loop's only gentrain piece: the same items
 
     items = split.__getitems__([SampleRef(index=i, position=i) for i in range(len(split))])
     posteriors = torch.stack([it[0] for it in items]).to(t.device)

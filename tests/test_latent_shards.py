@@ -155,6 +155,7 @@ def test_a_run_on_encoded_shards_builds_no_encoder_and_draws_the_posterior_noise
     )
 
 
+@pytest.mark.slow
 def test_another_autoencoder_images_where_latents_are_expected_and_the_reverse_exit_2(tmp_path, vae, encoded):
     other = vae_folder(tmp_path / "other", seed=1)
     r = run_cli("train", *latent_args(tmp_path / "a", other, *from_shards(encoded)), env=ENV)
@@ -196,6 +197,7 @@ sys.exit(main(sys.argv[1:]))
 """
 
 
+@pytest.mark.slow
 def test_sigkill_during_encoding_keeps_finished_shards_hides_the_half_written_one_and_resumes_to_the_same_bytes(
     tmp_path, vae
 ):

@@ -96,8 +96,13 @@ def test_mmdit_512_is_sd3_medium_reading_sd3s_text_encoders():
     assert encoder_widths("sd3", configs) == (text.width, text.pooled_dim) == (4096, 2048)
     assert [role for role, _ in text.folders()][::2] == ["encoder", "encoder_2", "encoder_3"]
     assert [src.split("/")[-1] for _, src in text.folders()] == [
-        "text_encoder", "tokenizer", "text_encoder_2", "tokenizer_2", "text_encoder_3", "tokenizer_3"
-    ]  # fmt: skip
+        "text_encoder",
+        "tokenizer",
+        "text_encoder_2",
+        "tokenizer_2",
+        "text_encoder_3",
+        "tokenizer_3",
+    ]
 
 
 def test_pixart_512_is_pixart_xl_2_512_without_learned_sigma_reading_t5_xxl():
@@ -144,14 +149,36 @@ def _published_text_configs():
 
     # google/t5-v1_1-xxl (SD3's text_encoder_3, PixArt's text_encoder), openai/clip-vit-large-patch14 (SD3's
     # text_encoder), laion/CLIP-ViT-bigG-14 (SD3's text_encoder_2): their config.json values.
-    t5 = T5Config(vocab_size=32128, d_model=4096, d_kv=64, d_ff=10240, num_layers=24, num_heads=64,
-                  feed_forward_proj="gated-gelu", tie_word_embeddings=False)  # fmt: skip
-    clip_l = CLIPTextConfig(vocab_size=49408, hidden_size=768, intermediate_size=3072, projection_dim=768,
-                            num_hidden_layers=12, num_attention_heads=12, max_position_embeddings=77,
-                            hidden_act="quick_gelu")  # fmt: skip
-    clip_g = CLIPTextConfig(vocab_size=49408, hidden_size=1280, intermediate_size=5120, projection_dim=1280,
-                            num_hidden_layers=32, num_attention_heads=20, max_position_embeddings=77,
-                            hidden_act="gelu")  # fmt: skip
+    t5 = T5Config(
+        vocab_size=32128,
+        d_model=4096,
+        d_kv=64,
+        d_ff=10240,
+        num_layers=24,
+        num_heads=64,
+        feed_forward_proj="gated-gelu",
+        tie_word_embeddings=False,
+    )
+    clip_l = CLIPTextConfig(
+        vocab_size=49408,
+        hidden_size=768,
+        intermediate_size=3072,
+        projection_dim=768,
+        num_hidden_layers=12,
+        num_attention_heads=12,
+        max_position_embeddings=77,
+        hidden_act="quick_gelu",
+    )
+    clip_g = CLIPTextConfig(
+        vocab_size=49408,
+        hidden_size=1280,
+        intermediate_size=5120,
+        projection_dim=1280,
+        num_hidden_layers=32,
+        num_attention_heads=20,
+        max_position_embeddings=77,
+        hidden_act="gelu",
+    )
     return t5, clip_l, clip_g
 
 

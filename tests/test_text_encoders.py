@@ -43,9 +43,16 @@ def tiny_t5(folder: Path, d_model: int = 16, seed: int = 0) -> Path:
 
     torch.manual_seed(seed)
     cfg = T5Config(
-        vocab_size=len(WORDS) + 3, d_model=d_model, d_kv=4, d_ff=32, num_layers=2, num_heads=2,
-        feed_forward_proj="gated-gelu", pad_token_id=0, eos_token_id=1,
-    )  # fmt: skip
+        vocab_size=len(WORDS) + 3,
+        d_model=d_model,
+        d_kv=4,
+        d_ff=32,
+        num_layers=2,
+        num_heads=2,
+        feed_forward_proj="gated-gelu",
+        pad_token_id=0,
+        eos_token_id=1,
+    )
     T5EncoderModel(cfg).save_pretrained(folder, safe_serialization=True)
     _tokenizer(folder, clip=False)
     return folder
@@ -56,10 +63,17 @@ def tiny_clip(folder: Path, hidden: int = 8, projection: int = 6, seed: int = 0,
 
     torch.manual_seed(seed)
     cfg = CLIPTextConfig(
-        vocab_size=len(WORDS) + 3, hidden_size=hidden, projection_dim=projection, intermediate_size=16,
-        num_hidden_layers=2, num_attention_heads=2, max_position_embeddings=16,
-        pad_token_id=0, bos_token_id=1, eos_token_id=0,
-    )  # fmt: skip
+        vocab_size=len(WORDS) + 3,
+        hidden_size=hidden,
+        projection_dim=projection,
+        intermediate_size=16,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        max_position_embeddings=16,
+        pad_token_id=0,
+        bos_token_id=1,
+        eos_token_id=0,
+    )
     CLIPTextModelWithProjection(cfg).save_pretrained(folder, safe_serialization=True)
     _tokenizer(tokenizer or folder, clip=True)
     return folder
@@ -161,8 +175,15 @@ def test_a_caption_embeds_bit_identically_alone_and_anywhere_in_a_batch(kind, fo
     else:
         folder, width = (folders["t5"], 24) if kind == "t5" else (folders["clip_l"], 8)
         pooled = 6 if kind == "clip" else None
-        cfg = TextEncoderConfig(kind=kind, encoder=str(folder), width=width, pooled_width=pooled, max_tokens=8,
-                                batch_size=4, cache_dir=str(tmp_path / "a"))  # fmt: skip
+        cfg = TextEncoderConfig(
+            kind=kind,
+            encoder=str(folder),
+            width=width,
+            pooled_width=pooled,
+            max_tokens=8,
+            batch_size=4,
+            cache_dir=str(tmp_path / "a"),
+        )
     alone = TextEncoder(cfg).encode(["a red cat on the mat"])
     crowd = ["the dog", "one two three four five six", "a red cat on the mat", "nine", "a", "seven eight"]
     batched = TextEncoder(cfg.model_copy(update={"cache_dir": str(tmp_path / "b")})).encode(crowd)

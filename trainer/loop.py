@@ -183,6 +183,13 @@ class Trainer:
     # ------------------------------------------------------------------ the loop
 
     def fit(self) -> int:
+        try:
+            return self._fit()
+        except BaseException:  # a refusal (exit 2) or a crash: the next launch need not wait for the lease
+            self.checkpoints.release_lease()
+            raise
+
+    def _fit(self) -> int:
         cfg, progress = self.cfg, self.progress
         self.stop_request.install()
         self.checkpoints.resume()

@@ -566,28 +566,11 @@ class Lease:
                 self._renewed_at = sent
                 return True
             except _Conflict:
-                cur = self.file.read()
-                if cur is None and self._recreate():
-                    return True
-                self._mark_lost(cur)
+                self._mark_lost(self.file.read())
                 return False
             except Exception as e:  # noqa: BLE001 - an outage: retried at the next beat; `check` fences meanwhile
                 log.warning("could not renew the lease on %s (retrying): %s", self.url, e)
                 return True
-
-    def _recreate(self) -> bool:
-        """The lease file is gone while this trainer holds it (a store restored empty, someone deleting it):
-        nobody else holds it, so it is created again, exclusively; False if another trainer created it first."""
-        try:
-            self._version = self.file.create(self._doc())
-        except Exception as e:  # noqa: BLE001 - a conflict or an outage: not ours (an outage retries at the next beat)
-            if isinstance(e, _Conflict):
-                return False
-            log.warning("could not re-create the lease on %s (retrying): %s", self.url, e)
-            return True
-        self._renewed_at = time.monotonic()
-        log.warning("the lease on %s was gone (the store lost it); this trainer holds it again", self.url)
-        return True
 
     def _mark_lost(self, cur: tuple[bytes, str] | None) -> None:
         doc = _Doc.parse(cur[0]) if cur is not None else None

@@ -85,6 +85,7 @@ class _Source:
 
 
 def _source(cfg) -> _Source:
+    # Imported here: trainer.data imports this package's modules, and `data encode` is the only user.
     from trainer.data import build_dataset, sample_shape
     from trainer.data.datasets import ImageFolderDataset, Subset
     from trainer.data.shards import ShardSet, ShardSplit, load_shard_list
@@ -194,6 +195,8 @@ def encode_dataset(
     from tqdm.auto import tqdm
     from webdataset import TarWriter
 
+    # Imported here: encoding builds the frozen autoencoder exactly as a training run does (its loader, part
+    # and latent space live above trainer.data); only `gentrain data encode` comes this way.
     from trainer.checkpoint.weights import load_frozen
     from trainer.data.sampler import SampleRef
     from trainer.engine.parts import FrozenPart
@@ -221,7 +224,7 @@ def encode_dataset(
     module.to(device)
     encoder = None
     if text:
-        from trainer.conditioning.text import TextEncoder
+        from trainer.conditioning.text import TextEncoder  # the text extra: only with --text
 
         encoder = TextEncoder(text_cfg, options)
     src = _source(cfg)

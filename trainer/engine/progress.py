@@ -160,7 +160,8 @@ class TrainProgress:
         ok = isinstance(flops, (int, float)) and not isinstance(flops, bool) and 0 < flops < float("inf")
         self.flops_per_sample = float(flops) if ok else None
         # Checkpoints written before streams were versioned drew from stream 1.
-        stream = state.get("rng_stream", STREAM_PER_SAMPLE_CPU)
+        stream = state.get("rng_stream")
+        stream = STREAM_PER_SAMPLE_CPU if stream is None else stream
         if stream not in STREAMS:
             raise ConfigError(
                 f"the checkpoint was trained on per-sample draw stream {stream!r}, which this gentrain does not know "
