@@ -661,6 +661,10 @@ def _cross_check(info: CheckpointInfo, parsed: Mapping[str, Any]) -> list[str]:
                     h = (parsed.get(c["file"]) or {}).get(key)
                     if h is None or h["dtype"] != t["dtype"] or h["shape"] != c["sizes"]:
                         problems.append(f"{info.url}/{c['file']}: {group}:{key} does not match shards.json")
+    if TRAINER_JSON in files and not isinstance(info.manifest.get("config"), dict):
+        # A training checkpoint: sampling and export build the model from its config, so one without it
+        # would verify and then not load there.
+        problems.append(f"{info.url}: manifest.json holds no config (a mapping) for {TRAINER_JSON}'s run")
     doc = parsed.get(TRAINER_JSON)
     if doc is not None:
         for part, state in doc["parts"].items():

@@ -91,7 +91,7 @@ class Manifest(_Open):
     time_utc: StrictStr | None = None
     digest: StrictStr | None = None
     task: StrictStr | None = None
-    config: dict[StrictStr, Any]  # every gentrain manifest holds it: sampling and export build the model from it
+    config: dict[StrictStr, Any] | None = None  # a training checkpoint's is required (see `_cross_check`)
     frozen: dict[StrictStr, FrozenRecord] = {}
     inputs: dict[StrictStr, dict[StrictStr, Any]] = {}
     # Who wrote it (absent before gentrain recorded it: such a checkpoint belongs to no timeline of now).
