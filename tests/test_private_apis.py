@@ -197,3 +197,21 @@ def test_torchao_8bit_state_flattens_to_codes_scale_and_map():
         "AdamW8bit no longer keeps lr as a tensor; trainer/optim.py's build_lr_schedule note and "
         "Part.lr's float() may be dropped",
     )
+
+
+def test_fake_tensor_mode_for_the_flop_count():
+    """trainer/engine/step.py counts a step's FLOPs under torch._subclasses.fake_tensor.FakeTensorMode (with
+    allow_non_fake_inputs: the real parameters join as fakes), so nothing is computed or allocated. End to
+    end: tests/test_gpu_step.py (the same count as a real step, nothing changed, no activation memory)."""
+    try:
+        from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+    except ImportError as e:
+        _guard(False, f"torch._subclasses.fake_tensor.FakeTensorMode ({e}); trainer/engine/step.py count_flops")
+    weight = torch.randn(8, 4)
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        out = torch.randn(3, 4) @ weight.T
+    _guard(
+        isinstance(out, FakeTensor) and tuple(out.shape) == (3, 8),
+        "FakeTensorMode(allow_non_fake_inputs=True) no longer mixes real inputs into fake ops; "
+        "trainer/engine/step.py count_flops must fake the parameters itself (FakeTensorMode.from_tensor)",
+    )
