@@ -231,7 +231,7 @@ class Trainer:
             first_step = False
             progress.advance()
             stop = self._settle(agreement.post(self.stop_request.requested, batch))
-            self.reporter.on_step(batch, logs, self._lr(), t_data, time.perf_counter() - t0, t0)
+            self.reporter.on_step(batch, logs, self._lr(), t_data, t0)
             self._mark_first_step()
 
             if stop or self._saves_at(progress.step):  # the progress to save holds every settled skip

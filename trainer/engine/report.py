@@ -289,9 +289,7 @@ class Reporter:
                 total=self.max_steps, initial=self.progress.step, desc=self.name, unit="step", dynamic_ncols=True
             )
 
-    def on_step(
-        self, batch: dict, logs: dict[str, torch.Tensor], lr: float, t_data: float, t_step: float, t0: float
-    ) -> None:
+    def on_step(self, batch: dict, logs: dict[str, torch.Tensor], lr: float, t_data: float, t0: float) -> None:
         """One step done (`t0`: when it started). Host-side counts are recorded now; the step's device values
         (losses, grad norms) are read only at the log cadence, all pending steps in one transfer, so the host
         never waits for the step it just queued (see `read_due`)."""
