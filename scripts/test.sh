@@ -22,4 +22,4 @@ if [ ${#APT_PACKAGES[@]} -gt 0 ]; then
   DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq --no-install-recommends "${APT_PACKAGES[@]}" >/dev/null
 fi
 export PATH="$PWD/$VENV/bin:$PATH"
-exec "$VENV/bin/python" -m pytest -n "${GENTRAIN_TEST_WORKERS:-2}" --dist loadfile "$@"
+exec "$VENV/bin/python" -m pytest -n "${GENTRAIN_TEST_WORKERS:-2}" --dist loadfile --durations=30 "$@"
