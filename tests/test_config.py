@@ -7,7 +7,7 @@ from conftest import clean_env, run_cli
 
 from trainer.config import parse_overrides
 from trainer.errors import ConfigError
-from trainer.registry import load_config
+from trainer.registry import config_from_dict, load_config
 
 
 def test_no_preset_means_digits_ddpm():
@@ -109,3 +109,33 @@ def test_cli_presets_lists_each_with_a_line():
     lines = r.stdout.strip().splitlines()
     assert any(line.startswith("digits-ddpm") and "digits" in line[12:] for line in lines)
     assert all(len(line.split(None, 1)) == 2 for line in lines)
+
+
+@pytest.mark.parametrize(
+    ("override", "key"),
+    [
+        ("train.batch_size=100000000000000000000000", "train.batch_size"),
+        ("model.block_out_channels=[32,100000000000000000000000]", "model.block_out_channels.1"),
+        ("seed=-9223372036854775809", "seed"),
+    ],
+)
+def test_an_integer_beyond_64_bits_is_refused_naming_its_key(override, key):
+    # Such a value once ended as an OverflowError traceback in a model constructor, or a sampler that never
+    # finished; a checkpoint manifest's config (config_from_dict) is held to the same rule.
+    with pytest.raises(ConfigError, match=rf"{key} is a \d+-bit integer: config integers fit in 64 bits"):
+        load_config("digits-ddpm", [override])
+    tree = load_config("digits-ddpm").model_dump(mode="json", by_alias=True)
+    tree["train"]["max_steps"] = 2**64
+    with pytest.raises(ConfigError, match=r"train.max_steps is a 65-bit integer"):
+        config_from_dict(tree)
+    assert load_config("digits-ddpm", ["seed=9223372036854775807"]).seed == 2**63 - 1
+
+
+def test_a_model_too_large_for_memory_is_a_config_error_and_frees_the_lease(tmp_path):
+    from trainer.elastic import DistEnv
+    from trainer.loop import Trainer
+
+    cfg = load_config("digits-ddpm", [f"run.dir={tmp_path}/run", "model.block_out_channels=[32,1000000000000000]"])
+    with pytest.raises(ConfigError, match=r"does not fit in memory on cpu: .*can't allocate memory.*smaller model"):
+        Trainer(cfg, DistEnv())
+    assert not list((tmp_path / "run").rglob("*lease*")), "the refused run left its lease behind"

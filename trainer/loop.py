@@ -49,6 +49,7 @@ from trainer.engine.throughput import Throughput
 from trainer.engine.upload import run_dir_uploader
 from trainer.engine.validate import Validator
 from trainer.engine.wrap import wrapping_for
+from trainer.errors import ConfigError
 from trainer.hostmem import keep_freed_memory
 from trainer.metrics import TrainingMetrics
 from trainer.randomness import seed_everything
@@ -337,7 +338,16 @@ class Trainer:
         wrapping = self.wrapping
         frozen = self._load_frozen()
         with wrapping.build_context():
-            modules = self.task.build(frozen)
+            try:
+                modules = self.task.build(frozen)
+            except (torch.OutOfMemoryError, RuntimeError) as e:
+                # Sizes a config allows can still exceed the machine: torch's allocators say so in these words.
+                if not isinstance(e, torch.OutOfMemoryError) and "can't allocate memory" not in str(e):
+                    raise
+                raise ConfigError(
+                    f"the {self.cfg.task} model this config describes does not fit in memory on "
+                    f"{self.runtime.device}: {str(e).splitlines()[0][:300]}; give smaller model.* sizes"
+                ) from None
         wrapping.check_built(modules)
         trainable = [n for n in modules if n not in frozen]
         wrapping.check_supported(self.task, modules, trainable)

@@ -574,18 +574,32 @@ def _as_typed_where_text(tree: dict[str, Any], schema: Any, sources: Sources, pr
     return tree
 
 
+INT64 = (-(2**63), 2**63 - 1)
+
+
 def _check_nesting(tree: Any, what: str) -> None:
-    """Refuse a tree nested deeper than MAX_DEPTH (or looping) before anything recursive walks it."""
-    stack, seen = [(tree, 1)], 0
+    """Refuse a tree nested deeper than MAX_DEPTH (or looping) before anything recursive walks it, and an
+    integer outside 64 bits anywhere in it (torch, numpy and the samplers take int64: a bigger one would
+    end as an OverflowError traceback deep in a model's constructor, or a loop that never ends)."""
+    stack, seen = [(tree, 1, ())], 0
     while stack:
-        node, depth = stack.pop()
-        children = node.values() if isinstance(node, dict) else node if isinstance(node, (list, tuple)) else None
-        if children is None:
+        node, depth, path = stack.pop()
+        if isinstance(node, int) and not isinstance(node, bool) and not INT64[0] <= node <= INT64[1]:
+            key = ".".join(str(p) for p in path) or "(root)"
+            raise ConfigError(
+                f"invalid config:\n  {_shown(key)} is a {node.bit_length()}-bit integer: config integers fit in 64 "
+                "bits (at most 9223372036854775807); give a size this run can hold"
+            )
+        if isinstance(node, dict):
+            children = [(v, (*path, k)) for k, v in node.items()]
+        elif isinstance(node, (list, tuple)):
+            children = [(v, (*path, i)) for i, v in enumerate(node)]
+        else:
             continue
         seen += 1
         if depth > MAX_DEPTH or seen > MAX_NODES:
             raise ConfigError(f"{what}: nested more than {MAX_DEPTH} levels deep or too large to be a config")
-        stack.extend((c, depth + 1) for c in children)
+        stack.extend((c, depth + 1, p) for c, p in children)
 
 
 # ---------------------------------------------------------------- validation
