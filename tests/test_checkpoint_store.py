@@ -1,4 +1,4 @@
-"""CheckpointStore on local disk, memory://, S3 (moto server) and GCS (emulator): commit, discovery, faults, retention."""
+"""CheckpointStore on local disk, memory://, S3 (moto server) and GCS (fake-gcs-server): commit, discovery, faults, retention."""
 
 from __future__ import annotations
 

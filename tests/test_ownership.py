@@ -1,7 +1,7 @@
 """A run owns its checkpoints: run and timeline ids in every manifest, and one trainer per root (the lease).
 
 Real training processes on a local root, and the lease itself on loopback S3 (moto) and GCS
-(gcp-storage-emulator) servers. Each test waits for log lines and exits, never for a fixed time; the
+(fake-gcs-server) servers. Each test waits for log lines and exits, never for a fixed time; the
 only waiting by time is the lease's own lapse, made short with checkpoint.lease_seconds.
 """
 
@@ -270,15 +270,15 @@ def test_the_lease_refuses_a_renewing_holder_takes_over_a_silent_one_and_fences_
         holder.wait()
 
 
-@pytest.mark.parametrize("kind", ["local", "s3"])
+@pytest.mark.parametrize("kind", ["local", "s3", "gs"])
 def test_lease_writes_are_conditional_where_the_store_has_preconditions(kind, tmp_path, request):
-    """Local disks (link, flock) and S3 (If-None-Match, If-Match; moto honours both). The GCS emulator
-    ignores ifGenerationMatch, so GCS's preconditions are not testable here."""
+    """Local disks (link, flock), S3 (If-None-Match, If-Match; moto honours both) and GCS
+    (ifGenerationMatch; fake-gcs-server honours it)."""
     if kind == "local":
         url, options = str(tmp_path / "root"), {}
     else:
-        server = request.getfixturevalue("s3_server")
-        url, options = f"s3://{server.make_bucket()}/run", server.storage_options()
+        server = request.getfixturevalue({"s3": "s3_server", "gs": "gcs_server"}[kind])
+        url, options = f"{kind}://{server.make_bucket()}/run", server.storage_options()
     fs, root = filesystem(url, options)
     f = lease_file(fs, root)
     assert f.conditional

@@ -20,9 +20,9 @@ Every write is conditional where the store can make it so, so two contenders nev
   `DeleteObject` with `If-Match` (s3fs passes these to botocore >= 1.35.20; AWS honours them since
   2024, moto's server too);
 - GCS: `ifGenerationMatch=0` (create) or `=<generation>` (renew, take over, delete) on the JSON API
-  (gcsfs exposes only the create form, so the calls are made through its `call`). The
-  gcp-storage-emulator the tests use ignores preconditions: there the protocol runs but two
-  simultaneous writers are not told apart;
+  (gcsfs exposes only the create form, so the calls are made through its `call`); the tests
+  run them against fake-gcs-server, which honours them. A server that ignored them would still
+  be caught by the read-back below, though two simultaneous writers might not be told apart;
 - other fsspec stores: no precondition exists, so the write is read back and compared (a race within
   one round trip can still let two contenders believe they won; the loser finds out at its next
   renewal or commit and stops).
@@ -396,11 +396,11 @@ class _GCSLeaseFile(_LeaseFile):
             version = self._upload(data, "0")
         except _Conflict:
             raise FileExistsError(self.path) from None
-        # The emulator ignores preconditions: read back so that a lost race is found at once there too.
+        # Read back as well: a GCS-compatible server that ignored the precondition still shows the lost race here.
         return self._confirm_gcs(data, version)
 
     def replace(self, data: bytes, version: str) -> str:
-        # Compared first as well: where ifGenerationMatch is ignored (the emulator) a stale writer still stops.
+        # Compared first as well: where a server ignores ifGenerationMatch a stale writer still stops.
         cur = self.read()
         if cur is None or cur[1] != version:
             raise _Conflict
