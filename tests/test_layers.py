@@ -17,9 +17,9 @@ from torch import nn
 from trainer.checkpoint import CheckpointStore
 from trainer.cli import main as cli_main
 from trainer.conditioning.text import check_stored_encoders, text_encoders
-from trainer.engine.services import ProcessServices
 from trainer.errors import ConfigError
 from trainer.registry import _sets_task, builtin_tasks, load_config, task_class
+from trainer.services import ProcessServices
 from trainer.tasks.base import Task, TaskContext, bare
 
 PACKAGE = REPO / "trainer"
