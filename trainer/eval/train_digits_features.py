@@ -65,7 +65,9 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--epochs", type=int, default=30)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "models"))
+    ap.add_argument(
+        "--out", default=os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "models")
+    )
     args = ap.parse_args()
     torch.set_num_threads(1)
     ds = DigitsDataset(16, 1)
