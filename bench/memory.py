@@ -32,7 +32,7 @@ import time
 import torch
 
 from trainer.diffusion import build_backbone
-from trainer.engine.checkpointing import checkpoint_blocks
+from trainer.engine.remat import checkpoint_blocks
 
 MODELS = {
     # DiT-S/2 on 32x32x4 latents (a 256-pixel image through the SD VAE): 12 blocks of width 384, 256 tokens

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import sys
 
-from trainer.checkpoint.manager import CheckpointManager
 from trainer.config import split_preset
+from trainer.engine.checkpoints import CheckpointManager
 from trainer.loop import Trainer
 from trainer.registry import load_config
 

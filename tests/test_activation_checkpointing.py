@@ -1,4 +1,4 @@
-"""Activation checkpointing (`train.activation_checkpointing`, trainer/engine/checkpointing.py): a tiny DiT and a
+"""Activation checkpointing (`train.activation_checkpointing`, trainer/engine/remat.py): a tiny DiT and a
 tiny UNet (both with dropout) trained a few steps with their blocks checkpointed (`blocks`, and op-level
 `selective`) end with the weights of the same steps without checkpointing, to the bit (the recomputation runs
 the same ops on the same inputs, and replays the RNG state for dropout); the blocks really run twice per step;
@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from trainer.diffusion import build_backbone
-from trainer.engine.checkpointing import apply_activation_checkpointing, checkpoint_blocks, checkpointed_blocks
+from trainer.engine.remat import apply_activation_checkpointing, checkpoint_blocks, checkpointed_blocks
 from trainer.engine.shard import fsdp_units
 from trainer.errors import ConfigError
 from trainer.registry import load_config

@@ -17,9 +17,9 @@ from conftest import REPO, clean_env, run_cli, tiny
 from torch import nn
 
 from trainer import __version__
-from trainer.checkpoint.manager import CheckpointManager
 from trainer.config.redact import REDACTED
 from trainer.elastic import DistEnv
+from trainer.engine.checkpoints import CheckpointManager
 from trainer.engine.parts import ModuleView, Part, build_parts
 from trainer.engine.progress import TrainProgress
 from trainer.engine.runtime import Runtime, parallel_mode

@@ -18,7 +18,6 @@ from typing import NoReturn
 import torch
 
 from trainer import __version__
-from trainer.checkpoint.manager import CheckpointManager
 from trainer.checkpoint.weights import load_frozen
 from trainer.config import Config
 from trainer.data import build_splits, build_train_loader, is_video
@@ -34,13 +33,14 @@ from trainer.elastic import (
     run_within,
 )
 from trainer.engine.calibrate import Calibrator
-from trainer.engine.checkpointing import apply_activation_checkpointing
+from trainer.engine.checkpoints import CheckpointManager
 from trainer.engine.compile import CompileStats, apply_compile
 from trainer.engine.evaluate import Evaluator
 from trainer.engine.float8 import apply_float8
 from trainer.engine.parts import FrozenPart, Part, build_parts
 from trainer.engine.preview import Previewer
 from trainer.engine.progress import JobAgreement, TrainProgress
+from trainer.engine.remat import apply_activation_checkpointing
 from trainer.engine.report import Reporter, flat_hparams, tracker_names
 from trainer.engine.runtime import start_runtime
 from trainer.engine.shard import is_fsdp

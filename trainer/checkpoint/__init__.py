@@ -1,5 +1,9 @@
-"""Checkpoints: a store that commits and discovers them, the file format, a sync/async writer,
-what training state goes into which file, and the manager that decides when to save and resume.
+"""Checkpoints, the storage library: a store that commits and discovers them, the file format, a sync/async
+writer, what training state goes into which file, sharded files, the lease and the memory tier.
+
+It sits at the bottom of the layers, beside `trainer.storage`: it imports nothing of trainer but `config`,
+`elastic`, `storage`, `randomness` and `errors` (tests/test_layers.py). When to save and what to resume from
+is the engine's (`trainer/engine/checkpoints.py`, CheckpointManager).
 
     layout.py   every file and dir name in a checkpoint root, built and parsed
     store.py    CheckpointStore: commit (manifest last), discovery, verification, retention
@@ -8,9 +12,11 @@ what training state goes into which file, and the manager that decides when to s
     writer.py   Checkpointer: sync or background saves of a snapshot, one in flight
     state.py    which Stateful object goes to which file; restore from them
     weights.py  load one part's weights from any run (sampling, frozen parts)
+    sharded.py  a sharded (FSDP) checkpoint: every rank's slices, their index, reading them at any world size
+    lease.py    one trainer per run: an exclusive, renewed, fenced lease on a checkpoint root
+    validity.py what a valid checkpoint is: manifest, payload and JSON state schemas, checked before use
     memory.py   the memory tier: snapshots in node-local shared memory, a buddy node's copy, the
                 agreement on which step to resume from
-    manager.py  CheckpointManager: when to save, resume, emergency save, failure counting
 """
 
 from trainer.checkpoint.format import join_tensors, split_tensors, write_safetensors

@@ -1,5 +1,6 @@
 """The engine: the runtime, parts and their wrapping, the step (phases, chunks, scaling), validation,
-previews, evaluation and reporting.
+previews, evaluation, reporting, and saving and resuming checkpoints (`checkpoints.py`, on the storage
+library `trainer.checkpoint`).
 
 The loop (trainer/loop.py) makes the runtime (`runtime.py`: process env, device, precision, parallel
 mode) once and hands it to the components by keyword; `wrap.py` wraps the parts for one process, DDP or

@@ -35,7 +35,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from trainer.engine.checkpointing import apply_to_blocks
+from trainer.engine.remat import apply_to_blocks
 from trainer.engine.shard import fsdp_units
 
 log = logging.getLogger("gentrain")

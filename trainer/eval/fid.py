@@ -34,10 +34,10 @@ from trainer.checkpoint.layout import eval_result_name
 from trainer.data import collate
 from trainer.data.sampler import SampleRef
 from trainer.elastic import StopRequest, StopRequested
-from trainer.engine.services import ProcessServices
 from trainer.errors import ConfigError
 from trainer.models.finetune import half_weights_autocast
 from trainer.randomness import Stream, stream_seed
+from trainer.services import ProcessServices
 from trainer.tasks.sampling import SampleRequest
 
 log = logging.getLogger("gentrain")

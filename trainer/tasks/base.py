@@ -26,7 +26,7 @@ leaves no unused parameters. For the part's own module (its attributes, a
 parameter to differentiate against) a task calls `bare(modules, name)`, the
 same call wherever `modules` comes from. What a task needs of the other
 processes (do any of them still need to encode?) it asks `ctx.services` by
-intent (`trainer.engine.services`); it never sees a rank.
+intent (`trainer.services`); it never sees a rank.
 """
 
 from __future__ import annotations
@@ -40,8 +40,8 @@ import torch
 from pydantic import BaseModel
 from torch import nn
 
-from trainer.engine.services import ProcessServices, process_services
 from trainer.errors import ConfigError
+from trainer.services import ProcessServices, process_services
 from trainer.tasks.sampling import SampleRequest
 
 
@@ -153,7 +153,7 @@ class TaskContext:
     # False where a checkpoint's weights replace whatever `build` loads (sampling): pretrained folders
     # (`model.pretrained`) are then not read at all.
     load_pretrained: bool = True
-    # Collectives a task asks for by intent (see trainer.engine.services); answered from the process at call time.
+    # Collectives a task asks for by intent (see trainer.services); answered from the process at call time.
     services: ProcessServices = field(default_factory=process_services)
 
 

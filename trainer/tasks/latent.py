@@ -33,11 +33,11 @@ from diffusers import AutoencoderKL
 from pydantic import BaseModel, ConfigDict, Field
 from torch import nn
 
-from trainer.engine.services import ProcessServices
 from trainer.errors import ConfigError
 from trainer.models.export import plain_autoencoder_kl
 from trainer.randomness import Stream, sample_draws
 from trainer.registry import task_class
+from trainer.services import ProcessServices
 from trainer.tasks.autoencoder import AutoencoderTask, KLAutoencoder
 from trainer.tasks.base import FrozenSource, FrozenWeights
 from trainer.tasks.video_tokenizer import VideoTokenizerTask

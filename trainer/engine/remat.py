@@ -1,5 +1,7 @@
-"""Activation checkpointing (`train.activation_checkpointing`): a part's blocks keep only their inputs in the
-forward and run again in the backward, trading compute for activation memory.
+"""Activation checkpointing, called rematerialization here (`train.activation_checkpointing`): a part's blocks
+keep only their inputs in the forward and run again in the backward, trading compute for activation memory.
+(Named apart from `trainer.checkpoint`, the storage of training checkpoints, and `engine/checkpoints.py`, which
+saves and resumes them: nothing here is written anywhere.)
 
 The blocks are the FSDP units (`trainer.engine.shard.fsdp_units`: the elements of a part's outermost
 ModuleLists: a UNet's down and up blocks, every transformer block, a MaskGIT's encoder layers), so under FSDP

@@ -1,4 +1,13 @@
-"""CheckpointManager: when to save, what to resume from, the emergency save, failure accounting."""
+"""CheckpointManager, the engine's checkpoint component: when to save, what to resume from, the emergency save,
+failure accounting.
+
+It is a component like the validator (the loop hands it the runtime and metrics; it decides its own timing) and
+the one place that orchestrates saving and resuming: the save cadence, the sync or background writer, the
+sharded commit (every rank's files reported to rank 0 before the manifest), the memory tier's set-up and the
+two tiers' agreement on the step to resume from. What it orchestrates is the storage library below the engine,
+`trainer.checkpoint` (layout, format, store, writer, state, sharded files, lease, memory tier), which knows
+nothing of runs, ranks' roles or tasks.
+"""
 
 from __future__ import annotations
 

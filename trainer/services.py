@@ -9,6 +9,9 @@ the engine wrapped or sharded its parts (`TaskContext.services`).
 `ProcessServices` answers from the process itself at call time: one process (or torch.distributed not
 initialized) is trivially alone; otherwise the default process group all-reduces. The engine needs to
 set nothing up: a TaskContext built before the process group exists answers correctly afterwards.
+
+It lives below the tasks (and evaluation, which samples through them) rather than in the engine because it
+needs only torch: tasks ask for it without importing the engine that runs them (tests/test_layers.py).
 """
 
 from __future__ import annotations
@@ -16,8 +19,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 from torch import nn
-
-from trainer.engine.shard import is_fsdp
+from torch.distributed.fsdp import FSDPModule
 
 
 class ProcessServices:
@@ -42,7 +44,7 @@ class ProcessServices:
     def calls_are_collective(self, module: nn.Module) -> bool:
         """True when `module` (or a block of it) is sharded across processes: each call gathers weights
         from every process, so all of them must call it the same number of times."""
-        return any(is_fsdp(m) for m in module.modules())
+        return any(isinstance(m, FSDPModule) for m in module.modules())  # engine.shard.is_fsdp's test
 
 
 def process_services() -> ProcessServices:
