@@ -19,7 +19,7 @@ import logging
 from collections.abc import Mapping
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, Field, model_validator
 from torch import nn
 
 from trainer.conditioning.text import TextEmbeddings, TextEncoder, TextEncoderConfig
