@@ -7,7 +7,7 @@ the backbone section existed) come from the core; this task adds the conditions:
 for pixart, mmdit or a unet with `caption_channels`, the pooled embedding for mmdit), one dropout draw per
 sample dropping them together for classifier-free guidance, and its sampling interface.
 
-Latent diffusion (`model.autoencoder`, see trainer/tasks/latent.py): the denoiser works on the latents of a
+Latent diffusion (`model.autoencoder`, see trainer/diffusion/latent.py): the denoiser works on the latents of a
 frozen, digest-pinned KL autoencoder (a gentrain autoencoder run or a diffusers AutoencoderKL folder): images
 are encoded on the fly (or read from the latent cache) and scaled, the backbone is built for the latent
 channels and side, and samples are decoded through the autoencoder.
