@@ -171,7 +171,10 @@ class QuantizedGANTask(GANAutoencoderTask):
         return terms["rec"] + self.cfg.commitment_weight * outputs["commitment"] + outputs["aux"]
 
     def generator_terms(self, outputs: Mapping[str, Any], generator: nn.Module) -> dict[str, torch.Tensor]:
-        return {"commitment": outputs["commitment"], **self._code_stats(outputs["indices"], generator, outputs.get("token_mask"))}
+        return {
+            "commitment": outputs["commitment"],
+            **self._code_stats(outputs["indices"], generator, outputs.get("token_mask")),
+        }
 
     def _code_stats(
         self, idx: torch.Tensor, generator: QuantizedAutoencoder, mask: torch.Tensor | None = None
