@@ -27,8 +27,8 @@ from trainer.checkpoint.weights import load_for_inference  # noqa: E402
 from trainer.data import build_splits  # noqa: E402
 from trainer.data.datasets import digit_caption  # noqa: E402
 from trainer.data.sampler import SampleRef  # noqa: E402
+from trainer.diffusion.latent import PART as AUTOENCODER  # noqa: E402
 from trainer.media import save_grid  # noqa: E402
-from trainer.tasks.latent import PART as AUTOENCODER  # noqa: E402
 from trainer.tasks.sampling import SampleRequest  # noqa: E402
 
 

@@ -20,8 +20,9 @@ from trainer.data import SampleRef, build_splits
 from trainer.elastic import DistEnv
 from trainer.errors import ConfigError
 from trainer.loop import Trainer
+from trainer.models.autoencoder import KLAutoencoder, latent_geometry
 from trainer.registry import load_config
-from trainer.tasks.autoencoder import AutoencoderTask, KLAutoencoder, latent_geometry
+from trainer.tasks.autoencoder import AutoencoderTask
 from trainer.tasks.base import TaskContext
 from trainer.tasks.sampling import SampleRequest
 

@@ -362,7 +362,7 @@ def test_an_lfq_vqgan_exports_its_corner_codebook_and_fsq_is_refused(quantizer):
     from diffusers import VQModel
 
     from trainer.models.export import vq_model
-    from trainer.tasks.vqgan import VQAutoencoder, VQGANConfig
+    from trainer.models.vqgan import VQAutoencoder, VQGANConfig
 
     cfg = VQGANConfig(block_out_channels=[8, 16], norm_num_groups=4, quantizer=quantizer, codebook_size=16)
     torch.manual_seed(0)

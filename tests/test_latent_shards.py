@@ -27,12 +27,12 @@ from trainer.checkpoint.weights import load_frozen
 from trainer.data.encode import encode_dataset
 from trainer.data.shards import ShardStream, filesystem
 from trainer.data.shards.tar import scan_tar
+from trainer.diffusion.latent import PART, LatentSpace, frozen_source
 from trainer.elastic import DistEnv
 from trainer.engine.parts import FrozenPart
 from trainer.loop import Trainer
 from trainer.randomness import Stream, sample_draws
 from trainer.registry import load_config
-from trainer.tasks.latent import PART, LatentSpace, frozen_source
 
 ENV = clean_env(PYTHONPATH=f"{REPO}:{REPO / 'tests'}", HF_HUB_OFFLINE="1")
 DIGITS = 1797

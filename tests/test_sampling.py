@@ -12,7 +12,7 @@ from conftest import REPO, run_cli
 
 from trainer.errors import ConfigError
 from trainer.registry import load_config, task_class
-from trainer.tasks import cascade, ddpm, maskgit
+from trainer.tasks import base_maskgit, cascade, ddpm
 from trainer.tasks.base import TaskContext
 from trainer.tasks.sampling import OPTIONS, SampleRequest, check_request
 
@@ -36,7 +36,7 @@ EVERY_OPTION = {
 @pytest.fixture(autouse=True)
 def _no_text_encoder(monkeypatch):
     """Declarations come from the config alone: a stand-in for the (slow to load) sentence encoder."""
-    for module in (ddpm, cascade, maskgit):
+    for module in (ddpm, cascade, base_maskgit):
         monkeypatch.setattr(module, "TextEncoder", lambda cfg, storage_options=None: SimpleNamespace(cfg=cfg))
 
 

@@ -15,8 +15,9 @@ from test_vqgan_maskgit import VQGAN, _kill_and_compare, tensors
 
 from trainer.cli import main
 from trainer.config import ConfigError
+from trainer.models.video_tokenizer import CausalVideoAutoencoder, VideoTokenizerConfig
 from trainer.tasks.base import Batch, Phase, StepInfo, TaskContext
-from trainer.tasks.video_tokenizer import CausalVideoAutoencoder, VideoTokenizerConfig, VideoTokenizerTask
+from trainer.tasks.video_tokenizer import VideoTokenizerTask
 
 ENV = clean_env(PYTHONPATH=str(REPO / "tests"))
 

@@ -19,7 +19,7 @@ from test_elastic import finish, standalone
 
 from trainer.checkpoint import CheckpointStore
 from trainer.models.gan import adaptive_weight
-from trainer.tasks.vqgan import VQAutoencoder, VQGANConfig
+from trainer.models.vqgan import VQAutoencoder, VQGANConfig
 
 ENV = clean_env(PYTHONPATH=str(REPO / "tests"))
 

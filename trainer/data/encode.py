@@ -199,8 +199,8 @@ def encode_dataset(
     # and latent space live above trainer.data); only `gentrain data encode` comes this way.
     from trainer.checkpoint.weights import load_frozen
     from trainer.data.sampler import SampleRef
+    from trainer.diffusion.latent import PART, LatentSpace, frozen_source
     from trainer.engine.parts import FrozenPart
-    from trainer.tasks.latent import PART, LatentSpace, frozen_source
 
     if dtype not in DTYPES:
         raise ConfigError(f"data encode: --dtype={dtype!r}; use one of {', '.join(DTYPES)}")

@@ -6,10 +6,14 @@ A diffusion model here is three independent choices:
   rectified flow or EDM. It owns the training draw (timesteps or sigmas) from the per-sample generators,
   the noisy input and preconditioning, the target and loss weight (min-SNR, SD3 weighting, EDM lambda,
   DREAM), the inference scheduler and the sampler loop (`denoise`);
-- a **backbone** (`backbones.py`, from `model.backbone.*`): unet, dit, pixart or mmdit, one call
-  `forward(x, t, cond)` whatever the architecture, declaring which conditions it accepts;
+- a **backbone** (`backbones/`, one module per kind, from `model.backbone.*`): unet, dit, pixart or mmdit,
+  one call `forward(x, t, cond)` whatever the architecture; its class declares what it takes and offers
+  (labels, caption and pooled widths, stage conditioning, export pipeline, FSDP units);
 - a **space**: the objective and backbone see tensors (N, C, H, W) and do not know whether they are
-  pixels or an autoencoder's latents; the task encodes before training and decodes after sampling.
+  pixels or an autoencoder's latents; the task encodes before training and decodes after sampling
+  (`latent.py`: latent diffusion's frozen autoencoder).
+
+`config.py` holds the keys every diffusion model has (`NoiseConfig`), `stages.py` the cascade's stage networks.
 
 Conditioning (class labels, captions, pooled embeddings) reaches the backbone as a mapping; classifier-free
 guidance and the class-label helpers are in `guidance.py`. A task composes the three:

@@ -46,7 +46,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from trainer.diffusion.guidance import Guidance
 from trainer.errors import ConfigError
 from trainer.randomness import SampleDraws
-from trainer.tasks.base import Loss
+from trainer.task_types import Loss
 
 Tensor = torch.Tensor
 NetFn = Callable[[Tensor, Tensor, Mapping[str, Tensor]], Tensor]

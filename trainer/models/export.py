@@ -90,7 +90,7 @@ def plain_autoencoder_kl(vae: nn.Module, scaling_factor: float, shift_factor: fl
 
 
 def vq_model(generator: nn.Module, channels: int, image_size: int) -> VQModel:
-    """A VQ-GAN generator (`trainer.tasks.vqgan.VQAutoencoder`) as a diffusers VQModel with the same weights.
+    """A VQ-GAN generator (`trainer.models.vqgan.VQAutoencoder`) as a diffusers VQModel with the same weights.
 
     The two are the same network: diffusers' Encoder -> quant_conv -> nearest code -> post_quant_conv ->
     Decoder; only the quantizer's layout differs. diffusers' `VectorQuantizer` takes the code nearest to each

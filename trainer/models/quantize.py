@@ -9,7 +9,7 @@ that trains it reads `codebook_usage()`, and a MaskGIT calls the tokenizer's `en
 from __future__ import annotations
 
 import math
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field, model_validator
@@ -129,3 +129,10 @@ class QuantizedAutoencoder(nn.Module):
         if self.cfg.quantizer == "vq":
             return self.quantizer.get_output_from_indices(idx)  # the quantizer's own layout
         return self.quantizer.indices_to_codes(idx)
+
+
+def tokenizer_geometry(cfg: Any) -> tuple[int, int]:
+    """(codebook size, latent grid side) of a tokenizer run's config (a trainer.config.Config): a VQ-GAN's
+    or a video tokenizer's, whose `downsample` is pixels per token side."""
+    m = cfg.model_cfg
+    return m.num_codes, cfg.data.image_size // m.downsample

@@ -42,7 +42,22 @@ from torch import nn
 
 from trainer.errors import ConfigError
 from trainer.services import ProcessServices, process_services
+from trainer.task_types import FrozenSource, FrozenWeights, Loss
 from trainer.tasks.sampling import SampleRequest
+
+__all__ = [
+    "Batch",
+    "Export",
+    "FrozenSource",
+    "FrozenWeights",
+    "Loss",
+    "Phase",
+    "PreviewContext",
+    "StepInfo",
+    "Task",
+    "TaskContext",
+    "bare",
+]
 
 
 @dataclass
@@ -82,36 +97,6 @@ class StepInfo:
 
     step: int
     part_step: int = 0
-
-
-@dataclass
-class Loss:
-    """Per-sample loss (N,) for the phase's part, plus named terms to log (per-sample or scalar)."""
-
-    per_sample: torch.Tensor
-    terms: dict[str, torch.Tensor] = field(default_factory=dict)
-
-
-@dataclass(frozen=True)
-class FrozenSource:
-    """A part whose weights come from another run: `url` is a run's checkpoint root or one step dir."""
-
-    url: str
-    part: str  # the part's name in that run
-    use_ema: bool = True
-    # A diffusers class (e.g. "AutoencoderKL") whose save_pretrained folder (config.json +
-    # diffusion_pytorch_model.safetensors) `url` may name instead of a run: `FrozenWeights.config` is then
-    # the folder's config.json (a dict) and its tensors the folder's, digest-pinned the same way.
-    folder_class: str | None = None
-
-
-@dataclass
-class FrozenWeights:
-    """A resolved frozen source: the source run's config, the weights, and where exactly they came from."""
-
-    config: Any  # trainer.config.Config of the source run; a diffusers folder's config.json (a dict)
-    tensors: dict[str, torch.Tensor]
-    record: dict[str, Any]  # url, step, file, digest: saved in this run's checkpoints
 
 
 @dataclass
@@ -201,6 +186,10 @@ class Task:
     # True when `sample` reconstructs real images (an autoencoder): `gentrain sample` then passes
     # held-out images as the request's `images` (N, C, H, W) in [-1, 1].
     samples_reconstruct: ClassVar[bool] = False
+    # What this task's `generator` part is to another run that loads it as a frozen part (None: nothing):
+    # "kl-autoencoder" (latent diffusion's first stage), "image-tokenizer" (a VQ-GAN: latent diffusion or
+    # MaskGIT), "video-tokenizer" (video MaskGIT). Consumers read it from the source run's task class.
+    frozen_kind: ClassVar[str | None] = None
 
     def __init__(self, model_cfg: BaseModel, ctx: TaskContext):
         self.cfg = model_cfg

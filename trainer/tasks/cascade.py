@@ -25,285 +25,43 @@ epsilon), rectified flow (`prediction_type: flow`, SD3's timestep densities
 and loss weights, a flow-matching Euler sampler), or the elucidated
 preconditioning (`prediction_type: edm`, Karras et al. 2022, as
 imagen-pytorch's ElucidatedImagen), all from diffusers' own functions; so do
-classifier-free guidance and the class-label helpers (trainer/diffusion/guidance.py).
+classifier-free guidance and the class-label helpers (trainer/diffusion/guidance.py). The stage networks
+and their configs are the core's too (trainer/diffusion/stages.py): which backbones a stage may be, and how
+they are conditioned, each backbone declares.
 """
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Mapping
-from typing import Annotated, Literal
 
 import numpy as np
 import torch
 import torch.nn.functional as F
-from diffusers import DDPMScheduler, UNet2DConditionModel
-from diffusers.models.embeddings import TimestepEmbedding, Timesteps
-from diffusers.models.modeling_outputs import Transformer2DModelOutput
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from diffusers import DDPMScheduler
 from torch import nn
 
 from trainer.conditioning.image import ImageEncoder
-from trainer.conditioning.text import TextEncoder, TextEncoderConfig
+from trainer.conditioning.text import TextEncoder
 from trainer.diffusion import (
-    DiTBackboneConfig,
     Guidance,
-    MMDiTBackboneConfig,
-    PixArtBackboneConfig,
-    build_backbone,
     build_objective,
     check_num_classes,
     default_labels,
     labels_or_null,
 )
-from trainer.diffusion.backbones import unet_block_types
+from trainer.diffusion.stages import CascadeConfig, StageConfig, StageNet, TransformerStageNet, stage_hints
 from trainer.errors import ConfigError
 from trainer.models.finetune import EXTRAS_NAME, load_weights, prepare_unet
 from trainer.randomness import Stream, per_sample_randn, sample_draws, sample_generators
 from trainer.tasks.base import Batch, Export, Loss, Phase, PreviewContext, StepInfo, Task, TaskContext
-from trainer.tasks.ddpm import NoiseConfig, architecture_hints, changed_unet_keys
 from trainer.tasks.sampling import SampleRequest
+
+__all__ = ["CascadeConfig", "CascadeTask", "StageConfig", "resize"]
 
 log = logging.getLogger(__name__)
 
 _AUG_TIMESTEPS = 1000  # the noise-augmentation schedule (cosine), shared by all stages
-
-
-# A stage's transformer denoiser (the core's backbones); a stage without one is its conditioned UNet.
-StageBackboneConfig = Annotated[
-    DiTBackboneConfig | PixArtBackboneConfig | MMDiTBackboneConfig, Field(discriminator="kind")
-]
-
-
-class StageConfig(NoiseConfig):
-    """One stage: its resolution, denoiser (a UNet, or a transformer `backbone`), objective (the core's keys, as
-    `model.*` of ddpm) and low-resolution augmentation."""
-
-    image_size: int = Field(..., ge=4)
-    noise_aug_max: float = Field(0.5, ge=0, le=1, description="training: level drawn in [0, max) (fraction of T)")
-    noise_aug_sample: float = Field(0.1, ge=0, le=1, description="sampling: the fixed level")
-    gradient_checkpointing: bool = False
-    backbone: StageBackboneConfig | None = Field(
-        None,
-        description="a transformer denoiser (kind: dit | pixart | mmdit) instead of the stage's UNet; null = the UNet",
-    )
-
-    @model_validator(mode="after")
-    def _a_unet_or_a_backbone(self) -> StageConfig:
-        if self.backbone is None:
-            return self
-        both = changed_unet_keys(self)
-        if both:
-            raise ValueError(
-                f"{', '.join(both)} shape the stage's UNet, but this stage's denoiser is model.backbone "
-                f"(kind {self.backbone.kind}): remove them"
-            )
-        if self.pretrained is not None:
-            raise ValueError("pretrained is a diffusers UNet folder: a stage with a backbone starts from scratch")
-        return self
-
-
-class CascadeConfig(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
-    stages: list[StageConfig] = Field(..., min_length=1)
-    num_classes: int | None = Field(None, ge=2, description="class-conditional when set")
-    cond_drop_prob: float = Field(0.1, ge=0, lt=1, description="condition dropout for classifier-free guidance")
-    text: TextEncoderConfig | None = Field(None, description="caption conditioning; null = none")
-    image_embed_dim: int | None = Field(None, ge=1, description="DALL-E 2 decoder: width of data's image_embed")
-    image_embed_tokens: int = Field(4, ge=1, description="context tokens made from the image embedding")
-    image_encoder: Literal["digits-features"] | None = Field(
-        None, description="embed each training image with this frozen encoder when the data carries no image_embed"
-    )
-    context_dim: int = Field(64, ge=8, description="cross-attention width")
-
-    @model_validator(mode="after")
-    def _sizes_increase(self) -> CascadeConfig:
-        sizes = [s.image_size for s in self.stages]
-        if any(b <= a for a, b in zip(sizes, sizes[1:], strict=False)):
-            raise ValueError(f"model.stages image_size must increase from stage to stage, got {sizes}")
-        return self
-
-    @model_validator(mode="after")
-    def _dit_takes_labels_only(self) -> CascadeConfig:
-        # diffusers' DiT conditions on a timestep and a class label, nothing else: no captions, image embeddings
-        # or augmentation level of a low-resolution image (pixart and mmdit take those as tokens).
-        for i, s in enumerate(self.stages):
-            if s.backbone is None or s.backbone.kind != "dit":
-                continue
-            if i > 0:
-                raise ValueError(
-                    f"model.stages[{i}].backbone.kind=dit: a super-resolution stage is told its low-resolution "
-                    "image's augmentation level, which DiT has no input for; use pixart or mmdit (or the UNet)"
-                )
-            if self.has_context:
-                raise ValueError(
-                    f"model.stages[{i}].backbone.kind=dit conditions on class labels only: use pixart or mmdit for "
-                    "model.text or model.image_embed_dim"
-                )
-        return self
-
-    @property
-    def has_context(self) -> bool:
-        return self.text is not None or self.image_embed_dim is not None
-
-
-class StageNet(nn.Module):
-    """A diffusers UNet2DConditionModel plus the small embeddings that turn conditions into its inputs.
-
-    The UNet sees [noisy image, augmented low-res image] as channels, a
-    vector (class + augmentation level + pooled text + image embedding) added
-    to its time embedding (`class_embed_type="projection"`), and, when there
-    is text or an image embedding, context tokens for cross-attention.
-    """
-
-    def __init__(self, s: StageConfig, cfg: CascadeConfig, channels: int, lowres: bool):
-        super().__init__()
-        cond_dim = s.block_out_channels[0] * 4
-        context = cfg.has_context
-        attn_down, attn_up = (
-            ("CrossAttnDownBlock2D", "CrossAttnUpBlock2D") if context else ("AttnDownBlock2D", "AttnUpBlock2D")
-        )
-        down, up = unet_block_types(s, attn_down, attn_up)
-        self.unet = UNet2DConditionModel(
-            sample_size=s.image_size,
-            in_channels=channels * (2 if lowres else 1),
-            out_channels=channels,
-            block_out_channels=tuple(s.block_out_channels),
-            layers_per_block=s.layers_per_block,
-            down_block_types=down,
-            up_block_types=up,
-            mid_block_type="UNetMidBlock2DCrossAttn" if context else "UNetMidBlock2D",
-            norm_num_groups=s.norm_num_groups,
-            dropout=s.dropout,
-            cross_attention_dim=cfg.context_dim,
-            attention_head_dim=8,
-            class_embed_type="projection",
-            projection_class_embeddings_input_dim=cond_dim,
-        )
-        if s.gradient_checkpointing:
-            self.unet.enable_gradient_checkpointing()
-        self.lowres = lowres
-        self.cond_dim = cond_dim
-        # One extra row is the "no label" class used for guidance.
-        self.class_embed = nn.Embedding(cfg.num_classes + 1, cond_dim) if cfg.num_classes else None
-        if lowres:
-            self.aug_proj = Timesteps(s.block_out_channels[0], flip_sin_to_cos=True, downscale_freq_shift=0)
-            self.aug_embed = TimestepEmbedding(s.block_out_channels[0], cond_dim)
-        if cfg.text is not None:
-            self.text_pooled = nn.Linear(cfg.text.pooled_dim, cond_dim)
-            self.text_tokens = nn.Linear(cfg.text.width, cfg.context_dim)
-        self.embed_tokens_n = cfg.image_embed_tokens
-        if cfg.image_embed_dim is not None:
-            self.embed_vector = nn.Linear(cfg.image_embed_dim, cond_dim)
-            self.embed_tokens = nn.Linear(cfg.image_embed_dim, cfg.image_embed_tokens * cfg.context_dim)
-        self.context_dim = cfg.context_dim
-
-    def forward(self, x: torch.Tensor, t: torch.Tensor, cond: Mapping[str, torch.Tensor]):
-        """Returns diffusers' UNet output (`.sample`), so diffusers' DREAM helper can call it as a UNet."""
-        n = x.shape[0]
-        vec = torch.zeros(n, self.cond_dim, device=x.device, dtype=x.dtype)
-        context, mask = [], []
-        if self.lowres:
-            x = torch.cat([x, cond["lowres"]], dim=1)
-            vec = vec + self.aug_embed(self.aug_proj(cond["aug_t"]).to(x.dtype))
-        if self.class_embed is not None:
-            vec = vec + self.class_embed(cond["labels"])
-        if "text_pooled" in cond:
-            vec = vec + self.text_pooled(cond["text_pooled"])
-            context.append(self.text_tokens(cond["text_tokens"]))
-            mask.append(cond["text_mask"])
-        if "image_embed" in cond:
-            e = cond["image_embed"]
-            vec = vec + self.embed_vector(e)
-            context.append(self.embed_tokens(e).view(n, self.embed_tokens_n, self.context_dim))
-            mask.append(torch.ones(n, self.embed_tokens_n, device=x.device))
-        hidden = torch.cat(context, dim=1) if context else None
-        attn_mask = torch.cat(mask, dim=1) if mask else None
-        return self.unet(x, t, hidden, class_labels=vec, encoder_attention_mask=attn_mask)
-
-
-class TransformerStageNet(nn.Module):
-    """A stage whose denoiser is a transformer backbone of the diffusion core (`model.stages[i].backbone`).
-
-    As in StageNet, the backbone sees [noisy image, augmented low-res image] as channels. DiT takes the class
-    label itself (stage 1 only, see CascadeConfig). PixArt and MMDiT read every condition as caption tokens
-    of their `caption_channels`: one token from the condition vector (class + augmentation level + pooled
-    text + image embedding, `pooled_channels` wide for MMDiT, which also gets it as its pooled embedding),
-    then the text's tokens and the image embedding's tokens.
-    """
-
-    def __init__(self, s: StageConfig, cfg: CascadeConfig, channels: int, lowres: bool):
-        super().__init__()
-        b = s.backbone
-        assert b is not None
-        self.lowres = lowres
-        labels = cfg.num_classes if b.kind == "dit" else None
-        in_channels = channels * (2 if lowres else 1)
-        self.backbone = build_backbone(b, s.image_size, channels, labels, in_channels=in_channels)
-        if s.gradient_checkpointing:
-            self.backbone.model.enable_gradient_checkpointing()
-        self.tokens = b.kind != "dit"
-        if not self.tokens:
-            return
-        width = b.caption_channels
-        self.vec_dim = vec = b.pooled_channels if b.kind == "mmdit" else width
-        self.width = width
-        self.class_embed = nn.Embedding(cfg.num_classes + 1, vec) if cfg.num_classes else None
-        if lowres:
-            self.aug_proj = Timesteps(64, flip_sin_to_cos=True, downscale_freq_shift=0)
-            self.aug_embed = TimestepEmbedding(64, vec)
-        if cfg.text is not None:
-            self.text_pooled = nn.Linear(cfg.text.pooled_dim, vec)
-            self.text_tokens = nn.Linear(cfg.text.width, width)
-        self.embed_tokens_n = cfg.image_embed_tokens
-        if cfg.image_embed_dim is not None:
-            self.embed_vector = nn.Linear(cfg.image_embed_dim, vec)
-            self.embed_tokens = nn.Linear(cfg.image_embed_dim, cfg.image_embed_tokens * width)
-        self.vec_token = nn.Linear(vec, width)
-
-    def forward(self, x: torch.Tensor, t: torch.Tensor, cond: Mapping[str, torch.Tensor]):
-        """Returns a diffusers output (`.sample`), as StageNet does."""
-        n = x.shape[0]
-        if self.lowres:
-            x = torch.cat([x, cond["lowres"]], dim=1)
-        if not self.tokens:
-            labels = {"labels": cond["labels"]} if "labels" in cond else {}
-            return Transformer2DModelOutput(sample=self.backbone(x, t, labels))
-        vec = torch.zeros(n, self.vec_dim, device=x.device, dtype=x.dtype)
-        if self.class_embed is not None:
-            vec = vec + self.class_embed(cond["labels"])
-        if self.lowres:
-            vec = vec + self.aug_embed(self.aug_proj(cond["aug_t"]).to(x.dtype))
-        tokens, masks = [], []
-        if "text_pooled" in cond:
-            vec = vec + self.text_pooled(cond["text_pooled"])
-            tokens.append(self.text_tokens(cond["text_tokens"]))
-            masks.append(cond["text_mask"])
-        if "image_embed" in cond:
-            e = cond["image_embed"]
-            vec = vec + self.embed_vector(e)
-            tokens.append(self.embed_tokens(e).view(n, self.embed_tokens_n, self.width))
-            masks.append(torch.ones(n, self.embed_tokens_n, device=x.device))
-        tokens.insert(0, self.vec_token(vec)[:, None])
-        masks.insert(0, torch.ones(n, 1, device=x.device))
-        given = {"captions": torch.cat(tokens, dim=1), "caption_mask": torch.cat(masks, dim=1), "pooled": vec}
-        conds = {k: v for k, v in given.items() if k in self.backbone.accepts}
-        return Transformer2DModelOutput(sample=self.backbone(x, t, conds))
-
-
-def stage_hints(prefix: str) -> dict[str, str]:
-    """diffusers UNet2DConditionModel config fields -> the gentrain keys that set them."""
-    context = "model.text / model.image_embed_dim (cross-attention when either is set)"
-    return {
-        **architecture_hints(prefix),
-        "in_channels": "data.channels (twice that after stage 1: the low-resolution image is concatenated)",
-        "down_block_types": f"{prefix}.attention, {prefix}.block_out_channels, {context}",
-        "up_block_types": f"{prefix}.attention, {prefix}.block_out_channels, {context}",
-        "mid_block_type": context,
-        "cross_attention_dim": "model.context_dim",
-        "projection_class_embeddings_input_dim": f"{prefix}.block_out_channels (4 x its first entry)",
-    }
 
 
 def resize(images: torch.Tensor, size: int) -> torch.Tensor:

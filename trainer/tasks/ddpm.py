@@ -7,7 +7,7 @@ the backbone section existed) come from the core; this task adds the conditions:
 for pixart, mmdit or a unet with `caption_channels`, the pooled embedding for mmdit), one dropout draw per
 sample dropping them together for classifier-free guidance, and its sampling interface.
 
-Latent diffusion (`model.autoencoder`, see trainer/tasks/latent.py): the denoiser works on the latents of a
+Latent diffusion (`model.autoencoder`, see trainer/diffusion/latent.py): the denoiser works on the latents of a
 frozen, digest-pinned KL autoencoder (a gentrain autoencoder run or a diffusers AutoencoderKL folder): images
 are encoded on the fly (or read from the latent cache) and scaled, the backbone is built for the latent
 channels and side, and samples are decoded through the autoencoder.
@@ -19,7 +19,7 @@ import logging
 from collections.abc import Mapping
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, Field, model_validator
 from torch import nn
 
 from trainer.conditioning.text import TextEmbeddings, TextEncoder, TextEncoderConfig
@@ -27,7 +27,6 @@ from trainer.diffusion import (
     Backbone,
     BackboneConfig,
     Guidance,
-    ObjectiveConfig,
     UNetBackboneConfig,
     build_backbone,
     build_objective,
@@ -35,53 +34,19 @@ from trainer.diffusion import (
     default_labels,
     labels_or_null,
 )
+from trainer.diffusion.backbones import backbone_class, changed_unet_keys, kinds
+from trainer.diffusion.backbones.unet import UNET_SHAPE_KEYS
+from trainer.diffusion.config import NoiseConfig
+from trainer.diffusion.latent import PART as AUTOENCODER
+from trainer.diffusion.latent import LatentAutoencoderConfig, LatentSpace, frozen_source
 from trainer.errors import ConfigError
 from trainer.models.export import DIT_PIPELINE_NULL_CLASS, dit_for_pipeline
-from trainer.models.finetune import FinetuneFields, prepare_unet
+from trainer.models.finetune import prepare_unet
 from trainer.randomness import sample_draws
 from trainer.tasks.base import Batch, Export, FrozenSource, Loss, Phase, PreviewContext, StepInfo, Task, TaskContext
-from trainer.tasks.latent import PART as AUTOENCODER
-from trainer.tasks.latent import LatentAutoencoderConfig, LatentSpace, frozen_source
 from trainer.tasks.sampling import SampleRequest
 
 log = logging.getLogger(__name__)
-
-
-class UNetShapeConfig(BaseModel):
-    """The UNet's shape; shared by DDPM (`model.*`, when `model.backbone` is not set) and every cascade stage."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    block_out_channels: list[int] = Field(default=[32, 64, 64], min_length=1)
-    layers_per_block: int = Field(1, ge=1)
-    attention: bool = Field(True, description="self-attention in the lowest-resolution blocks")
-    norm_num_groups: int = Field(8, ge=1)
-    dropout: float = Field(0.0, ge=0, lt=1)
-
-    @model_validator(mode="after")
-    def _groups_divide_channels(self) -> UNetShapeConfig:
-        bad = [c for c in self.block_out_channels if c % self.norm_num_groups]
-        if bad:
-            raise ValueError(
-                f"model.block_out_channels {self.block_out_channels}: every entry must be divisible "
-                f"by model.norm_num_groups={self.norm_num_groups} (GroupNorm)"
-            )
-        return self
-
-
-_UNET_SHAPE_KEYS = frozenset(UNetShapeConfig.model_fields)
-
-
-def changed_unet_keys(c: BaseModel) -> list[str]:
-    """The UNet shape keys of `c` that differ from their defaults (by value, not by whether they were typed:
-    a config read back from a checkpoint has every key set)."""
-    fields = UNetShapeConfig.model_fields
-    return sorted(k for k in fields if getattr(c, k) != fields[k].get_default(call_default_factory=True))
-
-
-class NoiseConfig(UNetShapeConfig, FinetuneFields, ObjectiveConfig):
-    """The UNet, its objective (the core's `ObjectiveConfig`: epsilon, v_prediction, flow or edm and their
-    keys) and where its weights start (`pretrained`, `lora`); shared by DDPM and every cascade stage."""
 
 
 class DiffusionModelConfig(NoiseConfig):
@@ -92,8 +57,8 @@ class DiffusionModelConfig(NoiseConfig):
     )
     backbone: BackboneConfig | None = Field(
         None,
-        description="the denoiser (kind: unet | dit | pixart | mmdit) and its shape; null = the UNet of model.block_out_channels etc., "
-        "which a backbone set here overrides",
+        description=f"the denoiser (kind: {' | '.join(kinds())}) and its shape; null = the UNet of "
+        "model.block_out_channels etc., which a backbone set here overrides",
     )
     autoencoder: LatentAutoencoderConfig | None = Field(
         None, description="latent diffusion: the frozen autoencoder whose latents the denoiser learns; null = pixels"
@@ -102,16 +67,18 @@ class DiffusionModelConfig(NoiseConfig):
     @model_validator(mode="after")
     def _captions_need_text(self) -> DiffusionModelConfig:
         d = self.denoiser
-        width = getattr(d, "caption_channels", None)
-        what = f"model.backbone.kind={d.kind}" + (" with caption_channels" if d.kind == "unet" else "")
+        kind = backbone_class(d)
+        width = kind.caption_width(d)
+        what = f"model.backbone.kind={d.kind}" + (" with caption_channels" if kind.captions() == "optional" else "")
         if width is not None and self.text is None:
             raise ValueError(
                 f"{what} is conditioned on captions: set model.text (model.text={{}} is the shipped "
                 "all-MiniLM-L6-v2 encoder, 384 wide) and give the data captions"
             )
         if width is None and self.text is not None:
+            readers = " or ".join(kinds(lambda cls: cls.captions() == "always"))
             raise ValueError(
-                "model.text: this denoiser cannot read captions; use model.backbone.kind pixart or mmdit, or a "
+                f"model.text: this denoiser cannot read captions; use model.backbone.kind {readers}, or a "
                 "unet with model.backbone.caption_channels, or remove model.text"
             )
         if width is not None and width != self.text.width:
@@ -119,14 +86,14 @@ class DiffusionModelConfig(NoiseConfig):
                 f"model.backbone.caption_channels={width} but model.text.width={self.text.width}: the caption "
                 "token embeddings are the text encoder's width"
             )
-        pooled = getattr(d, "pooled_channels", None)
+        pooled = kind.pooled_width(d)
         if pooled is not None and pooled != self.text.pooled_dim:
             key = "model.text.width" if self.text.pooled_width is None else "model.text.pooled_width"
             raise ValueError(
                 f"model.backbone.pooled_channels={pooled} but {key}={self.text.pooled_dim}: the pooled caption "
                 "embedding is the text encoder's (model.text.pooled_width, null = model.text.width)"
             )
-        if d.kind in ("pixart", "mmdit") and self.num_classes is not None:
+        if not kind.takes_labels and self.num_classes is not None:
             raise ValueError(
                 f"model.backbone.kind={d.kind} is conditioned on captions, not class labels: unset model.num_classes"
             )
@@ -142,43 +109,24 @@ class DiffusionModelConfig(NoiseConfig):
         """The backbone config: `model.backbone`, else a unet of the shape keys at `model.*`."""
         if self.backbone is not None:
             return self.backbone
-        return UNetBackboneConfig(**{k: getattr(self, k) for k in _UNET_SHAPE_KEYS})
+        return UNetBackboneConfig(**{k: getattr(self, k) for k in UNET_SHAPE_KEYS})
 
-
-def architecture_hints(prefix: str) -> dict[str, str]:
-    """diffusers UNet config fields -> the gentrain keys that set them (for pretrained-folder mismatches)."""
-    return {
-        "block_out_channels": f"{prefix}.block_out_channels",
-        "layers_per_block": f"{prefix}.layers_per_block",
-        "norm_num_groups": f"{prefix}.norm_num_groups",
-        "down_block_types": f"{prefix}.attention and {prefix}.block_out_channels",
-        "up_block_types": f"{prefix}.attention and {prefix}.block_out_channels",
-        "in_channels": "data.channels",
-        "out_channels": "data.channels",
-        "num_class_embeds": "model.num_classes (the UNet has one more row: the null class)",
-    }
+    @property
+    def denoiser_class(self) -> type[Backbone]:
+        """The denoiser's backbone class: what its kind takes and offers."""
+        return backbone_class(self.denoiser)
 
 
 def _backbone_hints(c: DiffusionModelConfig) -> dict[str, str]:
-    """Hints for the configured denoiser: the UNet's keys at `model.*` or under `model.backbone`; a transformer's
-    diffusers config fields carry the names of `model.backbone.*`."""
-    d = c.denoiser
-    if d.kind == "unet":
-        return architecture_hints("model.backbone" if c.backbone is not None else "model")
-    hints = {name: f"model.backbone.{name}" for name in type(d).model_fields if name != "kind"}
-    hints.update(
-        in_channels="data.channels",
-        out_channels="data.channels",
-        sample_size="data.image_size",
-        num_embeds_ada_norm="model.num_classes",
-    )
-    return hints
+    """Hints for the configured denoiser: its diffusers config fields -> the keys that set them (the UNet's at
+    `model.*` when `model.backbone` is not set)."""
+    return c.denoiser_class.config_hints("model.backbone" if c.backbone is not None else "model")
 
 
 def part_name(c: DiffusionModelConfig) -> str:
     """The trainable part: `unet` (as before the backbone section, so checkpoints and optim.unet keep their
-    names) or `transformer`."""
-    return "unet" if c.denoiser.kind == "unet" else "transformer"
+    names) or `transformer`, as the backbone declares."""
+    return c.denoiser_class.part
 
 
 class DDPMTask(Task):
@@ -244,13 +192,7 @@ class DDPMTask(Task):
             )
             channels, size = self.latent.shape[0], self.latent.side
             extra[AUTOENCODER] = self.latent.build()
-            if c.denoiser.kind == "unet":
-                down = 2 ** (len(c.denoiser.block_out_channels) - 1)
-                if size % down:
-                    raise ConfigError(
-                        f"the autoencoder's {size}x{size} latents are not divisible by the UNet's downsampling "
-                        f"factor {down} (2 ** (len(block_out_channels) - 1)): use fewer UNet levels or larger images"
-                    )
+            c.denoiser_class.check_input_side(c.denoiser, size, f"the autoencoder's {size}x{size} latents")
         self.backbone = build_backbone(c.denoiser, size, channels, c.num_classes)
         # The part is the bare diffusers module: its state-dict keys are those of checkpoints written before
         # the backbone section existed.
@@ -277,8 +219,9 @@ class DDPMTask(Task):
     def _no_pipeline(self, vae_problem: str | None) -> str | None:
         """Why no diffusers pipeline samples this model as `gentrain sample` does; None when one does."""
         c, kind, objective = self.cfg, self.cfg.denoiser.kind, self.objective.name
+        offered = c.denoiser_class.pipeline  # the pipeline its backbone declares, if the rest allows
         if self.text is not None:
-            pooled = ", plus the pooled embedding" if kind == "mmdit" else ""
+            pooled = ", plus the pooled embedding" if c.denoiser_class.pooled_width(c.denoiser) else ""
             return (
                 f"diffusers' text-to-image pipelines load their own CLIP/T5 text encoder and tokenizer; this {kind} "
                 f"is conditioned on the frozen {c.text.kind} encoder {c.text.source!r} ({c.text.width} wide: caption "
@@ -291,21 +234,23 @@ class DDPMTask(Task):
                 "preconditioning (scheduler.scale_model_input): DDPMPipeline and DDIMPipeline apply neither, "
                 "DiTPipeline only the second"
             )
-        if kind == "unet" and c.num_classes is not None:
+        if offered == "DDIMPipeline" and c.num_classes is not None:
             return (
                 "DDIMPipeline and DDPMPipeline call the UNet without class labels; this UNet is class-conditional "
                 f"(class_labels 0..{c.num_classes - 1}; row {c.num_classes} of its class table is the null class "
                 "for classifier-free guidance)"
             )
-        if kind == "unet" and self.latent is not None:
+        if offered == "DDIMPipeline" and self.latent is not None:
             return (
                 "no diffusers pipeline samples a UNet2DModel in an AutoencoderKL's latent space (LDMPipeline decodes "
                 "with a VQModel): sample the latents with the UNet and the scheduler, then decode them with the vae"
             )
-        if kind == "unet":
+        if offered == "DDIMPipeline":
             return None
-        if kind != "dit":
+        if offered is None:
             return f"no diffusers pipeline runs a gentrain {kind} backbone without captions"
+        if offered != "DiTPipeline":
+            return f"gentrain does not export {offered} folders yet"
         if self.latent is None:
             return "DiTPipeline decodes latents through a VAE; this DiT denoises pixels"
         if vae_problem is not None:
@@ -329,7 +274,8 @@ class DDPMTask(Task):
           1000 is gentrain's null row (`trainer.models.export.dit_for_pipeline`);
         - anything else (captions, class-conditional UNets, pixel DiTs, EDM, VQ-GAN or shifted latents): the
           folders only, `Export.reason` says why (`_no_pipeline`)."""
-        c, kind, name = self.cfg, self.cfg.denoiser.kind, self.part
+        c, name = self.cfg, self.part
+        offered = c.denoiser_class.pipeline
         net = modules[name]
         scheduler = self.objective.inference_scheduler(sample.scheduler)
         sched_name = type(scheduler).__name__
@@ -343,7 +289,7 @@ class DDPMTask(Task):
         steps, scale = sample.inference_steps, sample.guidance_scale
         gen = "generator=torch.Generator().manual_seed(0)"
         pipeline, notes, extra = None, [], {}
-        if reason is None and kind == "unet":
+        if reason is None and offered == "DDIMPipeline":
             pipeline = (
                 "DDIMPipeline" if sample.scheduler == "ddim" and self.objective.name != "flow" else "DDPMPipeline"
             )
@@ -384,7 +330,7 @@ class DDPMTask(Task):
                     'vae = AutoencoderKL.from_pretrained(folder, subfolder="vae")  '
                     f"# images = vae.decode(latents / vae.config.scaling_factor{shift}).sample"
                 )
-            if kind == "dit":
+            if offered == "DiTPipeline":
                 rows = (c.num_classes or 1) + 1
                 notes.append(f"the transformer's label tables have {rows} rows: the classes, then the null class")
             if self.latent is not None and vae is None:

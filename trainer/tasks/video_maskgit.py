@@ -1,8 +1,8 @@
 """Video MaskGIT task (`task: video-maskgit`): Phenaki's masked-token transformer over a frozen causal video
 tokenizer's codes.
 
-The MaskGIT task (`trainer.tasks.maskgit`) over the token slices of a
-`video-tokenizer` run (`model.tokenizer.url`, digest-pinned like MaskGIT's
+The MaskGIT skeleton (`trainer.tasks.base_maskgit`) over the token slices of a
+`video-tokenizer` run (`frozen_kind` "video-tokenizer") (`model.tokenizer.url`, digest-pinned like MaskGIT's
 tokenizer, with the same geometry checks plus the clip length): a clip of T
 frames is S = 1 + (T - 1) / temporal_patch slices of h x w tokens, one
 sequence of S*h*w tokens with learned positions, conditioned on captions
@@ -24,10 +24,10 @@ from pydantic import ConfigDict, Field
 from torch import nn
 
 from trainer.errors import ConfigError
+from trainer.models.maskgit import MaskGITConfig
+from trainer.models.video_tokenizer import check_frames, real_tokens
 from trainer.tasks.base import Batch, TaskContext
-from trainer.tasks.maskgit import MaskGITConfig, MaskGITTask, check_tokenizer_geometry
-from trainer.tasks.video_tokenizer import VideoTokenizerTask, check_frames, real_tokens
-from trainer.tasks.vqgan import tokenizer_geometry
+from trainer.tasks.base_maskgit import MaskedTokenTask
 
 
 class VideoMaskGITConfig(MaskGITConfig):
@@ -37,18 +37,18 @@ class VideoMaskGITConfig(MaskGITConfig):
     temporal_patch: int | None = Field(None, ge=1, description="frames per token slice after the first")
 
 
-class VideoMaskGITTask(MaskGITTask):
+class VideoMaskGITTask(MaskedTokenTask):
     ModelConfig = VideoMaskGITConfig
     cfg: VideoMaskGITConfig
+    tokenizer_kind = "video-tokenizer"
+    tokenizer_name = "video-tokenizer run"
 
     def __init__(self, model_cfg: VideoMaskGITConfig, ctx: TaskContext):
         super().__init__(model_cfg, ctx)
         self.temporal_patch = 1
 
     def _check_tokenizer(self, tok_task: type, source: Any, url: str) -> tuple[int, int]:
-        if not issubclass(tok_task, VideoTokenizerTask):
-            raise ConfigError(f"model.tokenizer.url={url}: a {source.task!r} run, not a video-tokenizer run")
-        geometry = check_tokenizer_geometry(self.cfg, self.ctx, source, url, tokenizer_geometry(source))
+        geometry = super()._check_tokenizer(tok_task, source, url)
         tp = source.model_cfg.temporal_patch
         if self.cfg.temporal_patch is not None and self.cfg.temporal_patch != tp:
             raise ConfigError(

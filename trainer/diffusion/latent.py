@@ -6,7 +6,8 @@ EMA weights by default; its measured `scaling_factor` buffer comes with the weig
 `AutoencoderKL` folder (config.json + diffusion_pytorch_model.safetensors, e.g. Stable Diffusion's VAE; its
 `scaling_factor` and `shift_factor` are read from config.json), on any fsspec store; an image VQ-GAN run
 works too (LDM's VQ setting: the diffusion learns the encoder's latents before quantization, scale 1, and
-decoding quantizes them first). Either way it is
+decoding quantizes them first). Which of the two a run is, its task declares (`Task.frozen_kind`:
+"kl-autoencoder" or "image-tokenizer"); the modules are trainer/models/autoencoder.py and vqgan.py. Either way it is
 digest-pinned in every checkpoint (a changed digest at resume exits 2), never optimized and never saved.
 
 Latents are `(z - shift) * scale`, z a posterior sample `mean + std * eps` (`sample_posterior: true`, the
@@ -34,14 +35,12 @@ from pydantic import BaseModel, ConfigDict, Field
 from torch import nn
 
 from trainer.errors import ConfigError
+from trainer.models.autoencoder import KLAutoencoder
 from trainer.models.export import plain_autoencoder_kl
+from trainer.models.vqgan import VQAutoencoder
 from trainer.randomness import Stream, sample_draws
 from trainer.registry import task_class
-from trainer.services import ProcessServices
-from trainer.tasks.autoencoder import AutoencoderTask, KLAutoencoder
-from trainer.tasks.base import FrozenSource, FrozenWeights
-from trainer.tasks.video_tokenizer import VideoTokenizerTask
-from trainer.tasks.vqgan import VQAutoencoder, VQGANTask
+from trainer.task_types import FrozenSource, FrozenWeights
 
 log = logging.getLogger(__name__)
 
@@ -94,6 +93,11 @@ class Geometry:
     downsample: int
 
 
+def _frozen_kind(config: Any) -> str | None:
+    """What the source run's generator is, as its task declares (`Task.frozen_kind`)."""
+    return getattr(task_class(config.task), "frozen_kind", None)
+
+
 def _geometry(weights: FrozenWeights, url: str) -> Geometry:
     config = weights.config
     if isinstance(config, dict):  # a diffusers folder's config.json
@@ -101,9 +105,7 @@ def _geometry(weights: FrozenWeights, url: str) -> Geometry:
         return Geometry(
             int(config.get("in_channels", 3)), int(config.get("latent_channels", 4)), 2 ** (len(blocks) - 1)
         )
-    task = task_class(config.task)
-    is_vqgan = issubclass(task, VQGANTask) and not issubclass(task, VideoTokenizerTask)
-    if not issubclass(task, AutoencoderTask) and not is_vqgan:
+    if _frozen_kind(config) not in ("kl-autoencoder", "image-tokenizer"):
         raise ConfigError(
             f"model.autoencoder.url={url}: a {config.task!r} run, not an autoencoder (train one with the "
             "digits-autoencoder preset or task: autoencoder) or an image VQ-GAN, nor a diffusers AutoencoderKL folder"
@@ -122,7 +124,7 @@ class LatentSpace:
         image_size: int,
         channels: int,
         seed: int,
-        services: ProcessServices | None = None,
+        services: Any = None,  # TaskContext.services: asked whether calls to a module are collective
         encoding: Mapping[str, Any] | None = None,
     ):
         self.cfg = c
@@ -185,7 +187,7 @@ class LatentSpace:
         config = self.weights.config
         if isinstance(config, dict):
             module = FolderAutoencoderKL.from_config({k: v for k, v in config.items() if not k.startswith("_")})
-        elif issubclass(task_class(config.task), VQGANTask):
+        elif _frozen_kind(config) == "image-tokenizer":
             module = VQAutoencoder(config.model_cfg, config.data.channels)
         else:
             module = KLAutoencoder(config.model_cfg, config.data.channels, config.data.image_size)

@@ -1,0 +1,190 @@
+"""A backbone is one module that declares what it takes and offers, and tasks are plug-ins (issue 37): every
+registered backbone builds (on the meta device, tiny) and declares everything tasks ask of it; the ddpm and
+cascade config unions are derived from the registry; no module of trainer/tasks/ imports a task module, and
+task modules import only the layers below them; frozen runs are told by a declared kind."""
+
+from __future__ import annotations
+
+import ast
+import importlib
+import pkgutil
+from pathlib import Path
+from typing import get_args
+
+import pytest
+import torch
+from pydantic import BaseModel
+
+import trainer.diffusion.backbones as backbones_pkg
+from trainer.diffusion.backbones import BACKBONES, Backbone, BackboneConfig, backbone_class, kinds, parse_backbone
+from trainer.diffusion.stages import StageBackboneConfig
+from trainer.registry import builtin_tasks, task_class
+from trainer.tasks.ddpm import DiffusionModelConfig
+
+REPO = Path(__file__).resolve().parents[1]
+TASKS = REPO / "trainer" / "tasks"
+
+# The test entry a new backbone adds: its smallest config (the keys its schema requires, a tiny shape).
+TINY = {
+    "unet": {"block_out_channels": [8, 16], "norm_num_groups": 4},
+    "dit": {"num_layers": 1, "num_attention_heads": 2, "attention_head_dim": 8},
+    "pixart": {"num_layers": 1, "num_attention_heads": 2, "attention_head_dim": 8, "caption_channels": 16},
+    "mmdit": {
+        "num_layers": 1,
+        "num_attention_heads": 2,
+        "attention_head_dim": 8,
+        "caption_channels": 16,
+        "pooled_channels": 12,
+    },
+}
+
+
+def test_the_registry_is_every_module_of_the_package_that_sets_backbone():
+    found = {}
+    for info in pkgutil.iter_modules(backbones_pkg.__path__):
+        cls = getattr(importlib.import_module(f"trainer.diffusion.backbones.{info.name}"), "BACKBONE", None)
+        if cls is not None:
+            found[cls.kind] = cls
+    assert found == BACKBONES and list(BACKBONES) == ["unet", "dit", "pixart", "mmdit"]
+    assert set(TINY) == set(BACKBONES), "a new backbone adds its TINY entry here"
+
+
+@pytest.mark.parametrize("kind", list(BACKBONES))
+def test_every_backbone_declares_what_it_takes_and_offers_and_builds_tiny(kind):
+    cls = BACKBONES[kind]
+    assert issubclass(cls, Backbone) and cls.kind == kind
+    assert issubclass(cls.Config, BaseModel) and cls.Config.model_fields["kind"].default == kind
+    assert isinstance(cls.order, int) and cls.part in ("unet", "transformer")
+    assert isinstance(cls.takes_labels, bool) and cls.stage_conditioning in (None, "labels", "tokens")
+    assert cls.pipeline is None or cls.pipeline.endswith("Pipeline")
+    assert cls.captions() in ("always", "optional", "never")
+
+    c = parse_backbone({"kind": kind, **TINY[kind]})
+    assert type(c) is cls.Config and backbone_class(c) is cls
+    assert set(cls.config_hints("model.backbone").values()) >= {"data.channels"}
+    with torch.device("meta"):
+        b = cls.build(c, 8, 3, num_classes=4 if cls.takes_labels else None)
+    assert isinstance(b, cls) and all(p.is_meta for p in b.parameters())
+    assert b.fsdp_units and b.fsdp_unit_classes  # FSDP and activation checkpointing have blocks to wrap
+    # What it declares is what the built module takes.
+    assert ("labels" in b.accepts) == cls.takes_labels
+    width = cls.caption_width(c)
+    assert ("captions" in b.accepts) == (width is not None)
+    assert (cls.captions() == "always") == ("captions" in b.requires)
+    assert ("pooled" in b.accepts) == (cls.pooled_width(c) is not None)
+    if cls.stage_conditioning == "tokens":
+        assert width is not None, "a stage feeds its conditions as caption tokens"
+
+
+def test_the_config_unions_are_derived_from_the_registry():
+    assert kinds() == list(BACKBONES)
+    ddpm = DiffusionModelConfig.model_fields["backbone"].annotation
+    union = get_args(get_args(ddpm)[0])[0]  # Annotated[A | B ..., discriminator] | None
+    assert set(get_args(union)) == {cls.Config for cls in BACKBONES.values()}
+    assert set(get_args(get_args(BackboneConfig)[0])) == {cls.Config for cls in BACKBONES.values()}
+    staged = {cls.Config for cls in BACKBONES.values() if cls.stage_conditioning}
+    assert set(get_args(get_args(StageBackboneConfig)[0])) == staged and staged
+
+
+def test_one_unet_schema():
+    from trainer.diffusion.backbones.unet import UNetBackboneConfig, UNetShape
+    from trainer.diffusion.config import NoiseConfig
+    from trainer.diffusion.stages import StageConfig
+
+    for schema in (UNetBackboneConfig, NoiseConfig, DiffusionModelConfig, StageConfig):
+        assert issubclass(schema, UNetShape), schema
+    shape = set(UNetShape.model_fields)
+    assert shape <= set(DiffusionModelConfig.model_fields) and shape <= set(StageConfig.model_fields)
+
+
+# ---------------------------------------------------------------- tasks are plug-ins
+
+
+def _trainer_imports(path: Path) -> list[tuple[int, str]]:
+    """(line, module) of every import of a trainer module (`from a import b` also yields `a.b`)."""
+    out = []
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if isinstance(node, ast.Import):
+            out += [(node.lineno, a.name) for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            out.append((node.lineno, node.module))
+            out += [(node.lineno, f"{node.module}.{a.name}") for a in node.names]
+    return [(line, m) for line, m in out if m == "trainer" or m.startswith("trainer.")]
+
+
+def _task_modules() -> set[str]:
+    return {f"trainer.tasks.{name.replace('-', '_')}" for name in builtin_tasks()}
+
+
+def _under(module: str, prefix: str) -> bool:
+    return module == prefix or module.startswith(prefix + ".")
+
+
+def test_no_module_of_tasks_imports_a_task_module():
+    tasks = _task_modules()
+    assert {"trainer.tasks.ddpm", "trainer.tasks.cascade", "trainer.tasks.vqgan"} <= tasks
+    found = [
+        f"{path.name}:{line} imports {module}"
+        for path in sorted(TASKS.glob("*.py"))
+        for line, module in _trainer_imports(path)
+        if any(_under(module, t) for t in tasks)
+    ]
+    assert found == []
+
+
+# What a task module may import: the Task interface and the bases of tasks/ that are not tasks (base_*.py,
+# sampling.py), the model layers beneath, and the leaves.
+_TASKS_MAY_IMPORT = (
+    "trainer.tasks.base",
+    "trainer.tasks.base_gan",
+    "trainer.tasks.base_maskgit",
+    "trainer.tasks.sampling",
+    "trainer.models",
+    "trainer.diffusion",
+    "trainer.conditioning",
+    "trainer.errors",
+    "trainer.randomness",
+    "trainer.registry",
+    "trainer.task_types",
+)
+
+
+def test_modules_of_tasks_import_only_the_interface_models_diffusion_and_conditioning():
+    found = [
+        f"{path.name}:{line} imports {module}"
+        for path in sorted(TASKS.glob("*.py"))
+        if path.stem != "base"  # the interface asks the engine's services by intent (docs/architecture.md)
+        for line, module in _trainer_imports(path)
+        if not any(_under(module, allowed) for allowed in _TASKS_MAY_IMPORT)
+    ]
+    assert found == []
+
+
+def test_models_and_the_diffusion_core_import_no_task():
+    found = [
+        f"{path.relative_to(REPO)}:{line} imports {module}"
+        for folder in ("models", "diffusion")
+        for path in sorted((REPO / "trainer" / folder).rglob("*.py"))
+        for line, module in _trainer_imports(path)
+        if _under(module, "trainer.tasks")
+    ]
+    assert found == []
+
+
+def test_frozen_runs_are_told_by_the_kind_their_task_declares():
+    declared = {name: task_class(name).frozen_kind for name in builtin_tasks()}
+    assert declared == {
+        "autoencoder": "kl-autoencoder",
+        "cascade": None,
+        "ddpm": None,
+        "maskgit": None,
+        "video-maskgit": None,
+        "video-tokenizer": "video-tokenizer",
+        "vqgan": "image-tokenizer",
+    }
+    assert task_class("maskgit").tokenizer_kind == "image-tokenizer"
+    assert task_class("video-maskgit").tokenizer_kind == "video-tokenizer"
+    # The GAN autoencoders share one skeleton.
+    from trainer.tasks.base_gan import GANAutoencoderTask
+
+    assert all(issubclass(task_class(n), GANAutoencoderTask) for n in ("autoencoder", "vqgan", "video-tokenizer"))

@@ -1,0 +1,161 @@
+"""`kind: unet`: UNet2DModel (class labels by `num_class_embeds`, one extra row for the null class, as the ddpm
+task builds it) or, with `caption_channels`, UNet2DConditionModel (captions by cross-attention).
+
+`UNetShape` is the one UNet schema: the ddpm task reads it at `model.*` (when `model.backbone` is not set),
+every cascade stage at `model.stages[i].*` (its StageNet's UNet), and `kind: unet` adds its keys to it.
+"""
+
+from __future__ import annotations
+
+from typing import ClassVar, Literal
+
+from diffusers import UNet2DConditionModel, UNet2DModel
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from trainer.diffusion.backbones.base import Backbone
+from trainer.errors import ConfigError
+
+
+class UNetShape(BaseModel):
+    """The UNet's shape keys and defaults (ddpm's `model.*`, a cascade stage's, `model.backbone` of kind unet)."""
+
+    model_config = ConfigDict(extra="forbid")
+    _keys_at: ClassVar[str] = "model"  # where a config error says the keys are
+
+    block_out_channels: list[int] = Field(default=[32, 64, 64], min_length=1)
+    layers_per_block: int = Field(1, ge=1)
+    attention: bool = Field(True, description="self-attention in the lowest-resolution blocks")
+    norm_num_groups: int = Field(8, ge=1)
+    dropout: float = Field(0.0, ge=0, lt=1)
+
+    @model_validator(mode="after")
+    def _groups_divide_channels(self) -> UNetShape:
+        bad = [c for c in self.block_out_channels if c % self.norm_num_groups]
+        if bad:
+            at = self._keys_at
+            raise ValueError(
+                f"{at}.block_out_channels {self.block_out_channels}: every entry must be divisible "
+                f"by {at}.norm_num_groups={self.norm_num_groups} (GroupNorm)"
+            )
+        return self
+
+    @property
+    def downsample(self) -> int:
+        """The UNet's downsampling factor: its input side must be a multiple."""
+        return 2 ** (len(self.block_out_channels) - 1)
+
+
+UNET_SHAPE_KEYS = frozenset(UNetShape.model_fields)
+
+
+def changed_unet_keys(c: BaseModel) -> list[str]:
+    """The UNet shape keys of `c` that differ from their defaults (by value, not by whether they were typed:
+    a config read back from a checkpoint has every key set)."""
+    fields = UNetShape.model_fields
+    return sorted(k for k in fields if getattr(c, k) != fields[k].get_default(call_default_factory=True))
+
+
+def architecture_hints(prefix: str) -> dict[str, str]:
+    """diffusers UNet config fields -> the gentrain keys that set them (for pretrained-folder mismatches)."""
+    return {
+        "block_out_channels": f"{prefix}.block_out_channels",
+        "layers_per_block": f"{prefix}.layers_per_block",
+        "norm_num_groups": f"{prefix}.norm_num_groups",
+        "down_block_types": f"{prefix}.attention and {prefix}.block_out_channels",
+        "up_block_types": f"{prefix}.attention and {prefix}.block_out_channels",
+        "in_channels": "data.channels",
+        "out_channels": "data.channels",
+        "num_class_embeds": "model.num_classes (the UNet has one more row: the null class)",
+    }
+
+
+def unet_block_types(c: UNetShape, attn_down: str = "AttnDownBlock2D", attn_up: str = "AttnUpBlock2D"):
+    """(down, up) block types: plain blocks, attention in the lowest resolution when `attention`."""
+    n = len(c.block_out_channels)
+    down = ["DownBlock2D"] * n
+    up = ["UpBlock2D"] * n
+    if c.attention and n > 1:
+        down[-1] = attn_down
+        up[0] = attn_up
+    return tuple(down), tuple(up)
+
+
+class UNetBackboneConfig(UNetShape):
+    """`kind: unet`; the shape keys and defaults of the ddpm task's UNet."""
+
+    _keys_at: ClassVar[str] = "model.backbone"
+
+    kind: Literal["unet"] = "unet"
+    caption_channels: int | None = Field(
+        None, ge=1, description="width of caption token embeddings: UNet2DConditionModel with cross-attention"
+    )
+    attention_head_dim: int = Field(8, ge=1, description="cross-attention head width (with caption_channels)")
+
+
+class UNetBackbone(Backbone):
+    kind = "unet"
+    Config = UNetBackboneConfig
+    order = 0
+    part = "unet"  # as before the backbone section, so checkpoints and optim.unet keep their names
+    takes_labels = True
+    pipeline = "DDIMPipeline"  # or DDPMPipeline: its loop is any scheduler's own steps
+    _unit_lists = ("down_blocks", "up_blocks")
+
+    @classmethod
+    def config_hints(cls, prefix: str) -> dict[str, str]:
+        return architecture_hints(prefix)
+
+    @classmethod
+    def check_input_side(cls, c: UNetBackboneConfig, side: int, what: str) -> None:
+        if side % c.downsample:
+            raise ConfigError(
+                f"{what} are not divisible by the UNet's downsampling factor {c.downsample} "
+                "(2 ** (len(block_out_channels) - 1)): use fewer UNet levels or larger images"
+            )
+
+    @classmethod
+    def build(
+        cls,
+        c: UNetBackboneConfig,
+        sample_size: int,
+        channels: int,
+        num_classes: int | None = None,
+        in_channels: int | None = None,
+    ) -> UNetBackbone:
+        # One extra embedding row is the "no label" class used for guidance.
+        class_rows = (num_classes + 1) if num_classes else None
+        shape = dict(
+            sample_size=sample_size,
+            in_channels=in_channels or channels,
+            out_channels=channels,
+            block_out_channels=tuple(c.block_out_channels),
+            layers_per_block=c.layers_per_block,
+            norm_num_groups=c.norm_num_groups,
+            dropout=c.dropout,
+            num_class_embeds=class_rows,
+        )
+        accepts = {"labels"} if num_classes else set()
+        if c.caption_channels is None:
+            down, up = unet_block_types(c)
+            return cls(UNet2DModel(down_block_types=down, up_block_types=up, **shape), accepts, accepts)
+        down, up = unet_block_types(c, "CrossAttnDownBlock2D", "CrossAttnUpBlock2D")
+        model = UNet2DConditionModel(
+            down_block_types=down,
+            up_block_types=up,
+            mid_block_type="UNetMidBlock2DCrossAttn",
+            cross_attention_dim=c.caption_channels,
+            attention_head_dim=c.attention_head_dim,
+            **shape,
+        )
+        return cls(model, accepts | {"captions", "caption_mask"}, accepts | {"captions"})
+
+    def call(self, model, x, t, cond):
+        labels = cond.get("labels")
+        # The built module decides: `model` may be a DDP wrapper around it.
+        if isinstance(self.model, UNet2DConditionModel):
+            mask = cond.get("caption_mask")
+            return model(x, t, cond["captions"], class_labels=labels, encoder_attention_mask=mask).sample
+        return model(x, t, class_labels=labels).sample
+
+
+BACKBONE = UNetBackbone
