@@ -7,7 +7,7 @@ run's decoding steps and guidance unless overridden), then judges every clip:
 - digit: each frame's ink is located (the centre of the box around pixels
   above half the frame's peak), a digit-sized window (half the canvas, as the
   dataset draws it) is cropped there and classified by the shipped digits CNN
-  (`trainer/models/digits_features.*`, its classifier head; trained on the UCI
+  (`trainer/conditioning/digits_features.*`, its classifier head; trained on the UCI
   digits at 16x16, the size Moving Digits draws them at 32x32). A clip's digit
   is the argmax of its frames' mean log-probabilities; frame accuracy counts
   frames one by one.
@@ -36,11 +36,11 @@ import torch.nn.functional as F
 
 from trainer.checkpoint import resolve_checkpoint
 from trainer.checkpoint.weights import load_for_inference
+from trainer.conditioning.feature_cnn import build_cnn, shipped_digits
 from trainer.data import build_splits
 from trainer.data.sampler import SampleRef
 from trainer.data.video import DIRECTIONS, moving_caption
 from trainer.media import save_gif
-from trainer.models.feature_cnn import build_cnn, shipped_digits
 from trainer.tasks.sampling import SampleRequest
 
 INK = 0.5  # share of a frame's peak above which a pixel is ink

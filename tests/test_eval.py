@@ -67,7 +67,7 @@ def test_feature_networks_that_are_not_there_are_exit_2_errors_naming_the_file(t
 def test_user_feature_network_from_a_folder_gives_the_same_values_as_the_shipped_one(tmp_path):
     from safetensors.torch import save_file
 
-    from trainer.models.feature_cnn import shipped_digits
+    from trainer.conditioning.feature_cnn import shipped_digits
 
     desc, tensors, _ = shipped_digits()
     (tmp_path / "features.json").write_text(json.dumps(desc))

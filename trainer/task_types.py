@@ -31,6 +31,13 @@ class FrozenSource:
     folder_class: str | None = None
 
 
+def frozen_kind_of(config: Any) -> str | None:
+    """What a frozen source run's generator is (`frozen_kind` of its model config class: "kl-autoencoder",
+    "image-tokenizer", "video-tokenizer"), from its typed config; None for anything else (a diffusers
+    folder's config.json, a run of another task)."""
+    return getattr(type(getattr(config, "model_cfg", None)), "frozen_kind", None)
+
+
 @dataclass
 class FrozenWeights:
     """A resolved frozen source: the source run's config, the weights, and where exactly they came from."""

@@ -3,7 +3,7 @@
 DALL-E 2's decoder (Ramesh et al. 2022, arXiv:2204.06125) learns to invert
 CLIP's image embedding. On the built-in digits no CLIP is available offline,
 so `model.image_encoder: digits-features` uses the small digits CNN gentrain
-ships for FID/KID (`trainer/models/digits_features.safetensors`, 98% digit
+ships for FID/KID (`trainer/conditioning/digits_features.safetensors`, 98% digit
 accuracy): its 64-wide penultimate features, L2-normalized as CLIP embeddings
 are. The decoder then draws variations of the image an embedding came from.
 
@@ -26,8 +26,8 @@ import numpy as np
 import torch
 from PIL import Image
 
+from trainer.conditioning.feature_cnn import build_cnn, shipped_digits
 from trainer.data.datasets import DigitsDataset, image_to_tensor
-from trainer.models.feature_cnn import build_cnn, shipped_digits
 
 ENCODERS = ("digits-features",)
 

@@ -16,7 +16,8 @@ A diffusion model here is three independent choices:
 `config.py` holds the keys every diffusion model has (`NoiseConfig`), `stages.py` the cascade's stage networks.
 
 Conditioning (class labels, captions, pooled embeddings) reaches the backbone as a mapping; classifier-free
-guidance and the class-label helpers are in `guidance.py`. A task composes the three:
+guidance and the class-label helpers are `trainer.conditioning.guidance` (MaskGIT guides with them too),
+re-exported here. A task composes the three:
 
     objective = build_objective(cfg)
     net = build_backbone(cfg.backbone, sample_size, channels, num_classes)
@@ -26,6 +27,15 @@ guidance and the class-label helpers are in `guidance.py`. A task composes the t
     x = objective.denoise(net, noise, steps, "ddim", Guidance(cond, uncond, scale))
 """
 
+from trainer.conditioning.guidance import (
+    Guidance,
+    cfg_batch,
+    cfg_combine,
+    check_num_classes,
+    default_labels,
+    guide,
+    labels_or_null,
+)
 from trainer.diffusion.backbones import (
     BACKBONES,
     Backbone,
@@ -40,15 +50,6 @@ from trainer.diffusion.backbones import (
     UNetBackboneConfig,
     build_backbone,
     parse_backbone,
-)
-from trainer.diffusion.guidance import (
-    Guidance,
-    cfg_batch,
-    cfg_combine,
-    check_num_classes,
-    default_labels,
-    guide,
-    labels_or_null,
 )
 from trainer.diffusion.objectives import (
     EDM,

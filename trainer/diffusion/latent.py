@@ -39,8 +39,7 @@ from trainer.models.autoencoder import KLAutoencoder
 from trainer.models.export import plain_autoencoder_kl
 from trainer.models.vqgan import VQAutoencoder
 from trainer.randomness import Stream, sample_draws
-from trainer.registry import task_class
-from trainer.task_types import FrozenSource, FrozenWeights
+from trainer.task_types import FrozenSource, FrozenWeights, frozen_kind_of
 
 log = logging.getLogger(__name__)
 
@@ -94,8 +93,8 @@ class Geometry:
 
 
 def _frozen_kind(config: Any) -> str | None:
-    """What the source run's generator is, as its task declares (`Task.frozen_kind`)."""
-    return getattr(task_class(config.task), "frozen_kind", None)
+    """What the source run's generator is, as its model config declares (`Task.frozen_kind`)."""
+    return frozen_kind_of(config)
 
 
 def _geometry(weights: FrozenWeights, url: str) -> Geometry:

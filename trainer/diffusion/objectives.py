@@ -43,7 +43,7 @@ from diffusers.training_utils import (
 )
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from trainer.diffusion.guidance import Guidance
+from trainer.conditioning.guidance import Guidance
 from trainer.errors import ConfigError
 from trainer.randomness import SampleDraws
 from trainer.task_types import Loss

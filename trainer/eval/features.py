@@ -1,5 +1,5 @@
 """Feature networks for FID/KID: the shipped digits net, a net the user gives (safetensors + JSON), or Inception.
-(The digits net and the CNN a user's net must be are `trainer.models.feature_cnn`, which conditioning uses too.)
+(The digits net and the CNN a user's net must be are `trainer.conditioning.feature_cnn`, which conditioning uses too.)
 
 Published FID/KID numbers use the TF-ported Inception-v3 weights; those are
 not on PyPI and cannot be downloaded here, so `eval.features=inception` needs
@@ -20,8 +20,8 @@ import tempfile
 import torch
 from torch import nn
 
+from trainer.conditioning.feature_cnn import build_cnn, shipped_digits
 from trainer.errors import ConfigError
-from trainer.models.feature_cnn import build_cnn, shipped_digits
 
 INCEPTION_FILE = "pt_inception-2015-12-05-6726825d.pth"
 

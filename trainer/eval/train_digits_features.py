@@ -5,7 +5,8 @@ trainer/data/digits.npz) at 16x16 with random one-pixel shifts; its 64-wide
 penultimate layer is the feature space of `eval.features=digits`. 20% of the
 digits (a fixed split) measure its accuracy, then it trains on all of them.
 Deterministic on CPU for a given torch build; writes
-trainer/models/digits_features.safetensors and digits_features.json (beside the CNN, trainer.models.feature_cnn).
+trainer/conditioning/digits_features.safetensors and digits_features.json (beside the CNN,
+trainer.conditioning.feature_cnn).
 """
 
 from __future__ import annotations
@@ -19,8 +20,8 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import save_file
 
+from trainer.conditioning.feature_cnn import ARCHITECTURE, CNNFeatures
 from trainer.data.datasets import DigitsDataset
-from trainer.models.feature_cnn import ARCHITECTURE, CNNFeatures
 
 DESC = {
     "architecture": ARCHITECTURE,
@@ -66,7 +67,7 @@ def main() -> None:
     ap.add_argument("--epochs", type=int, default=30)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument(
-        "--out", default=os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "models")
+        "--out", default=os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "conditioning")
     )
     args = ap.parse_args()
     torch.set_num_threads(1)

@@ -4,7 +4,7 @@ weights (trainer/tasks/autoencoder.py measures it; trainer/diffusion/latent.py r
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 from diffusers import AutoencoderKL
@@ -16,6 +16,8 @@ from trainer.models.gan import AdversarialConfig, ConvAutoencoderShape
 
 
 class AutoencoderConfig(ConvAutoencoderShape, AdversarialConfig):
+    # What this run's generator is to a run that loads it frozen (`Task.frozen_kind` reads it from here).
+    frozen_kind: ClassVar[str] = "kl-autoencoder"
     model_config = ConfigDict(extra="forbid")
 
     latent_channels: int = Field(4, ge=1)

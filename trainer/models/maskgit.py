@@ -17,8 +17,8 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field
 from torch import nn
 
+from trainer.conditioning.guidance import labels_or_null
 from trainer.conditioning.text import TextEncoderConfig
-from trainer.diffusion.guidance import labels_or_null
 
 log = logging.getLogger(__name__)
 

@@ -6,7 +6,7 @@ tokenizes exactly like that image. Video MaskGIT loads it frozen through `encode
 from __future__ import annotations
 
 import math
-from typing import Literal
+from typing import ClassVar, Literal
 
 import torch
 from pydantic import ConfigDict, Field, model_validator
@@ -18,6 +18,8 @@ from trainer.models.quantize import CodebookConfig, QuantizedAutoencoder
 
 
 class VideoTokenizerConfig(CodebookConfig, AdversarialConfig):
+    # What this run's generator is to a run that loads it frozen (`Task.frozen_kind` reads it from here).
+    frozen_kind: ClassVar[str] = "video-tokenizer"
     model_config = ConfigDict(extra="forbid")
 
     patch_size: int = Field(4, ge=1, description="spatial patch side: a frame becomes (H/p) x (W/p) tokens")

@@ -4,6 +4,8 @@ image tokenizer through `encode_indices` / `decode_indices`."""
 
 from __future__ import annotations
 
+from typing import ClassVar
+
 import torch
 from diffusers.models.autoencoders.vae import Decoder, Encoder
 from pydantic import ConfigDict
@@ -14,6 +16,8 @@ from trainer.models.quantize import CodebookConfig, QuantizedAutoencoder
 
 
 class VQGANConfig(ConvAutoencoderShape, CodebookConfig, AdversarialConfig):
+    # What this run's generator is to a run that loads it frozen (`Task.frozen_kind` reads it from here).
+    frozen_kind: ClassVar[str] = "image-tokenizer"
     model_config = ConfigDict(extra="forbid")
 
 

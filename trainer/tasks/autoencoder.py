@@ -43,7 +43,6 @@ class AutoencoderTask(GANAutoencoderTask):
     ModelConfig = AutoencoderConfig
     cfg: AutoencoderConfig
     samples_reconstruct = True
-    frozen_kind = "kl-autoencoder"
 
     def __init__(self, model_cfg: AutoencoderConfig, ctx: TaskContext):
         if ctx.num_frames > 1:

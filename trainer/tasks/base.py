@@ -188,8 +188,14 @@ class Task:
     samples_reconstruct: ClassVar[bool] = False
     # What this task's `generator` part is to another run that loads it as a frozen part (None: nothing):
     # "kl-autoencoder" (latent diffusion's first stage), "image-tokenizer" (a VQ-GAN: latent diffusion or
-    # MaskGIT), "video-tokenizer" (video MaskGIT). Consumers read it from the source run's task class.
+    # MaskGIT), "video-tokenizer" (video MaskGIT). Declared by the model config class (`frozen_kind` there),
+    # so a consumer reads it from the source run's typed config (`frozen_kind_of`) without the registry.
     frozen_kind: ClassVar[str | None] = None
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        if "ModelConfig" in cls.__dict__:
+            cls.frozen_kind = getattr(cls.ModelConfig, "frozen_kind", None)
 
     def __init__(self, model_cfg: BaseModel, ctx: TaskContext):
         self.cfg = model_cfg

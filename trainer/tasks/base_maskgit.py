@@ -25,13 +25,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from trainer.conditioning.guidance import check_num_classes, default_labels, guide
 from trainer.conditioning.text import TextEncoder
-from trainer.diffusion.guidance import check_num_classes, default_labels, guide
 from trainer.errors import ConfigError
 from trainer.models.maskgit import Condition, MaskGITConfig, MaskTransformer, TokenCache, cosine_mask_ratio
 from trainer.models.quantize import tokenizer_geometry
 from trainer.randomness import Stream, sample_draws
-from trainer.registry import task_class
+from trainer.task_types import frozen_kind_of
 from trainer.tasks.base import Batch, FrozenSource, Loss, Phase, PreviewContext, StepInfo, Task, TaskContext
 from trainer.tasks.sampling import SampleRequest
 
@@ -98,22 +98,22 @@ class MaskedTokenTask(Task):
 
     def build(self, frozen) -> dict[str, nn.Module]:
         source = frozen["tokenizer"].config
-        tok_task = task_class(source.task)
-        self.num_codes, self.grid = self._check_tokenizer(tok_task, source, frozen["tokenizer"].record["url"])
+        self.num_codes, self.grid = self._check_tokenizer(source, frozen["tokenizer"].record["url"])
         c = self.cfg
         if c.token_cache:
             self.cache = TokenCache(c.token_cache, frozen["tokenizer"].record["digest"])
-        tokenizer = tok_task(source.model_cfg, self._tokenizer_context(source)).build({})["generator"]
+        tokenizer = self.build_tokenizer(source)
         cond_tokens = (1 if c.num_classes else 0) + (c.text.tokens if c.text else 0)
         transformer = MaskTransformer(c, self.num_codes, self.token_layout(), cond_tokens)
         return {"tokenizer": tokenizer, "transformer": transformer}
 
-    def _tokenizer_context(self, source: Any) -> TaskContext:
-        return self.ctx
+    def build_tokenizer(self, source: Any) -> nn.Module:
+        """The frozen tokenizer's generator, built from its run's config `source` (models/, not its task)."""
+        raise NotImplementedError
 
-    def _check_tokenizer(self, tok_task: type, source: Any, url: str) -> tuple[int, int]:
+    def _check_tokenizer(self, source: Any, url: str) -> tuple[int, int]:
         """(codebook size, token grid side) of the tokenizer run `source`; ConfigError on any mismatch."""
-        if getattr(tok_task, "frozen_kind", None) != self.tokenizer_kind:
+        if frozen_kind_of(source) != self.tokenizer_kind:
             raise ConfigError(f"model.tokenizer.url={url}: a {source.task!r} run, not a {self.tokenizer_name}")
         return check_tokenizer_geometry(self.cfg, self.ctx, source, url, tokenizer_geometry(source))
 

@@ -25,7 +25,7 @@ epsilon), rectified flow (`prediction_type: flow`, SD3's timestep densities
 and loss weights, a flow-matching Euler sampler), or the elucidated
 preconditioning (`prediction_type: edm`, Karras et al. 2022, as
 imagen-pytorch's ElucidatedImagen), all from diffusers' own functions; so do
-classifier-free guidance and the class-label helpers (trainer/diffusion/guidance.py). The stage networks
+classifier-free guidance and the class-label helpers (trainer/conditioning/guidance.py). The stage networks
 and their configs are the core's too (trainer/diffusion/stages.py): which backbones a stage may be, and how
 they are conditioned, each backbone declares.
 """

@@ -8,7 +8,12 @@ transformer is trainer/models/maskgit.py.
 
 from __future__ import annotations
 
+from typing import Any
+
+from torch import nn
+
 from trainer.models.maskgit import MaskGITConfig, MaskTransformer, TokenCache
+from trainer.models.vqgan import VQAutoencoder
 from trainer.tasks.base_maskgit import MaskedTokenTask, check_tokenizer_geometry
 
 __all__ = ["MaskGITConfig", "MaskGITTask", "MaskTransformer", "TokenCache", "check_tokenizer_geometry"]
@@ -17,6 +22,9 @@ __all__ = ["MaskGITConfig", "MaskGITTask", "MaskTransformer", "TokenCache", "che
 class MaskGITTask(MaskedTokenTask):
     tokenizer_kind = "image-tokenizer"
     tokenizer_name = "vqgan tokenizer"
+
+    def build_tokenizer(self, source: Any) -> nn.Module:
+        return VQAutoencoder(source.model_cfg, self.ctx.channels)
 
     def token_layout(self, frames: int | None = None) -> tuple[int, ...]:
         """Shape of one sample's token grid; images take no `frames` (see `sample_accepts`)."""

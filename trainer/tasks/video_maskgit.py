@@ -25,7 +25,7 @@ from torch import nn
 
 from trainer.errors import ConfigError
 from trainer.models.maskgit import MaskGITConfig
-from trainer.models.video_tokenizer import check_frames, real_tokens
+from trainer.models.video_tokenizer import CausalVideoAutoencoder, check_frames, real_tokens
 from trainer.tasks.base import Batch, TaskContext
 from trainer.tasks.base_maskgit import MaskedTokenTask
 
@@ -47,8 +47,8 @@ class VideoMaskGITTask(MaskedTokenTask):
         super().__init__(model_cfg, ctx)
         self.temporal_patch = 1
 
-    def _check_tokenizer(self, tok_task: type, source: Any, url: str) -> tuple[int, int]:
-        geometry = super()._check_tokenizer(tok_task, source, url)
+    def _check_tokenizer(self, source: Any, url: str) -> tuple[int, int]:
+        geometry = super()._check_tokenizer(source, url)
         tp = source.model_cfg.temporal_patch
         if self.cfg.temporal_patch is not None and self.cfg.temporal_patch != tp:
             raise ConfigError(
@@ -65,10 +65,9 @@ class VideoMaskGITTask(MaskedTokenTask):
         self.temporal_patch = tp
         return geometry
 
-    def _tokenizer_context(self, source: Any) -> TaskContext:
-        """The tokenizer is built as its own run built it (its clip length, not this run's)."""
-        d = source.data
-        return TaskContext(d.image_size, d.channels, source.seed, num_frames=d.num_frames, services=self.ctx.services)
+    def build_tokenizer(self, source: Any) -> nn.Module:
+        """The tokenizer as its own run built it (its image size and channels)."""
+        return CausalVideoAutoencoder(source.model_cfg, source.data.channels, source.data.image_size)
 
     def sample_accepts(self) -> frozenset[str]:
         return super().sample_accepts() | {"frames"}

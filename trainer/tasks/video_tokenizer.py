@@ -51,7 +51,6 @@ class VideoTokenizerTask(QuantizedGANTask):
 
     ModelConfig = VideoTokenizerConfig
     cfg: VideoTokenizerConfig
-    frozen_kind = "video-tokenizer"
 
     def __init__(self, model_cfg: VideoTokenizerConfig, ctx: TaskContext):
         if ctx.image_size % model_cfg.patch_size:

@@ -37,7 +37,6 @@ __all__ = ["VQAutoencoder", "VQGANConfig", "VQGANTask", "tokenizer_geometry"]
 class VQGANTask(QuantizedGANTask):
     ModelConfig = VQGANConfig
     cfg: VQGANConfig
-    frozen_kind = "image-tokenizer"
 
     def __init__(self, model_cfg: VQGANConfig, ctx: TaskContext):
         check_downsample(ctx, model_cfg.downsample)

@@ -78,6 +78,6 @@ def build_cnn(desc: dict[str, Any], tensors: dict[str, torch.Tensor]) -> CNNFeat
 def shipped_digits() -> tuple[dict, dict[str, torch.Tensor], bytes]:
     from safetensors.torch import load
 
-    pkg = resources.files("trainer.models")
+    pkg = resources.files("trainer.conditioning")
     raw = pkg.joinpath("digits_features.safetensors").read_bytes()
     return json.loads(pkg.joinpath("digits_features.json").read_text()), load(raw), raw
