@@ -28,7 +28,7 @@ import fsspec
 from trainer.checkpoint.layout import group_name, parse_group, parse_step_dir, whole_file
 from trainer.checkpoint.reader import CheckpointReader, resolve_checkpoint
 from trainer.checkpoint.store import CheckpointStore
-from trainer.checkpoint.view import CheckpointView
+from trainer.checkpoint.view import CheckpointView, check_pinned_inputs
 from trainer.conditioning.text import check_stored_encoders
 from trainer.config import Config
 from trainer.config.redact import redact
@@ -155,31 +155,6 @@ def load_frozen(
         f"{source.url} now gives {found} and the pinned checkpoint is gone or changed. Resuming would train on "
         "different frozen weights. Restore that checkpoint, or start a new run (a new checkpoint.url)."
     )
-
-
-def check_pinned_inputs(recorded: Mapping[str, Any], current: Mapping[str, Any], where: str) -> None:
-    """Refuse (exit 2) when an input the run pinned (`"pin": True`, e.g. its text encoder) now has another
-    digest: the model was trained on the old one's outputs and would silently get different conditions."""
-    for name, now in current.items():
-        was = recorded.get(name)
-        if not now.get("pin") or was is None or was.get("digest") == now.get("digest"):
-            continue
-        raise ConfigError(
-            f"{name}: {where} was trained with {was.get('source') or was.get('url')} ({was.get('digest')}), but "
-            f"{now.get('source') or now.get('url')} now gives {now.get('digest')}. Its outputs would differ from the "
-            "ones the model learned. Use the same weights again, or start a new run (a new checkpoint.url)."
-        )
-    for name, now in current.items():
-        was = recorded.get(name)
-        if not now.get("pin") and was is not None and was.get("digest") != now.get("digest"):
-            log.info(
-                "%s: %s changed since %s started (%s -> %s); the checkpoint's weights are used",
-                name,
-                now.get("url"),
-                where,
-                was.get("digest"),
-                now.get("digest"),
-            )
 
 
 def load_for_inference(

@@ -2,12 +2,14 @@
 what training state goes into which file, and the manager that decides when to save and resume.
 
     layout.py   every file and dir name in a checkpoint root, built and parsed
-    store.py    CheckpointStore: commit (manifest last), discovery, verification, retention
+    reader.py   CheckpointReader: discovery, verification, reads (writes nothing)
+    retention.py  which old checkpoints go after a commit; removing a step dir
+    store.py    CheckpointStore: commit (manifest last), on top of the reader and retention
+    view.py     CheckpointView: one checkpoint read-only (part weights, digests, part steps, config tree)
     format.py   nested state <-> safetensors + JSON skeleton; streaming writer; digests
     quantized.py  8-bit optimizer state <-> plain tensors + a JSON description (never pickled)
     writer.py   Checkpointer: sync or background saves of a snapshot, one in flight
     state.py    which Stateful object goes to which file; restore from them
-    weights.py  load one part's weights from any run (sampling, frozen parts)
     memory.py   the memory tier: snapshots in node-local shared memory, a buddy node's copy, the
                 agreement on which step to resume from
     manager.py  CheckpointManager: when to save, resume, emergency save, failure counting
@@ -15,6 +17,7 @@ what training state goes into which file, and the manager that decides when to s
 
 from trainer.checkpoint.format import join_tensors, split_tensors, write_safetensors
 from trainer.checkpoint.layout import step_dir_name
+from trainer.checkpoint.reader import CheckpointReader
 from trainer.checkpoint.store import (
     CheckpointCorrupt,
     CheckpointError,
@@ -24,12 +27,15 @@ from trainer.checkpoint.store import (
     SaveResult,
     resolve_checkpoint,
 )
+from trainer.checkpoint.view import CheckpointView
 
 __all__ = [
     "CheckpointCorrupt",
     "CheckpointError",
     "CheckpointInfo",
+    "CheckpointReader",
     "CheckpointStore",
+    "CheckpointView",
     "Payload",
     "SaveResult",
     "join_tensors",

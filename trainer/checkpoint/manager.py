@@ -36,7 +36,7 @@ from trainer.checkpoint.store import (
     describe_owner,
     new_owner_id,
 )
-from trainer.checkpoint.weights import check_pinned_inputs
+from trainer.checkpoint.view import check_pinned_inputs
 from trainer.checkpoint.writer import Checkpointer, SnapshotError
 from trainer.config import Config
 from trainer.config.redact import REDACTED, redact

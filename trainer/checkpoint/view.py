@@ -20,7 +20,8 @@ code runs (`trainer.registry.check_stored_task`), and its storage options are re
 from __future__ import annotations
 
 import copy
-from collections.abc import Callable, Iterable
+import logging
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any, TypeVar
 
 import torch
@@ -40,6 +41,8 @@ from trainer.checkpoint.sharded import ShardIndex, load_group
 from trainer.checkpoint.store import describe_owner
 from trainer.errors import CheckpointCorrupt, ConfigError
 
+log = logging.getLogger(__name__)
+
 T = TypeVar("T")
 
 # What the store itself writes into every manifest; the rest is what the run recorded about itself.
@@ -52,12 +55,13 @@ class CheckpointView:
     manifest (`info.reason` says why)."""
 
     def __init__(self, reader: CheckpointReader, info: CheckpointInfo):
-        if info.manifest is None:
+        manifest = info.manifest
+        if manifest is None:
             raise CheckpointCorrupt(f"{info.url}: {info.reason or 'no manifest'}")
         self.reader = reader
         self.info = info
-        self._manifest = info.manifest
-        self._files: dict[str, Any] = info.manifest["files"]
+        self._manifest = manifest
+        self._files: dict[str, Any] = manifest["files"]
         self._derived: dict[Any, Any] = {}
         self._index: ShardIndex | None = None
 
@@ -261,3 +265,28 @@ class CheckpointView:
         if not self.holds_training_state:
             return None
         return {n: int(p["step"]) for n, p in self.trainer_state()["parts"].items()}
+
+
+def check_pinned_inputs(recorded: Mapping[str, Any], current: Mapping[str, Any], where: str) -> None:
+    """Refuse (exit 2) when an input the run pinned (`"pin": True`, e.g. its text encoder) now has another
+    digest: the model was trained on the old one's outputs and would silently get different conditions."""
+    for name, now in current.items():
+        was = recorded.get(name)
+        if not now.get("pin") or was is None or was.get("digest") == now.get("digest"):
+            continue
+        raise ConfigError(
+            f"{name}: {where} was trained with {was.get('source') or was.get('url')} ({was.get('digest')}), but "
+            f"{now.get('source') or now.get('url')} now gives {now.get('digest')}. Its outputs would differ from the "
+            "ones the model learned. Use the same weights again, or start a new run (a new checkpoint.url)."
+        )
+    for name, now in current.items():
+        was = recorded.get(name)
+        if not now.get("pin") and was is not None and was.get("digest") != now.get("digest"):
+            log.info(
+                "%s: %s changed since %s started (%s -> %s); the checkpoint's weights are used",
+                name,
+                now.get("url"),
+                where,
+                was.get("digest"),
+                now.get("digest"),
+            )

@@ -197,9 +197,9 @@ def encode_dataset(
 
     # Imported here: encoding builds the frozen autoencoder exactly as a training run does (its loader, part
     # and latent space live above trainer.data); only `gentrain data encode` comes this way.
-    from trainer.checkpoint.weights import load_frozen
     from trainer.data.sampler import SampleRef
     from trainer.engine.parts import FrozenPart
+    from trainer.runs import load_frozen
     from trainer.tasks.latent import PART, LatentSpace, frozen_source
 
     if dtype not in DTYPES:
