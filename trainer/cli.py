@@ -223,7 +223,7 @@ def _setup_logging(rank: int = 0, world_size: int = 1) -> None:
 
 def _open(args: argparse.Namespace, url: str, doing: str):
     """The view of the checkpoint `url` names (a step dir, or a root's newest valid one), or None after
-    telling the user why there is none to `doing` (exit 3)."""
+    telling the user why there is none to `doing` (the caller exits 1: EXIT_INVALID_CHECKPOINT)."""
     # Imports torch: only commands that read a checkpoint get here.
     from trainer.checkpoint import CheckpointView, resolve_checkpoint
 
