@@ -22,11 +22,10 @@ import torch
 sys.path.insert(0, os.path.dirname(__file__))
 from digits_classifier import class_accuracy, fit_digits_classifier  # noqa: E402
 
-from trainer.checkpoint import resolve_checkpoint  # noqa: E402
-from trainer.checkpoint.layout import TRAINER_JSON  # noqa: E402
-from trainer.checkpoint.weights import load_for_inference  # noqa: E402
+from trainer.checkpoint import CheckpointView, resolve_checkpoint  # noqa: E402
 from trainer.data import build_splits  # noqa: E402
 from trainer.data.sampler import SampleRef  # noqa: E402
+from trainer.runs import load_for_inference  # noqa: E402
 from trainer.tasks.sampling import SampleRequest  # noqa: E402
 
 
@@ -41,8 +40,9 @@ def main() -> None:
     torch.set_num_threads(2)
     store, info = resolve_checkpoint(args.checkpoint)
     device = torch.device("cpu")
-    cfg, task, modules = load_for_inference(store, info, use_ema=True, device=device)
-    steps = {n: int(v["step"]) for n, v in store.read_json(info, TRAINER_JSON)["parts"].items()}
+    view = CheckpointView(store, info)
+    cfg, task, modules = load_for_inference(view, use_ema=True, device=device)
+    steps = view.part_steps()
     clf = fit_digits_classifier()
     labels = torch.arange(10).repeat_interleave(args.per_class)
     guidance = cfg.sample.guidance_scale if args.guidance_scale is None else args.guidance_scale

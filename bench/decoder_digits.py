@@ -23,11 +23,10 @@ import torch
 sys.path.insert(0, os.path.dirname(__file__))
 from digits_classifier import class_accuracy, fit_digits_classifier  # noqa: E402
 
-from trainer.checkpoint import resolve_checkpoint  # noqa: E402
-from trainer.checkpoint.layout import TRAINER_JSON  # noqa: E402
-from trainer.checkpoint.weights import load_for_inference  # noqa: E402
+from trainer.checkpoint import CheckpointView, resolve_checkpoint  # noqa: E402
 from trainer.data import build_splits  # noqa: E402
 from trainer.data.sampler import SampleRef  # noqa: E402
+from trainer.runs import load_for_inference  # noqa: E402
 from trainer.tasks.sampling import SampleRequest  # noqa: E402
 
 
@@ -42,10 +41,11 @@ def main() -> None:
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "2")))
     store, info = resolve_checkpoint(args.checkpoint)
     device = torch.device("cpu")
-    cfg, task, modules = load_for_inference(store, info, use_ema=True, device=device)
+    view = CheckpointView(store, info)
+    cfg, task, modules = load_for_inference(view, use_ema=True, device=device)
     if task.image_encoder is None:
         raise SystemExit("this checkpoint has no model.image_encoder: not a digits-decoder run")
-    steps = {n: int(v["step"]) for n, v in store.read_json(info, TRAINER_JSON)["parts"].items()}
+    steps = view.part_steps()
     _, val, _ = build_splits(cfg)
     refs = [SampleRef(index=i, position=i) for i in range(min(args.num, len(val)))]
     real = torch.stack([val[r][0] for r in refs])

@@ -22,13 +22,13 @@ import torch
 sys.path.insert(0, os.path.dirname(__file__))
 from digits_classifier import class_accuracy, fit_digits_classifier  # noqa: E402
 
-from trainer.checkpoint import resolve_checkpoint  # noqa: E402
-from trainer.checkpoint.weights import load_for_inference  # noqa: E402
+from trainer.checkpoint import CheckpointView, resolve_checkpoint  # noqa: E402
 from trainer.data import build_splits  # noqa: E402
 from trainer.data.datasets import digit_caption  # noqa: E402
 from trainer.data.sampler import SampleRef  # noqa: E402
 from trainer.diffusion.latent import PART as AUTOENCODER  # noqa: E402
 from trainer.media import save_grid  # noqa: E402
+from trainer.runs import load_for_inference  # noqa: E402
 from trainer.tasks.sampling import SampleRequest  # noqa: E402
 
 
@@ -43,7 +43,7 @@ def main() -> None:
     args = p.parse_args()
     store, info = resolve_checkpoint(args.checkpoint)
     device = torch.device("cpu")
-    cfg, task, modules = load_for_inference(store, info, use_ema=True, device=device)
+    cfg, task, modules = load_for_inference(CheckpointView(store, info), use_ema=True, device=device)
     s = cfg.sample
     labels = torch.arange(10).repeat_interleave(args.per_class)
     captioned = cfg.model_cfg.text is not None

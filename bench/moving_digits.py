@@ -34,13 +34,13 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from trainer.checkpoint import resolve_checkpoint
-from trainer.checkpoint.weights import load_for_inference
+from trainer.checkpoint import CheckpointView, resolve_checkpoint
 from trainer.conditioning.feature_cnn import build_cnn, shipped_digits
 from trainer.data import build_splits
 from trainer.data.sampler import SampleRef
 from trainer.data.video import DIRECTIONS, moving_caption
 from trainer.media import save_gif
+from trainer.runs import load_for_inference
 from trainer.tasks.sampling import SampleRequest
 
 INK = 0.5  # share of a frame's peak above which a pixel is ink
@@ -160,7 +160,7 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     device = torch.device("cpu")
     store, info = resolve_checkpoint(args.checkpoint)
-    cfg, task, modules = load_for_inference(store, info, use_ema=True, device=device)
+    cfg, task, modules = load_for_inference(CheckpointView(store, info), use_ema=True, device=device)
     if cfg.data.source != "moving-digits":
         raise SystemExit(f"{args.checkpoint}: trained on data.source={cfg.data.source}, not moving-digits")
     net = digits_classifier()

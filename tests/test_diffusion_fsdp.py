@@ -14,8 +14,7 @@ from elastic_helpers import start_torchrun
 from test_elastic import finish, standalone
 from test_vqgan_maskgit import _kill_and_compare
 
-from trainer.checkpoint import CheckpointStore
-from trainer.checkpoint.weights import read_weights
+from trainer.checkpoint import CheckpointStore, CheckpointView
 
 _TRANSFORMER = "num_layers: 2, num_attention_heads: 2, attention_head_dim: 8"
 # dit and pixart with dropout (draws from the global RNG, which the checkpoint's RNG files must restore);
@@ -150,8 +149,6 @@ def full_weights(root: str) -> dict[str, torch.Tensor]:
     store = CheckpointStore(root)
     info = store.latest_valid()
     files = info.manifest["files"]
-    return read_weights(
-        store,
-        info,
+    return CheckpointView(store, info).read_weights(
         "transformer.model.safetensors" if "transformer.model.safetensors" in files else "transformer.model",
     )

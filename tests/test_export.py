@@ -34,14 +34,14 @@ from diffusers import (
     UNet2DModel,
 )
 
-from trainer.checkpoint import resolve_checkpoint
-from trainer.checkpoint.weights import load_for_inference
+from trainer.checkpoint import CheckpointView, resolve_checkpoint
 from trainer.cli import main as cli_main
 from trainer.elastic import DistEnv
 from trainer.errors import ConfigError
 from trainer.loop import Trainer
 from trainer.models.export import model_card, write_export
 from trainer.registry import load_config, task_class
+from trainer.runs import load_for_inference
 from trainer.tasks.base import TaskContext
 from trainer.tasks.sampling import SampleRequest
 
@@ -63,7 +63,7 @@ def _pipeline(out: Path):
 
 def _loaded(checkpoints: str):
     store, info = resolve_checkpoint(checkpoints, {})
-    return load_for_inference(store, info, True, CPU)
+    return load_for_inference(CheckpointView(store, info), True, CPU)
 
 
 def test_an_unconditional_pixel_unet_exports_as_a_ddim_pipeline_that_samples_like_gentrain(tmp_path, capsys):

@@ -12,11 +12,11 @@ import torch
 from conftest import REPO, clean_env, run_cli
 from safetensors.torch import load as load_safetensors
 
-from trainer.checkpoint import CheckpointStore
-from trainer.checkpoint.weights import load_for_inference
+from trainer.checkpoint import CheckpointStore, CheckpointView
 from trainer.cli import main as cli_main
 from trainer.errors import ConfigError
 from trainer.registry import load_config, task_class
+from trainer.runs import load_for_inference
 from trainer.tasks.base import TaskContext
 from trainer.tasks.sampling import SampleRequest
 
@@ -167,7 +167,7 @@ def test_exported_lora_loads_back_in_diffusers_and_samples_like_the_merged_model
 
     store = CheckpointStore(url, options)
     _, task, modules = load_for_inference(
-        store, store.check(6), use_ema=True, device=CPU, task_name="cascade_probe:KillableCascadeTask"
+        CheckpointView(store, store.check(6)), use_ema=True, device=CPU, task_name="cascade_probe:KillableCascadeTask"
     )
     request = SampleRequest(num=3, labels=torch.tensor([1, 7, 3]), inference_steps=3, guidance_scale=2.0)
 

@@ -20,9 +20,8 @@ from elastic_helpers import rank_of, start_torchrun, worker_pids
 from helpers import assert_tensors_equal, kill_group
 from test_elastic import finish, make_images, standalone
 
-from trainer.checkpoint import CheckpointStore
+from trainer.checkpoint import CheckpointStore, CheckpointView
 from trainer.checkpoint.format import new_digest
-from trainer.checkpoint.weights import read_weights
 
 pytestmark = pytest.mark.slow
 
@@ -37,7 +36,8 @@ def full_state(root: str, step: int | None = None, storage_options=None) -> dict
     out = {}
     for kind in ("model", "ema", "optimizer"):
         name = f"unet.{kind}.safetensors"
-        out[kind] = read_weights(store, info, name if name in info.manifest["files"] else f"unet.{kind}")
+        view = CheckpointView(store, info)
+        out[kind] = view.read_weights(name if view.has(name) else f"unet.{kind}")
     return out
 
 

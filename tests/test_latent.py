@@ -19,13 +19,13 @@ from PIL import Image
 from test_elastic import standalone
 from test_vqgan_maskgit import _kill_and_compare, _kill_and_resume_one_process, tensors, train_vqgan
 
-from trainer.checkpoint import CheckpointStore
-from trainer.checkpoint.weights import file_digest, load_for_inference
+from trainer.checkpoint import CheckpointStore, CheckpointView
 from trainer.cli import main as cli_main
 from trainer.elastic import DistEnv
 from trainer.errors import ConfigError
 from trainer.loop import Trainer
 from trainer.registry import load_config
+from trainer.runs import load_for_inference
 from trainer.tasks.sampling import SampleRequest
 
 ENV = clean_env(PYTHONPATH=str(REPO / "tests"), HF_HUB_OFFLINE="1")
@@ -81,7 +81,7 @@ def train(tmp_path, url: str, *extra: str, max_steps: int = 2) -> Trainer:
 
 def sample(root: str, storage_options=None) -> torch.Tensor:
     store = CheckpointStore(root, storage_options)
-    _, task, modules = load_for_inference(store, store.latest_valid(), True, CPU)
+    _, task, modules = load_for_inference(CheckpointView(store, store.latest_valid()), True, CPU)
     request = SampleRequest(num=4, seed=0, inference_steps=2)
     images = task.sample(modules, request, CPU)
     assert torch.equal(images, task.sample(modules, request, CPU))  # the seed fixes them
@@ -105,8 +105,10 @@ def test_latent_ddpm_trains_checkpoints_without_the_autoencoder_and_samples_pixe
     assert not any(name.startswith("autoencoder") for name in saved), sorted(saved)
     assert all(not (set(ts) & ae_keys) for ts in saved.values())  # no autoencoder tensor in any file
     manifest = json.loads((tmp_path / "run/checkpoints/step-000000002/manifest.json").read_text())
-    ae_info = CheckpointStore(autoencoder_run).check(3)
-    assert manifest["frozen"]["autoencoder"]["digest"] == file_digest(ae_info, "generator.ema.safetensors")
+    ae_store = CheckpointStore(autoencoder_run)
+    assert manifest["frozen"]["autoencoder"]["digest"] == CheckpointView(ae_store, ae_store.check(3)).file_digest(
+        "generator.ema.safetensors"
+    )
     images = sample(root)
     assert images.shape == (4, 1, 8, 8) and 0 <= images.min() and images.max() <= 1
 

@@ -23,7 +23,6 @@ from test_latent import vae_folder
 from test_shards import finish, make_folder, pack, standalone
 from test_vqgan_maskgit import _kill_and_resume_one_process
 
-from trainer.checkpoint.weights import load_frozen
 from trainer.data.encode import encode_dataset
 from trainer.data.shards import ShardStream, filesystem
 from trainer.data.shards.tar import scan_tar
@@ -33,6 +32,7 @@ from trainer.engine.parts import FrozenPart
 from trainer.loop import Trainer
 from trainer.randomness import Stream, sample_draws
 from trainer.registry import load_config
+from trainer.runs import load_frozen
 
 ENV = clean_env(PYTHONPATH=f"{REPO}:{REPO / 'tests'}", HF_HUB_OFFLINE="1")
 DIGITS = 1797

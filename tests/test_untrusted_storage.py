@@ -19,12 +19,12 @@ import torch
 from conftest import REPO, clean_env, run_cli, tiny
 from helpers import assert_trackers_continued, tracker_settings
 
-from trainer.checkpoint.weights import load_frozen
 from trainer.config.redact import REDACTED, RedactingFilter, is_credential_key, redact, redact_text
 from trainer.engine.report import flat_hparams
 from trainer.errors import ConfigError
 from trainer.eval.features import load_features
 from trainer.registry import config_from_dict, load_config
+from trainer.runs import load_frozen
 from trainer.tasks.base import FrozenSource
 
 EVIL_TASK = "evilmod:X"

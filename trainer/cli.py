@@ -221,16 +221,30 @@ def _setup_logging(rank: int = 0, world_size: int = 1) -> None:
             handler.addFilter(_REDACT)
 
 
-def _load_for_inference(args: argparse.Namespace, store, info, device) -> tuple[Any, Any, dict[str, Any]]:
-    """(config, task, modules) of a checkpoint; the task and the text encoder its manifest names are loaded
-    only when built in (packaged) or named by the user (--task, --text-encoder): either would run code."""
-    # Imports torch: only commands that load a checkpoint get here.
-    from trainer.checkpoint.weights import config_of, load_for_inference
-    from trainer.conditioning.text import check_stored_encoders
+def _open(args: argparse.Namespace, url: str, doing: str):
+    """The view of the checkpoint `url` names (a step dir, or a root's newest valid one), or None after
+    telling the user why there is none to `doing` (the caller exits 1: EXIT_INVALID_CHECKPOINT)."""
+    # Imports torch: only commands that read a checkpoint get here.
+    from trainer.checkpoint import CheckpointView, resolve_checkpoint
 
-    where = f"checkpoint {info.url}"
-    check_stored_encoders(config_of(info, args.task).model_cfg, args.text_encoder, where)
-    return load_for_inference(store, info, not args.no_ema, device, task_name=args.task)
+    reader, info = resolve_checkpoint(url, args.storage_options)
+    if info is None or not info.valid:
+        why = info.reason if info else "no valid checkpoint under this root"
+        _fail(f"cannot {doing} {url}: {why}")
+        return None
+    return CheckpointView(reader, info)
+
+
+def _load_for_inference(args: argparse.Namespace, view, device) -> tuple[Any, Any, dict[str, Any]]:
+    """(config, task, modules) of a checkpoint; the task and the text encoder its manifest names are loaded
+    only when built in (packaged) or named by the user (--task, --text-encoder): either would run code.
+    The config is parsed once (the view keeps it)."""
+    # Imports torch: only commands that load a checkpoint get here.
+    from trainer.conditioning.text import check_stored_encoders
+    from trainer.runs import config_of, load_for_inference
+
+    check_stored_encoders(config_of(view, args.task).model_cfg, args.text_encoder, f"checkpoint {view.url}")
+    return load_for_inference(view, not args.no_ema, device, task_name=args.task)
 
 
 def cmd_train(args: argparse.Namespace) -> int:
@@ -280,7 +294,6 @@ def cmd_sample(args: argparse.Namespace) -> int:
     import torch
 
     # torch-heavy layers, imported by the commands that use them (see the module doc)
-    from trainer.checkpoint import resolve_checkpoint
     from trainer.media import contact_sheet, save_gif, save_grid, save_media, slugify
     from trainer.storage import check_output_file
     from trainer.tasks.sampling import check_request
@@ -289,13 +302,11 @@ def cmd_sample(args: argparse.Namespace) -> int:
     check_output_file(
         args.out, f"--out {args.out!r}", "give the file to write, e.g. --out grid.png (its folder is made if missing)"
     )
-    store, info = resolve_checkpoint(args.checkpoint, args.storage_options)
-    if info is None or not info.valid:
-        why = info.reason if info else "no valid checkpoint under this root"
-        _fail(f"cannot sample from {args.checkpoint}: {why}")
+    view = _open(args, args.checkpoint, "sample from")
+    if view is None:
         return EXIT_INVALID_CHECKPOINT
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    cfg, task, modules = _load_for_inference(args, store, info, device)
+    cfg, task, modules = _load_for_inference(args, view, device)
     # The sampling contract (trainer/tasks/sampling.py): the user's request, refused once against what this
     # checkpoint's task declares, then the run's sample.* settings for what the user left out.
     request = _request(args)
@@ -304,7 +315,7 @@ def cmd_sample(args: argparse.Namespace) -> int:
     request = request.with_defaults(
         inference_steps=s.inference_steps, scheduler=s.scheduler, guidance_scale=s.guidance_scale
     ).replace(
-        part_steps=_part_steps(store, info),
+        part_steps=view.part_steps(),  # None for a consolidated checkpoint, which has weights only
         images=_held_out_images(cfg, args.num, args.seed) if task.samples_reconstruct else None,
     )
     images = task.sample(modules, request, device)
@@ -316,7 +327,7 @@ def cmd_sample(args: argparse.Namespace) -> int:
         written.append(save_grid(contact_sheet(images), f"{stem}.png", nrow=images.shape[1]))
     else:  # videos: a GIF and a contact sheet beside it
         written = save_media(images, os.path.splitext(args.out)[0])
-    print(f"wrote {', '.join(written)}: {args.num} samples from {info.url} (step {info.step})")
+    print(f"wrote {', '.join(written)}: {args.num} samples from {view.url} (step {view.step})")
     return EXIT_OK
 
 
@@ -325,7 +336,6 @@ def cmd_eval(args: argparse.Namespace) -> int:
     import torch
 
     # torch-heavy layers, imported by the commands that use them (see the module doc)
-    from trainer.checkpoint import resolve_checkpoint
     from trainer.data import build_splits
     from trainer.elastic import DistEnv, init_process_group
     from trainer.eval.features import load_features
@@ -335,13 +345,11 @@ def cmd_eval(args: argparse.Namespace) -> int:
     _setup_logging(env.rank, env.world_size)
 
     _REDACT.add_secrets({"storage_options": args.storage_options, "data": args.data_storage_options})
-    store, info = resolve_checkpoint(args.checkpoint, args.storage_options)
-    if info is None or not info.valid:
-        why = info.reason if info else "no valid checkpoint under this root"
-        _fail(f"cannot evaluate {args.checkpoint}: {why}")
+    view = _open(args, args.checkpoint, "evaluate")
+    if view is None:
         return EXIT_INVALID_CHECKPOINT
     device = torch.device(f"cuda:{env.local_rank}" if torch.cuda.is_available() else "cpu")
-    cfg, task, modules = _load_for_inference(args, store, info, device)
+    cfg, task, modules = _load_for_inference(args, view, device)
     if args.data_storage_options is not None:
         cfg.data.storage_options = args.data_storage_options
     _set_eval_flags(cfg, args)
@@ -363,8 +371,8 @@ def cmd_eval(args: argparse.Namespace) -> int:
         device,
     )
     if env.rank == 0:
-        result = {"step": info.step, "checkpoint": info.url, "world_size": env.world_size, **values, **about}
-        url = write_result(store.url, store.storage_options, info.step, result)
+        result = {"step": view.step, "checkpoint": view.url, "world_size": env.world_size, **values, **about}
+        url = write_result(view.reader.url, view.storage_options, view.step, result)
         print(json.dumps(result))
         print(f"fid={values['fid']:.4f} kid={values['kid']:.5f} (±{values['kid_std']:.5f}) -> {url}")
     return EXIT_OK
@@ -434,17 +442,6 @@ def _request(args: argparse.Namespace):
     )
 
 
-def _part_steps(store, info) -> dict[str, int] | None:
-    """Each part's step count (a cascade refuses stages that never trained); None for a consolidated
-    checkpoint, which has weights only."""
-    from trainer.checkpoint.layout import TRAINER_JSON  # torch-heavy (see the module doc)
-
-    if TRAINER_JSON not in info.manifest["files"]:
-        return None
-    parts = store.read_json(info, TRAINER_JSON)["parts"]
-    return {n: int(p["step"]) for n, p in parts.items()}
-
-
 def _human_bytes(n: int) -> str:
     for unit in ("B", "KB", "MB", "GB"):
         if n < 1024 or unit == "GB":
@@ -458,13 +455,14 @@ def _check(store, info, args: argparse.Namespace, cache: dict | None = None) -> 
     checked against a model, or None). Files first (sizes, digests, structure), then whether the weights fit
     the model the checkpoint's config builds, as sampling and resuming need them to."""
     # Imports torch and the tasks: only `checkpoints list` and `verify` get here.
-    from trainer.checkpoint.weights import fit_problems
+    from trainer.checkpoint import CheckpointView
+    from trainer.runs import fit_problems
 
     problems = [info.reason] if not info.valid else store.verify(info)
     if problems:
         return problems, None
     try:
-        return fit_problems(store, info, args.task, args.text_encoder, cache), None
+        return fit_problems(CheckpointView(store, info), args.task, args.text_encoder, cache), None
     except ConfigError as e:  # no model to compare with (an import-path task without --task, no config, ...)
         return [], _REDACT.clean(str(e))
     except CheckpointError as e:
@@ -494,10 +492,11 @@ def _list_memory_tier(memory_dir: str, root: str) -> bool:
 
 def cmd_checkpoints(args: argparse.Namespace) -> int:
     _setup_logging()
-    from trainer.checkpoint import CheckpointStore, resolve_checkpoint  # torch-heavy (see the module doc)
+    # torch-heavy (see the module doc)
+    from trainer.checkpoint import CheckpointReader, CheckpointView, resolve_checkpoint
 
     if args.action == "list":
-        store = CheckpointStore(args.root, args.storage_options)
+        store = CheckpointReader(args.root, args.storage_options)
         infos = store.list()
         both = _list_memory_tier(args.memory_dir, args.root)
         if not infos:
@@ -533,18 +532,19 @@ def cmd_checkpoints(args: argparse.Namespace) -> int:
     if info is None:
         print(f"INVALID: no valid checkpoint under {args.url}")
         return EXIT_INVALID_CHECKPOINT
+    if args.action in ("export", "consolidate") and not info.valid:
+        print(_REDACT.clean(f"INVALID: {info.url}: {info.reason}"), file=sys.stderr)
+        return EXIT_INVALID_CHECKPOINT
     if args.action == "export":
-        return _export(args, store, info)
+        return _export(args, CheckpointView(store, info))
     if args.action == "consolidate":
-        from trainer.checkpoint.weights import consolidate  # torch-heavy (see the module doc)
+        from trainer.runs import consolidate  # torch-heavy (see the module doc)
 
-        if not info.valid:
-            print(_REDACT.clean(f"INVALID: {info.url}: {info.reason}"), file=sys.stderr)
-            return EXIT_INVALID_CHECKPOINT
-        result = consolidate(store, info, args.out, args.storage_options)
+        view = CheckpointView(store, info)
+        copy = consolidate(view, args.out, args.storage_options)
         print(
-            f"wrote {result.info.url}: {len(result.info.manifest['files'])} files, "
-            f"{_human_bytes(result.total_bytes)}, from {info.url} (world size {info.manifest.get('world_size')})"
+            f"wrote {copy.url}: {len(copy.file_names)} files, "
+            f"{_human_bytes(copy.total_bytes)}, from {view.url} (world size {view.world_size})"
         )
         return EXIT_OK
     problems, skipped = _check(store, info, args)
@@ -553,54 +553,42 @@ def cmd_checkpoints(args: argparse.Namespace) -> int:
         for p in problems:
             print(f"  {p}")
         return EXIT_INVALID_CHECKPOINT
-    files = info.manifest["files"]
-    algorithms = sorted({"blake3" if "blake3" in e else "sha256" for e in files.values()})
+    view = CheckpointView(store, info)
     fit = "weights fit the model" if skipped is None else "weights not checked against a model"
     print(
-        f"valid: {info.url} (step {info.step}, {len(files)} files, {_human_bytes(info.total_bytes)}, "
-        f"{'+'.join(algorithms)} checked, {fit})"
+        f"valid: {view.url} (step {view.step}, {len(view.file_names)} files, {_human_bytes(view.total_bytes)}, "
+        f"{'+'.join(view.digest_algorithms)} checked, {fit})"
     )
     if skipped is not None:
         print(f"  weights not checked against a model: {skipped}")
     return EXIT_OK
 
 
-def _export(args: argparse.Namespace, store, info) -> int:
+def _export(args: argparse.Namespace, view) -> int:
     """Diffusers folders of the checkpoint's model (the task's `export`), a model card, and model_index.json
     when a diffusers pipeline runs the model (trainer/models/export.py)."""
     import torch
 
     from trainer.models.export import model_card, write_export  # torch-heavy (see the module doc)
 
-    if not info.valid:
-        print(_REDACT.clean(f"INVALID: {info.url}: {info.reason}"), file=sys.stderr)
-        return EXIT_INVALID_CHECKPOINT
-    cfg, task, modules = _load_for_inference(args, store, info, torch.device("cpu"))
+    cfg, task, modules = _load_for_inference(args, view, torch.device("cpu"))
     _REDACT.add_secrets({"storage_options": args.storage_options, "config": cfg.to_dict()})
     # The digits' labels are their digits; other sources' class names are not in the checkpoint.
     names = [str(i) for i in range(10)] if cfg.data.source == "digits" else None
     export = task.export(modules, cfg.sample, names)
     out = args.out.rstrip("/")
-    weights = ".model.safetensors" if args.no_ema else ".ema.safetensors"
-    files = info.manifest.get("files", {})
     parts = {export.parts.get(folder, folder) for folder in export.models}
-    digests = {
-        f: f"{algo}:{entry[algo]}"
-        for f, entry in files.items()
-        if f.endswith(weights) and f.removesuffix(weights) in parts
-        for algo in ("blake3", "sha256")
-        if algo in entry
-    }
+    digests = view.whole_file_digests(parts, use_ema=not args.no_ema)
     card = model_card(
         export,
         task=cfg.task,
-        step=info.step,
+        step=view.step,
         use_ema=not args.no_ema,
-        checkpoint_url=redact_text(info.url),
+        checkpoint_url=redact_text(view.url),
         digests=digests,
         config=redact(cfg.to_dict()),
     )
-    about = {"step": info.step, "checkpoint": redact_text(info.url), "weights": "online" if args.no_ema else "ema"}
+    about = {"step": view.step, "checkpoint": redact_text(view.url), "weights": "online" if args.no_ema else "ema"}
     try:
         written = write_export(export, out, _REDACT.clean(card), args.storage_options, about)
     except OSError as e:  # the store failed part way (a full disk, a lost connection, a failpoint)
@@ -616,7 +604,7 @@ def _export(args: argparse.Namespace, store, info) -> int:
     else:
         how = f"diffusers folders without model_index.json: {export.reason}"
     print(
-        _REDACT.clean(f"exported {info.url} (step {info.step}, {'online' if args.no_ema else 'EMA'} weights) to {out}")
+        _REDACT.clean(f"exported {view.url} (step {view.step}, {'online' if args.no_ema else 'EMA'} weights) to {out}")
     )
     print(_REDACT.clean(f"  {how} (see {out}/README.md)"))
     return EXIT_OK

@@ -18,7 +18,6 @@ from typing import NoReturn
 import torch
 
 from trainer import __version__
-from trainer.checkpoint.weights import load_frozen
 from trainer.config import Config
 from trainer.data import build_splits, build_train_loader, is_video
 from trainer.elastic import (
@@ -54,6 +53,7 @@ from trainer.hostmem import keep_freed_memory
 from trainer.metrics import TrainingMetrics
 from trainer.randomness import seed_everything
 from trainer.registry import task_class
+from trainer.runs import load_frozen
 from trainer.tasks.base import FrozenWeights, TaskContext
 
 log = logging.getLogger("gentrain")

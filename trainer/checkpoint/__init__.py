@@ -6,12 +6,14 @@ It sits at the bottom of the layers, beside `trainer.storage`: it imports nothin
 is the engine's (`trainer/engine/checkpoints.py`, CheckpointManager).
 
     layout.py   every file and dir name in a checkpoint root, built and parsed
-    store.py    CheckpointStore: commit (manifest last), discovery, verification, retention
+    reader.py   CheckpointReader: discovery, verification, reads (writes nothing)
+    retention.py  which old checkpoints go after a commit; removing a step dir
+    store.py    CheckpointStore: commit (manifest last), on top of the reader and retention
+    view.py     CheckpointView: one checkpoint read-only (part weights, digests, part steps, config tree)
     format.py   nested state <-> safetensors + JSON skeleton; streaming writer; digests
     quantized.py  8-bit optimizer state <-> plain tensors + a JSON description (never pickled)
     writer.py   Checkpointer: sync or background saves of a snapshot, one in flight
     state.py    which Stateful object goes to which file; restore from them
-    weights.py  load one part's weights from any run (sampling, frozen parts)
     sharded.py  a sharded (FSDP) checkpoint: every rank's slices, their index, reading them at any world size
     lease.py    one trainer per run: an exclusive, renewed, fenced lease on a checkpoint root
     validity.py what a valid checkpoint is: manifest, payload and JSON state schemas, checked before use
@@ -21,6 +23,7 @@ is the engine's (`trainer/engine/checkpoints.py`, CheckpointManager).
 
 from trainer.checkpoint.format import join_tensors, split_tensors, write_safetensors
 from trainer.checkpoint.layout import step_dir_name
+from trainer.checkpoint.reader import CheckpointReader
 from trainer.checkpoint.store import (
     CheckpointCorrupt,
     CheckpointError,
@@ -30,12 +33,15 @@ from trainer.checkpoint.store import (
     SaveResult,
     resolve_checkpoint,
 )
+from trainer.checkpoint.view import CheckpointView
 
 __all__ = [
     "CheckpointCorrupt",
     "CheckpointError",
     "CheckpointInfo",
+    "CheckpointReader",
     "CheckpointStore",
+    "CheckpointView",
     "Payload",
     "SaveResult",
     "join_tensors",

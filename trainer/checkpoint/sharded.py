@@ -55,6 +55,7 @@ from trainer.checkpoint.layout import (
     shard_file,
     whole_file,
 )
+from trainer.checkpoint.reader import CheckpointReader
 from trainer.checkpoint.store import CheckpointCorrupt, CheckpointError, CheckpointInfo, CheckpointStore, SaveResult
 from trainer.elastic import gather_objects
 
@@ -185,7 +186,7 @@ def write_sharded(
 # ------------------------------------------------------------------ read side
 
 
-def read_header(store: CheckpointStore, info: CheckpointInfo, name: str) -> tuple[dict[str, Any], int]:
+def read_header(store: CheckpointReader, info: CheckpointInfo, name: str) -> tuple[dict[str, Any], int]:
     """A safetensors file's header (checked against the file's size, see trainer.checkpoint.validity) and
     the byte offset its data starts at (two small ranged reads)."""
     return store.read_safetensors_header(info, name)
@@ -194,7 +195,7 @@ def read_header(store: CheckpointStore, info: CheckpointInfo, name: str) -> tupl
 class ShardIndex:
     """Where every tensor of a checkpoint lives, for both layouts (sharded, or one file per part/kind)."""
 
-    def __init__(self, store: CheckpointStore, info: CheckpointInfo):
+    def __init__(self, store: CheckpointReader, info: CheckpointInfo):
         self.store = store
         self.info = info
         self._groups: dict[str, dict[str, Any]] = (
@@ -256,7 +257,7 @@ class ChunkReader(StorageReader):
     through its manifest digest; only the needed ranges are kept.
     """
 
-    def __init__(self, store: CheckpointStore, info: CheckpointInfo, entries: Mapping[str, Mapping[str, Any]]):
+    def __init__(self, store: CheckpointReader, info: CheckpointInfo, entries: Mapping[str, Mapping[str, Any]]):
         super().__init__()
         self.store = store
         self.info = info

@@ -1,21 +1,14 @@
-"""CheckpointStore: committed, verified, discoverable checkpoints on any fsspec store.
+"""CheckpointStore: commits checkpoints to any fsspec store; with its reader and retention, the whole store.
 
-Layout (docs/contract.md, "Checkpoint layout"):
+The store has three parts, one module each, stacked so each adds one seam:
 
-    <root>/step-000001200/manifest.json   written LAST: the commit point
-    <root>/step-000001200/<payload files> safetensors for tensors, JSON for the rest
-    <root>/LATEST                          hint: name of the newest committed step dir
+    reader.py     CheckpointReader: discovery (`check`, `latest_valid`), verification (`verify`), reads
+    retention.py  CheckpointRetention: which old checkpoints go after a commit; removing a step dir
+    store.py      CheckpointStore: payload files, then the manifest (the commit point), then LATEST
 
-A checkpoint is *committed* when its step dir is a real dir (not a link), its
-manifest parses against its schema and every file it lists exists with the
-listed size (`check`, no hashing); it is *valid* when, on top of that, every
-file matches its digest (blake3 for new checkpoints, sha256 in older ones)
-and its structure (safetensors headers, JSON state schemas): `verify`, with
-the rules in `trainer.checkpoint.validity`. Discovery, `verify`, resume,
-sampling, retention and the save path's "already committed?" check all use
-these two, so they agree. Nothing here unpickles: safetensors and JSON only,
-and nothing in a root is trusted: a stray file, a link or a malformed entry is
-one invalid candidate, never an error of the whole root.
+Readers (sampling, export, `verify`, a frozen part's source run) need only a reader (`resolve_checkpoint`)
+and read what a checkpoint holds through `trainer.checkpoint.view.CheckpointView`. The layout and what
+committed and valid mean are in reader.py and docs/contract.md ("Checkpoint layout").
 
 Ownership: a save belongs to one run and one timeline of it (`Timeline`; docs/checkpoints.md, "Runs,
 timelines and the lease"). A step committed by another timeline (an older run, or the part of this run
@@ -40,73 +33,34 @@ import posixpath
 import secrets
 import threading
 import time
-from collections.abc import Callable, Iterable, Mapping
-from concurrent.futures import Future, ThreadPoolExecutor
+from collections.abc import Callable, Mapping
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from typing import Any
 
 import torch
-from fsspec.implementations.local import LocalFileSystem
-from safetensors.torch import load as safetensors_load
 
-from trainer.checkpoint.format import DIGEST, Hasher, entry_digest, fsync, new_digest, write_safetensors
-from trainer.checkpoint.layout import (
-    MANIFEST,
-    SHARD_INDEX,
-    TRAINER_JSON,
-    group_name,
-    is_rank_json,
-    is_rank_tensors,
-    is_tensor_file,
-    parse_group_file,
-    parse_step_dir,
-    step_dir_name,
-    whole_file,
-)
-from trainer.checkpoint.validity import (
-    FORMAT_VERSION,
-    check_rank_tensors,
-    parse_json,
-    parse_manifest,
-    parse_rank_json,
-    parse_safetensors_header,
-    parse_shard_index,
-    parse_trainer_json,
-    tensor_refs,
-)
+from trainer.checkpoint.format import DIGEST, Hasher, fsync, write_safetensors
+from trainer.checkpoint.layout import MANIFEST, step_dir_name
+from trainer.checkpoint.reader import LATEST, CheckpointInfo, CheckpointReader, resolve_checkpoint
+from trainer.checkpoint.retention import CheckpointRetention
+from trainer.checkpoint.validity import FORMAT_VERSION
 from trainer.errors import CheckpointCorrupt, CheckpointError
-from trainer.storage import filesystem
 
 log = logging.getLogger(__name__)
 
-__all__ = ["CheckpointCorrupt", "CheckpointError", "CheckpointInfo", "CheckpointStore", "FORMAT_VERSION", "Timeline"]
-
-LATEST = "LATEST"
-
-
-@dataclass
-class CheckpointInfo:
-    url: str
-    step: int
-    valid: bool
-    reason: str = ""
-    manifest: dict[str, Any] | None = None
-    fingerprint: str = ""  # blake3 of the manifest's bytes: which commit of this step was checked
-
-    @property
-    def name(self) -> str:
-        return step_dir_name(self.step)
-
-    @property
-    def total_bytes(self) -> int:
-        if not self.manifest:
-            return 0
-        return sum(int(v["bytes"]) for v in self.manifest.get("files", {}).values())
-
-    @property
-    def time_utc(self) -> str:
-        return (self.manifest or {}).get("time_utc", "")
+__all__ = [
+    "LATEST",
+    "CheckpointCorrupt",
+    "CheckpointError",
+    "CheckpointInfo",
+    "CheckpointReader",
+    "CheckpointStore",
+    "FORMAT_VERSION",
+    "Timeline",
+    "resolve_checkpoint",
+]
 
 
 def new_owner_id() -> str:
@@ -158,8 +112,9 @@ class SaveResult:
 Payload = bytes | Mapping[str, torch.Tensor]
 
 
-class CheckpointStore:
-    """Writes, discovers, verifies and prunes checkpoints under one fsspec root URL."""
+class CheckpointStore(CheckpointRetention):
+    """Writes, discovers, verifies and prunes checkpoints under one fsspec root URL: the reader and the
+    retention it extends, plus committing."""
 
     def __init__(
         self,
@@ -168,32 +123,12 @@ class CheckpointStore:
         keep: int = 3,
         keep_every_steps: int = 0,
     ):
-        self.url = url.rstrip("/")
-        self.storage_options = dict(storage_options or {})
-        self.fs, self.root = filesystem(self.url, self.storage_options)
-        self.root = self.root.rstrip("/")
-        self.keep = keep
-        self.keep_every_steps = keep_every_steps
-        self._local = isinstance(self.fs, LocalFileSystem)
-        # Training runs set this: old checkpoints are then deleted on a helper thread after the
-        # commit (deleting a GB-sized checkpoint took 0.2-0.3 s here, a quarter of a sync save).
-        self.prune_in_background = False
-        self._pruner: ThreadPoolExecutor | None = None
-        self._pruning: Future | None = None
-        self._verified: set[tuple[int, str]] = set()  # (step, manifest fingerprint) found valid by `verify`
-        self._digests_ok: set[tuple[int, str, str]] = set()  # (step, fingerprint, file) whose digest matched
+        super().__init__(url, storage_options, keep, keep_every_steps)
         # A training process sets both: the timeline its saves belong to (recorded in every manifest; None:
         # a tool or test writing a root, which keeps any valid step), and the lease check run before every
         # manifest write and before removing a committed step (trainer.checkpoint.lease.Lease.check).
         self.timeline: Timeline | None = None
         self.fence: Callable[[], None] | None = None
-
-    # -- paths
-    def _path(self, *parts: str) -> str:
-        return posixpath.join(self.root, *parts)
-
-    def url_for(self, step: int) -> str:
-        return f"{self.url}/{step_dir_name(step)}"
 
     # -- writing
     def _put_small(self, path: str, data: bytes) -> None:
@@ -278,24 +213,6 @@ class CheckpointStore:
         except (OSError, CheckpointError) as e:
             log.warning("could not remove the partial checkpoint %s: %s", self.url_for(step), e)
 
-    def _remove_step(self, step: int, committed: bool) -> None:
-        d = self._path(step_dir_name(step))
-        if self._is_link(d):
-            # Only the link goes: whatever it points at lies outside the root and is never touched.
-            log.warning("%s is a symbolic link; removing the link (not its target)", self.url_for(step))
-            os.unlink(d)
-            return
-        if committed:
-            # Manifest first: a half-deleted checkpoint must look uncommitted, never valid.
-            try:
-                self.fs.rm_file(posixpath.join(d, MANIFEST))
-            except FileNotFoundError:
-                pass
-        try:
-            self.fs.rm(d, recursive=True)
-        except FileNotFoundError:
-            pass
-
     def write_files(self, step: int, files: Mapping[str, Payload]) -> dict[str, dict[str, Any]]:
         """Write (and on local disks fsync) payload files into the step dir; their manifest entries.
 
@@ -338,35 +255,8 @@ class CheckpointStore:
         self._verified.add((step, info.fingerprint))  # its digests were computed from the bytes written
         self._put_small(self._path(LATEST), step_dir_name(step).encode())
         total = sum(int(e["bytes"]) for e in entries.values())
-        if not self.prune_in_background:
-            return SaveResult(info, time.perf_counter() - t0, total, self.apply_retention())
-        if self._pruner is None:
-            self._pruner = ThreadPoolExecutor(max_workers=1, thread_name_prefix="gentrain-prune")
-        self._pruning = self._pruner.submit(self._prune_logged)
-        return SaveResult(info, time.perf_counter() - t0, total)
-
-    def _prune_logged(self) -> list[int]:
-        deleted = self.apply_retention()
-        if deleted:
-            log.info("pruned checkpoints %s under %s", deleted, self.url)
-        return deleted
-
-    def wait_pruned(self) -> list[int]:
-        """Wait for a background pruning (if any); the steps it deleted."""
-        fut, self._pruning = self._pruning, None
-        if fut is None:
-            return []
-        try:
-            return fut.result()
-        except Exception as e:  # noqa: BLE001 - like a failed delete: logged, the next commit retries
-            log.warning("pruning old checkpoints under %s failed (retried after the next save): %s", self.url, e)
-            return []
-
-    def close(self) -> None:
-        self.wait_pruned()
-        if self._pruner is not None:
-            self._pruner.shutdown(wait=True)
-            self._pruner = None
+        deleted = self._retain_after_commit()
+        return SaveResult(info, time.perf_counter() - t0, total, deleted)
 
     def _write_payload(self, d: str, name: str, payload: Payload) -> dict[str, Any]:
         path = posixpath.join(d, name)
@@ -389,323 +279,3 @@ class CheckpointStore:
             if self._local:
                 fsync(f)  # payload durable before the manifest commits it
             return {"bytes": n, digest.algorithm: digest.hexdigest()}
-
-    # -- discovery
-    def _is_link(self, path: str) -> bool:
-        """True for a symbolic link on a local disk (object stores have none)."""
-        return self._local and os.path.islink(path)
-
-    def steps(self) -> list[int]:
-        """Step numbers of every entry named like a step dir under the root (dirs, files, links; one listing)."""
-        try:
-            names = self.fs.ls(self.root, detail=False, refresh=True)
-        except (FileNotFoundError, NotADirectoryError):
-            return []
-        out = []
-        for n in names:
-            step = parse_step_dir(posixpath.basename(str(n).rstrip("/")))
-            if step is not None:
-                out.append(step)
-        return sorted(set(out))
-
-    def check(self, step: int) -> CheckpointInfo:
-        """Committed: a real step dir whose manifest matches its schema and lists files of the listed sizes.
-
-        Never raises for what a root holds: anything odd (a file or a link named like a step dir, an
-        unreadable or malformed manifest, a listed file that is a link or a dir) is an invalid candidate
-        whose `reason` says why. No hashing: `verify` checks digests and structure.
-        """
-        d = self._path(step_dir_name(step))
-        url = self.url_for(step)
-        if self._is_link(d):
-            return CheckpointInfo(url, step, False, "is a symbolic link (gentrain never follows links in a root)")
-        try:
-            raw = self.fs.cat_file(posixpath.join(d, MANIFEST))
-        except FileNotFoundError:
-            return CheckpointInfo(url, step, False, f"no {MANIFEST} (incomplete or interrupted save)")
-        except OSError as e:  # a file named like a step dir (NotADirectoryError), a dir named manifest.json, ...
-            return CheckpointInfo(url, step, False, f"{MANIFEST} cannot be read ({type(e).__name__}: {e})")
-        try:
-            manifest = parse_manifest(raw, step)
-        except CheckpointCorrupt as e:
-            return CheckpointInfo(url, step, False, str(e))
-        fingerprint = new_digest("blake3").update(raw).hexdigest()
-        try:
-            listing = {posixpath.basename(e["name"]): e for e in self.fs.ls(d, detail=True, refresh=True)}
-        except OSError as e:
-            return CheckpointInfo(url, step, False, f"cannot list the step dir ({type(e).__name__}: {e})", manifest)
-        for name, entry in manifest["files"].items():
-            found = listing.get(name)
-            why = None
-            if found is None:
-                why = f"{name} is missing"
-            elif found.get("islink") or self._is_link(posixpath.join(d, name)):
-                why = f"{name} is a symbolic link (gentrain never follows links in a checkpoint)"
-            elif found.get("type") != "file":
-                why = f"{name} is a {found.get('type')}, not a file"
-            elif int(found.get("size") or 0) != entry["bytes"]:
-                why = f"{name} has {found.get('size')} bytes, manifest says {entry['bytes']}"
-            if why:
-                return CheckpointInfo(url, step, False, why, manifest, fingerprint)
-        return CheckpointInfo(url, step, True, "", manifest, fingerprint)
-
-    def list(self) -> list[CheckpointInfo]:
-        return [self.check(s) for s in self.steps()]
-
-    def latest_hint(self) -> int | None:
-        try:
-            name = self.fs.cat_file(self._path(LATEST)).decode().strip()
-        except (OSError, UnicodeDecodeError):  # absent, a dir, unreadable, binary: only a hint
-            return None
-        return parse_step_dir(name)
-
-    def valid_candidates(self, deep: bool = False) -> Iterable[CheckpointInfo]:
-        """Committed checkpoints (`deep`: valid ones, see `verify`), newest first, each checked lazily.
-
-        LATEST is read first (one GET); one listing of step dir names finds any
-        newer step dir the hint does not know of (a crash between manifest and
-        LATEST), which is checked before it. Invalid ones are skipped with a
-        warning naming why.
-        """
-        hint = self.latest_hint()
-        steps = self.steps()
-        order = sorted(steps, reverse=True)
-        if hint is not None and hint in steps:
-            newer = [s for s in order if s > hint]
-            order = newer + [hint] + [s for s in order if s < hint]
-        for s in order:
-            info = self.check(s)
-            problems = [info.reason] if not info.valid else (self.verify(info) if deep else [])
-            if not problems:
-                yield info
-            else:
-                log.warning("skipping checkpoint %s: %s", info.url, "; ".join(problems))
-
-    def latest_valid(self, deep: bool = False) -> CheckpointInfo | None:
-        """The newest committed checkpoint; with `deep`, the newest that also passes `verify`."""
-        return next(iter(self.valid_candidates(deep)), None)
-
-    def is_valid(self, info: CheckpointInfo) -> bool:
-        """Committed and every file verified (digest and structure); cached per step and manifest."""
-        return info.valid and ((info.step, info.fingerprint) in self._verified or not self.verify(info))
-
-    # -- reading
-    def file_path(self, info: CheckpointInfo, name: str) -> str:
-        return self._path(info.name, name)
-
-    def manifest_entry(self, info: CheckpointInfo, name: str) -> Mapping[str, Any]:
-        if info.manifest is None:
-            raise CheckpointCorrupt(f"{info.url}: {info.reason or 'no manifest'}")
-        entry = info.manifest["files"].get(name)
-        if entry is None:
-            raise CheckpointCorrupt(f"{info.url}: manifest lists no file {name!r}")
-        return entry
-
-    def check_digest(self, info: CheckpointInfo, name: str, size: int, hexdigest: str, algorithm: str) -> None:
-        entry = self.manifest_entry(info, name)
-        if size != int(entry["bytes"]):
-            raise CheckpointCorrupt(f"{info.url}/{name}: {size} bytes, manifest says {entry['bytes']}")
-        want_algorithm, want = entry_digest(entry)
-        if algorithm != want_algorithm or hexdigest != want:
-            raise CheckpointCorrupt(f"{info.url}/{name}: {algorithm} {hexdigest[:12]}… does not match the manifest")
-        self._digests_ok.add((info.step, info.fingerprint, name))
-
-    def files_verified(self, info: CheckpointInfo) -> set[str]:
-        """Files of `info` this process has read through their digests (reads, `verify`, chunk reads)."""
-        return {name for step, fp, name in self._digests_ok if (step, fp) == (info.step, info.fingerprint)}
-
-    def read_file(self, info: CheckpointInfo, name: str) -> bytes:
-        """One payload file, checked against the manifest's size and digest."""
-        algorithm, _ = entry_digest(self.manifest_entry(info, name))
-        try:
-            data = self.fs.cat_file(self._path(info.name, name))
-        except FileNotFoundError:
-            raise CheckpointCorrupt(f"{info.url}/{name} is missing") from None
-        except IsADirectoryError:
-            raise CheckpointCorrupt(f"{info.url}/{name} is a directory") from None
-        h = new_digest(algorithm)
-        h.update(data)
-        self.check_digest(info, name, len(data), h.hexdigest(), algorithm)
-        return data
-
-    def verify_file(self, info: CheckpointInfo, name: str, chunk_bytes: int = 16 << 20) -> None:
-        """Stream one file through its digest (memory: one chunk); raises CheckpointCorrupt."""
-        algorithm, _ = entry_digest(self.manifest_entry(info, name))
-        h, n = new_digest(algorithm), 0
-        try:
-            with self.fs.open(self._path(info.name, name), "rb") as f:
-                while chunk := f.read(chunk_bytes):
-                    h.update(chunk)
-                    n += len(chunk)
-        except (FileNotFoundError, IsADirectoryError):
-            raise CheckpointCorrupt(f"{info.url}/{name} is missing or not a file") from None
-        self.check_digest(info, name, n, h.hexdigest(), algorithm)
-
-    def read_tensors(self, info: CheckpointInfo, name: str) -> dict[str, torch.Tensor]:
-        """A safetensors payload, digest-checked and its header checked before the library parses it."""
-        data = self.read_file(info, name)
-        parse_safetensors_header(lambda start, n: data[start : start + n], len(data), f"{info.url}/{name}")
-        return safetensors_load(data)
-
-    def read_json(self, info: CheckpointInfo, name: str) -> Any:
-        """A JSON payload, digest-checked and, for the state files gentrain reads, checked against its schema."""
-        return _parse_json_payload(name, self.read_file(info, name), info)
-
-    def read_safetensors_header(self, info: CheckpointInfo, name: str) -> tuple[dict[str, Any], int]:
-        """A payload's safetensors header (checked) and its data offset, by ranged reads (no digest)."""
-        path = self._path(info.name, name)
-        size = int(self.manifest_entry(info, name)["bytes"])
-        what = f"{info.url}/{name}"
-        try:
-            with self.fs.open(path, "rb") as f:
-
-                def read(start: int, n: int) -> bytes:
-                    f.seek(start)
-                    return f.read(n)
-
-                return parse_safetensors_header(read, size, what)
-        except (FileNotFoundError, IsADirectoryError):
-            raise CheckpointCorrupt(f"{what} is missing or not a file") from None
-
-    def verify(self, info: CheckpointInfo, digests_checked: Iterable[str] = ()) -> list[str]:
-        """Full check: every file's size and digest (streamed) and structure (safetensors headers, JSON
-        state schemas, tensors the state refers to); the problems found, none if valid. Files named in
-        `digests_checked` were read through their digests already (a resume's reads) and are not hashed again."""
-        if not info.valid:
-            return [info.reason]
-        problems: list[str] = []
-        parsed: dict[str, Any] = {}
-        skip = set(digests_checked)
-        for name in info.manifest["files"]:
-            try:
-                if name not in skip:
-                    self.verify_file(info, name)
-                if is_tensor_file(name):
-                    parsed[name] = self.read_safetensors_header(info, name)[0]
-                    if is_rank_tensors(name):  # small: its RNG state is read and tried on scratch generators
-                        partner = name.removesuffix(".safetensors") + ".json"
-                        if partner not in info.manifest["files"]:  # a resume reads both: one without the other
-                            raise CheckpointCorrupt(f"{info.url}: {name} is listed without its {partner}")
-                        check_rank_tensors(self.read_tensors(info, name), f"{info.url}/{name}")
-                elif name.endswith(".json"):
-                    parsed[name] = self.read_json(info, name)
-            except CheckpointCorrupt as e:
-                problems.append(str(e))
-        if not problems:
-            problems += _cross_check(info, parsed)
-        if not problems:
-            self._verified.add((info.step, info.fingerprint))
-        return problems
-
-    # -- retention
-    def apply_retention(self) -> list[int]:
-        """Delete checkpoints beyond `keep` newest valid ones + milestones; never the newest valid one.
-
-        Runs only after a newer checkpoint is committed. Only valid checkpoints count (`is_valid`:
-        digests and structure, checked once per process; the ones this process wrote are known valid),
-        newest first. Invalid or uncommitted step dirs older than the newest valid one are debris of
-        interrupted saves or corruption and are removed too. Links are never followed nor deleted. A
-        failed delete is logged; the next save retries it.
-        """
-        kept: list[int] = []
-        newest: int | None = None
-        deleted = []
-        for step in sorted(self.steps(), reverse=True):
-            info = self.check(step)
-            if info.reason.startswith("is a symbolic link"):
-                log.warning("leaving %s alone: %s", info.url, info.reason)
-                continue
-            valid = info.valid and self.is_valid(info)
-            if newest is None:
-                if valid:
-                    newest = step
-                    kept.append(step)
-                continue  # newer than the newest valid one: maybe a save in progress
-            milestone = valid and self.keep_every_steps and step % self.keep_every_steps == 0
-            if valid and len(kept) < self.keep:
-                kept.append(step)
-                continue
-            if milestone:
-                continue
-            try:
-                self._remove_step(step, committed=info.manifest is not None)
-                deleted.append(step)
-            except (OSError, CheckpointError) as e:
-                log.warning("could not delete old checkpoint %s (will retry after the next save): %s", info.url, e)
-        return sorted(deleted)
-
-
-def _parse_json_payload(name: str, raw: bytes, info: CheckpointInfo) -> Any:
-    what = f"{info.url}/{name}"
-    try:
-        if name == TRAINER_JSON:
-            return parse_trainer_json(raw, info.step)
-        if name == SHARD_INDEX:
-            return parse_shard_index(raw, (info.manifest or {}).get("files", {}))
-        if is_rank_json(name):
-            return parse_rank_json(raw)
-        return parse_json(raw, name)
-    except CheckpointCorrupt as e:
-        raise CheckpointCorrupt(f"{what}: {e}") from None
-
-
-def _cross_check(info: CheckpointInfo, parsed: Mapping[str, Any]) -> list[str]:
-    """Structure across files: what trainer.json and shards.json refer to exists, EMA fits its weights."""
-    problems = []
-    files = info.manifest["files"]
-    index = parsed.get(SHARD_INDEX)
-    if index is not None:
-        for group, tensors in index["tensors"].items():
-            for key, t in tensors.items():
-                for c in t["chunks"]:
-                    h = (parsed.get(c["file"]) or {}).get(key)
-                    if h is None or h["dtype"] != t["dtype"] or h["shape"] != c["sizes"]:
-                        problems.append(f"{info.url}/{c['file']}: {group}:{key} does not match shards.json")
-    if TRAINER_JSON in files and not isinstance(info.manifest.get("config"), dict):
-        # A training checkpoint: sampling and export build the model from its config, so one without it
-        # would verify and then not load there.
-        problems.append(f"{info.url}: manifest.json holds no config (a mapping) for {TRAINER_JSON}'s run")
-    doc = parsed.get(TRAINER_JSON)
-    if doc is not None:
-        for part, state in doc["parts"].items():
-            refs = tensor_refs(state["optimizer"])
-            group = group_name(part, "optimizer")
-            saved = set((index or {}).get("tensors", {}).get(group, {})) | set(parsed.get(whole_file(group)) or {})
-            if refs - saved:
-                problems.append(f"{info.url}: {group} lacks tensors trainer.json refers to: {sorted(refs - saved)[:3]}")
-            model = group_name(part, "model")
-            if whole_file(model) not in files and model not in (index or {}).get("tensors", {}):
-                problems.append(f"{info.url}: trainer.json has part {part!r}, but no weights of it are listed")
-    for name, header in parsed.items():
-        g = parse_group_file(name)
-        if g is not None and g.kind == "ema" and g.whole:
-            model = parsed.get(whole_file(group_name(g.part, "model")))
-            if model is None:
-                continue
-            for key, h in header.items():
-                if key not in model or model[key]["shape"] != h["shape"]:
-                    problems.append(f"{info.url}/{name}: {key} has no weight of shape {h['shape']} in the model")
-                    break
-    return problems
-
-
-def resolve_checkpoint(
-    url: str, storage_options: Mapping[str, Any] | None = None
-) -> tuple[CheckpointStore, CheckpointInfo | None]:
-    """A URL that is either one checkpoint (step-NNN) or a root; returns its store and checkpoint.
-
-    For a root, the newest valid checkpoint (digests and structure verified: a corrupt newest one is
-    skipped with a warning); for a step dir, that one, valid or not (`reason` says why not).
-    """
-    url = url.rstrip("/")
-    base = posixpath.basename(url)
-    step = parse_step_dir(base)
-    if step is not None:
-        store = CheckpointStore(url[: -len(base) - 1] or ".", storage_options)
-        info = store.check(step)
-        problems = store.verify(info) if info.valid else []
-        if problems:
-            info = CheckpointInfo(info.url, info.step, False, "; ".join(problems), info.manifest, info.fingerprint)
-        return store, info
-    store = CheckpointStore(url, storage_options)
-    return store, store.latest_valid(deep=True)

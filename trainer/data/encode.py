@@ -197,10 +197,10 @@ def encode_dataset(
 
     # Imported here: encoding builds the frozen autoencoder exactly as a training run does (its loader, part
     # and latent space live above trainer.data); only `gentrain data encode` comes this way.
-    from trainer.checkpoint.weights import load_frozen
     from trainer.data.sampler import SampleRef
     from trainer.diffusion.latent import PART, LatentSpace, frozen_source
     from trainer.engine.parts import FrozenPart
+    from trainer.runs import load_frozen
 
     if dtype not in DTYPES:
         raise ConfigError(f"data encode: --dtype={dtype!r}; use one of {', '.join(DTYPES)}")

@@ -1,7 +1,7 @@
 """Latent diffusion's first stage (`model.autoencoder`): a frozen KL autoencoder the denoiser works beneath.
 
 The autoencoder is a frozen part named `autoencoder`, loaded by the engine like MaskGIT's tokenizer (see
-`trainer.checkpoint.weights.load_frozen`): from a gentrain `autoencoder` run (a run root or one step dir;
+`trainer.runs.load_frozen`): from a gentrain `autoencoder` run (a run root or one step dir;
 EMA weights by default; its measured `scaling_factor` buffer comes with the weights) or from a diffusers
 `AutoencoderKL` folder (config.json + diffusion_pytorch_model.safetensors, e.g. Stable Diffusion's VAE; its
 `scaling_factor` and `shift_factor` are read from config.json), on any fsspec store; an image VQ-GAN run
