@@ -114,7 +114,6 @@ JUSTIFIED = {
 }
 
 
-
 def _layer_of(path: Path) -> str:
     """The table's row of a file of trainer/: its top-level folder or module (`__init__` for trainer/__init__.py)."""
     first = path.relative_to(PACKAGE).parts[0]
