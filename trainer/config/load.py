@@ -575,6 +575,8 @@ def _as_typed_where_text(tree: dict[str, Any], schema: Any, sources: Sources, pr
 
 
 INT64 = (-(2**63), 2**63 - 1)
+# `seed` alone takes torch.manual_seed's whole range (int64 or uint64); its own schema bound says so.
+WIDER_INTS = {("seed",): (-(2**63), 2**64 - 1)}
 
 
 def _check_nesting(tree: Any, what: str) -> None:
@@ -584,11 +586,13 @@ def _check_nesting(tree: Any, what: str) -> None:
     stack, seen = [(tree, 1, ())], 0
     while stack:
         node, depth, path = stack.pop()
-        if isinstance(node, int) and not isinstance(node, bool) and not INT64[0] <= node <= INT64[1]:
+        low, high = WIDER_INTS.get(path, INT64)
+        if isinstance(node, int) and not isinstance(node, bool) and not low <= node <= high:
             key = ".".join(str(p) for p in path) or "(root)"
+            shown = _shown(str(node), 40) if node.bit_length() < 4000 else f"(a {node.bit_length()}-bit integer)"
             raise ConfigError(
-                f"invalid config:\n  {_shown(key)} is a {node.bit_length()}-bit integer: config integers fit in 64 "
-                "bits (at most 9223372036854775807); give a size this run can hold"
+                f"invalid config:\n  {_shown(key)} = {shown} is not allowed: config integers fit in 64 bits "
+                f"(from {low} to {high}); give a value this run can hold"
             )
         if isinstance(node, dict):
             children = [(v, (*path, k)) for k, v in node.items()]
