@@ -129,6 +129,16 @@ class Backbone(nn.Module):
         return hints
 
     @classmethod
+    def check_build(cls, c: BaseModel, sample_size: int, num_classes: int | None) -> None:
+        """What every kind refuses before building (exit 2): class labels it cannot take, patches that do not
+        tile the input."""
+        if num_classes and not cls.takes_labels:
+            raise ConfigError(
+                f"the {cls.kind} backbone is conditioned on captions, not class labels: unset model.num_classes"
+            )
+        check_patches(cls.kind, sample_size, getattr(c, "patch_size", 1))
+
+    @classmethod
     def check_input_side(cls, c: BaseModel, side: int, what: str) -> None:
         """Refuse (exit 2) inputs of `side` it cannot take, `what` naming them (e.g. an autoencoder's latents)."""
         check_patches(cls.kind, side, getattr(c, "patch_size", 1))

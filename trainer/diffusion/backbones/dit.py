@@ -9,7 +9,7 @@ from diffusers import DiTTransformer2DModel
 from diffusers.models.embeddings import LabelEmbedding
 from pydantic import Field
 
-from trainer.diffusion.backbones.base import Backbone, TransformerConfig, check_patches, per_sample
+from trainer.diffusion.backbones.base import Backbone, TransformerConfig, per_sample
 
 
 class DiTBackboneConfig(TransformerConfig):
@@ -46,7 +46,7 @@ class DiTBackbone(Backbone):
         num_classes: int | None = None,
         in_channels: int | None = None,
     ) -> DiTBackbone:
-        check_patches(cls.kind, sample_size, c.patch_size)
+        cls.check_build(c, sample_size, num_classes)
         model = DiTTransformer2DModel(
             num_attention_heads=c.num_attention_heads,
             attention_head_dim=c.attention_head_dim,

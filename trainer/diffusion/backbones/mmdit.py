@@ -8,8 +8,7 @@ from typing import Literal
 from diffusers import SD3Transformer2DModel
 from pydantic import Field
 
-from trainer.diffusion.backbones.base import Backbone, TransformerConfig, check_patches, per_sample
-from trainer.errors import ConfigError
+from trainer.diffusion.backbones.base import Backbone, TransformerConfig, per_sample
 
 
 class MMDiTBackboneConfig(TransformerConfig):
@@ -38,11 +37,7 @@ class MMDiTBackbone(Backbone):
         num_classes: int | None = None,
         in_channels: int | None = None,
     ):
-        if num_classes:
-            raise ConfigError(
-                "the mmdit backbone is conditioned on captions, not class labels: unset model.num_classes"
-            )
-        check_patches(cls.kind, sample_size, c.patch_size)
+        cls.check_build(c, sample_size, num_classes)
         model = SD3Transformer2DModel(
             sample_size=sample_size,
             patch_size=c.patch_size,

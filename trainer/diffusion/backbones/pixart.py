@@ -8,7 +8,7 @@ import torch
 from diffusers import PixArtTransformer2DModel
 from pydantic import Field
 
-from trainer.diffusion.backbones.base import Backbone, TransformerConfig, check_patches, per_sample
+from trainer.diffusion.backbones.base import Backbone, TransformerConfig, per_sample
 from trainer.errors import ConfigError
 
 
@@ -46,11 +46,7 @@ class PixArtBackbone(Backbone):
         num_classes: int | None = None,
         in_channels: int | None = None,
     ):
-        if num_classes:
-            raise ConfigError(
-                "the pixart backbone is conditioned on captions, not class labels: unset model.num_classes"
-            )
-        check_patches(cls.kind, sample_size, c.patch_size)
+        cls.check_build(c, sample_size, num_classes)
         model = PixArtTransformer2DModel(
             num_attention_heads=c.num_attention_heads,
             attention_head_dim=c.attention_head_dim,
