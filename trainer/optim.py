@@ -18,11 +18,11 @@ from typing import Any
 
 import torch
 from diffusers.optimization import get_scheduler
-from diffusers.training_utils import EMAModel
 from torch import nn
 
 from trainer.checkpoint.quantized import plain_tensors
 from trainer.config import Config
+from trainer.ema import EMAModel
 from trainer.errors import ConfigError
 
 OPTIMIZERS = ("adamw", "adamw8bit")

@@ -33,20 +33,16 @@ from collections.abc import Mapping
 from typing import Annotated, ClassVar, Literal
 
 import torch
-from diffusers import (
-    DiTTransformer2DModel,
-    PixArtTransformer2DModel,
-    SD3Transformer2DModel,
-    UNet2DConditionModel,
-    UNet2DModel,
-)
-from diffusers.models.embeddings import LabelEmbedding
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, model_validator
 from torch import nn
 
 from trainer.errors import ConfigError
 
 Tensor = torch.Tensor
+
+# Each builder imports its diffusers class from that class's own module, when it builds one: the caption
+# models' modules import diffusers' loaders (single-file conversion, LoRA), which import scipy and peft
+# whenever installed, so a plain UNet run never imports them (trainer/lazy_packages.py, tests/test_startup.py).
 
 
 # ---------------------------------------------------------------- configs
@@ -226,8 +222,12 @@ class UNetBackbone(Backbone):
         )
         accepts = {"labels"} if num_classes else set()
         if c.caption_channels is None:
+            from diffusers.models.unets.unet_2d import UNet2DModel
+
             down, up = unet_block_types(c)
             return cls(UNet2DModel(down_block_types=down, up_block_types=up, **shape), accepts, accepts)
+        from diffusers.models.unets.unet_2d_condition import UNet2DConditionModel
+
         down, up = unet_block_types(c, "CrossAttnDownBlock2D", "CrossAttnUpBlock2D")
         model = UNet2DConditionModel(
             down_block_types=down,
@@ -241,8 +241,8 @@ class UNetBackbone(Backbone):
 
     def call(self, model, x, t, cond):
         labels = cond.get("labels")
-        # The built module decides: `model` may be a DDP wrapper around it.
-        if isinstance(self.model, UNet2DConditionModel):
+        # The built module decides (`model` may be a DDP wrapper around it): captions = UNet2DConditionModel.
+        if "captions" in self.accepts:
             mask = cond.get("caption_mask")
             return model(x, t, cond["captions"], class_labels=labels, encoder_attention_mask=mask).sample
         return model(x, t, class_labels=labels).sample
@@ -277,6 +277,9 @@ class DiTBackbone(Backbone):
         num_classes: int | None,
         in_channels: int | None = None,
     ) -> DiTBackbone:
+        from diffusers.models.embeddings import LabelEmbedding
+        from diffusers.models.transformers.dit_transformer_2d import DiTTransformer2DModel
+
         _check_patches(cls.kind, sample_size, c.patch_size)
         model = DiTTransformer2DModel(
             num_attention_heads=c.num_attention_heads,
@@ -327,6 +330,8 @@ class PixArtBackbone(Backbone):
             raise ConfigError(
                 "the pixart backbone is conditioned on captions, not class labels: unset model.num_classes"
             )
+        from diffusers.models.transformers.pixart_transformer_2d import PixArtTransformer2DModel
+
         _check_patches(cls.kind, sample_size, c.patch_size)
         model = PixArtTransformer2DModel(
             num_attention_heads=c.num_attention_heads,
@@ -391,6 +396,8 @@ class MMDiTBackbone(Backbone):
             raise ConfigError(
                 "the mmdit backbone is conditioned on captions, not class labels: unset model.num_classes"
             )
+        from diffusers.models.transformers.transformer_sd3 import SD3Transformer2DModel
+
         _check_patches(cls.kind, sample_size, c.patch_size)
         model = SD3Transformer2DModel(
             sample_size=sample_size,

@@ -29,7 +29,6 @@ from typing import Any
 import blake3
 import numpy as np
 import torch
-from diffusers import AutoencoderKL
 from pydantic import BaseModel, ConfigDict, Field
 from torch import nn
 
@@ -38,10 +37,7 @@ from trainer.errors import ConfigError
 from trainer.models.export import plain_autoencoder_kl
 from trainer.randomness import Stream, sample_draws
 from trainer.registry import task_class
-from trainer.tasks.autoencoder import AutoencoderTask, KLAutoencoder
 from trainer.tasks.base import FrozenSource, FrozenWeights
-from trainer.tasks.video_tokenizer import VideoTokenizerTask
-from trainer.tasks.vqgan import VQAutoencoder, VQGANTask
 
 log = logging.getLogger(__name__)
 
@@ -69,18 +65,37 @@ class LatentAutoencoderConfig(BaseModel):
     )
 
 
-class FolderAutoencoderKL(AutoencoderKL):
-    """A diffusers AutoencoderKL whose state dict is the folder's; its latent scale and shift are config.json's
-    (plain floats, not saved: the folder's digest pins them)."""
+def _import_autoencoders() -> None:
+    """Bind the autoencoder classes this module builds and checks against, when a latent space is first made.
 
-    @property
-    def latent_scale(self) -> float:
-        return float(self.config.scaling_factor if self.config.scaling_factor is not None else 1.0)
+    Their modules import diffusers' AutoencoderKL, whose loaders import peft and scipy whenever installed,
+    and vector-quantize-pytorch: the ddpm task imports this module for its config, and a pixel-space run
+    must not pay for them (tests/test_startup.py)."""
+    global AutoencoderKL, AutoencoderTask, FolderAutoencoderKL, KLAutoencoder, VideoTokenizerTask
+    global VQAutoencoder, VQGANTask
+    if "FolderAutoencoderKL" in globals():
+        return
+    from diffusers.models.autoencoders.autoencoder_kl import AutoencoderKL
 
-    @property
-    def latent_shift(self) -> float:
-        shift = getattr(self.config, "shift_factor", None)
-        return float(shift) if shift is not None else 0.0
+    # tasks of the frozen autoencoder runs: imported here for the cost above
+    from trainer.tasks.autoencoder import AutoencoderTask, KLAutoencoder
+    from trainer.tasks.video_tokenizer import VideoTokenizerTask
+    from trainer.tasks.vqgan import VQAutoencoder, VQGANTask
+
+    class FolderAutoencoderKL(AutoencoderKL):
+        """A diffusers AutoencoderKL whose state dict is the folder's; its latent scale and shift are config.json's
+        (plain floats, not saved: the folder's digest pins them)."""
+
+        @property
+        def latent_scale(self) -> float:
+            return float(self.config.scaling_factor if self.config.scaling_factor is not None else 1.0)
+
+        @property
+        def latent_shift(self) -> float:
+            shift = getattr(self.config, "shift_factor", None)
+            return float(shift) if shift is not None else 0.0
+
+    FolderAutoencoderKL.__qualname__ = "FolderAutoencoderKL"  # as if defined at the top level
 
 
 def frozen_source(c: LatentAutoencoderConfig) -> FrozenSource:
@@ -131,6 +146,7 @@ class LatentSpace:
         self.weights = weights
         self.seed = seed
         url = weights.record["url"]
+        _import_autoencoders()
         g = _geometry(weights, url)
         if channels != g.in_channels:
             raise ConfigError(
