@@ -143,3 +143,27 @@ def test_loss_weights_match_diffusers():
     sigmas = torch.rand(7, 1, 1, 1) * 0.98 + 0.01
     for scheme in ("sigma_sqrt", "cosmap", "logit_normal"):
         assert torch.equal(compute_loss_weighting_for_sd3(scheme, sigmas), ref_sd3(scheme, sigmas)), scheme
+
+
+_LAZY = """
+import sys
+import trainer
+from diffusers.models.unets.unet_2d import UNet2DModel
+alone = "diffusers.models.unets.unet_2d_condition" not in sys.modules and "peft" not in sys.modules
+import diffusers.models.unets as unets
+from diffusers import UNet2DConditionModel
+from diffusers.models.transformers import DiTTransformer2DModel
+print(alone, unets.UNet2DModel is UNet2DModel, unets.UNet2DConditionModel is UNet2DConditionModel,
+      DiTTransformer2DModel.__name__)
+"""
+
+
+@pytest.mark.slow
+def test_a_lazy_package_imports_one_module_and_still_offers_every_name():
+    """trainer/lazy_packages.py: importing one UNet module imports no other UNet (nor peft); asking the
+    package for any name it offers runs its `__init__` then, so every name is still there."""
+    proc = subprocess.run(
+        [sys.executable, "-c", _LAZY], capture_output=True, text=True, timeout=300, env=clean_env(), cwd=REPO
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.split() == ["True", "True", "True", "DiTTransformer2DModel"]

@@ -62,16 +62,16 @@ class EMAModel:
         one_minus_decay = 1 - decay
         if self.foreach:
             params_grad = [p for p in parameters if p.requires_grad]
-            s_params_grad = [s for s, p in zip(self.shadow_params, parameters) if p.requires_grad]
+            s_params_grad = [s for s, p in zip(self.shadow_params, parameters, strict=True) if p.requires_grad]
             if len(params_grad) < len(parameters):
                 torch._foreach_copy_(
-                    [s for s, p in zip(self.shadow_params, parameters) if not p.requires_grad],
+                    [s for s, p in zip(self.shadow_params, parameters, strict=True) if not p.requires_grad],
                     [p for p in parameters if not p.requires_grad],
                     non_blocking=True,
                 )
             torch._foreach_sub_(s_params_grad, torch._foreach_sub(s_params_grad, params_grad), alpha=one_minus_decay)
         else:
-            for s_param, param in zip(self.shadow_params, parameters):
+            for s_param, param in zip(self.shadow_params, parameters, strict=True):
                 if param.requires_grad:
                     s_param.sub_(one_minus_decay * (s_param - param))
                 else:
