@@ -145,7 +145,7 @@ def build_lr_schedule(
 
 
 def build_ema(module: nn.Module, cfg: Config) -> EMAModel | None:
-    """diffusers' EMAModel with its multi-tensor update (one kernel per op for all parameters, not one per tensor)."""
+    """diffusers' EMAModel (trainer/ema.py) with its multi-tensor update (one kernel per op for all parameters)."""
     e = cfg.ema
     if not e.enabled:
         return None
