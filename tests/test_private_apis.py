@@ -215,3 +215,49 @@ def test_fake_tensor_mode_for_the_flop_count():
         "FakeTensorMode(allow_non_fake_inputs=True) no longer mixes real inputs into fake ops; "
         "trainer/engine/step.py count_flops must fake the parameters itself (FakeTensorMode.from_tensor)",
     )
+
+
+# Where each diffusers class gentrain builds is imported from (its own module, not diffusers' top level).
+DIFFUSERS_MODULES = {
+    "diffusers.models.unets.unet_2d": "UNet2DModel",
+    "diffusers.models.unets.unet_2d_condition": "UNet2DConditionModel",
+    "diffusers.models.transformers.dit_transformer_2d": "DiTTransformer2DModel",
+    "diffusers.models.transformers.pixart_transformer_2d": "PixArtTransformer2DModel",
+    "diffusers.models.transformers.transformer_sd3": "SD3Transformer2DModel",
+    "diffusers.models.autoencoders.autoencoder_kl": "AutoencoderKL",
+    "diffusers.models.autoencoders.vq_model": "VQModel",
+    "diffusers.models.embeddings": "LabelEmbedding",
+    "diffusers.schedulers.scheduling_ddpm": "DDPMScheduler",
+    "diffusers.schedulers.scheduling_ddim": "DDIMScheduler",
+    "diffusers.schedulers.scheduling_dpmsolver_multistep": "DPMSolverMultistepScheduler",
+    "diffusers.schedulers.scheduling_flow_match_euler_discrete": "FlowMatchEulerDiscreteScheduler",
+    "diffusers.schedulers.scheduling_edm_euler": "EDMEulerScheduler",
+    "diffusers.schedulers.scheduling_edm_dpmsolver_multistep": "EDMDPMSolverMultistepScheduler",
+}
+
+
+def test_diffusers_classes_in_their_own_modules_and_the_packages_imported_lazily():
+    """trainer/diffusion/backbones.py, objectives.py, models/export.py and tasks/latent.py import each diffusers
+    class from its own module (diffusers documents the classes, not these paths), and trainer/lazy_packages.py
+    defers the `__init__` of the packages that import every module in them. If diffusers moves a class or
+    stops being a package there, this names what to update. End to end: tests/test_startup.py (what a
+    digits-ddpm run imports)."""
+    import importlib
+    import importlib.util
+
+    import diffusers
+
+    from trainer.lazy_packages import LAZY_PACKAGES
+
+    for module, name in DIFFUSERS_MODULES.items():
+        try:
+            cls = getattr(importlib.import_module(module), name)
+        except (ImportError, AttributeError) as e:
+            _guard(False, f"{module}.{name} ({e}): update the gentrain import of {name} (grep trainer/ for {module})")
+        _guard(getattr(diffusers, name, cls) is cls, f"{module}.{name} is not diffusers.{name}: update its import")
+    for package in sorted(LAZY_PACKAGES):
+        spec = importlib.util.find_spec(package)
+        _guard(
+            spec is not None and spec.submodule_search_locations is not None,
+            f"{package} is no longer a package: drop it from trainer/lazy_packages.py LAZY_PACKAGES",
+        )

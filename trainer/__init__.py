@@ -2,6 +2,8 @@
 
 import logging
 
+from trainer import lazy_packages
+
 __version__ = "0.1.0"
 
 
@@ -28,3 +30,6 @@ class _KnownImportNoise(logging.Filter):
 
 for _name in _KnownImportNoise._DROP:
     logging.getLogger(_name).addFilter(_KnownImportNoise())
+
+
+lazy_packages.install()  # before anything imports diffusers (see trainer/lazy_packages.py)

@@ -18,11 +18,11 @@ from typing import Any
 
 import torch
 from diffusers.optimization import get_scheduler
-from diffusers.training_utils import EMAModel
 from torch import nn
 
 from trainer.checkpoint.quantized import plain_tensors
 from trainer.config import Config
+from trainer.ema import EMAModel
 from trainer.errors import ConfigError
 
 OPTIMIZERS = ("adamw", "adamw8bit")
@@ -145,7 +145,7 @@ def build_lr_schedule(
 
 
 def build_ema(module: nn.Module, cfg: Config) -> EMAModel | None:
-    """diffusers' EMAModel with its multi-tensor update (one kernel per op for all parameters, not one per tensor)."""
+    """diffusers' EMAModel (trainer/ema.py) with its multi-tensor update (one kernel per op for all parameters)."""
     e = cfg.ema
     if not e.enabled:
         return None

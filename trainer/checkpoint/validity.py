@@ -28,7 +28,6 @@ from collections.abc import Callable, Mapping
 from typing import Annotated, Any
 
 import torch
-from diffusers.training_utils import EMAModel
 from pydantic import (
     BaseModel,
     ConfigDict,
@@ -43,6 +42,7 @@ from pydantic import (
 
 from trainer.checkpoint.format import SAFETENSORS_DTYPES, library_header
 from trainer.checkpoint.layout import MANIFEST
+from trainer.ema import EMAModel
 from trainer.errors import CheckpointCorrupt
 from trainer.randomness import CURRENT_STREAM, check_rng_state
 

@@ -30,41 +30,20 @@ from typing import Any
 import blake3
 import numpy as np
 import torch
-from diffusers import AutoencoderKL
-from pydantic import BaseModel, ConfigDict, Field
+from diffusers.models.autoencoders.autoencoder_kl import AutoencoderKL
 from torch import nn
 
+from trainer.diffusion.config import PART, LatentAutoencoderConfig, frozen_source
 from trainer.errors import ConfigError
 from trainer.models.autoencoder import KLAutoencoder
 from trainer.models.export import plain_autoencoder_kl
 from trainer.models.vqgan import VQAutoencoder
 from trainer.randomness import Stream, sample_draws
-from trainer.task_types import FrozenSource, FrozenWeights, frozen_kind_of
+from trainer.task_types import FrozenWeights, frozen_kind_of
+
+__all__ = ["PART", "LatentAutoencoderConfig", "LatentCache", "LatentSpace", "frozen_source"]
 
 log = logging.getLogger(__name__)
-
-PART = "autoencoder"
-
-
-class LatentAutoencoderConfig(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
-    url: str = Field(
-        description="a gentrain autoencoder run (checkpoint root or step dir) or a diffusers AutoencoderKL folder "
-        "(config.json + diffusion_pytorch_model.safetensors), on any fsspec store"
-    )
-    use_ema: bool = Field(True, description="a gentrain run's EMA weights (false: its online weights)")
-    sample_posterior: bool = Field(
-        True, description="train on a posterior sample mean + std * eps (counter-based eps); false: the posterior mean"
-    )
-    # Expected geometry; null = whatever the autoencoder has. Set them to have a mismatch refused.
-    latent_channels: int | None = Field(None, ge=1, description="expected latent channels; null = the autoencoder's")
-    latent_size: int | None = Field(
-        None, ge=1, description="expected latent side; null = data.image_size / downsampling"
-    )
-    cache: str | None = Field(
-        None, description="local folder caching each image's posterior (keyed by autoencoder digest and image bytes)"
-    )
 
 
 class FolderAutoencoderKL(AutoencoderKL):
@@ -79,10 +58,6 @@ class FolderAutoencoderKL(AutoencoderKL):
     def latent_shift(self) -> float:
         shift = getattr(self.config, "shift_factor", None)
         return float(shift) if shift is not None else 0.0
-
-
-def frozen_source(c: LatentAutoencoderConfig) -> FrozenSource:
-    return FrozenSource(c.url, part="generator", use_ema=c.use_ema, folder_class="AutoencoderKL")
 
 
 @dataclass

@@ -21,32 +21,28 @@ or an adapter around a task's own module).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from types import SimpleNamespace
-from typing import Any, ClassVar, Literal
+from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
 import torch
 import torch.nn.functional as F
-from diffusers import (
-    DDIMScheduler,
-    DDPMScheduler,
-    DPMSolverMultistepScheduler,
-    EDMDPMSolverMultistepScheduler,
-    EDMEulerScheduler,
-    FlowMatchEulerDiscreteScheduler,
-)
-from diffusers.training_utils import (
-    compute_dream_and_update_latents,
-    compute_loss_weighting_for_sd3,
-    compute_snr,
-)
+from diffusers.schedulers.scheduling_ddim import DDIMScheduler
+from diffusers.schedulers.scheduling_ddpm import DDPMScheduler
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from trainer.conditioning.guidance import Guidance
 from trainer.errors import ConfigError
 from trainer.randomness import SampleDraws
 from trainer.task_types import Loss
+
+if TYPE_CHECKING:
+    from diffusers.schedulers.scheduling_flow_match_euler_discrete import FlowMatchEulerDiscreteScheduler
+
+# The other schedulers are imported where they are built: DPM-Solver's and flow matching's modules import
+# scipy whenever it is installed, which a DDPM run with the DDIM sampler never needs (tests/test_startup.py).
 
 Tensor = torch.Tensor
 NetFn = Callable[[Tensor, Tensor, Mapping[str, Tensor]], Tensor]
@@ -113,6 +109,26 @@ def edm_loss_weight(sigma: Tensor, sigma_data: float) -> Tensor:
     """lambda(sigma) = (sigma^2 + sigma_data^2) / (sigma * sigma_data)^2 (EDM eq. 8, table 1): with it the
     effective target of the network output has unit variance at every noise level."""
     return (sigma**2 + sigma_data**2) / (sigma * sigma_data) ** 2
+
+
+# diffusers keeps these two in `diffusers.training_utils`, which imports peft, transformers and scipy when
+# installed (see trainer/ema.py); their arithmetic, op for op, so losses keep their bits
+# (tests/test_startup.py compares them with diffusers').
+def compute_snr(noise_scheduler: Any, timesteps: Tensor) -> Tensor:
+    """SNR(t) = alpha_t^2 / sigma_t^2 of a DDPM schedule (diffusers.training_utils.compute_snr)."""
+    alphas_cumprod = noise_scheduler.alphas_cumprod
+    alpha = (alphas_cumprod**0.5).to(device=timesteps.device)[timesteps].float()
+    sigma = ((1.0 - alphas_cumprod) ** 0.5).to(device=timesteps.device)[timesteps].float()
+    return (alpha / sigma) ** 2
+
+
+def compute_loss_weighting_for_sd3(weighting_scheme: str, sigmas: Tensor) -> Tensor:
+    """SD3's loss weights per sigma (diffusers.training_utils.compute_loss_weighting_for_sd3)."""
+    if weighting_scheme == "sigma_sqrt":
+        return (sigmas**-2.0).float()
+    if weighting_scheme == "cosmap":
+        return 2 / (math.pi * (1 - 2 * sigmas + 2 * sigmas**2))
+    return torch.ones_like(sigmas)
 
 
 def min_snr_weights(snr: Tensor, gamma: float, prediction_type: str) -> Tensor:
@@ -230,8 +246,11 @@ class _DDPMObjective(Objective):
         )
 
     def _inference_scheduler(self, kind: str):
-        cls = {"ddim": DDIMScheduler, "dpm": DPMSolverMultistepScheduler}[kind]
-        return cls.from_config(self.train_scheduler.config)
+        if kind == "dpm":
+            from diffusers.schedulers.scheduling_dpmsolver_multistep import DPMSolverMultistepScheduler
+
+            return DPMSolverMultistepScheduler.from_config(self.train_scheduler.config)
+        return {"ddim": DDIMScheduler}[kind].from_config(self.train_scheduler.config)
 
     def draw(self, draws, n, device, dtype) -> Draw:
         return Draw(draws.randint(self.train_scheduler.config.num_train_timesteps).to(device))
@@ -248,6 +267,9 @@ class _DDPMObjective(Objective):
 
             def unet(x, tt, c):  # diffusers' helper calls `unet(noisy, t, encoder_hidden_states).sample`
                 return SimpleNamespace(sample=net_fn(x, tt, c))
+
+            # DREAM only: diffusers.training_utils imports peft and transformers when installed (trainer/ema.py)
+            from diffusers.training_utils import compute_dream_and_update_latents
 
             noisy, target = compute_dream_and_update_latents(
                 unet, sched, t, noise, noisy, target, cond, self._field("dream_detail_preservation")
@@ -286,9 +308,13 @@ class RectifiedFlow(Objective):
     name = "flow"
 
     def _train_scheduler(self) -> FlowMatchEulerDiscreteScheduler:
+        from diffusers.schedulers.scheduling_flow_match_euler_discrete import FlowMatchEulerDiscreteScheduler
+
         return FlowMatchEulerDiscreteScheduler(num_train_timesteps=self._field("num_train_timesteps"))
 
     def _inference_scheduler(self, kind: str):
+        from diffusers.schedulers.scheduling_flow_match_euler_discrete import FlowMatchEulerDiscreteScheduler
+
         # One sampler whatever `kind` asks, as the cascade samples flow stages today.
         return FlowMatchEulerDiscreteScheduler.from_config(self.train_scheduler.config)
 
@@ -330,6 +356,9 @@ class EDM(Objective):
 
     def _edm_scheduler(self, kind: str):
         # prediction_type "epsilon" is diffusers' name for EDM's own F-parametrization (c_out > 0).
+        from diffusers.schedulers.scheduling_edm_dpmsolver_multistep import EDMDPMSolverMultistepScheduler
+        from diffusers.schedulers.scheduling_edm_euler import EDMEulerScheduler
+
         e = self._field("edm")
         cls = EDMDPMSolverMultistepScheduler if kind == "dpm" else EDMEulerScheduler
         return cls(

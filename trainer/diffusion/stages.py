@@ -15,7 +15,7 @@ from collections.abc import Mapping
 from typing import Literal
 
 import torch
-from diffusers import UNet2DConditionModel
+from diffusers.models.unets.unet_2d_condition import UNet2DConditionModel
 from diffusers.models.embeddings import TimestepEmbedding, Timesteps
 from diffusers.models.modeling_outputs import Transformer2DModelOutput
 from pydantic import BaseModel, ConfigDict, Field, model_validator

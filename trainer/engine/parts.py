@@ -9,12 +9,12 @@ from contextlib import contextmanager
 from typing import Any
 
 import torch
-from diffusers.training_utils import EMAModel
 from torch import nn
 from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 
 from trainer.checkpoint import quantized
 from trainer.config import Config
+from trainer.ema import EMAModel
 from trainer.engine.shard import full_value, is_fsdp, reshard
 from trainer.engine.wrap import Wrapping
 from trainer.errors import ConfigError

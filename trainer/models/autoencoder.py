@@ -7,7 +7,7 @@ from __future__ import annotations
 from typing import Any, ClassVar
 
 import torch
-from diffusers import AutoencoderKL
+from diffusers.models.autoencoders.autoencoder_kl import AutoencoderKL
 from diffusers.models.autoencoders.vae import DiagonalGaussianDistribution
 from pydantic import ConfigDict, Field
 from torch import nn

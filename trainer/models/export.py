@@ -27,11 +27,9 @@ import json
 import os
 import posixpath
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
-from diffusers import AutoencoderKL, DiTTransformer2DModel, VQModel
-from diffusers.models.embeddings import LabelEmbedding
 from torch import nn
 
 from trainer.errors import ConfigError
@@ -44,6 +42,15 @@ from trainer.models.finetune import (
     write_folder,
 )
 from trainer.storage import check_output_folder, filesystem
+
+if TYPE_CHECKING:
+    from diffusers.models.autoencoders.autoencoder_kl import AutoencoderKL
+    from diffusers.models.autoencoders.vq_model import VQModel
+    from diffusers.models.transformers.dit_transformer_2d import DiTTransformer2DModel
+
+# Each export imports its diffusers class when it runs: the autoencoders' modules import diffusers' loaders,
+# and with them peft and scipy whenever installed, which a training run of a task never needs
+# (tests/test_startup.py).
 
 SCHEDULER_CONFIG_NAME = "scheduler_config.json"  # diffusers' name
 MODEL_INDEX_NAME = "model_index.json"
@@ -62,6 +69,9 @@ def dit_for_pipeline(dit: nn.Module, num_classes: int) -> DiTTransformer2DModel:
     0..num_classes-1 are the trained classes, row 1000 (DiTPipeline's null class) is the trained null row,
     and the rows between are copies of the null row (never used by gentrain; a label there is unconditional).
     Every block's `norm1.emb.class_embedder` holds a table (the output layer uses block 0's)."""
+    from diffusers.models.embeddings import LabelEmbedding
+    from diffusers.models.transformers.dit_transformer_2d import DiTTransformer2DModel
+
     state = merged_state_dict(dit)
     tables = [f"{name}.embedding_table.weight" for name, m in dit.named_modules() if isinstance(m, LabelEmbedding)]
     for key in tables:
@@ -80,6 +90,8 @@ def dit_for_pipeline(dit: nn.Module, num_classes: int) -> DiTTransformer2DModel:
 def plain_autoencoder_kl(vae: nn.Module, scaling_factor: float, shift_factor: float | None = None) -> AutoencoderKL:
     """A plain diffusers AutoencoderKL with `vae`'s weights and config, its `scaling_factor` (and
     `shift_factor`) the given ones: what pipelines read from vae/config.json."""
+    from diffusers.models.autoencoders.autoencoder_kl import AutoencoderKL
+
     config = {k: v for k, v in vae.config.items() if not k.startswith("_")}
     config["scaling_factor"] = float(scaling_factor)
     if shift_factor is not None:
@@ -101,6 +113,8 @@ def vq_model(generator: nn.Module, channels: int, image_size: int) -> VQModel:
       channel-wise sign of z, which is what LFQ picks (a channel exactly 0 goes to -1 in both: the lower index);
     - fsq rounds tanh-bounded latents per channel: its cells are not the Voronoi cells of any codebook
       a linear quant_conv can map the latents onto, so it is refused (ConfigError)."""
+    from diffusers.models.autoencoders.vq_model import VQModel
+
     cfg = generator.cfg
     q = generator.quantizer
     if cfg.quantizer == "fsq":

@@ -223,10 +223,10 @@ def cast_frozen_base(module: nn.Module, precision: str) -> None:
     """Under fp16/bf16, keep a LoRA-adapted module's frozen base in the half dtype and its adapters in fp32,
     as diffusers' LoRA scripts do (`unet.to(weight_dtype)` then `cast_training_params`): half the memory
     for the base, full-precision optimizer updates for what trains."""
-    from diffusers.training_utils import cast_training_params
-
     if precision == "no" or not has_lora(module):
         return
+    from diffusers.training_utils import cast_training_params  # imports peft: only with LoRA adapters on
+
     module.to(torch.float16 if precision == "fp16" else torch.bfloat16)
     cast_training_params(module, dtype=torch.float32)
 

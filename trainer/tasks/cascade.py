@@ -38,7 +38,7 @@ from collections.abc import Mapping
 import numpy as np
 import torch
 import torch.nn.functional as F
-from diffusers import DDPMScheduler
+from diffusers.schedulers.scheduling_ddpm import DDPMScheduler
 from torch import nn
 
 from trainer.conditioning.image import ImageEncoder

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Mapping
+from typing import TYPE_CHECKING
 
 import torch
 from pydantic import BaseModel, Field, model_validator
@@ -36,15 +37,17 @@ from trainer.diffusion import (
 )
 from trainer.diffusion.backbones import backbone_class, changed_unet_keys, kinds
 from trainer.diffusion.backbones.unet import UNET_SHAPE_KEYS
-from trainer.diffusion.config import NoiseConfig
-from trainer.diffusion.latent import PART as AUTOENCODER
-from trainer.diffusion.latent import LatentAutoencoderConfig, LatentSpace, frozen_source
+from trainer.diffusion.config import PART as AUTOENCODER
+from trainer.diffusion.config import LatentAutoencoderConfig, NoiseConfig, frozen_source
 from trainer.errors import ConfigError
 from trainer.models.export import DIT_PIPELINE_NULL_CLASS, dit_for_pipeline
 from trainer.models.finetune import prepare_unet
 from trainer.randomness import sample_draws
 from trainer.tasks.base import Batch, Export, FrozenSource, Loss, Phase, PreviewContext, StepInfo, Task, TaskContext
 from trainer.tasks.sampling import SampleRequest
+
+if TYPE_CHECKING:
+    from trainer.diffusion.latent import LatentSpace
 
 log = logging.getLogger(__name__)
 
@@ -187,6 +190,10 @@ class DDPMTask(Task):
         c = self.cfg
         size, channels, extra = self.image_size, self.channels, {}
         if c.autoencoder is not None:
+            # Imported by latent runs only: its autoencoder classes import diffusers' loaders (peft, scipy),
+            # which a pixel-space run never needs (tests/test_startup.py).
+            from trainer.diffusion.latent import LatentSpace
+
             self.latent = LatentSpace(
                 c.autoencoder, frozen[AUTOENCODER], size, channels, self.seed, self.ctx.services, self.ctx.encoding
             )

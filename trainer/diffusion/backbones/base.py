@@ -40,6 +40,10 @@ from trainer.errors import ConfigError
 
 Tensor = torch.Tensor
 
+# diffusers' class is imported in `build`, from its own module: the registry imports every backbone module,
+# and the caption models' modules import diffusers' loaders (peft, scipy), which a run of another kind must
+# not pay for (trainer/lazy_packages.py, tests/test_startup.py).
+
 
 class TransformerConfig(BaseModel):
     """The shape keys every transformer backbone shares."""

@@ -5,8 +5,6 @@ from __future__ import annotations
 from typing import Literal
 
 import torch
-from diffusers import DiTTransformer2DModel
-from diffusers.models.embeddings import LabelEmbedding
 from pydantic import Field
 
 from trainer.diffusion.backbones.base import Backbone, TransformerConfig, per_sample
@@ -46,6 +44,9 @@ class DiTBackbone(Backbone):
         num_classes: int | None = None,
         in_channels: int | None = None,
     ) -> DiTBackbone:
+        from diffusers.models.embeddings import LabelEmbedding
+        from diffusers.models.transformers.dit_transformer_2d import DiTTransformer2DModel
+
         cls.check_build(c, sample_size, num_classes)
         model = DiTTransformer2DModel(
             num_attention_heads=c.num_attention_heads,

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 from typing import Literal
 
-from diffusers import SD3Transformer2DModel
 from pydantic import Field
 
 from trainer.diffusion.backbones.base import Backbone, TransformerConfig, per_sample
@@ -37,6 +36,8 @@ class MMDiTBackbone(Backbone):
         num_classes: int | None = None,
         in_channels: int | None = None,
     ):
+        from diffusers.models.transformers.transformer_sd3 import SD3Transformer2DModel
+
         cls.check_build(c, sample_size, num_classes)
         model = SD3Transformer2DModel(
             sample_size=sample_size,

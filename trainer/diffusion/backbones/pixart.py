@@ -5,7 +5,6 @@ from __future__ import annotations
 from typing import Literal
 
 import torch
-from diffusers import PixArtTransformer2DModel
 from pydantic import Field
 
 from trainer.diffusion.backbones.base import Backbone, TransformerConfig, per_sample
@@ -46,6 +45,8 @@ class PixArtBackbone(Backbone):
         num_classes: int | None = None,
         in_channels: int | None = None,
     ):
+        from diffusers.models.transformers.pixart_transformer_2d import PixArtTransformer2DModel
+
         cls.check_build(c, sample_size, num_classes)
         model = PixArtTransformer2DModel(
             num_attention_heads=c.num_attention_heads,

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 from typing import ClassVar, Literal
 
-from diffusers import UNet2DConditionModel, UNet2DModel
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from trainer.diffusion.backbones.base import Backbone
@@ -136,8 +135,12 @@ class UNetBackbone(Backbone):
         )
         accepts = {"labels"} if num_classes else set()
         if c.caption_channels is None:
+            from diffusers.models.unets.unet_2d import UNet2DModel
+
             down, up = unet_block_types(c)
             return cls(UNet2DModel(down_block_types=down, up_block_types=up, **shape), accepts, accepts)
+        from diffusers.models.unets.unet_2d_condition import UNet2DConditionModel
+
         down, up = unet_block_types(c, "CrossAttnDownBlock2D", "CrossAttnUpBlock2D")
         model = UNet2DConditionModel(
             down_block_types=down,
@@ -151,8 +154,8 @@ class UNetBackbone(Backbone):
 
     def call(self, model, x, t, cond):
         labels = cond.get("labels")
-        # The built module decides: `model` may be a DDP wrapper around it.
-        if isinstance(self.model, UNet2DConditionModel):
+        # What was built decides (`model` may be a DDP wrapper around it): captions = UNet2DConditionModel.
+        if "captions" in self.accepts:
             mask = cond.get("caption_mask")
             return model(x, t, cond["captions"], class_labels=labels, encoder_attention_mask=mask).sample
         return model(x, t, class_labels=labels).sample

@@ -1,0 +1,127 @@
+"""Import one diffusers class without its package's other hundred: packages whose `__init__` runs on first use.
+
+diffusers' top level is lazy, but a few of its packages are not: `diffusers.models.unets`,
+`diffusers.models.transformers`, `diffusers.models.autoencoders` and `diffusers.hooks` import every
+module they hold in their `__init__`. So `from diffusers.models.unets.unet_2d import UNet2DModel` (and
+`unet_2d_blocks`' import of `transformers.transformer_2d`) imports every UNet, every transformer
+(about 100 classes), and with them `diffusers.hooks`, whose layer-wise casting imports peft whenever it
+is installed, which imports transformers' model code, scipy and torchao: about 3 of the 6.5 CPU seconds
+a digits run spent importing. gentrain uses a handful of those classes.
+
+`install()` (trainer/__init__.py calls it; nothing is imported until diffusers is) puts a finder in front
+of the import system for exactly those package names. The package it returns is the real one (same
+`__path__`, `__spec__`, file), except that its `__init__` has not run: importing a module inside it
+imports that module only. Asking the package for a name its `__init__` imports from one of its modules
+(`from diffusers.quantizers import DiffusersAutoQuantizer`, `diffusers.models.unets.UNet3DConditionModel`)
+imports that module and binds the name; asking for any other name runs the real `__init__` in it then. So
+every name the package offers is still there; only when its module is imported differs.
+tests/test_private_apis.py checks these packages still exist and that a UNet import stays small, so a
+diffusers that moves them fails there, not with a slower start.
+"""
+
+from __future__ import annotations
+
+import ast
+import importlib
+import importlib.abc
+import importlib.machinery
+import sys
+import threading
+import types
+
+# diffusers packages whose __init__ imports every module in them (diffusers 0.30-0.42).
+LAZY_PACKAGES = frozenset(
+    {
+        "diffusers.models.unets",
+        "diffusers.models.transformers",
+        "diffusers.models.autoencoders",
+        "diffusers.hooks",
+        # Every model module imports DiffusersAutoQuantizer from here; its `pipe_quant_config` imports
+        # transformers whenever installed (about 0.4 s), for pipelines only.
+        "diffusers.quantizers",
+    }
+)
+
+
+def _sources(init_path: str | None) -> dict[str, tuple[str, str]]:
+    """name -> (submodule, its name there) for each `from .submodule import name [as alias]` in a package's
+    `__init__`, wherever it is (inside `if is_torch_available():` too). A name imported from two places
+    (a real class or a dummy) is left out: asking for it runs the whole `__init__`, which decides."""
+    if not init_path:
+        return {}
+    try:
+        with open(init_path, encoding="utf-8") as f:
+            tree = ast.parse(f.read())
+    except (OSError, SyntaxError, ValueError):
+        return {}
+    found: dict[str, set[tuple[str, str]]] = {}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.level == 1 and node.module:
+            for alias in node.names:
+                if alias.name != "*":
+                    found.setdefault(alias.asname or alias.name, set()).add((node.module, alias.name))
+    return {name: next(iter(where)) for name, where in found.items() if len(where) == 1}
+
+
+class _DeferredInit(importlib.abc.Loader):
+    """Loads a package without running its `__init__`. A name the `__init__` imports from one of the
+    package's modules imports that module alone; any other name runs the whole `__init__`, once."""
+
+    def __init__(self, real: importlib.abc.Loader, init_path: str | None) -> None:
+        self.real = real
+        self.sources = _sources(init_path)
+        self.lock = threading.RLock()
+
+    def create_module(self, spec: importlib.machinery.ModuleSpec) -> types.ModuleType | None:
+        return self.real.create_module(spec)
+
+    def exec_module(self, module: types.ModuleType) -> None:
+        real, lock, sources = self.real, self.lock, self.sources
+
+        def __getattr__(name: str):  # module-level __getattr__ (PEP 562): only for names not there yet
+            if name.startswith("__") and name.endswith("__") and name != "__all__":
+                raise AttributeError(f"module {module.__name__!r} has no attribute {name!r}")
+            if name in sources and module.__dict__.get("__getattr__") is __getattr__:
+                submodule, attr = sources[name]
+                value = getattr(importlib.import_module(f"{module.__name__}.{submodule}"), attr)
+                setattr(module, name, value)
+                return value
+            with lock:
+                if module.__dict__.get("__getattr__") is __getattr__:
+                    del module.__dict__["__getattr__"]
+                    module.__loader__ = real
+                    module.__spec__.loader = real
+                    real.exec_module(module)  # the package's own __init__, in the module the imports hold
+            try:
+                return module.__dict__[name]
+            except KeyError:
+                raise AttributeError(f"module {module.__name__!r} has no attribute {name!r}") from None
+
+        module.__getattr__ = __getattr__
+
+
+class _Finder(importlib.abc.MetaPathFinder):
+    def find_spec(self, fullname, path, target=None):
+        if fullname not in LAZY_PACKAGES:
+            return None
+        for finder in sys.meta_path:
+            if finder is self or not hasattr(finder, "find_spec"):
+                continue
+            spec = finder.find_spec(fullname, path, target)
+            if spec is not None:
+                break
+        else:
+            return None
+        if spec.loader is None or spec.submodule_search_locations is None:
+            return spec  # not a package on disk (a namespace, another layout): import it as it is
+        spec.loader = _DeferredInit(spec.loader, spec.origin)
+        return spec
+
+
+_FINDER = _Finder()
+
+
+def install() -> None:
+    """Put the finder first on sys.meta_path (idempotent). Packages already imported stay as they are."""
+    if _FINDER not in sys.meta_path:
+        sys.meta_path.insert(0, _FINDER)
