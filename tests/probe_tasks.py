@@ -48,7 +48,8 @@ from trainer.tasks.vqgan import VQGANTask
 def maybe_die(step: int) -> None:
     """SIGKILL this process in global step STEP on rank RANK (`PROBE_TASK_KILL=RANK:STEP`; RANK `*`: any rank
     that has the variable, e.g. every worker of one torchrun agent), on the first attempt only
-    (`PROBE_TASK_KILL_ATTEMPT=N`: on torchrun's restart N instead).
+    (`PROBE_TASK_KILL_ATTEMPT=N`: on torchrun's restart N instead; `*`: on whichever attempt gets there, for
+    a node whose agent may count a restart of its own when another node's worker dies first).
 
     With `PROBE_TASK_KILL_AFTER=PATH` it first waits (up to 120 s) for PATH to exist: a background
     (async) save's manifest, so the kill lands after that checkpoint committed, whatever the speed. PATH
@@ -57,7 +58,7 @@ def maybe_die(step: int) -> None:
     """
     kill = os.environ.get("PROBE_TASK_KILL")
     attempt = os.environ.get("PROBE_TASK_KILL_ATTEMPT", "0")
-    if kill and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == attempt:
+    if kill and attempt in ("*", os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")):
         rank, at = kill.split(":")
         if rank in ("*", os.environ.get("RANK", "0")) and step == int(at):
             after = os.environ.get("PROBE_TASK_KILL_AFTER")

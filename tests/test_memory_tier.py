@@ -338,9 +338,12 @@ def test_fsdp_worker_crash_node_loss_and_loss_mid_replication_resume_from_memory
         )
         nodes.hosting(a)
         # 2. Node b hangs in the step after 12 (once node a holds b's piece of step 12), and is lost whole.
+        #    On any attempt: when a's worker dies, b's worker may die of the broken collective before b's
+        #    agent sees the new round, and then b's agent counts a restart of its own.
         b, log_b = nodes.start(
             "b",
             PROBE_TASK_KILL="*:12",
+            PROBE_TASK_KILL_ATTEMPT="*",
             PROBE_TASK_KILL_SIGNAL="STOP",
             PROBE_TASK_KILL_AFTER=step_pieces("a", 12),
             PROBE_TASK_KILL_AFTER_COUNT="2",
@@ -376,7 +379,11 @@ def test_ddp_worker_crash_and_node_loss_resume_from_memory_bit_identical(tmp_pat
         a, log_a = nodes.start("a", PROBE_TASK_KILL="*:5", PROBE_TASK_KILL_AFTER=piece("b", 5))
         nodes.hosting(a)
         b, log_b = nodes.start(
-            "b", PROBE_TASK_KILL="*:10", PROBE_TASK_KILL_SIGNAL="STOP", PROBE_TASK_KILL_AFTER=piece("a", 10)
+            "b",
+            PROBE_TASK_KILL="*:10",
+            PROBE_TASK_KILL_ATTEMPT="*",  # whatever restart b's agent counts when a's worker dies (above)
+            PROBE_TASK_KILL_SIGNAL="STOP",
+            PROBE_TASK_KILL_AFTER=piece("a", 10),
         )
         assert re.search(r"memory:\S+step-000000005 step=5$", _resumed(nodes, 1))
         wait_for_log(log_b, "probe: stopped in step 10", b, timeout=300)

@@ -12,6 +12,7 @@ import inspect
 
 import pytest
 import torch
+from conftest import REPO
 from torch import nn
 
 from trainer.engine.shard import move_buffers
@@ -218,27 +219,25 @@ def test_fake_tensor_mode_for_the_flop_count():
 
 
 # Where each diffusers class gentrain builds is imported from (its own module, not diffusers' top level).
-DIFFUSERS_MODULES = {
-    "diffusers.models.unets.unet_2d": "UNet2DModel",
-    "diffusers.models.unets.unet_2d_condition": "UNet2DConditionModel",
-    "diffusers.models.transformers.dit_transformer_2d": "DiTTransformer2DModel",
-    "diffusers.models.transformers.pixart_transformer_2d": "PixArtTransformer2DModel",
-    "diffusers.models.transformers.transformer_sd3": "SD3Transformer2DModel",
-    "diffusers.models.autoencoders.autoencoder_kl": "AutoencoderKL",
-    "diffusers.models.autoencoders.vq_model": "VQModel",
-    "diffusers.models.embeddings": "LabelEmbedding",
-    "diffusers.schedulers.scheduling_ddpm": "DDPMScheduler",
-    "diffusers.schedulers.scheduling_ddim": "DDIMScheduler",
-    "diffusers.schedulers.scheduling_dpmsolver_multistep": "DPMSolverMultistepScheduler",
-    "diffusers.schedulers.scheduling_flow_match_euler_discrete": "FlowMatchEulerDiscreteScheduler",
-    "diffusers.schedulers.scheduling_edm_euler": "EDMEulerScheduler",
-    "diffusers.schedulers.scheduling_edm_dpmsolver_multistep": "EDMDPMSolverMultistepScheduler",
-}
+def _diffusers_imports() -> dict[tuple[str, str], str]:
+    """{(module, name): where} for every `from diffusers.<module> import <name>` in trainer/ (module level or
+    inside a function): the paths gentrain relies on, read from the source so none is missed."""
+    import ast
+
+    found: dict[tuple[str, str], str] = {}
+    for path in sorted((REPO / "trainer").rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("diffusers."):
+                for alias in node.names:
+                    found.setdefault((node.module, alias.name), f"{path.relative_to(REPO)}:{node.lineno}")
+    return found
+
+
 
 
 def test_diffusers_classes_in_their_own_modules_and_the_packages_imported_lazily():
-    """trainer/diffusion/backbones.py, objectives.py, models/export.py and tasks/latent.py import each diffusers
-    class from its own module (diffusers documents the classes, not these paths), and trainer/lazy_packages.py
+    """trainer/ imports each diffusers class from its own module (diffusers documents the classes, not these
+    paths; every such import is read from the source), and trainer/lazy_packages.py
     defers the `__init__` of the packages that import every module in them. If diffusers moves a class or
     stops being a package there, this names what to update. End to end: tests/test_startup.py (what a
     digits-ddpm run imports)."""
@@ -249,12 +248,14 @@ def test_diffusers_classes_in_their_own_modules_and_the_packages_imported_lazily
 
     from trainer.lazy_packages import LAZY_PACKAGES
 
-    for module, name in DIFFUSERS_MODULES.items():
+    imports = _diffusers_imports()
+    assert ("diffusers.models.unets.unet_2d", "UNet2DModel") in imports  # the scan finds them
+    for (module, name), where in imports.items():
         try:
             cls = getattr(importlib.import_module(module), name)
         except (ImportError, AttributeError) as e:
-            _guard(False, f"{module}.{name} ({e}): update the gentrain import of {name} (grep trainer/ for {module})")
-        _guard(getattr(diffusers, name, cls) is cls, f"{module}.{name} is not diffusers.{name}: update its import")
+            _guard(False, f"{module}.{name} ({e}): update the gentrain import of {name} at {where}")
+        _guard(getattr(diffusers, name, cls) is cls, f"{module}.{name} is not diffusers.{name}: update {where}")
     for package in sorted(LAZY_PACKAGES):
         spec = importlib.util.find_spec(package)
         _guard(
