@@ -15,9 +15,9 @@ from collections.abc import Mapping
 from typing import Literal
 
 import torch
-from diffusers.models.unets.unet_2d_condition import UNet2DConditionModel
 from diffusers.models.embeddings import TimestepEmbedding, Timesteps
 from diffusers.models.modeling_outputs import Transformer2DModelOutput
+from diffusers.models.unets.unet_2d_condition import UNet2DConditionModel
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 from torch import nn
 
