@@ -233,8 +233,6 @@ def _diffusers_imports() -> dict[tuple[str, str], str]:
     return found
 
 
-
-
 def test_diffusers_classes_in_their_own_modules_and_the_packages_imported_lazily():
     """trainer/ imports each diffusers class from its own module (diffusers documents the classes, not these
     paths; every such import is read from the source), and trainer/lazy_packages.py
