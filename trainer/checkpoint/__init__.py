@@ -2,7 +2,8 @@
 writer, what training state goes into which file, sharded files, the lease and the memory tier.
 
 It sits at the bottom of the layers, beside `trainer.storage`: it imports nothing of trainer but `config`,
-`elastic`, `storage`, `randomness` and `errors` (tests/test_layers.py). When to save and what to resume from
+`elastic`, `storage`, `randomness`, `errors` and the leaf `ema` (validity.py vets a stored EMA state with it)
+(tests/test_layers.py). When to save and what to resume from
 is the engine's (`trainer/engine/checkpoints.py`, CheckpointManager).
 
     layout.py   every file and dir name in a checkpoint root, built and parsed
