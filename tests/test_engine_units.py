@@ -507,3 +507,21 @@ def test_run_dir_is_copied_beside_the_checkpoints_new_and_changed_files_only(tmp
     assert run_dir_uploader(load_config(None, [f"run.dir={run}", "log.upload_run_dir=true"])) is None
     on = run_dir_uploader(load_config(None, [f"run.dir={run}", "log.upload_run_dir=true", f"checkpoint.url={dest}"]))
     assert on is not None and on.dest.endswith("ckpts/run")
+
+
+def test_a_preview_prompts_with_the_held_out_captions_cycled_to_its_number_of_samples():
+    from contextlib import nullcontext
+
+    from trainer.tasks.base import Batch, PreviewContext
+
+    def context(captions: list[str] | None, num: int) -> PreviewContext:
+        n = len(captions or [1])
+        images, labels = torch.zeros(n, 1, 2, 2), torch.zeros(n, dtype=torch.long)
+        batch = Batch(images, labels, torch.arange(n), list(range(n)), captions=captions)
+        return PreviewContext(batch, num, 0, torch.device("cpu"), {}, True, lambda ema: nullcontext())
+
+    assert context(["a 1", "a 2"], 5).held_out_prompts() == ["a 1", "a 2", "a 1", "a 2", "a 1"]
+    assert context(None, 3).held_out_prompts() is None
+    assert (
+        PreviewContext(None, 3, 0, torch.device("cpu"), {}, True, lambda ema: nullcontext()).held_out_prompts() is None
+    )

@@ -167,6 +167,14 @@ class PreviewContext:
         """EMA weights when `sample.use_ema` (the default), else the online weights."""
         return self.weights(self.use_ema)
 
+    def held_out_prompts(self) -> list[str] | None:
+        """`num` prompts cycled from the held-out batch's captions (what a caption-conditioned model previews
+        with); None when the batch has none."""
+        if self.batch is None or not self.batch.captions:
+            return None
+        caps = self.batch.captions
+        return [caps[i % len(caps)] for i in range(self.num)]
+
     def request(self, **options: Any) -> SampleRequest:
         """The sampling request of a preview: `num`, `seed`, the sampler options and the stop check, plus
         `options`."""

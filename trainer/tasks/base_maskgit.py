@@ -198,10 +198,7 @@ class MaskedTokenTask(Task):
 
     def previews(self, modules, ctx: PreviewContext) -> dict[str, torch.Tensor]:
         """Samples; a text-conditional model draws the captions of the held-out batch."""
-        prompts = None
-        if self.text is not None and ctx.batch is not None and ctx.batch.captions:
-            caps = ctx.batch.captions
-            prompts = [caps[i % len(caps)] for i in range(ctx.num)]
+        prompts = ctx.held_out_prompts() if self.text is not None else None
         with ctx.preferred_weights():
             return {"samples": self.sample(modules, ctx.request(prompts=prompts), ctx.device)}
 

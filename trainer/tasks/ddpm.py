@@ -425,10 +425,7 @@ class DDPMTask(Task):
 
     def previews(self, modules, ctx: PreviewContext) -> dict[str, torch.Tensor]:
         """`samples` from noise; a caption-conditioned model draws the held-out batch's captions."""
-        prompts = None
-        if self.text is not None and ctx.batch is not None and ctx.batch.captions:
-            caps = ctx.batch.captions
-            prompts = [caps[i % len(caps)] for i in range(ctx.num)]
+        prompts = ctx.held_out_prompts() if self.text is not None else None
         with ctx.preferred_weights():
             return {"samples": self.sample(modules, ctx.request(prompts=prompts), ctx.device)}
 
