@@ -189,15 +189,7 @@ class StageNet(nn.Module):
             vec = vec + self.aug_embed(self.aug_proj(cond["aug_t"]).to(x.dtype))
         if self.class_embed is not None:
             vec = vec + self.class_embed(cond["labels"])
-        if "text_pooled" in cond:
-            vec = vec + self.text_pooled(cond["text_pooled"])
-            context.append(self.text_tokens(cond["text_tokens"]))
-            mask.append(cond["text_mask"])
-        if "image_embed" in cond:
-            e = cond["image_embed"]
-            vec = vec + self.embed_vector(e)
-            context.append(self.embed_tokens(e).view(n, self.embed_tokens_n, self.context_dim))
-            mask.append(torch.ones(n, self.embed_tokens_n, device=x.device))
+        vec = _embed_conditions(self, cond, vec, context, mask, self.context_dim)
         hidden = torch.cat(context, dim=1) if context else None
         attn_mask = torch.cat(mask, dim=1) if mask else None
         return self.unet(x, t, hidden, class_labels=vec, encoder_attention_mask=attn_mask)
@@ -258,20 +250,31 @@ class TransformerStageNet(nn.Module):
         if self.lowres:
             vec = vec + self.aug_embed(self.aug_proj(cond["aug_t"]).to(x.dtype))
         tokens, masks = [], []
-        if "text_pooled" in cond:
-            vec = vec + self.text_pooled(cond["text_pooled"])
-            tokens.append(self.text_tokens(cond["text_tokens"]))
-            masks.append(cond["text_mask"])
-        if "image_embed" in cond:
-            e = cond["image_embed"]
-            vec = vec + self.embed_vector(e)
-            tokens.append(self.embed_tokens(e).view(n, self.embed_tokens_n, self.width))
-            masks.append(torch.ones(n, self.embed_tokens_n, device=x.device))
+        vec = _embed_conditions(self, cond, vec, tokens, masks, self.width)
         tokens.insert(0, self.vec_token(vec)[:, None])
         masks.insert(0, torch.ones(n, 1, device=x.device))
         given = {"captions": torch.cat(tokens, dim=1), "caption_mask": torch.cat(masks, dim=1), "pooled": vec}
         conds = {k: v for k, v in given.items() if k in self.backbone.accepts}
         return Transformer2DModelOutput(sample=self.backbone(x, t, conds))
+
+
+def _embed_conditions(
+    net: nn.Module, cond: Mapping[str, torch.Tensor], vec: torch.Tensor, tokens: list, masks: list, dim: int
+) -> torch.Tensor:
+    """A stage network's text and image-embedding conditions, as both stage networks take them: the pooled
+    vectors added to `vec` (returned), the caption tokens and `embed_tokens_n` image tokens of width `dim`
+    appended to `tokens`, with their masks to `masks`."""
+    n = vec.shape[0]
+    if "text_pooled" in cond:
+        vec = vec + net.text_pooled(cond["text_pooled"])
+        tokens.append(net.text_tokens(cond["text_tokens"]))
+        masks.append(cond["text_mask"])
+    if "image_embed" in cond:
+        e = cond["image_embed"]
+        vec = vec + net.embed_vector(e)
+        tokens.append(net.embed_tokens(e).view(n, net.embed_tokens_n, dim))
+        masks.append(torch.ones(n, net.embed_tokens_n, device=vec.device))
+    return vec
 
 
 def stage_hints(prefix: str) -> dict[str, str]:
