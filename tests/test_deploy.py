@@ -372,7 +372,7 @@ def test_the_image_ships_the_torch_the_suite_tests():
     (image_torch,) = re.findall(r"^ARG TORCH_VERSION=(\S+)$", dockerfile, re.M)
     tested = torch.__version__.split("+")[0]
     assert image_torch == tested, f"Dockerfile installs torch {image_torch}, the suite runs {tested}"
-    (ci_torch,) = re.findall(r"pip\S* install -q torch==(\S+)", (REPO / "scripts" / "test.sh").read_text())
+    (ci_torch,) = re.findall(r"pip\S* install -q (?:--\S+ )*torch==(\S+)", (REPO / "scripts" / "test.sh").read_text())
     assert image_torch == ci_torch, f"Dockerfile installs torch {image_torch}, scripts/test.sh {ci_torch}"
     assert 'pip install --no-cache-dir "torch==${TORCH_VERSION}"' in dockerfile
     # PyPI's default Linux wheel is the CUDA build; a CPU index or local version would not be.
