@@ -10,7 +10,8 @@ the run's pid first (so the client can kill it on a timeout) and its exit status
 does (minus the signal for a run a signal ended).
 
 What a fork cannot reproduce is left to real processes (tests/conftest.py `run_cli` decides): a run with
-its own PYTHONPATH, working directory or import-time settings (HF_*, TORCH*, OMP_*, ...) starts a fresh
+its own working directory, import-time settings (HF_*, TORCH*, OMP_*, ...) or PYTHONPATH (beyond this
+checkout and its tests/ folder, which a fork puts on sys.path as `python -m` would) starts a fresh
 interpreter, as do every process a test signals (`start_cli`) and every torchrun worker.
 The stdlib's multiprocessing forkserver does the same for its workers; it cannot run a module as
 `__main__` with another environment and argv, so this is written here.
@@ -88,7 +89,9 @@ def _run(req: dict) -> None:
     os.environ.clear()
     os.environ.update(req["env"])
     sys.argv = [os.path.join(req["cwd"], "trainer", "__main__.py"), *req["args"]]
-    sys.path[0] = req["cwd"]  # what `python -m` puts first
+    sys.path[0] = req["cwd"]  # what `python -m` puts first, then PYTHONPATH's folders
+    extra = [p for p in req["env"].get("PYTHONPATH", "").split(os.pathsep) if p and p not in sys.path]
+    sys.path[1:1] = extra
     # An uncaught exception prints its traceback and exits 1, SystemExit exits with its code: as in
     # any interpreter, with non-daemon threads joined and atexit handlers run on the way out.
     try:

@@ -7,11 +7,12 @@ and config errors answer at once. Each command imports the layers it runs inside
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import logging
 import os
 import sys
-from typing import Any
+from typing import Any, NoReturn
 
 from trainer.config import preset_names, preset_summary, split_preset
 from trainer.config.redact import RedactingFilter, redact, redact_text
@@ -674,6 +675,19 @@ def cmd_launch(argv: list[str]) -> int:
 def _fail(message: str) -> None:
     """One `gentrain: ...` line on stderr, through the same redaction as every log line."""
     print(f"gentrain: {_REDACT.clean(message)}", file=sys.stderr)
+
+
+def run() -> NoReturn:
+    """The `gentrain` command and `python -m trainer`: main(), then the process's exit.
+
+    Before exiting, every object there is is frozen out of the garbage collector (gc.freeze): the
+    interpreter's exit runs full collections that walk every object of torch, torch's compiler and
+    diffusers once more, 0.9 s of a run's exit here (0.16 s frozen) and each torchrun worker's too,
+    for cycles that the process's end frees anyway. Files, logs and checkpoints are closed by then,
+    and atexit handlers still run."""
+    code = main()
+    gc.freeze()
+    sys.exit(code)
 
 
 def main(argv: list[str] | None = None) -> int:
