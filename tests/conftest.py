@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -113,6 +114,67 @@ def _forkable(env: dict[str, str]) -> bool:
     return True
 
 
+class ForkedRun:
+    """A run forked by the test server (tests/zygote.py), with what the tests use of subprocess.Popen:
+    pid, poll, wait, send_signal, terminate, kill, returncode. The exit status comes from the run's
+    monitor: the exit code, or minus the signal that ended it (-9 too if the monitor itself was killed)."""
+
+    def __init__(self, conn: socket.socket, args: list[str]) -> None:
+        self.args = args
+        self.returncode: int | None = None
+        self.pid: int | None = None
+        self._conn: socket.socket | None = conn
+        self._buf = b""
+        self._read(until_pid=True, timeout=120)
+        if self.pid is None:
+            raise RuntimeError(f"the test fork server did not start {args!r}")
+
+    def _read(self, until_pid: bool = False, timeout: float | None = None) -> None:
+        import select
+        import time
+
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while self._conn is not None and not (until_pid and self.pid is not None):
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            if not select.select([self._conn], [], [], left)[0]:
+                return  # nothing more within the timeout
+            chunk = self._conn.recv(1 << 12)
+            self._buf += chunk
+            *lines, self._buf = self._buf.split(b"\n")
+            for line in map(bytes.decode, lines):
+                if line.startswith("pid "):
+                    self.pid = int(line[4:])
+                elif line.startswith("exit "):
+                    self.returncode = int(line[5:])
+            if not chunk or self.returncode is not None:
+                self.returncode = -9 if self.returncode is None else self.returncode
+                self._conn.close()
+                self._conn = None
+
+    def poll(self) -> int | None:
+        self._read(timeout=0)
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        self._read(timeout=timeout)
+        if self.returncode is None:
+            raise subprocess.TimeoutExpired(self.args, timeout)
+        return self.returncode
+
+    def send_signal(self, sig: int) -> None:
+        if self.poll() is None:
+            try:
+                os.kill(self.pid, sig)
+            except ProcessLookupError:
+                pass
+
+    def terminate(self) -> None:
+        self.send_signal(signal.SIGTERM)
+
+    def kill(self) -> None:
+        self.send_signal(signal.SIGKILL)
+
+
 class _Zygote:
     """The client side of tests/zygote.py: one server per pytest process, killed (by its pid) at exit."""
 
@@ -137,34 +199,34 @@ class _Zygote:
             raise RuntimeError(f"the test fork server did not start: {line!r} (GENTRAIN_TEST_FORK=0 avoids it)")
         self.runs = 0
 
-    def run(self, args: list[str], env: dict[str, str], timeout: float) -> subprocess.CompletedProcess:
+    def start(
+        self, args: list[str], env: dict[str, str], stdout: str, stderr: str, session: bool = False
+    ) -> ForkedRun:
+        """Fork a run writing to the files `stdout` and `stderr` (the same path: one file, as
+        Popen(stderr=STDOUT)); `session`: in a session and process group of its own."""
         import json
 
-        self.runs += 1
-        out, err = (os.path.join(self.dir, f"{self.runs}.{n}") for n in ("out", "err"))
-        request = {"args": args, "env": env, "cwd": str(REPO), "stdout": out, "stderr": err}
-        lines: list[str] = []
-        pid = None
-        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as conn:
-            conn.settimeout(timeout)
+        request = {"args": args, "env": env, "cwd": str(REPO), "stdout": stdout, "stderr": stderr}
+        if session:
+            request["session"] = True
+        conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
             conn.connect(self.socket)
             conn.sendall((json.dumps(request) + "\n").encode())
-            buf = b""
-            try:
-                while not any(line.startswith("exit ") for line in lines):
-                    chunk = conn.recv(1 << 12)
-                    if not chunk:
-                        break
-                    buf += chunk
-                    *done, buf = buf.split(b"\n")
-                    lines += [d.decode() for d in done]
-                    pid = next((int(line[4:]) for line in lines if line.startswith("pid ")), pid)
-            except TimeoutError:
-                if pid is not None:
-                    os.kill(pid, 9)
-                raise subprocess.TimeoutExpired(["gentrain", *args], timeout) from None
-        codes = [int(line[5:]) for line in lines if line.startswith("exit ")]
-        code = codes[0] if codes else -9  # no exit line: the monitor itself was killed
+        except OSError:
+            conn.close()
+            raise
+        return ForkedRun(conn, ["gentrain", *args])
+
+    def run(self, args: list[str], env: dict[str, str], timeout: float) -> subprocess.CompletedProcess:
+        self.runs += 1
+        out, err = (os.path.join(self.dir, f"{self.runs}.{n}") for n in ("out", "err"))
+        proc = self.start(args, env, out, err)
+        try:
+            code = proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            raise
         with open(out) as o, open(err) as e:
             result = subprocess.CompletedProcess(["gentrain", *args], code, o.read(), e.read())
         os.unlink(out)

@@ -9,6 +9,8 @@ tested end to end elsewhere (named in each test).
 from __future__ import annotations
 
 import inspect
+import re
+from pathlib import Path
 
 import pytest
 import torch
@@ -260,3 +262,20 @@ def test_diffusers_classes_in_their_own_modules_and_the_packages_imported_lazily
             spec is not None and spec.submodule_search_locations is not None,
             f"{package} is no longer a package: drop it from trainer/lazy_packages.py LAZY_PACKAGES",
         )
+    # ON_FIRST_USE: each name still comes from one module of its package, and diffusers' modules only call
+    # it (attribute access: from_config, merge_quantization_configs), which the stand-in passes on.
+    from trainer.lazy_packages import ON_FIRST_USE, _sources
+
+    for package, names in ON_FIRST_USE.items():
+        sources = _sources(importlib.util.find_spec(package).origin)
+        for name in names:
+            _guard(name in sources, f"{package} no longer imports {name} from one module: update ON_FIRST_USE")
+            real = getattr(importlib.import_module(f"{package}.{sources[name][0]}"), sources[name][1])
+            _guard(isinstance(real, type), f"{package}.{name} is no longer a class: update ON_FIRST_USE")
+            for user in ("models/modeling_utils.py", "loaders/single_file_model.py"):
+                source = (Path(diffusers.__file__).parent / user).read_text()
+                uses = re.findall(rf"\b{name}\b(.?)", source)
+                _guard(
+                    all(after in (".", "", ",") for after in uses),
+                    f"diffusers/{user} uses {name} other than by attribute: drop it from ON_FIRST_USE",
+                )

@@ -45,15 +45,25 @@ else:
     except SystemExit as e:
         code = e.code
 with open(out, "w") as f:
-    json.dump({"code": code, "modules": seen[0] if seen else sorted(sys.modules)}, f)
+    json.dump({"code": code, "modules": seen[0] if seen else sorted(sys.modules), "at_exit": sorted(sys.modules)}, f)
 """
 
-# Not torchao: every diffusers model module imports it whenever installed (modeling_utils -> quantizers ->
-# their torchao quantizer), and no import path of diffusers avoids it.
-OPTIONAL = ("transformers", "peft", "scipy", "sentence_transformers", "torchmetrics", "av")
+# torchao too: every diffusers model module imports diffusers' quantizer registry, which imports it whenever
+# installed (trainer/lazy_packages.py ON_FIRST_USE defers that registry).
+OPTIONAL = ("transformers", "peft", "scipy", "sentence_transformers", "torchmetrics", "av", "torchao")
 
 
 def _imports(tmp_path, *args: str, timeout: float = 600) -> set[str]:
+    """The modules imported by the first step's end (a run) or by exit (else), with their packages."""
+    return _modules(_driver(tmp_path, *args, timeout=timeout))
+
+
+def _modules(result: dict, at_exit: bool = False) -> set[str]:
+    modules = result["at_exit" if at_exit else "modules"]
+    return {m.split(".")[0] for m in modules} | set(modules)
+
+
+def _driver(tmp_path, *args: str, timeout: float = 600) -> dict:
     out = tmp_path / "modules.json"
     proc = subprocess.run(
         [sys.executable, "-c", _DRIVER, str(out), *args],
@@ -66,7 +76,7 @@ def _imports(tmp_path, *args: str, timeout: float = 600) -> set[str]:
     assert proc.returncode == 0 and out.exists(), proc.stdout[-2000:] + proc.stderr[-4000:]
     result = json.loads(out.read_text())
     assert result["code"] in (0, None), proc.stderr[-4000:]
-    return {m.split(".")[0] for m in result["modules"]} | set(result["modules"])
+    return result
 
 
 @pytest.mark.slow
@@ -82,8 +92,7 @@ def test_a_digits_ddpm_run_imports_no_optional_stack_it_does_not_use(tmp_path):
     installed = [m for m in ("transformers", "peft", "scipy") if importlib.util.find_spec(m) is not None]
     if not installed:
         pytest.skip("none of transformers, peft, scipy is installed: nothing could pull them in")
-    loaded = _imports(
-        tmp_path,
+    args = (
         "train",
         "digits-ddpm",
         "train.max_steps=1",
@@ -95,11 +104,39 @@ def test_a_digits_ddpm_run_imports_no_optional_stack_it_does_not_use(tmp_path):
         "sample.inference_steps=1",
         "train.val_every_steps=0",
     )
+    result = _driver(tmp_path, *args)
+    loaded = _modules(result)
     assert {"torch", "diffusers", "trainer.tasks.ddpm"} <= loaded  # it did train a step
     assert set(OPTIONAL) & loaded == set(), f"a digits-ddpm run imported {sorted(set(OPTIONAL) & loaded)}"
+    # nor by its end, with the DDIM preview drawn: diffusers' DDIMScheduler.from_config would import every
+    # scheduler it lists as compatible, scipy with them (trainer/diffusion/objectives.py _same_schedule)
+    ended = _modules(result, at_exit=True)
+    assert "trainer.engine.preview" in ended and "scipy" not in ended, "the preview imported scipy"
     # one UNet class, not diffusers' hundred models
     assert "diffusers.models.unets.unet_2d" in loaded
     assert not {"diffusers.models.unets.unet_2d_condition", "diffusers.models.transformers.transformer_flux"} & loaded
+
+
+@pytest.mark.parametrize("objective", ["epsilon", "v_prediction"])
+def test_the_ddim_sampler_is_what_diffusers_from_config_builds(objective):
+    """objectives._same_schedule (DDIM without the import of every compatible scheduler) builds the sampler
+    diffusers' DDIMScheduler.from_config builds from the training scheduler: the same config, the same
+    schedule, the same timesteps for a sampling run."""
+    from diffusers.schedulers.scheduling_ddim import DDIMScheduler
+    from diffusers.schedulers.scheduling_ddpm import DDPMScheduler
+
+    from trainer.diffusion.objectives import _same_schedule
+
+    train = DDPMScheduler(
+        num_train_timesteps=200, beta_schedule="squaredcos_cap_v2", prediction_type=objective, clip_sample=False
+    )
+    ours, theirs = _same_schedule(DDIMScheduler, train.config), DDIMScheduler.from_config(train.config)
+    public = lambda c: {k: v for k, v in c.items() if not k.startswith("_")}  # noqa: E731
+    assert public(ours.config) == public(theirs.config) and ours.config.prediction_type == objective
+    assert torch.equal(ours.alphas_cumprod, theirs.alphas_cumprod)
+    ours.set_timesteps(7)
+    theirs.set_timesteps(7)
+    assert torch.equal(ours.timesteps, theirs.timesteps)
 
 
 def test_ema_matches_diffusers_bit_for_bit():

@@ -16,8 +16,9 @@ interpreter, as do every process a test signals (`start_cli`) and every torchrun
 The stdlib's multiprocessing forkserver does the same for its workers; it cannot run a module as
 `__main__` with another environment and argv, so this is written here.
 
-Protocol, one connection per run: the client sends one JSON line {args, env, cwd, stdout, stderr};
-the monitor answers "pid <n>\\n", then "exit <code>\\n".
+Protocol, one connection per run: the client sends one JSON line {args, env, cwd, stdout, stderr and
+optionally session (the run starts a session of its own)}; the monitor answers "pid <n>\\n", then
+"exit <code>\\n".
 """
 
 from __future__ import annotations
@@ -79,11 +80,15 @@ def _serve(path: str) -> None:
 def _run(req: dict) -> None:
     import runpy
 
+    if req.get("session"):
+        os.setsid()  # a process group of its own, as Popen(start_new_session=True) makes
     stdin = os.open(os.devnull, os.O_RDONLY)
     out = os.open(req["stdout"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    err = os.open(req["stderr"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    # stderr into stdout's file shares its offset, as Popen(stderr=STDOUT) does
+    err = out if req["stderr"] == req["stdout"] else os.open(req["stderr"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     for fd, target in ((stdin, 0), (out, 1), (err, 2)):
         os.dup2(fd, target)
+    for fd in {stdin, out, err}:
         os.close(fd)
     os.chdir(req["cwd"])
     os.environ.clear()

@@ -17,6 +17,12 @@ imports that module and binds the name; asking for any other name runs the real 
 every name the package offers is still there; only when its module is imported differs.
 tests/test_private_apis.py checks these packages still exist and that a UNet import stays small, so a
 diffusers that moves them fails there, not with a slower start.
+
+One name is offered as a stand-in instead (`ON_FIRST_USE`): `diffusers.quantizers.DiffusersAutoQuantizer`,
+which every model module imports and only `from_pretrained` with a quantization config calls. Its module
+imports every quantizer backend, torchao's among them, and that imports torchao (0.3 s here, beyond the
+torch compiler that training imports anyway). The stand-in imports its module when first asked for an
+attribute or called.
 """
 
 from __future__ import annotations
@@ -41,6 +47,8 @@ LAZY_PACKAGES = frozenset(
         "diffusers.quantizers",
     }
 )
+# Names a lazy package offers as a stand-in that imports their module on first use (see the docstring).
+ON_FIRST_USE = {"diffusers.quantizers": frozenset({"DiffusersAutoQuantizer"})}
 
 
 def _sources(init_path: str | None) -> dict[str, tuple[str, str]]:
@@ -83,7 +91,11 @@ class _DeferredInit(importlib.abc.Loader):
                 raise AttributeError(f"module {module.__name__!r} has no attribute {name!r}")
             if name in sources and module.__dict__.get("__getattr__") is __getattr__:
                 submodule, attr = sources[name]
-                value = getattr(importlib.import_module(f"{module.__name__}.{submodule}"), attr)
+                where = f"{module.__name__}.{submodule}"
+                if name in ON_FIRST_USE.get(module.__name__, ()):
+                    value = _OnFirstUse(where, attr)
+                else:
+                    value = getattr(importlib.import_module(where), attr)
                 setattr(module, name, value)
                 return value
             with lock:
@@ -98,6 +110,29 @@ class _DeferredInit(importlib.abc.Loader):
                 raise AttributeError(f"module {module.__name__!r} has no attribute {name!r}") from None
 
         module.__getattr__ = __getattr__
+
+
+class _OnFirstUse:
+    """Stands for a class: the first attribute asked of it, or a call, imports its module; both then go to
+    the real class. Not for isinstance or subclassing, which the names in ON_FIRST_USE never see."""
+
+    def __init__(self, module: str, attr: str) -> None:
+        self._where = (module, attr)
+
+    def _real(self):
+        module, attr = self._where
+        return getattr(importlib.import_module(module), attr)
+
+    def __getattr__(self, name: str):
+        if name.startswith("__") and name.endswith("__"):
+            raise AttributeError(name)
+        return getattr(self._real(), name)
+
+    def __call__(self, *args, **kwargs):
+        return self._real()(*args, **kwargs)
+
+    def __repr__(self) -> str:
+        return f"<{'.'.join(self._where)}, imported on first use>"
 
 
 class _Finder(importlib.abc.MetaPathFinder):
