@@ -8,7 +8,8 @@ step, one thread, previews and validation off, no checkpoint before the end.
 
 Each round runs every variant once, interleaved (A B A B ...) so a shared machine's load hits all alike:
 `python -m trainer train` and `torch.distributed.run --standalone --nproc-per-node N -m trainer train`
-(the worker's own figure, and `launch`: from starting torchrun to the worker's first step), for this tree
+(the worker's own figure, and `launch`: from starting torchrun to the worker's first step; `launch_to_exit`:
+the whole tiny run, its final checkpoint, preview and the process's exit included), for this tree
 and, with `--base DIR`, for another checkout of gentrain (a worktree of the commit before a change:
 `git worktree add --detach ../base <commit>`), each imported through PYTHONPATH. Also timed, once a
 round: `python -c "from diffusers import UNet2DModel"` (what importing one diffusers class cost before
@@ -79,6 +80,7 @@ BOOT_OFFSET = _boot_offset()
 def _run(cmd: list[str], tree: Path, workdir: str) -> dict[str, float]:
     launched = time.time()
     proc = subprocess.run(cmd, capture_output=True, text=True, env=_env(tree), cwd=workdir, timeout=900)
+    ended = time.time()
     found = LINE.search(proc.stdout + proc.stderr)
     if proc.returncode != 0 or not found:
         sys.exit(f"{' '.join(cmd)} (PYTHONPATH={tree}) failed, exit {proc.returncode}:\n{proc.stderr[-3000:]}")
@@ -87,6 +89,8 @@ def _run(cmd: list[str], tree: Path, workdir: str) -> dict[str, float]:
         "first_step": round(t["total"] - BOOT_OFFSET, 3),
         "imports": round(t["imports"] - BOOT_OFFSET, 3),
         "launch_to_first_step": round(t["first_step_unix"] - launched, 3),
+        # the whole tiny run: first step, final checkpoint and preview, and the process's exit
+        "launch_to_exit": round(ended - launched, 3),
     }
 
 
@@ -163,13 +167,14 @@ def main() -> None:
     if "base" in trees:
         # Per round (the two trees ran back to back, under the same load), then the median over rounds.
         out["this_over_base"] = {
-            kind: _summary(
+            f"{kind}/{figure}": _summary(
                 [
-                    {"first_step": round(a["first_step"] / b["first_step"], 3)}
+                    {figure: round(a[figure] / b[figure], 3)}
                     for a, b in zip(results[f"this/{kind}"], results[f"base/{kind}"], strict=True)
                 ]
-            )["first_step"]
+            )[figure]
             for kind in ("train", "torchrun")
+            for figure in ("first_step", "launch_to_exit")
         }
     out["samples"] = results
     print(json.dumps(out, indent=2))
