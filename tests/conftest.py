@@ -199,9 +199,7 @@ class _Zygote:
             raise RuntimeError(f"the test fork server did not start: {line!r} (GENTRAIN_TEST_FORK=0 avoids it)")
         self.runs = 0
 
-    def start(
-        self, args: list[str], env: dict[str, str], stdout: str, stderr: str, session: bool = False
-    ) -> ForkedRun:
+    def start(self, args: list[str], env: dict[str, str], stdout: str, stderr: str, session: bool = False) -> ForkedRun:
         """Fork a run writing to the files `stdout` and `stderr` (the same path: one file, as
         Popen(stderr=STDOUT)); `session`: in a session and process group of its own."""
         import json

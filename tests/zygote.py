@@ -12,7 +12,8 @@ does (minus the signal for a run a signal ended).
 What a fork cannot reproduce is left to real processes (tests/conftest.py `run_cli` decides): a run with
 its own working directory, import-time settings (HF_*, TORCH*, OMP_*, ...) or PYTHONPATH (beyond this
 checkout and its tests/ folder, which a fork puts on sys.path as `python -m` would) starts a fresh
-interpreter, as do every process a test signals (`start_cli`) and every torchrun worker.
+interpreter, as does every torchrun worker. A run a test signals (`start_cli`) is forked too, into a
+session of its own; the signal reaches it by its pid, as it would a fresh interpreter.
 The stdlib's multiprocessing forkserver does the same for its workers; it cannot run a module as
 `__main__` with another environment and argv, so this is written here.
 
@@ -85,7 +86,8 @@ def _run(req: dict) -> None:
     stdin = os.open(os.devnull, os.O_RDONLY)
     out = os.open(req["stdout"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     # stderr into stdout's file shares its offset, as Popen(stderr=STDOUT) does
-    err = out if req["stderr"] == req["stdout"] else os.open(req["stderr"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    same = req["stderr"] == req["stdout"]
+    err = out if same else os.open(req["stderr"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     for fd, target in ((stdin, 0), (out, 1), (err, 2)):
         os.dup2(fd, target)
     for fd in {stdin, out, err}:
@@ -110,6 +112,7 @@ def _run(req: dict) -> None:
             code = 1
     except KeyboardInterrupt:
         _exit_by_signal(signal.SIGINT)  # as the interpreter ends on an uncaught KeyboardInterrupt
+        code = 130
     except BaseException:
         sys.excepthook(*sys.exc_info())
         code = 1
