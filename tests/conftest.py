@@ -64,10 +64,9 @@ def run_cli(
     the run needs a fresh interpreter (its own working directory, PYTHONPATH or import-time settings) or
     GENTRAIN_TEST_FORK=0."""
     env = env or clean_env()
-    if cwd is None and _forkable(env) and os.environ.get("GENTRAIN_TEST_FORK", "1") != "0":
-        server = _zygote()
-        if server is not None:
-            return server.run([str(a) for a in args], env, timeout)
+    server = fork_server(env, cwd)
+    if server is not None:
+        return server.run([str(a) for a in args], env, timeout)
     return subprocess.run(
         [sys.executable, "-m", "trainer", *args],
         capture_output=True,
@@ -98,6 +97,14 @@ _IMPORT_TIME = (
 # this checkout) is imported by the run, never by the server, so the fork puts them on sys.path where
 # `python -m` would (tests/zygote.py).
 _FORKABLE_PATHS = {str(REPO), str(REPO / "tests")}
+
+
+def fork_server(env: dict[str, str], cwd: Path | None = None) -> _Zygote | None:
+    """The test fork server, where a run with this environment and working directory can be forked from
+    it (else None: the run starts a fresh interpreter)."""
+    if cwd not in (None, REPO) or not _forkable(env) or os.environ.get("GENTRAIN_TEST_FORK", "1") == "0":
+        return None
+    return _zygote()
 
 
 def _forkable(env: dict[str, str]) -> bool:

@@ -18,12 +18,11 @@ def start_cli(*args: str, env: dict[str, str], log_path: Path, cwd: Path | None 
     """Start `python -m trainer ARGS` in its own process group, stderr+stdout to `log_path`: forked from
     the test server where run_cli would fork it (the handle then offers what the tests use of Popen:
     pid, poll, wait, send_signal, kill), else a fresh interpreter."""
-    from conftest import REPO, _forkable, _zygote
+    from conftest import fork_server
 
-    if cwd in (None, REPO) and _forkable(env) and os.environ.get("GENTRAIN_TEST_FORK", "1") != "0":
-        server = _zygote()
-        if server is not None:
-            return server.start([str(a) for a in args], env, str(log_path), str(log_path), session=True)
+    server = fork_server(env, cwd)
+    if server is not None:
+        return server.start([str(a) for a in args], env, str(log_path), str(log_path), session=True)
     f = open(log_path, "w")
     return subprocess.Popen(
         [sys.executable, "-m", "trainer", *args],
