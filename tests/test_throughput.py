@@ -86,3 +86,24 @@ def test_the_counter_agrees_with_flop_counter_mode_and_leaves_the_gradients_alon
 
 def test_the_cpu_matmul_peak_is_measured():
     assert measure_cpu_matmul_peak(n=128, repeats=2, warmup_s=0) > 0
+
+
+def test_the_cpu_peak_is_measured_on_first_use_not_at_start_up(monkeypatch):
+    """The 0.3 s matmul is off a run's path to its first step: asked for between steps, once."""
+    from trainer.engine import throughput
+
+    measured = []
+
+    def spy(dtype):
+        measured.append(dtype)
+        return measure_cpu_matmul_peak(dtype, n=128, repeats=2, warmup_s=0)
+
+    monkeypatch.setattr(throughput, "measure_cpu_matmul_peak", spy)
+    tp = Throughput(torch.device("cpu"), "bf16", tf32=True)
+    tp.set_flops_per_step(1e9)  # a resumed process: the count came from its checkpoint
+    assert measured == [] and "not measured yet" in tp.peak_source
+    first = tp.rates(0.5)
+    assert measured == [torch.bfloat16] and "cpu bfloat16 matmul on" in tp.peak_source
+    assert first["mfu"] == pytest.approx(first["flops_per_s"] / tp.peak)
+    tp.rates(0.25)
+    assert measured == [torch.bfloat16]  # once per process

@@ -12,8 +12,11 @@ DDP every rank runs the whole model on its share of the batch, under FSDP the sa
 
 The peak it is compared with: on CUDA, the dense tensor-core peak of the GPU named by
 `torch.cuda.get_device_name` for the run's precision (a table of common data-centre GPUs; unknown GPUs get
-FLOP/s and no MFU); on CPU, a matmul of the training dtype timed at start-up on the same threads the run
-uses (the best of a few), so MFU there reads "of what this CPU's matmul reaches", not of a datasheet.
+FLOP/s and no MFU); on CPU, a matmul of the training dtype timed on the same threads the run uses (the best
+of a few), so MFU there reads "of what this CPU's matmul reaches", not of a datasheet. That matmul takes
+0.3 s on one thread, so it is timed on first use, not at start-up: when the FLOPs are counted (before the
+run's second step, time kept out of the step rates) or at the first rate a resumed process reports (after
+its rate window closed). A restart reaches its first step that much sooner, and a one-step run never pays it.
 """
 
 from __future__ import annotations
@@ -97,22 +100,40 @@ class Throughput:
 
     def __init__(self, device: torch.device, precision: str, tf32: bool):
         self.flops_per_step: int | None = None
+        self._cpu_dtype: torch.dtype | None = None  # set while a CPU peak is still to be measured
+        self._peak: float | None = None
         if device.type == "cuda":
             name = torch.cuda.get_device_name(device)
-            self.peak = gpu_peak(name, precision, tf32)
-            self.peak_source = f"{name} datasheet" if self.peak else f"{name}: not in the peak table"
+            self._peak = gpu_peak(name, precision, tf32)
+            self.peak_source = f"{name} datasheet" if self._peak else f"{name}: not in the peak table"
         elif device.type == "cpu":
-            dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision, torch.float32)
-            self.peak = measure_cpu_matmul_peak(dtype)
-            self.peak_source = f"cpu {str(dtype).removeprefix('torch.')} matmul on {torch.get_num_threads()} threads"
+            self._cpu_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision, torch.float32)
+            self.peak_source = f"cpu {str(self._cpu_dtype).removeprefix('torch.')} matmul, not measured yet"
         else:
-            self.peak, self.peak_source = None, f"{device.type}: no peak known"
+            self.peak_source = f"{device.type}: no peak known"
+
+    @property
+    def peak(self) -> float | None:
+        """The device's peak FLOP/s (None: unknown). A CPU's is measured here, the first time it is asked for:
+        callers ask between steps, where the time is not a step's (see the module docstring)."""
+        if self._cpu_dtype is not None:
+            dtype, self._cpu_dtype = self._cpu_dtype, None
+            self._peak = measure_cpu_matmul_peak(dtype)
+            self.peak_source = f"cpu {str(dtype).removeprefix('torch.')} matmul on {torch.get_num_threads()} threads"
+        return self._peak
+
+    @peak.setter
+    def peak(self, value: float | None) -> None:
+        self._cpu_dtype, self._peak = None, value
+
+    def _peak_line(self) -> str:
+        peak = self.peak
+        return f"{peak / 1e12:.3g} TFLOP/s ({self.peak_source})" if peak else self.peak_source
 
     def set_counted(self, flops: int) -> None:
         """This process's FLOPs per step, counted on fake tensors before the run's first step."""
         self.flops_per_step = int(flops)
-        peak = f"{self.peak / 1e12:.3g} TFLOP/s ({self.peak_source})" if self.peak else self.peak_source
-        log.info("throughput: %.4g GFLOP per step on this process; peak %s", flops / 1e9, peak)
+        log.info("throughput: %.4g GFLOP per step on this process; peak %s", flops / 1e9, self._peak_line())
 
     def set_flops_per_step(self, flops: float) -> None:
         """This process's FLOPs per step, from the count an earlier process of the run saved (no counting)."""
@@ -135,8 +156,8 @@ class Throughput:
         with torch.compiler.set_stance("force_eager"), counter:
             yield
         self.flops_per_step = counter.total
-        peak = f"{self.peak / 1e12:.3g} TFLOP/s ({self.peak_source})" if self.peak else self.peak_source
-        log.info("throughput: %.4g GFLOP per step on this process; peak %s", self.flops_per_step / 1e9, peak)
+        # No peak here: this is inside the step's time (the first rate measures it, outside the window).
+        log.info("throughput: %.4g GFLOP per step on this process (counted on the step)", counter.total / 1e9)
 
     def rates(self, seconds: float) -> dict[str, float]:
         """`flops_per_s` of a step that took `seconds`, and `mfu` (its fraction of the peak) where known."""
@@ -144,6 +165,7 @@ class Throughput:
             return {}
         achieved = self.flops_per_step / seconds
         out = {"flops_per_s": achieved}
-        if self.peak:
-            out["mfu"] = achieved / self.peak
+        peak = self.peak
+        if peak:
+            out["mfu"] = achieved / peak
         return out
