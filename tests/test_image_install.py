@@ -167,8 +167,9 @@ def image_venv(tmp_path_factory) -> Path:
     env = _venv_env(venv)
     _run([sys.executable, "-m", "venv", str(venv)], root, env)
     python = str(venv / "bin" / "python")
-    # --no-compile: the same files, without bytecode for all of them up front (Python compiles what it imports)
-    _run([python, "-m", "pip", "install", "-q", "--no-compile", f"torch=={torch_version}"], root, env)
+    # With bytecode, as the Dockerfile's pip installs: under PYTHONDONTWRITEBYTECODE=1 (the image sets it, so does
+    # CI) a venv without .pyc files compiles torch, transformers and the rest again in every process it starts.
+    _run([python, "-m", "pip", "install", "-q", f"torch=={torch_version}"], root, env)
     src = root / "src"  # the Dockerfile's WORKDIR, with what it copies there
     src.mkdir()
     for sources, dest in copies:
@@ -178,7 +179,7 @@ def image_venv(tmp_path_factory) -> Path:
                 shutil.copytree(REPO / name, target, ignore=shutil.ignore_patterns("__pycache__"))
             else:
                 shutil.copy(REPO / name, target)
-    _run([python, "-m", "pip", "install", "-q", "--no-compile", *args], src, env)
+    _run([python, "-m", "pip", "install", "-q", *args], src, env)
     shutil.rmtree(src)  # nothing may import gentrain from its sources
     return venv
 
