@@ -384,6 +384,14 @@ def test_the_image_ships_the_torch_the_suite_tests():
     assert not re.search(r"^FROM \S*pytorch/pytorch", dockerfile, re.M)  # its torch would be another release
 
 
+def test_the_suite_and_the_image_install_with_bytecode():
+    """PYTHONDONTWRITEBYTECODE=1 (the image, CI) means Python never caches what it compiles: an install without
+    .pyc files compiles torch's sources again in every process (1.6x the suite's CPU time once)."""
+    for path in ("scripts/test.sh", "Dockerfile", "tests/test_image_install.py"):
+        assert "--no-compile" not in (REPO / path).read_text(), path
+    assert re.search(r"python\S* -m compileall .*\btrainer\b", (REPO / "scripts" / "test.sh").read_text())
+
+
 # ---------------------------------------------------------------- manifests
 
 
