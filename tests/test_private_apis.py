@@ -279,3 +279,23 @@ def test_diffusers_classes_in_their_own_modules_and_the_packages_imported_lazily
                     all(after in (".", "", ",") for after in uses),
                     f"diffusers/{user} uses {name} other than by attribute: drop it from ON_FIRST_USE",
                 )
+    # PACKAGE_MAP_ON_FIRST_USE: each module still calls packages_distributions() when imported, and diffusers
+    # reads its table only through `_package_map` (membership and item), which the deferred table answers.
+    import ast
+
+    from trainer.lazy_packages import PACKAGE_MAP_ON_FIRST_USE
+
+    for module in sorted(PACKAGE_MAP_ON_FIRST_USE):
+        tree = ast.parse(Path(importlib.util.find_spec(module).origin).read_text())
+        calls = [
+            node
+            for statement in tree.body
+            if not isinstance(statement, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef))  # runs on import
+            for node in ast.walk(statement)
+            if isinstance(node, ast.Call) and getattr(node.func, "attr", None) == "packages_distributions"
+        ]
+        _guard(
+            bool(calls),
+            f"{module} no longer calls packages_distributions() on import: drop it from "
+            "trainer/lazy_packages.py PACKAGE_MAP_ON_FIRST_USE",
+        )

@@ -216,3 +216,38 @@ def test_a_lazy_package_imports_one_module_and_still_offers_every_name():
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.split() == ["True", "True", "True", "DiTTransformer2DModel"]
+
+
+# diffusers' availability flags and versions, as its import_utils computed them when imported (with
+# `import trainer` first: under the deferred package table; without: as diffusers alone does).
+_FLAGS = """
+import importlib.metadata, json, re, sys
+if sys.argv[1] == "trainer":
+    import trainer
+import diffusers.utils.import_utils as iu
+flags = {k: v for k, v in vars(iu).items() if re.fullmatch(r"_\\w+_(available|version)", k) and isinstance(v, (bool, str))}
+table = iu._package_map
+deferred = type(table).__name__ == "_PackageMap" and table._table is None
+same = dict(table) == importlib.metadata.packages_distributions()
+back = importlib.metadata.packages_distributions.__module__ == "importlib.metadata"
+print(json.dumps({"flags": flags, "deferred": deferred, "same_table": same, "real_function_back": back}))
+"""
+
+
+@pytest.mark.slow
+def test_diffusers_package_table_is_read_on_first_use_and_every_flag_is_unchanged():
+    """trainer/lazy_packages.py PACKAGE_MAP_ON_FIRST_USE: diffusers' import_utils gets a table that is built when
+    first read (not at import: 0.19 s of every start), equal to packages_distributions() once read, and every
+    availability flag and version it computed is what diffusers computes without gentrain."""
+
+    def flags(mode: str) -> dict:
+        proc = subprocess.run(
+            [sys.executable, "-c", _FLAGS, mode], capture_output=True, text=True, timeout=300, env=clean_env(), cwd=REPO
+        )
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        return json.loads(proc.stdout.strip().splitlines()[-1])
+
+    hooked, plain = flags("trainer"), flags("plain")
+    assert hooked["deferred"] and not plain["deferred"]
+    assert hooked["same_table"] and plain["same_table"] and hooked["real_function_back"]
+    assert len(hooked["flags"]) > 40 and hooked["flags"] == plain["flags"]

@@ -23,14 +23,25 @@ which every model module imports and only `from_pretrained` with a quantization 
 imports every quantizer backend, torchao's among them, and that imports torchao (0.3 s here, beyond the
 torch compiler that training imports anyway). The stand-in imports its module when first asked for an
 attribute or called.
+
+And one module's table is built on first use (`PACKAGE_MAP_ON_FIRST_USE`): `diffusers.utils.import_utils`
+calls `importlib.metadata.packages_distributions()` when it is imported, which reads the metadata and file
+list of every installed distribution (0.19 s with the test extras' 220 here, more in a fuller image). It only
+reads the table for packages whose import name differs from their distribution's, and only when such a
+package is installed (optimum, flashinfer, modelopt). While that module runs, `packages_distributions`
+returns a mapping that calls the real function the first time it is read; afterwards the real function is
+back. tests/test_private_apis.py checks that diffusers still calls it there, and that every availability
+flag and version diffusers reads comes out the same with and without this.
 """
 
 from __future__ import annotations
 
 import ast
+import collections.abc
 import importlib
 import importlib.abc
 import importlib.machinery
+import importlib.metadata
 import sys
 import threading
 import types
@@ -49,6 +60,8 @@ LAZY_PACKAGES = frozenset(
 )
 # Names a lazy package offers as a stand-in that imports their module on first use (see the docstring).
 ON_FIRST_USE = {"diffusers.quantizers": frozenset({"DiffusersAutoQuantizer"})}
+# Modules whose import calls importlib.metadata.packages_distributions(): it returns a table built on first read.
+PACKAGE_MAP_ON_FIRST_USE = frozenset({"diffusers.utils.import_utils"})
 
 
 def _sources(init_path: str | None) -> dict[str, tuple[str, str]]:
@@ -135,9 +148,57 @@ class _OnFirstUse:
         return f"<{'.'.join(self._where)}, imported on first use>"
 
 
+class _PackageMap(collections.abc.Mapping):
+    """`importlib.metadata.packages_distributions()`, computed the first time it is read."""
+
+    def __init__(self, compute) -> None:
+        self._compute, self._table = compute, None
+
+    def _get(self) -> dict:
+        if self._table is None:
+            try:
+                self._table = dict(self._compute())
+            except Exception:  # what diffusers does when the call fails: no table (names stay as they are)
+                self._table = {}
+        return self._table
+
+    def __getitem__(self, key):
+        return self._get()[key]
+
+    def __iter__(self):
+        return iter(self._get())
+
+    def __len__(self) -> int:
+        return len(self._get())
+
+    def __repr__(self) -> str:
+        return "<packages_distributions(), computed on first read>" if self._table is None else repr(self._table)
+
+
+class _PackageMapOnFirstUse(importlib.abc.Loader):
+    """Runs a module with `importlib.metadata.packages_distributions` returning a `_PackageMap`."""
+
+    def __init__(self, real: importlib.abc.Loader) -> None:
+        self.real = real
+
+    def create_module(self, spec: importlib.machinery.ModuleSpec) -> types.ModuleType | None:
+        return self.real.create_module(spec)
+
+    def exec_module(self, module: types.ModuleType) -> None:
+        # A module attribute, swapped for the length of one import (under the import lock of this module); a
+        # thread that calls it meanwhile gets the same table, read on first use.
+        real = importlib.metadata.packages_distributions
+        importlib.metadata.packages_distributions = lambda: _PackageMap(real)
+        try:
+            self.real.exec_module(module)
+        finally:
+            importlib.metadata.packages_distributions = real
+            module.__loader__ = module.__spec__.loader = self.real
+
+
 class _Finder(importlib.abc.MetaPathFinder):
     def find_spec(self, fullname, path, target=None):
-        if fullname not in LAZY_PACKAGES:
+        if fullname not in LAZY_PACKAGES and fullname not in PACKAGE_MAP_ON_FIRST_USE:
             return None
         for finder in sys.meta_path:
             if finder is self or not hasattr(finder, "find_spec"):
@@ -147,6 +208,10 @@ class _Finder(importlib.abc.MetaPathFinder):
                 break
         else:
             return None
+        if fullname in PACKAGE_MAP_ON_FIRST_USE:
+            if spec.loader is not None and hasattr(spec.loader, "exec_module"):
+                spec.loader = _PackageMapOnFirstUse(spec.loader)
+            return spec
         if spec.loader is None or spec.submodule_search_locations is None:
             return spec  # not a package on disk (a namespace, another layout): import it as it is
         spec.loader = _DeferredInit(spec.loader, spec.origin)
