@@ -202,20 +202,31 @@ alone = "diffusers.models.unets.unet_2d_condition" not in sys.modules and "peft"
 import diffusers.models.unets as unets
 from diffusers import UNet2DConditionModel
 from diffusers.models.transformers import DiTTransformer2DModel
+from accelerate import Accelerator
+config_alone = "accelerate.commands.config.sagemaker" not in sys.modules
+from accelerate.commands.config import get_config_parser  # defined in the package's own __init__
 print(alone, unets.UNet2DModel is UNet2DModel, unets.UNet2DConditionModel is UNet2DConditionModel,
-      DiTTransformer2DModel.__name__)
+      DiTTransformer2DModel.__name__, config_alone, get_config_parser.__module__)
 """
 
 
 @pytest.mark.slow
 def test_a_lazy_package_imports_one_module_and_still_offers_every_name():
-    """trainer/lazy_packages.py: importing one UNet module imports no other UNet (nor peft); asking the
-    package for any name it offers runs its `__init__` then, so every name is still there."""
+    """trainer/lazy_packages.py: importing one UNet module imports no other UNet (nor peft), accelerate does not
+    import its `config` command's questions (boto3); asking the package for any name it offers runs its
+    `__init__` then, so every name is still there."""
     proc = subprocess.run(
         [sys.executable, "-c", _LAZY], capture_output=True, text=True, timeout=300, env=clean_env(), cwd=REPO
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert proc.stdout.split() == ["True", "True", "True", "DiTTransformer2DModel"]
+    assert proc.stdout.split() == [
+        "True",
+        "True",
+        "True",
+        "DiTTransformer2DModel",
+        "True",
+        "accelerate.commands.config",
+    ]
 
 
 # diffusers' availability flags and versions, as its import_utils computed them when imported (with

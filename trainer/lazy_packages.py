@@ -6,7 +6,8 @@ module they hold in their `__init__`. So `from diffusers.models.unets.unet_2d im
 `unet_2d_blocks`' import of `transformers.transformer_2d`) imports every UNet, every transformer
 (about 100 classes), and with them `diffusers.hooks`, whose layer-wise casting imports peft whenever it
 is installed, which imports transformers' model code, scipy and torchao: about 3 of the 6.5 CPU seconds
-a digits run spent importing. gentrain uses a handful of those classes.
+a digits run spent importing. gentrain uses a handful of those classes. accelerate has one such package too
+(`accelerate.commands.config`, whose `__init__` imports boto3 whenever it is installed).
 
 `install()` (trainer/__init__.py calls it; nothing is imported until diffusers is) puts a finder in front
 of the import system for exactly those package names. The package it returns is the real one (same
@@ -41,12 +42,11 @@ import collections.abc
 import importlib
 import importlib.abc
 import importlib.machinery
-import importlib.metadata
 import sys
 import threading
 import types
 
-# diffusers packages whose __init__ imports every module in them (diffusers 0.30-0.42).
+# Packages whose __init__ imports every module in them (diffusers 0.30-0.42, accelerate 1.x).
 LAZY_PACKAGES = frozenset(
     {
         "diffusers.models.unets",
@@ -56,6 +56,9 @@ LAZY_PACKAGES = frozenset(
         # Every model module imports DiffusersAutoQuantizer from here; its `pipe_quant_config` imports
         # transformers whenever installed (about 0.4 s), for pipelines only.
         "diffusers.quantizers",
+        # accelerate's `config` command: accelerate.utils imports one of its modules (write_basic_config), and
+        # its `__init__` imports the SageMaker questions, which import boto3 whenever it is installed (0.07 s).
+        "accelerate.commands.config",
     }
 )
 # Names a lazy package offers as a stand-in that imports their module on first use (see the docstring).
@@ -187,12 +190,14 @@ class _PackageMapOnFirstUse(importlib.abc.Loader):
     def exec_module(self, module: types.ModuleType) -> None:
         # A module attribute, swapped for the length of one import (under the import lock of this module); a
         # thread that calls it meanwhile gets the same table, read on first use.
-        real = importlib.metadata.packages_distributions
-        importlib.metadata.packages_distributions = lambda: _PackageMap(real)
+        import importlib.metadata as metadata  # here: `gentrain --help` imports this module, never diffusers
+
+        real = metadata.packages_distributions
+        metadata.packages_distributions = lambda: _PackageMap(real)
         try:
             self.real.exec_module(module)
         finally:
-            importlib.metadata.packages_distributions = real
+            metadata.packages_distributions = real
             module.__loader__ = module.__spec__.loader = self.real
 
 
