@@ -31,8 +31,8 @@ list of every installed distribution (0.19 s with the test extras' 220 here, mor
 reads the table for packages whose import name differs from their distribution's, and only when such a
 package is installed (optimum, flashinfer, modelopt). While that module runs, `packages_distributions`
 returns a mapping that calls the real function the first time it is read; afterwards the real function is
-back. tests/test_private_apis.py checks that diffusers still calls it there, and that every availability
-flag and version diffusers reads comes out the same with and without this.
+back. tests/test_private_apis.py checks that diffusers still calls it there; tests/test_startup.py that every
+availability flag and version diffusers computes comes out the same with and without this.
 """
 
 from __future__ import annotations
@@ -161,8 +161,8 @@ class _PackageMap(collections.abc.Mapping):
         if self._table is None:
             try:
                 self._table = dict(self._compute())
-            except Exception:  # what diffusers does when the call fails: no table (names stay as they are)
-                self._table = {}
+            except Exception:  # broken metadata: an empty table, so diffusers looks the import name up as a
+                self._table = {}  # distribution name (its own fallback for a failed call would walk them again)
         return self._table
 
     def __getitem__(self, key):
