@@ -279,8 +279,8 @@ def test_diffusers_classes_in_their_own_modules_and_the_packages_imported_lazily
                     all(after in (".", "", ",") for after in uses),
                     f"diffusers/{user} uses {name} other than by attribute: drop it from ON_FIRST_USE",
                 )
-    # PACKAGE_MAP_ON_FIRST_USE: each module still calls packages_distributions() when imported, and diffusers
-    # reads its table only through `_package_map` (membership and item), which the deferred table answers.
+    # PACKAGE_MAP_ON_FIRST_USE: each module still calls packages_distributions() when imported (else the hook is
+    # dead weight). That every flag diffusers computes is unchanged: tests/test_startup.py.
     import ast
 
     from trainer.lazy_packages import PACKAGE_MAP_ON_FIRST_USE
