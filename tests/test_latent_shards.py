@@ -13,12 +13,15 @@ import sys
 import tarfile
 from collections import defaultdict
 
+import hypothesis.strategies as st
 import numpy as np
 import pytest
 import torch
 from conftest import REPO, clean_env, run_cli, tiny
 from elastic_helpers import _start_agent
 from helpers import assert_tensors_equal
+from hypothesis import given, settings
+from hypothesis.extra.numpy import array_shapes, arrays
 from test_latent import vae_folder
 from test_shards import finish, make_folder, pack, standalone
 from test_vqgan_maskgit import _kill_and_resume_one_process
@@ -315,3 +318,45 @@ def test_caption_embeddings_are_stored_and_a_run_with_another_text_encoder_setti
     r = run_cli("train", *wider, *from_shards(url), env=ENV)
     assert r.returncode == 2, r.stderr[-3000:]
     assert settings["digest"] in r.stderr and "max_tokens 8" in r.stderr and "max_tokens 6" in r.stderr
+
+
+# ---------------------------------------------------------------- reading a member
+
+
+def _npy(a: np.ndarray, version=None) -> bytes:
+    f = io.BytesIO()
+    np.lib.format.write_array(f, a, version=version, allow_pickle=False)
+    return f.getvalue()
+
+
+@settings(max_examples=60, deadline=None, derandomize=True)
+@given(
+    arrays(
+        st.sampled_from([np.float16, np.float32]),
+        array_shapes(min_dims=0, max_dims=4, min_side=0, max_side=5),
+        elements=st.floats(-1e3, 1e3, width=16),
+    ),
+    st.booleans(),
+    st.sampled_from([None, (1, 0), (2, 0), (3, 0)]),
+)
+def test_a_member_reads_as_np_load_reads_it(a, fortran, version):
+    """trainer/data/shards/latents.py parses each .npy header once and views the data: the same array as np.load
+    (float32, C order, writable), for every header version, shape and memory order."""
+    from trainer.data.shards.latents import _read_npy
+
+    raw = _npy(np.asfortranarray(a) if fortran else a, version)
+    got, expected = _read_npy(raw, "mean.npy"), np.load(io.BytesIO(raw), allow_pickle=False).astype(np.float32)
+    assert got.dtype == np.float32 and got.shape == expected.shape and np.array_equal(got, expected, equal_nan=True)
+    assert got.flags.c_contiguous and got.flags.writeable
+
+
+def test_a_broken_member_is_a_clear_error():
+    from trainer.data.shards.latents import _read_npy
+
+    good = _npy(np.ones((4, 4, 4), np.float16))
+    with pytest.raises(ValueError, match=r"member mean.npy: 126 bytes of data, its header says 128"):
+        _read_npy(good[:-2], "mean.npy")
+    with pytest.raises(ValueError, match=r"member std.npy: not an .npy array"):
+        _read_npy(b"PK\x03\x04" + good[4:], "std.npy")
+    with pytest.raises(ValueError, match=r"member mean.npy: dtype int64, not float16/float32"):
+        _read_npy(_npy(np.arange(3)), "mean.npy")
