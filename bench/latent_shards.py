@@ -38,6 +38,7 @@ from pathlib import Path
 import torch
 
 from trainer.data.encode import encode_dataset
+from trainer.data.sampler import SampleRef
 from trainer.elastic import DistEnv
 from trainer.loop import Trainer
 from trainer.registry import load_config
@@ -85,8 +86,6 @@ class HeldInMemory:
     """A training split whose samples were all read and decoded once: `__getitems__` hands out those items."""
 
     def __init__(self, split) -> None:
-        from trainer.data.sampler import SampleRef
-
         self.split = split
         self.items = split.__getitems__([SampleRef(index=i, position=i) for i in range(len(split))])
 
@@ -109,8 +108,7 @@ def hand_loop(cfg, steps: int, warmup: int) -> float:
     """The hand-written loop on posteriors held on the device (see the module docstring)."""
     t = Trainer(cfg, DistEnv())
     split = t.train_set
-    from trainer.data.sampler import SampleRef  # the hand-written loop's only gentrain piece: the same items
-
+    # SampleRef: the hand-written loop's only gentrain piece, to read the same items.
     items = split.__getitems__([SampleRef(index=i, position=i) for i in range(len(split))])
     posteriors = torch.stack([it[0] for it in items]).to(t.device)
     labels = torch.tensor([it[1] for it in items], device=t.device)
