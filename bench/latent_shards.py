@@ -13,6 +13,9 @@ The ways (the same preset, model, batch and loss; `train.max_steps` steps each, 
   device, random batches sliced from it, then the task's own loss, backward and optimizer step (no loader,
   no EMA, no clipping, no loop bookkeeping). What the engine itself costs is issue 34's measure (bench/gpu.py,
   bench/host_overhead.py); it is printed here for reference.
+`read_ms_per_step` is what the training process spends in the split's `__getitems__` for a step's samples,
+timed on its own (shards, and the held samples), and `implied_vs_in_memory` the ratio that cost alone gives
+against in memory's step time: the steps/s ratios carry the shared machine's noise, this does not.
 Rounds alternate the ways (ABCDE ABCDE ...) so load drift on a shared machine hits all alike; the median of
 the rounds is printed with its ratio to `in_memory`, and the ratio per round (the ways of one round ran back
 to back) with its spread. `encode_images_per_s` is `gentrain data encode`'s
@@ -38,7 +41,7 @@ from pathlib import Path
 import torch
 
 from trainer.data.encode import encode_dataset
-from trainer.data.sampler import SampleRef
+from trainer.data.sampler import SampleRef, StepBatchSampler
 from trainer.elastic import DistEnv
 from trainer.loop import Trainer
 from trainer.registry import load_config
@@ -97,6 +100,20 @@ class HeldInMemory:
 
     def __getitems__(self, refs):
         return [self.items[r.index] for r in refs]
+
+
+def read_ms_per_step(cfg, steps: int, hold: bool = False) -> float:
+    """Median ms the training process spends in the split's `__getitems__` for one step's refs (the
+    run's own sample order from step 0; the first step, which fetches the shard indexes, not counted)."""
+    t = Trainer(cfg, DistEnv())
+    split = HeldInMemory(t.train_set) if hold else t.train_set
+    sampler = StepBatchSampler(split.make_stream(cfg.seed), 0, cfg.train.batch_size, 0, 1)
+    times = []
+    for _, refs in zip(range(steps + 1), sampler, strict=False):
+        t0 = time.perf_counter()
+        split.__getitems__(refs)
+        times.append(time.perf_counter() - t0)
+    return 1e3 * statistics.median(times[1:])
 
 
 def in_memory(cfg, warmup: int) -> float:
@@ -180,6 +197,12 @@ def main() -> None:
         for name, way in ways.items():
             rates[name].append(way(r))
     median = {k: statistics.median(v) for k, v in rates.items()}
+    # The same cost measured directly, without the step beside it: far less noisy than the rates' ratio.
+    read = {
+        "shards": read_ms_per_step(cfg("read", *shards), args.steps),
+        "in_memory": read_ms_per_step(cfg("read-mem", *shards), args.steps, hold=True),
+    }
+    step_ms = 1e3 / median["in_memory"]
     device = "cuda" if torch.cuda.is_available() else "cpu"
     out = {
         "device": torch.cuda.get_device_name() if device == "cuda" else f"cpu ({torch.get_num_threads()} threads)",
@@ -193,6 +216,10 @@ def main() -> None:
             for k, r in ((k, [x / m for x, m in zip(v, rates["in_memory"], strict=True)]) for k, v in rates.items())
         },
         "rounds": {k: [round(x, 2) for x in v] for k, v in rates.items()},
+        # What the training process spends reading a step's samples (median ms), and the ratio that cost
+        # alone would give: in memory's step time over the same plus the difference in reading.
+        "read_ms_per_step": {k: round(v, 3) for k, v in read.items()},
+        "implied_vs_in_memory": round(step_ms / (step_ms + read["shards"] - read["in_memory"]), 4),
         "encode_images_per_s": round(1797 / encode_s, 1),
         "encode_note": "one process, digits 16px -> 4x4x4 float16, autoencoder load and shard writes included",
     }

@@ -350,6 +350,34 @@ def test_a_member_reads_as_np_load_reads_it(a, fortran, version):
     assert got.flags.c_contiguous and got.flags.writeable
 
 
+@settings(max_examples=40, deadline=None, derandomize=True)
+@given(
+    array_shapes(min_dims=3, max_dims=3, min_side=1, max_side=6),
+    st.sampled_from([np.float16, np.float32]),
+    st.booleans(),
+    st.integers(0, 3),
+)
+def test_an_encoded_sample_decodes_to_its_stored_posterior(shape, dtype, fortran, aug_seed):
+    """decode_encoded_sample converts mean and std straight into one float32 tensor: cat(mean, std) of
+    what np.load reads, the mirrored pair when the draw flips, the label and caption beside it."""
+    from trainer.data.shards.latents import decode_encoded_sample
+
+    rng = np.random.default_rng(list(shape))
+    arrays_ = {k: rng.standard_normal(shape).astype(dtype) for k in ("mean", "std", "flip.mean", "flip.std")}
+    members = {f"{k}.npy": _npy(np.asfortranarray(a) if fortran else a) for k, a in arrays_.items()}
+    members.update({"cls": b"7\n", "txt": b" a caption "})
+    for flip in (False, True):
+        x, label, extras = decode_encoded_sample(members, {"latent_shape": list(shape)}, flip, aug_seed)
+        pre = "flip." if flip and aug_seed & 1 else ""
+        want = np.concatenate(
+            [np.load(io.BytesIO(members[f"{pre}{k}.npy"])).astype(np.float32) for k in ("mean", "std")]
+        )
+        assert x.dtype == torch.float32 and x.is_contiguous() and torch.equal(x, torch.from_numpy(want))
+        assert label == 7 and extras == {"caption": "a caption"}
+    with pytest.raises(ValueError, match=r"posterior of shape"):
+        decode_encoded_sample(members, {"latent_shape": [shape[0] + 1, *shape[1:]]}, False, 0)
+
+
 def test_a_broken_member_is_a_clear_error():
     from trainer.data.shards.latents import _read_npy
 

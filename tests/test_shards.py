@@ -9,12 +9,14 @@ import signal
 import tarfile
 from collections import defaultdict
 
+import hypothesis.strategies as st
 import numpy as np
 import pytest
 import torch
 from conftest import free_port, run_cli, tiny
 from elastic_helpers import rank_of, start_torchrun, worker_pids
 from helpers import assert_identical, final_weights, kill_group, start_cli, wait_for_log
+from hypothesis import HealthCheck, given, settings
 from PIL import Image
 
 from trainer.config.schema import DataConfig
@@ -148,6 +150,111 @@ def test_member_headers_are_read_like_tarfile_and_broken_ones_raise():
         parse_sample(tar([plain[0], ("a/b/s2.txt", b"x")], tarfile.USTAR_FORMAT))
     with pytest.raises(ValueError, match="truncated"):
         parse_sample(tar(plain, tarfile.USTAR_FORMAT)[:700])
+
+    # A broken checksum in a later header (all of a sample's headers are checked in one sum) is caught too.
+    blob = bytearray(tar(plain, tarfile.USTAR_FORMAT))
+    third = 512 + 1024 + 512 + 512  # the jpg's header and 1024 bytes of data, the txt's header and data
+    assert blob[third : third + 10] == b"a/b/s1.cls"
+    blob[third + 5] ^= 1  # a name byte: reading on would file the member under another name
+    with pytest.raises(tarfile.TarError):
+        parse_sample(bytes(blob))
+
+
+@settings(max_examples=80, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    st.lists(
+        st.tuples(
+            st.sampled_from(["png", "cls", "txt", "mean.npy", "flip.std.npy", "TXT", "a.b.c"]),
+            st.binary(max_size=1500),
+        ),
+        min_size=1,
+        max_size=6,
+        unique_by=lambda m: m[0].lower(),
+    ),
+    st.sampled_from(["", "d/", "x" * 120 + "/", "ünï/"]),
+    st.sampled_from([tarfile.USTAR_FORMAT, tarfile.GNU_FORMAT, tarfile.PAX_FORMAT]),
+)
+def test_a_sample_reads_as_tarfile_reads_it(members, folder, fmt):
+    """parse_sample's own header reader (one pass, every checksum in one sum) finds what tarfile finds."""
+    from trainer.data.shards.tar import _parse_sample_tarfile
+
+    buf = __import__("io").BytesIO()
+    with tarfile.open(fileobj=buf, mode="w", format=fmt) as tf:
+        for ext, data in members:
+            info = tarfile.TarInfo(f"{folder}000042.{ext}")
+            info.size = len(data)
+            tf.addfile(info, __import__("io").BytesIO(data))
+    blob = buf.getvalue()
+    assert parse_sample(blob) == _parse_sample_tarfile(blob) == {ext.lower(): data for ext, data in members}
+
+
+def test_a_step_of_samples_reads_each_as_alone():
+    """parse_samples checks the headers of a whole step in one sum: each sample still gets its own members
+    or its own error, whatever its neighbours are (broken, cut short, pax, a directory first)."""
+    from trainer.data.shards.tar import parse_samples
+
+    def tar(members, fmt=tarfile.USTAR_FORMAT) -> bytes:
+        buf = __import__("io").BytesIO()
+        with tarfile.open(fileobj=buf, mode="w", format=fmt) as tf:
+            for name, data in members:
+                info = tarfile.TarInfo(name)
+                if data is None:
+                    info.type = tarfile.DIRTYPE
+                    tf.addfile(info)
+                else:
+                    info.size = len(data)
+                    tf.addfile(info, __import__("io").BytesIO(data))
+        return buf.getvalue()
+
+    good = [tar([(f"k{i}.png", b"p" * (100 * i + 1)), (f"k{i}.cls", str(i).encode())]) for i in range(4)]
+    broken = bytearray(good[1])
+    broken[130] ^= 1  # a checksum that no longer matches
+    cut = good[2][:700]
+    pax = tar([("q" * 120 + "/k.png", b"x" * 10)], tarfile.PAX_FORMAT)
+    folder = tar([("d", None), ("d/k.png", b"y")])
+    blobs = [good[0], bytes(broken), cut, pax, folder, good[3]]
+    got = parse_samples(blobs)
+    assert got[0] == {"png": b"p", "cls": b"0"} and got[5] == {"png": b"p" * 301, "cls": b"3"}
+    assert isinstance(got[1], tarfile.TarError) and isinstance(got[2], ValueError) and "truncated" in str(got[2])
+    assert got[3] == {"png": b"x" * 10} and got[4] == {"png": b"y"}
+    for blob, g in zip(blobs, got, strict=True):  # one at a time: the same
+        alone = parse_samples([blob])[0]
+        assert alone == g if isinstance(g, dict) else type(alone) is type(g)
+
+
+@settings(max_examples=300, deadline=None, derandomize=True)
+@given(st.text(alphabet=["a", "ü", "0", ".", "/", "\n", " "], max_size=12))
+def test_member_names_split_where_webdataset_splits_them(name):
+    """split_name's string searches against webdataset's own regex (`base_plus_ext`), newlines included."""
+    from webdataset.tariterators import base_plus_ext
+
+    from trainer.data.shards.tar import split_name
+
+    key, ext = base_plus_ext(name)
+    assert split_name(name) == ((name, "") if key is None else (key, ext))
+
+
+def test_local_range_reads_are_what_fsspec_reads(tmp_path):
+    """The local disk's own range reader (one open a file) against fsspec's generic `cat_ranges`: the same
+    bytes, short reads past the end, empty ranges, and a missing file's error in its slots only."""
+    from fsspec import AbstractFileSystem
+    from fsspec.implementations.local import LocalFileSystem
+
+    from trainer.data.shards.fetch import cat_ranges
+
+    (tmp_path / "a.tar").write_bytes(bytes(range(256)) * 8)
+    (tmp_path / "b.tar").write_bytes(b"xyz" * 100)
+    a, b, gone = (str(tmp_path / n) for n in ("a.tar", "b.tar", "gone.tar"))
+    paths = [a, b, a, gone, a, b, gone]
+    starts = [0, 10, 2000, 0, 500, 299, 5]
+    ends = [512, 20, 2100, 10, 500, 400, 9]
+    fs = LocalFileSystem()
+    got = cat_ranges(fs, paths, starts, ends)
+    want = AbstractFileSystem.cat_ranges(fs, paths, starts, ends, on_error="return")
+    assert [g if isinstance(g, bytes) else type(g) for g in got] == [
+        w if isinstance(w, bytes) else type(w) for w in want
+    ]
+    assert got[2] == (bytes(range(256)) * 8)[2000:2048] and got[4] == b"" and isinstance(got[3], FileNotFoundError)
 
 
 # ---------------------------------------------------------------- pack and index

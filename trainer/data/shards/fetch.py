@@ -23,13 +23,14 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 
 import numpy as np
+from fsspec.implementations.local import LocalFileSystem
 from PIL import Image, UnidentifiedImageError
 
 from trainer.data.datasets import short_reason
 from trainer.data.shards.decode import decode_sample
 from trainer.data.shards.index import ShardList, filesystem, index_url, parse_index, strip_protocol
 from trainer.data.shards.latents import decode_encoded_sample
-from trainer.data.shards.tar import parse_sample
+from trainer.data.shards.tar import parse_samples
 
 log = logging.getLogger(__name__)
 
@@ -198,7 +199,13 @@ class ShardSet:
             if offsets is not None:
                 ranges.append((slot, shard, int(offsets[member]), int(offsets[member + 1])))
         blobs = self._fetch(ranges, stats)
-        for (slot, shard, start, end), blob in zip(ranges, blobs, strict=True):
+        whole = [
+            i
+            for i, (r, blob) in enumerate(zip(ranges, blobs, strict=True))
+            if blob is not None and len(blob) == r[3] - r[2]
+        ]
+        parsed = dict(zip(whole, parse_samples([blobs[i] for i in whole]), strict=True))
+        for i, ((slot, shard, start, end), blob) in enumerate(zip(ranges, blobs, strict=True)):
             if blob is None:
                 continue
             stats.used_bytes += end - start
@@ -206,11 +213,14 @@ class ShardSet:
             try:
                 if len(blob) != end - start:
                     raise ValueError(f"short read: {len(blob)} of {end - start} bytes")
+                members = parsed[i]
+                if isinstance(members, Exception):
+                    raise members
                 if self.shards.encoded is not None:  # `gentrain data encode`'s shards: posteriors, not images
-                    out[slot] = decode_encoded_sample(parse_sample(blob), self.shards.encoded, flip, aug_seed)
+                    out[slot] = decode_encoded_sample(members, self.shards.encoded, flip, aug_seed)
                     continue
                 out[slot] = decode_sample(
-                    parse_sample(blob),
+                    members,
                     self.image_size,
                     self.channels,
                     flip,
@@ -266,9 +276,10 @@ class ShardSet:
             if attempt:
                 time.sleep(self.backoff_seconds * 2 ** (attempt - 1))
             reqs = [requests[j] for j in todo]
-            paths = [strip_protocol(self.fs, self.shards.urls[r[0]]) for r in reqs]
+            local = {shard: strip_protocol(self.fs, self.shards.urls[shard]) for shard in {r[0] for r in reqs}}
+            paths = [local[r[0]] for r in reqs]
             try:
-                got = self.fs.cat_ranges(paths, [r[1] for r in reqs], [r[2] for r in reqs], on_error="return")
+                got = cat_ranges(self.fs, paths, [r[1] for r in reqs], [r[2] for r in reqs])
             except Exception as e:  # noqa: BLE001 - a failure of the whole call: retry all
                 got = [e] * len(todo)
             failed = []
@@ -287,3 +298,34 @@ class ShardSet:
             self._shard_failed(shard, err[shard], stats)
         stats.requests += len(requests)
         return blobs
+
+
+def cat_ranges(fs, paths: list[str], starts: list[int], ends: list[int]) -> list:
+    """`fs.cat_ranges(paths, starts, ends, on_error="return")`, with each local file opened once.
+
+    Written by hand for the local disk only: fsspec's `LocalFileSystem` has no `cat_ranges` of its own, and
+    the generic one opens the file again for every range (22 us a range here: 1.4 ms of a step of 64
+    encoded latents, most of what reading them cost). One `os.open` per file and an `os.pread` a range is
+    about 2 us a range. Any other store gets its own (concurrent) `cat_ranges`."""
+    if type(fs) is not LocalFileSystem:
+        return fs.cat_ranges(paths, starts, ends, on_error="return")
+    out: list = [None] * len(paths)
+    by_path: dict[str, list[int]] = {}
+    for i, path in enumerate(paths):
+        by_path.setdefault(path, []).append(i)
+    for path, ranges in by_path.items():
+        try:
+            fd = os.open(path, os.O_RDONLY)
+        except OSError as e:
+            for i in ranges:
+                out[i] = e
+            continue
+        try:
+            for i in ranges:
+                try:
+                    out[i] = os.pread(fd, max(ends[i] - starts[i], 0), starts[i])
+                except OSError as e:
+                    out[i] = e
+        finally:
+            os.close(fd)
+    return out

@@ -73,17 +73,24 @@ class ShardSplit:
         return self._members[shard]
 
     def locate(self, index: int) -> tuple[int, int]:
-        shard = int(np.searchsorted(self.starts, index, side="right") - 1)
-        return shard, int(self.members(shard)[index - self.starts[shard]])
+        return self.locate_many([index])[0]
+
+    def locate_many(self, indices: list[int]) -> list[tuple[int, int]]:
+        """(shard, member within the shard) of each index: one `searchsorted` for a step's indices."""
+        idx = np.asarray(indices, dtype=np.int64)
+        shards = np.searchsorted(self.starts, idx, side="right") - 1
+        within = idx - self.starts[shards]
+        return [(s, int(self.members(s)[i])) for s, i in zip(shards.tolist(), within.tolist(), strict=True)]
 
     def __getitem__(self, ref: SampleRef):
         return self.__getitems__([ref])[0]
 
     def __getitems__(self, refs: list[SampleRef]) -> FetchedItems:
-        where = [self.locate(r.index) for r in refs]
+        where = self.locate_many([r.index for r in refs])
         stats = FetchStats()
+        # A shard sample's augmentation draw only says whether to mirror it: not derived when nothing is.
         loaded = self.shardset.load_many(
-            [(s, m, r.aug_seed, self.flip) for (s, m), r in zip(where, refs, strict=True)], stats
+            [(s, m, r.aug_seed if self.flip else 0, self.flip) for (s, m), r in zip(where, refs, strict=True)], stats
         )
         items = FetchedItems()
         for (shard, member), ref, item in zip(where, refs, loaded, strict=True):
