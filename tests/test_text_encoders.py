@@ -191,6 +191,44 @@ def test_a_caption_embeds_bit_identically_alone_and_anywhere_in_a_batch(kind, fo
         assert torch.equal(getattr(batched, field)[2], getattr(alone, field)[0]), field
 
 
+def test_the_encoders_run_where_asked_with_a_cache_of_their_own(folders, tmp_path):
+    """`gentrain data encode` runs the transformers encoders on its GPU: every model moves there, and the
+    embedding cache is another one, so a CPU run is never served vectors another device computed. (The meta
+    device stands in for the GPU here: the models move, nothing is computed.)"""
+    cfg = sd3_config(folders, tmp_path)
+    cpu = TextEncoder(cfg)
+    elsewhere = TextEncoder(cfg, run_on=torch.device("meta"))
+    assert cpu.run_on.type == "cpu" and elsewhere.run_on.type == "meta"
+    for part in elsewhere.backend.parts:
+        assert {p.device.type for p in part.model.parameters()} == {"meta"}
+        assert part.ids(["a cat"])[0].device.type == "meta"
+    assert {p.device.type for part in cpu.backend.parts for p in part.model.parameters()} == {"cpu"}
+    assert elsewhere.digest == cpu.digest and elsewhere.cache != cpu.cache and elsewhere.cache.name.endswith("-meta")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("kind", ["t5", "sd3"])
+def test_on_a_gpu_the_encoders_embed_as_on_the_cpu_and_alike_in_any_batch(kind, folders, tmp_path):
+    """On CUDA: float32 CPU tensors come back, within float32 rounding of the CPU's, and a caption embeds
+    bit-identically alone and in a batch (fixed shapes: the same cuBLAS kernels whoever the neighbours are)."""
+    if kind == "sd3":
+        cfg = sd3_config(folders, tmp_path / "cpu", batch_size=4)
+    else:
+        cfg = TextEncoderConfig(
+            kind="t5", encoder=str(folders["t5"]), width=24, max_tokens=8, batch_size=4, cache_dir=str(tmp_path)
+        )
+    gpu = torch.device("cuda")
+    crowd = ["the dog", "one two three four five six", "a red cat on the mat", "nine", "a", "seven eight"]
+    on_gpu = TextEncoder(cfg.model_copy(update={"cache_dir": str(tmp_path / "gpu")}), run_on=gpu).encode(crowd)
+    alone = TextEncoder(cfg.model_copy(update={"cache_dir": str(tmp_path / "gpu1")}), run_on=gpu).encode([crowd[2]])
+    on_cpu = TextEncoder(cfg).encode(crowd)
+    for field in ("tokens", "mask", "pooled"):
+        g, c = getattr(on_gpu, field), getattr(on_cpu, field)
+        assert g.device.type == "cpu" and g.dtype == torch.float32, field
+        torch.testing.assert_close(g, c, rtol=1e-4, atol=1e-5)
+        assert torch.equal(g[2], getattr(alone, field)[0]), field
+
+
 def test_embeddings_are_cached_under_the_digest_and_a_changed_folder_changes_it(folders, tmp_path):
     cfg = sd3_config(folders, tmp_path)
     first = TextEncoder(cfg)

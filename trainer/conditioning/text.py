@@ -11,6 +11,8 @@ it the same way: `TextEncoder.from_config(cfg.text).encode(batch.captions, devic
   pads a batch to its longest caption, which changes the floats (seen: 1e-7), so that kind encodes each
   caption alone; the transformers kinds pad every caption to a fixed length and every forward to a fixed
   number of rows, which makes batching exact (text_models.py says why).
+- The encoders run on the CPU in training (the cache makes that once per caption); `gentrain data encode`
+  runs the transformers kinds on its GPU when it has one, and the cache key then names the device.
 - Embeddings are cached on disk under a key made of the encoders' digest (blake3 of every file in every
   folder named, with their roles), the token counts (and dtype) and the caption, so a second run, another
   rank or sampling reuse them, and a changed encoder never serves stale vectors. The digest is pinned in
@@ -263,12 +265,14 @@ class SentenceTransformerEncoder:
 
 
 class TextEncoder:
-    """The frozen text encoder(s) of `model.text`, on CPU, with an on-disk embedding cache (see module doc).
+    """The frozen text encoder(s) of `model.text`, with an on-disk embedding cache (see module doc).
 
     `TextEncoder.from_config(cfg).encode(captions, device)` is the whole interface; `digest` pins the encoder
-    folders (manifests record it), `width` / `pooled_width` are the embeddings' widths."""
+    folders (manifests record it), `width` / `pooled_width` are the embeddings' widths. The encoders run on
+    the CPU unless `run_on` names another device (`gentrain data encode` on a GPU; the transformers kinds
+    only: sentence-transformers embeds one caption a forward, where a GPU brings little)."""
 
-    def __init__(self, cfg: TextEncoderConfig, storage_options: dict | None = None):
+    def __init__(self, cfg: TextEncoderConfig, storage_options: dict | None = None, run_on: torch.device | None = None):
         os.environ["HF_HUB_OFFLINE"] = "1"  # never reach a model hub, whatever the folder's config says
         os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
         self.cfg = cfg
@@ -282,23 +286,29 @@ class TextEncoder:
         self.folder = local["encoder"]
         self.digest = combined_digest(digests)
         self.backend: Any
+        self.run_on = torch.device("cpu")
         if cfg.kind == "sentence-transformers":
             self.backend = SentenceTransformerEncoder(cfg, self.folder)
             suffix = f"L{cfg.max_tokens}"  # the key of caches written before model.text.kind existed
         else:
-            self.backend = build_transformers_encoder(cfg, local)
+            self.run_on = torch.device(run_on or "cpu")
+            self.backend = build_transformers_encoder(cfg, local, self.run_on)
             clip = f"C{cfg.clip_max_tokens}" if cfg.kind == "sd3" else ""
-            suffix = f"{cfg.kind}-L{cfg.max_tokens}{clip}-{cfg.dtype}"
+            # Vectors computed on another device differ in the last bits: a cache of their own, so a CPU
+            # run is never served a GPU's vectors (nor the reverse) and stays exact against itself.
+            where = "" if self.run_on.type == "cpu" else f"-{self.run_on.type}"
+            suffix = f"{cfg.kind}-L{cfg.max_tokens}{clip}-{cfg.dtype}{where}"
         self._check_widths(*self.backend.widths)
         self.cache = cache_root / f"{self.digest.split(':')[1][:16]}-{suffix}"
         self._memory: dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
         self.encoded = 0  # captions run through the encoder by this process (the rest came from a cache)
         self.from_disk = 0
         log.info(
-            "text encoder %s (%s, %s), width %d, pooled %d, cache %s",
+            "text encoder %s (%s, %s) on %s, width %d, pooled %d, cache %s",
             cfg.source,
             cfg.kind,
             self.digest,
+            self.run_on,
             cfg.width,
             cfg.pooled_dim,
             self.cache,
@@ -339,7 +349,7 @@ class TextEncoder:
         missing = [c for c in dict.fromkeys(captions) if c not in self._memory and not self._from_disk(c)]
         if missing:
             # Never under the training step's autocast: the cached vectors must not depend on train.precision.
-            with torch.no_grad(), torch.autocast("cpu", enabled=False):
+            with torch.no_grad(), torch.autocast("cpu", enabled=False), torch.autocast(self.run_on.type, enabled=False):
                 tokens, mask, pooled = self.backend.encode(missing)
             self.encoded += len(missing)
             for i, caption in enumerate(missing):

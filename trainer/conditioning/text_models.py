@@ -117,9 +117,11 @@ def load_tokenizer(folder: Path, key: str, max_length: int) -> Any:
 class _Encoder:
     """One transformers model and its tokenizer, called on fixed-shape batches (see the module doc)."""
 
-    def __init__(self, kind: str, folder: Path, tokenizer: Path, key: str, max_length: int, dtype: str):
-        self.kind, self.max_length = kind, max_length
-        self.model = load_model(kind, folder, key, dtype)
+    def __init__(
+        self, kind: str, folder: Path, tokenizer: Path, key: str, max_length: int, dtype: str, device: torch.device
+    ):
+        self.kind, self.max_length, self.device = kind, max_length, device
+        self.model = load_model(kind, folder, key, dtype).to(device)
         self.tokenizer = load_tokenizer(tokenizer, key.replace("encoder", "tokenizer"), max_length)
         self.config = _text_config(self.model.config)
         positions = getattr(self.config, "max_position_embeddings", None)
@@ -130,7 +132,7 @@ class _Encoder:
         t = self.tokenizer(
             captions, padding="max_length", max_length=self.max_length, truncation=True, return_tensors="pt"
         )
-        return t.input_ids, t.attention_mask
+        return t.input_ids.to(self.device), t.attention_mask.to(self.device)
 
     def t5(self, captions: list[str], masked: bool) -> tuple[torch.Tensor, torch.Tensor]:
         """T5's last hidden states and the tokens' mask; `masked`: the mask is passed to T5 (PixArt)."""
@@ -146,21 +148,24 @@ class _Encoder:
 
 
 class TransformersTextEncoder:
-    """`kind: t5 | clip | sd3`: `encode(captions)` -> (tokens, mask, pooled), float32 on CPU."""
+    """`kind: t5 | clip | sd3`: `encode(captions)` -> (tokens, mask, pooled), float32 on CPU; the models run
+    on `device` (the CPU in training; `gentrain data encode`'s GPU when it has one)."""
 
-    def __init__(self, cfg: TextEncoderConfig, folders: dict[str, Path]):
+    def __init__(self, cfg: TextEncoderConfig, folders: dict[str, Path], device: torch.device):
         self.cfg = cfg
-        d = cfg.dtype
+        d = (cfg.dtype, device)
         if cfg.kind == "sd3":
             L = cfg.clip_max_tokens
             self.parts = [
-                _Encoder("clip", folders["encoder"], folders["tokenizer"], "model.text.encoder", L, d),
-                _Encoder("clip", folders["encoder_2"], folders["tokenizer_2"], "model.text.encoder_2", L, d),
-                _Encoder("t5", folders["encoder_3"], folders["tokenizer_3"], "model.text.encoder_3", cfg.max_tokens, d),
+                _Encoder("clip", folders["encoder"], folders["tokenizer"], "model.text.encoder", L, *d),
+                _Encoder("clip", folders["encoder_2"], folders["tokenizer_2"], "model.text.encoder_2", L, *d),
+                _Encoder(
+                    "t5", folders["encoder_3"], folders["tokenizer_3"], "model.text.encoder_3", cfg.max_tokens, *d
+                ),
             ]
         else:
             self.parts = [
-                _Encoder(cfg.kind, folders["encoder"], folders["tokenizer"], "model.text.encoder", cfg.max_tokens, d)
+                _Encoder(cfg.kind, folders["encoder"], folders["tokenizer"], "model.text.encoder", cfg.max_tokens, *d)
             ]
         self.widths = encoder_widths(cfg.kind, [p.config for p in self.parts])
 
@@ -171,7 +176,7 @@ class TransformersTextEncoder:
             chunk = captions[start : start + rows]
             # The empty caption fills the chunk: every forward has the same shape (module doc: exactness).
             got = self._forward(chunk + [""] * (rows - len(chunk)))
-            out.append([t[: len(chunk)] for t in got])
+            out.append([t[: len(chunk)].cpu() for t in got])
         return tuple(torch.cat([o[i] for o in out]) for i in range(3))  # type: ignore[return-value]
 
     def _forward(self, captions: list[str]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -182,7 +187,7 @@ class TransformersTextEncoder:
             return tokens, mask, pooled
         if kind == "clip":
             tokens, pooled = self.parts[0].clip(captions)
-            return tokens, torch.ones(tokens.shape[:2]), pooled
+            return tokens, torch.ones(tokens.shape[:2], device=tokens.device), pooled
         t5, _ = self.parts[2].t5(captions, masked=False)  # SD3 runs T5 without the mask
         return sd3_combine(*self.parts[0].clip(captions), *self.parts[1].clip(captions), t5)
 
@@ -196,8 +201,10 @@ def sd3_combine(
     clip = torch.cat([clip_l, clip_g], dim=-1)
     clip = torch.nn.functional.pad(clip, (0, t5.shape[-1] - clip.shape[-1]))
     tokens = torch.cat([clip, t5], dim=-2)
-    return tokens, torch.ones(tokens.shape[:2]), torch.cat([pooled_l, pooled_g], dim=-1)
+    return tokens, torch.ones(tokens.shape[:2], device=tokens.device), torch.cat([pooled_l, pooled_g], dim=-1)
 
 
-def build_transformers_encoder(cfg: TextEncoderConfig, folders: dict[str, Path]) -> TransformersTextEncoder:
-    return TransformersTextEncoder(cfg, folders)
+def build_transformers_encoder(
+    cfg: TextEncoderConfig, folders: dict[str, Path], device: torch.device
+) -> TransformersTextEncoder:
+    return TransformersTextEncoder(cfg, folders, device)

@@ -226,7 +226,7 @@ def encode_dataset(
     if text:
         from trainer.conditioning.text import TextEncoder  # the text extra: only with --text
 
-        encoder = TextEncoder(text_cfg, options)
+        encoder = TextEncoder(text_cfg, options, run_on=device)
     src = _source(cfg)
     n = len(src)
     order = np.random.default_rng(shuffle_seed).permutation(n) if shuffle_seed is not None else np.arange(n)
