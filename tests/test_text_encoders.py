@@ -143,6 +143,52 @@ def test_t5_encodes_as_pixarts_pipeline_with_its_attention_mask(folders, tmp_pat
     torch.testing.assert_close(emb.pooled, (ref * real).sum(1) / real.sum(1))
 
 
+def test_a_t5_folder_with_only_a_sentencepiece_model_encodes_as_t5s_tokenizer_reads_it(tmp_path):
+    """T5 v1.1's and PixArt's published tokenizer folders hold spiece.model and no tokenizer.json: the text
+    extra's sentencepiece reads them. A real SentencePiece unigram model, trained here on a few captions."""
+    import json
+
+    import sentencepiece
+    from transformers import T5Config, T5EncoderModel
+
+    folder = tmp_path / "t5"
+    folder.mkdir()
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("\n".join(CAPTIONS[:2] + CAPTIONS[3:] + [" ".join(WORDS)]) * 20 + "\n")
+    sentencepiece.SentencePieceTrainer.train(
+        input=str(corpus),
+        model_prefix=str(folder / "spiece"),
+        vocab_size=40,
+        hard_vocab_limit=False,
+        pad_id=0,
+        eos_id=1,
+        unk_id=2,
+        bos_id=-1,
+        num_threads=1,
+        minloglevel=2,
+    )
+    (folder / "spiece.vocab").unlink()
+    (folder / "tokenizer_config.json").write_text(
+        json.dumps({"tokenizer_class": "T5Tokenizer", "extra_ids": 0, "eos_token": "</s>", "pad_token": "<pad>"})
+    )
+    vocab = sentencepiece.SentencePieceProcessor(model_file=str(folder / "spiece.model")).get_piece_size()
+    torch.manual_seed(0)
+    config = T5Config(vocab_size=vocab, d_model=16, d_kv=4, d_ff=32, num_layers=2, num_heads=2, pad_token_id=0)
+    T5EncoderModel(config).save_pretrained(folder, safe_serialization=True)
+    assert sorted(p.name for p in folder.iterdir()) == [
+        "config.json",
+        "model.safetensors",
+        "spiece.model",
+        "tokenizer_config.json",
+    ]
+    cfg = TextEncoderConfig(kind="t5", encoder=str(folder), width=16, max_tokens=24, cache_dir=str(tmp_path / "c"))
+    emb = TextEncoder(cfg).encode(CAPTIONS)
+    ref, mask = _reference(folder, "t5", CAPTIONS, 24)
+    real = emb.mask.sum(1).tolist()
+    assert torch.equal(emb.mask, mask.float()) and real[2] == 1 and 2 < real[0] < 24, real  # "" is </s> alone
+    torch.testing.assert_close(emb.tokens, ref)
+
+
 def test_sd3_combines_two_clips_and_t5_as_diffusers_encode_prompt(folders, tmp_path):
     enc = TextEncoder(sd3_config(folders, tmp_path))
     emb = enc.encode(CAPTIONS)

@@ -107,7 +107,7 @@ def load_tokenizer(folder: Path, key: str, max_length: int) -> Any:
     except (OSError, ValueError, ImportError, TypeError) as e:
         raise ConfigError(
             f"{key}: {folder} is not a loadable tokenizer ({e}); a T5 folder without tokenizer.json needs the "
-            "sentencepiece package"
+            "sentencepiece package, part of the text extra (pip install 'gentrain[text]')"
         ) from None
     if tok.pad_token is None:
         raise ConfigError(f"{key}: the tokenizer in {folder} has no pad token; captions are padded to {max_length}")
