@@ -202,7 +202,7 @@ def _walk(blob: bytes) -> _Walk | None:
 def _members_by_tarfile(blob: bytes) -> dict[str, bytes] | Exception:
     try:
         return _parse_sample_tarfile(blob)
-    except (ValueError, tarfile.TarError) as e:
+    except (OSError, ValueError, KeyError, tarfile.TarError) as e:  # what a sample's loader skips it for
         return e
 
 
