@@ -388,3 +388,31 @@ def test_a_broken_member_is_a_clear_error():
         _read_npy(b"PK\x03\x04" + good[4:], "std.npy")
     with pytest.raises(ValueError, match=r"member mean.npy: dtype int64, not float16/float32"):
         _read_npy(_npy(np.arange(3)), "mean.npy")
+
+
+@pytest.mark.slow
+def test_the_latent_shards_bench_prints_every_way_and_the_read_cost(tmp_path):
+    """bench/latent_shards.py at a tiny size: every way's steps/s and ratio, the read cost per step and the
+    ratio it implies, finite and positive (no assertion on speed: the figures mean something only at size)."""
+    import math
+
+    out = tmp_path / "bench.json"
+    r = subprocess.run(
+        [sys.executable, str(REPO / "bench" / "latent_shards.py"), "--steps", "4", "--warmup", "1", "--rounds", "1"]
+        + ["--batch-size", "8", "--json", str(out)],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=clean_env(PYTHONPATH=str(REPO), HF_HUB_OFFLINE="1"),
+    )
+    assert r.returncode == 0, r.stderr[-3000:]
+    got = json.loads(out.read_text())
+    ways = {"on_the_fly", "cache", "shards", "in_memory", "hand_loop"}
+    assert set(got["steps_per_s"]) == set(got["vs_in_memory"]) == set(got["vs_in_memory_per_round"]) == ways
+    assert got["vs_in_memory"]["in_memory"] == 1.0 and set(got["read_ms_per_step"]) == {"shards", "in_memory"}
+    figures = [*got["steps_per_s"].values(), got["read_ms_per_step"]["shards"], got["encode_images_per_s"]]
+    figures.append(got["implied_vs_in_memory"])
+    assert all(isinstance(x, float) and math.isfinite(x) and x > 0 for x in figures), figures
+    assert 0 <= got["read_ms_per_step"]["in_memory"] < got["read_ms_per_step"]["shards"]  # microseconds: may round to 0
+    assert 0 < got["implied_vs_in_memory"] <= 1.0
