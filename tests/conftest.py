@@ -77,6 +77,18 @@ def run_cli(
     )
 
 
+def run_bench(script: str, *args: str, timeout: float = 300) -> subprocess.CompletedProcess:
+    """`python bench/SCRIPT ARGS` from the checkout, offline; killed if it outlives `timeout` (a hang bound)."""
+    return subprocess.run(
+        [sys.executable, str(REPO / "bench" / script), *args],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=clean_env(PYTHONPATH=str(REPO), HF_HUB_OFFLINE="1"),
+    )
+
+
 # Read when a library is imported, so a forked run would see the server's values, not the run's.
 _IMPORT_TIME = (
     "PYTHON",

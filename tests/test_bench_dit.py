@@ -6,11 +6,9 @@ from __future__ import annotations
 
 import json
 import math
-import subprocess
-import sys
 
 import pytest
-from conftest import REPO, clean_env
+from conftest import run_bench
 
 VARIANTS = {"handwritten", "gentrain", "gentrain_cached"}
 QUARTILES = {"median", "q1", "q3"}
@@ -22,14 +20,7 @@ def _positive(value) -> bool:
 
 @pytest.mark.slow
 def test_the_dit_bench_quick_mode_prints_finite_positive_figures():
-    r = subprocess.run(
-        [sys.executable, str(REPO / "bench" / "dit.py"), "--quick"],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=300,
-        env=clean_env(PYTHONPATH=str(REPO), HF_HUB_OFFLINE="1"),
-    )
+    r = run_bench("dit.py", "--quick")
     assert r.returncode == 0, r.stderr[-3000:]
     out = json.loads(r.stdout)
     assert out["benchmark"] == "dit" and out["quick"] is True

@@ -17,7 +17,7 @@ import hypothesis.strategies as st
 import numpy as np
 import pytest
 import torch
-from conftest import REPO, clean_env, run_cli, tiny
+from conftest import REPO, clean_env, run_bench, run_cli, tiny
 from elastic_helpers import _start_agent
 from helpers import assert_tensors_equal
 from hypothesis import given, settings
@@ -397,15 +397,7 @@ def test_the_latent_shards_bench_prints_every_way_and_the_read_cost(tmp_path):
     import math
 
     out = tmp_path / "bench.json"
-    r = subprocess.run(
-        [sys.executable, str(REPO / "bench" / "latent_shards.py"), "--steps", "4", "--warmup", "1", "--rounds", "1"]
-        + ["--batch-size", "8", "--json", str(out)],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=300,
-        env=clean_env(PYTHONPATH=str(REPO), HF_HUB_OFFLINE="1"),
-    )
+    r = run_bench("latent_shards.py", *"--steps 4 --warmup 1 --rounds 1 --batch-size 8 --json".split(), str(out))
     assert r.returncode == 0, r.stderr[-3000:]
     got = json.loads(out.read_text())
     ways = {"on_the_fly", "cache", "shards", "in_memory", "hand_loop"}

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import re
@@ -121,20 +122,22 @@ def test_default_shuffle_block_mixes_at_least_8_blocks_into_a_batch_of_64_with_f
     assert per_image(DEFAULT_BLOCK, 1) < 0.16 and per_image(DEFAULT_BLOCK, 2) < 0.2
 
 
-def test_member_headers_are_read_like_tarfile_and_broken_ones_raise():
-    def tar(members: list[tuple[str, bytes]], fmt) -> bytes:
-        buf = __import__("io").BytesIO()
-        with tarfile.open(fileobj=buf, mode="w", format=fmt) as tf:
-            for name, data in members:
-                info = tarfile.TarInfo(name)
-                if data is None:
-                    info.type = tarfile.DIRTYPE
-                    tf.addfile(info)
-                else:
-                    info.size = len(data)
-                    tf.addfile(info, __import__("io").BytesIO(data))
-        return buf.getvalue()
+def tar(members: list[tuple[str, bytes | None]], fmt=tarfile.USTAR_FORMAT) -> bytes:
+    """A tar archive of (name, data) members in `fmt`; data None: a directory."""
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w", format=fmt) as tf:
+        for name, data in members:
+            info = tarfile.TarInfo(name)
+            if data is None:
+                info.type = tarfile.DIRTYPE
+                tf.addfile(info)
+            else:
+                info.size = len(data)
+                tf.addfile(info, io.BytesIO(data))
+    return buf.getvalue()
 
+
+def test_member_headers_are_read_like_tarfile_and_broken_ones_raise():
     plain = [("a/b/s1.jpg", b"\xff\xd8jpeg" * 100), ("a/b/s1.txt", "ünïcode".encode()), ("a/b/s1.cls", b"3")]
     expect = {"jpg": plain[0][1], "txt": plain[1][1], "cls": b"3"}
     long_dir = "x" * 120 + "/"  # a ustar prefix (USTAR), a pax header (PAX), a GNU long name (GNU)
@@ -178,13 +181,7 @@ def test_a_sample_reads_as_tarfile_reads_it(members, folder, fmt):
     """parse_sample's own header reader (one pass, every checksum in one sum) finds what tarfile finds."""
     from trainer.data.shards.tar import _parse_sample_tarfile
 
-    buf = __import__("io").BytesIO()
-    with tarfile.open(fileobj=buf, mode="w", format=fmt) as tf:
-        for ext, data in members:
-            info = tarfile.TarInfo(f"{folder}000042.{ext}")
-            info.size = len(data)
-            tf.addfile(info, __import__("io").BytesIO(data))
-    blob = buf.getvalue()
+    blob = tar([(f"{folder}000042.{ext}", data) for ext, data in members], fmt)
     assert parse_sample(blob) == _parse_sample_tarfile(blob) == {ext.lower(): data for ext, data in members}
 
 
@@ -192,19 +189,6 @@ def test_a_step_of_samples_reads_each_as_alone():
     """parse_samples checks the headers of a whole step in one sum: each sample still gets its own members
     or its own error, whatever its neighbours are (broken, cut short, pax, a directory first)."""
     from trainer.data.shards.tar import parse_samples
-
-    def tar(members, fmt=tarfile.USTAR_FORMAT) -> bytes:
-        buf = __import__("io").BytesIO()
-        with tarfile.open(fileobj=buf, mode="w", format=fmt) as tf:
-            for name, data in members:
-                info = tarfile.TarInfo(name)
-                if data is None:
-                    info.type = tarfile.DIRTYPE
-                    tf.addfile(info)
-                else:
-                    info.size = len(data)
-                    tf.addfile(info, __import__("io").BytesIO(data))
-        return buf.getvalue()
 
     good = [tar([(f"k{i}.png", b"p" * (100 * i + 1)), (f"k{i}.cls", str(i).encode())]) for i in range(4)]
     broken = bytearray(good[1])
@@ -343,7 +327,7 @@ def test_s3_reads_fetch_only_the_used_samples_and_faults_are_skipped_counted_and
     # Corrupt the image bytes of sample 1 of shard 0 (tar structure intact); delete shard 2.
     offsets = json.loads(fs.cat_file(f"{bucket}/digits/000000.tar.idx.json"))["offsets"]
     blob = bytearray(fs.cat_file(f"{bucket}/digits/000000.tar"))
-    with tarfile.open(fileobj=__import__("io").BytesIO(bytes(blob))) as tf:
+    with tarfile.open(fileobj=io.BytesIO(bytes(blob))) as tf:
         png = next(m for m in tf.getmembers() if m.offset >= offsets[1] and m.name.endswith(".png"))
     blob[png.offset_data : png.offset_data + png.size] = b"\xff" * png.size
     fs.pipe_file(f"{bucket}/digits/000000.tar", bytes(blob))
