@@ -15,7 +15,12 @@ the second half (each line covers the steps since the last one, wall time, devic
 lines, then the ratios (hand step time / gentrain step time: 1.0 or more means gentrain is at least as fast),
 peak GPU memory ratios, and MFU against the card's datasheet peak.
 
-Usage: python bench/gpu.py [--only dit-s dit-xl ...] [--out DIR] [--budget-s 480]
+`--profile dit-s-eager` instead profiles steps of the two (torch.profiler, after a warm-up, same shapes) and
+prints where gentrain's step spends device time the hand-written one does not: wall and summed kernel time per
+step (their difference is the device's idle time), and the kernels by their excess per step.
+
+Usage: python bench/gpu.py [--only dit-s dit-xl-compile hand:dit-xl-compile ...] [--out DIR] [--budget-s 480]
+       python bench/gpu.py --profile dit-s-eager [--out DIR]
        python bench/gpu.py --quick   # CPU smoke: tiny shapes, a few steps (checks the script, not speed)
 """
 
@@ -49,7 +54,7 @@ VARIANTS = [  # in order of what matters most, should the time budget run out
 
 
 # ---------------------------------------------------------------------------------------------- hand-written
-def hand_loop(model: str, mode: str, quick: bool) -> dict:
+def hand_loop(model: str, mode: str, quick: bool, on_step=None) -> dict:
     import torch
     import torch.nn.functional as F
     from diffusers import DDPMScheduler, DiTTransformer2DModel
@@ -78,7 +83,9 @@ def hand_loop(model: str, mode: str, quick: bool) -> dict:
     x0 = torch.rand(batch, 1, 32, 32, device=device) * 2 - 1
     labels = torch.randint(0, 10, (batch,), device=device)
     times = []
-    for _ in range(steps):
+    for i in range(steps):
+        if on_step is not None:
+            on_step(i)
         t0 = time.perf_counter()
         noise = torch.randn_like(x0)
         t = torch.randint(0, 1000, (batch,), device=device)
@@ -105,19 +112,25 @@ _STEP = re.compile(r"step=(\d+)/\d+ (.*)")
 _FIELD = re.compile(r"(\w+)=([\d.e+-]+)")
 
 
-def gentrain_run(model: str, mode: str, quick: bool, out_dir: str) -> dict:
+def gentrain_args(model: str, mode: str, quick: bool, run_dir: str) -> list[str]:
     layers, heads, dim, batch, steps = (QUICK if quick else MODELS)[model]
     dit = f"{{kind: dit, num_layers: {layers}, num_attention_heads: {heads}, attention_head_dim: {dim}, patch_size: 2}}"
+    args = ["digits-ddpm", f"model.backbone={dit}", "model.num_classes=10", "data.image_size=32"]
+    args += [f"train.batch_size={batch}", "train.precision=bf16", f"train.max_steps={steps}"]
+    args += ["train.log_every_steps=5", "checkpoint.every_steps=0", "sample.every_steps=0", "sample.num=4"]
+    args += ["sample.inference_steps=2", "train.val_every_steps=0", f"run.dir={run_dir}", "train.lr=1e-4"]
+    args += ["train.num_workers=4"] if not quick else []
+    if mode in ("compile", "float8"):
+        args.append("train.compile=true")
+    if mode == "float8":
+        args.append("train.float8=tensorwise")
+    return args
+
+
+def gentrain_run(model: str, mode: str, quick: bool, out_dir: str) -> dict:
+    batch, steps = (QUICK if quick else MODELS)[model][3:]
     with tempfile.TemporaryDirectory() as tmp:
-        args = ["digits-ddpm", f"model.backbone={dit}", "model.num_classes=10", "data.image_size=32"]
-        args += [f"train.batch_size={batch}", "train.precision=bf16", f"train.max_steps={steps}"]
-        args += ["train.log_every_steps=5", "checkpoint.every_steps=0", "sample.every_steps=0", "sample.num=4"]
-        args += ["sample.inference_steps=2", "train.val_every_steps=0", f"run.dir={tmp}/run", "train.lr=1e-4"]
-        args += ["train.num_workers=4"] if not quick else []
-        if mode in ("compile", "float8"):
-            args.append("train.compile=true")
-        if mode == "float8":
-            args.append("train.float8=tensorwise")
+        args = gentrain_args(model, mode, quick, f"{tmp}/run")
         r = subprocess.run([sys.executable, "-m", "trainer", "train", *args], capture_output=True, text=True)
     with open(os.path.join(out_dir, f"gt-{model}-{mode}.log"), "w") as f:
         f.write(r.stderr)
@@ -146,9 +159,130 @@ def gentrain_run(model: str, mode: str, quick: bool, out_dir: str) -> dict:
     return result
 
 
+# ---------------------------------------------------------------------------------------------- profile
+class StepProfiler:
+    """`on_step(i)` at the start of each step: profiles steps [warm, warm + n) (CPU and CUDA activities), the
+    device synchronized at both ends so the wall time covers exactly those steps' work."""
+
+    def __init__(self, warm: int, n: int):
+        self.warm, self.n = warm, n
+        self.prof = None
+        self.t0 = 0.0
+        self.result: dict | None = None
+
+    def on_step(self, i: int) -> None:
+        import torch
+        from torch.profiler import ProfilerActivity, profile
+
+        if i == self.warm:
+            self._sync()
+            acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+            self.prof = profile(activities=acts)
+            self.prof.__enter__()
+            self.t0 = time.perf_counter()
+        elif i == self.warm + self.n and self.prof is not None:
+            self._sync()
+            wall = time.perf_counter() - self.t0
+            self.prof.__exit__(None, None, None)
+            self.result = self._summary(wall)
+
+    @staticmethod
+    def _sync() -> None:
+        import torch
+
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+
+    def _summary(self, wall: float) -> dict:
+        from torch.autograd import DeviceType
+
+        averages = self.prof.key_averages()
+        cuda = [e for e in averages if e.device_type == DeviceType.CUDA]
+        # On a CPU there are no kernels: the operators' own (self) times stand in for them.
+        rows = cuda or [e for e in averages if e.device_type == DeviceType.CPU and e.key.startswith("aten::")]
+        own = (lambda e: e.self_device_time_total) if cuda else (lambda e: e.self_cpu_time_total)
+        kernels = {e.key[:120]: [own(e) / 1e3 / self.n, e.count / self.n] for e in rows}
+        return {
+            "device": "cuda" if cuda else "cpu",
+            "wall_ms_per_step": wall * 1e3 / self.n,
+            "kernel_ms_per_step": sum(v[0] for v in kernels.values()),
+            "launches_per_step": sum(v[1] for v in kernels.values()),
+            "kernels": dict(sorted(kernels.items(), key=lambda kv: -kv[1][0])),
+        }
+
+
+def profile_child(runner: str, model: str, mode: str, quick: bool) -> dict:
+    """One runner's profile (run in a process of its own)."""
+    steps = (QUICK if quick else MODELS)[model][4]
+    profiler = StepProfiler(warm=steps // 2, n=max(2, min(10, steps // 4)))
+    if runner == "hand":
+        hand_loop(model, mode, quick, on_step=profiler.on_step)
+    else:
+        from trainer.cli import main as gentrain_main
+        from trainer.engine.step import StepRunner
+
+        run, calls = StepRunner.run, [0]
+
+        def profiled_run(self, batch, step):  # every optimizer step goes through StepRunner.run once
+            profiler.on_step(calls[0])
+            calls[0] += 1
+            return run(self, batch, step)
+
+        StepRunner.run = profiled_run
+        with tempfile.TemporaryDirectory() as tmp:
+            code = gentrain_main(["train", *gentrain_args(model, mode, quick, f"{tmp}/run")])
+        if code != 0:
+            return {"exit": code}
+    return profiler.result or {"error": "the run ended before the profiled steps"}
+
+
+def profile_pair(name: str, quick: bool, out_dir: str) -> dict:
+    """Profile the hand-written loop and gentrain at `name` (model-mode); print where gentrain spends more."""
+    model, mode = name.rsplit("-", 1)
+    found = {}
+    for runner in ("hand", "gt"):
+        cmd = [sys.executable, __file__, "--profile-child", runner, model, mode] + (["--quick"] if quick else [])
+        r = subprocess.run(cmd, capture_output=True, text=True)
+        with open(os.path.join(out_dir, f"profile-{runner}-{name}.log"), "w") as f:
+            f.write(r.stdout + r.stderr)
+        lines = [x for x in r.stdout.strip().splitlines() if x.startswith("{")]
+        found[runner] = json.loads(lines[-1]) if r.returncode == 0 and lines else {"exit": r.returncode}
+    hand, gt = found["hand"], found["gt"]
+    report: dict = {"profile": name}
+    for runner, res in found.items():
+        report[runner] = {k: round(v, 3) if isinstance(v, float) else v for k, v in res.items() if k != "kernels"}
+    if "kernels" in hand and "kernels" in gt:
+        names = set(hand["kernels"]) | set(gt["kernels"])
+        excess = {
+            k: [
+                round(gt["kernels"].get(k, [0, 0])[0] - hand["kernels"].get(k, [0, 0])[0], 3),
+                gt["kernels"].get(k, [0, 0])[1],
+                hand["kernels"].get(k, [0, 0])[1],
+            ]
+            for k in names
+        }  # name: [gentrain - hand ms/step, gentrain launches/step, hand launches/step]
+        report["excess_ms_per_step"] = dict(sorted(excess.items(), key=lambda kv: -abs(kv[1][0]))[:20])
+        for side in ("hand", "gt"):
+            report[side]["idle_ms_per_step"] = round(
+                found[side]["wall_ms_per_step"] - found[side]["kernel_ms_per_step"], 3
+            )
+    with open(os.path.join(out_dir, f"profile-{name}.json"), "w") as f:
+        json.dump({"report": report, "hand": hand, "gt": gt}, f, indent=1)
+    print(json.dumps(report), flush=True)
+    return report
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
-    p.add_argument("--only", nargs="+", help="model names or model-mode pairs, e.g. dit-s dit-xl-compile")
+    p.add_argument(
+        "--only",
+        nargs="+",
+        help="model names, model-mode pairs or runner:model-mode, e.g. dit-s dit-xl-compile hand:dit-xl-compile",
+    )
+    p.add_argument(
+        "--profile", nargs="+", metavar="MODEL-MODE", help="profile hand and gentrain at these, e.g. dit-s-eager"
+    )
+    p.add_argument("--profile-child", nargs=3, metavar=("RUNNER", "MODEL", "MODE"), help=argparse.SUPPRESS)
     p.add_argument("--out", default=os.environ.get("OUT", "."))
     p.add_argument("--quick", action="store_true")
     p.add_argument("--budget-s", type=float, default=480)
@@ -157,11 +291,18 @@ def main() -> None:
     if args.child:
         print(json.dumps(hand_loop(*args.child, quick=args.quick)))
         return
+    if args.profile_child:
+        print(json.dumps(profile_child(*args.profile_child, quick=args.quick)), flush=True)
+        return
+    if args.profile:
+        for name in args.profile:
+            profile_pair(name, args.quick, args.out)
+        return
     start = time.perf_counter()
     results: dict[str, dict] = {}
     for model, mode, runner in VARIANTS:
         key = f"{runner}:{model}-{mode}"
-        if args.only and model not in args.only and f"{model}-{mode}" not in args.only:
+        if args.only and not {model, f"{model}-{mode}", key} & set(args.only):
             continue
         if time.perf_counter() - start > args.budget_s:
             results[key] = {"skipped": "over the time budget"}

@@ -218,3 +218,60 @@ def test_float8_trains_a_dit_on_the_gpu_and_resumes_without_it(tmp_path):
     cfg = load_config("digits-ddpm", tiny(tmp_path, *base, max_steps=5), environ={})
     trainer = Trainer(cfg, DistEnv())
     assert trainer.fit() == 0 and trainer.checkpoints.resumed_from and trainer.progress.step == 5
+
+
+@pytest.mark.skipif(not (CUDA and torch.cuda.get_device_capability() >= (8, 9)), reason="needs float8 tensor cores")
+@pytest.mark.parametrize("parallel", ["ddp", "fsdp"])
+def test_float8_with_compile_trains_under_ddp_and_fsdp2_and_the_weights_stay_plain(parallel, tmp_path):
+    # The engine's order (trainer.loop: float8, then compile of the blocks, then the wrapper) on a world of one
+    # NCCL rank: one GPU cannot hold two NCCL ranks, so this checks the composition (torchao's Float8Linear
+    # under DDP's hooks and FSDP2's DTensor parameters, each block compiled), not the collectives across GPUs.
+    import torch.distributed as dist
+    from diffusers import DiTTransformer2DModel
+    from safetensors.torch import load as st_load
+    from safetensors.torch import save as st_save
+    from torch.nn.parallel import DistributedDataParallel
+
+    from trainer.engine.compile import compile_blocks
+    from trainer.engine.float8 import apply_float8
+    from trainer.engine.shard import shard_module
+
+    def dit():
+        torch.manual_seed(0)
+        return DiTTransformer2DModel(
+            num_attention_heads=4, attention_head_dim=32, in_channels=1, out_channels=1, num_layers=2,
+            sample_size=16, patch_size=2, num_embeds_ada_norm=10,
+        )  # fmt: skip
+
+    device = torch.device("cuda", 0)
+    dist.init_process_group("nccl", init_method=f"file://{tmp_path}/pg", rank=0, world_size=1, device_id=device)
+    try:
+        plain, model = dit().to(device), dit().to(device)
+        assert apply_float8({"transformer": model}, {"transformer"}, "tensorwise", device, "ddpm") > 0
+        assert compile_blocks(model)
+        wrapped = (
+            DistributedDataParallel(model, device_ids=[0]) if parallel == "ddp" else shard_module(model, "bf16", False)
+        )
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        g = torch.Generator(device).manual_seed(1)
+        losses = []
+        for _ in range(4):
+            x = torch.randn(16, 1, 16, 16, device=device, generator=g)
+            t = torch.randint(0, 1000, (16,), device=device, generator=g)
+            labels = torch.randint(0, 10, (16,), device=device, generator=g)
+            with torch.autocast("cuda", dtype=torch.bfloat16):
+                loss = torch.nn.functional.mse_loss(wrapped(x, timestep=t, class_labels=labels).sample.float(), x)
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            losses.append(loss.item())
+        assert all(torch.isfinite(torch.tensor(losses))), losses
+        state = {
+            k: (v.full_tensor() if hasattr(v, "full_tensor") else v).detach() for k, v in model.state_dict().items()
+        }
+        assert state.keys() == plain.state_dict().keys()
+        assert all(type(v) is torch.Tensor and v.dtype == plain.state_dict()[k].dtype for k, v in state.items())
+        assert any(not torch.equal(state[k], v) for k, v in plain.state_dict().items())  # it learned
+        plain.load_state_dict(st_load(st_save({k: v.contiguous() for k, v in state.items()})), strict=True)
+    finally:
+        dist.destroy_process_group()
