@@ -39,7 +39,7 @@ import time
 # name: (layers, heads, head dim, batch, steps)
 MODELS = {"dit-s": (12, 6, 64, 256, 60), "dit-xl": (28, 16, 72, 128, 30)}
 QUICK = {"dit-s": (2, 2, 16, 16, 6), "dit-xl": (2, 2, 16, 16, 6)}
-# (model, mode, runner): mode eager | compile | float8 (compile + train.float8=tensorwise)
+# (model, mode, runner): mode eager | compile | float8 (compile + train.float8=tensorwise) | float8-rowwise
 VARIANTS = [  # in order of what matters most, should the time budget run out
     ("dit-s", "eager", "hand"),
     ("dit-s", "eager", "gt"),
@@ -50,6 +50,7 @@ VARIANTS = [  # in order of what matters most, should the time budget run out
     ("dit-xl", "float8", "gt"),
     ("dit-s", "compile", "hand"),
     ("dit-s", "compile", "gt"),
+    ("dit-xl", "float8-rowwise", "gt"),
 ]
 
 
@@ -120,10 +121,10 @@ def gentrain_args(model: str, mode: str, quick: bool, run_dir: str) -> list[str]
     args += ["train.log_every_steps=5", "checkpoint.every_steps=0", "sample.every_steps=0", "sample.num=4"]
     args += ["sample.inference_steps=2", "train.val_every_steps=0", f"run.dir={run_dir}", "train.lr=1e-4"]
     args += ["train.num_workers=4"] if not quick else []
-    if mode in ("compile", "float8"):
+    if mode in ("compile", "float8", "float8-rowwise"):
         args.append("train.compile=true")
-    if mode == "float8":
-        args.append("train.float8=tensorwise")
+    if mode.startswith("float8"):
+        args.append("train.float8=" + ("rowwise" if mode == "float8-rowwise" else "tensorwise"))
     return args
 
 
@@ -326,7 +327,7 @@ def main() -> None:
         if runner != "gt":
             continue
         gt = results.get(f"gt:{model}-{mode}", {})
-        hand = results.get(f"hand:{model}-{'compile' if mode == 'float8' else mode}", {})
+        hand = results.get(f"hand:{model}-{'compile' if mode.startswith('float8') else mode}", {})
         if "step_s" in gt and "step_s" in hand:
             entry = {"hand_over_gentrain_speed": round(hand["step_s"] / gt["step_s"], 3)}
             if "gpu_mem_gb" in gt and "gpu_mem_gb" in hand:

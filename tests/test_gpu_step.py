@@ -227,21 +227,19 @@ def test_float8_with_compile_trains_under_ddp_and_fsdp2_and_the_weights_stay_pla
     # NCCL rank: one GPU cannot hold two NCCL ranks, so this checks the composition (torchao's Float8Linear
     # under DDP's hooks and FSDP2's DTensor parameters, each block compiled), not the collectives across GPUs.
     import torch.distributed as dist
-    from diffusers import DiTTransformer2DModel
     from safetensors.torch import load as st_load
     from safetensors.torch import save as st_save
     from torch.nn.parallel import DistributedDataParallel
 
+    from trainer.diffusion.backbones.dit import DiTBackbone, DiTBackboneConfig
     from trainer.engine.compile import compile_blocks
     from trainer.engine.float8 import apply_float8
     from trainer.engine.shard import shard_module
 
-    def dit():
+    def dit():  # as the ddpm task builds it (its FSDP units and the unit kept gathered)
         torch.manual_seed(0)
-        return DiTTransformer2DModel(
-            num_attention_heads=4, attention_head_dim=32, in_channels=1, out_channels=1, num_layers=2,
-            sample_size=16, patch_size=2, num_embeds_ada_norm=10,
-        )  # fmt: skip
+        shape = DiTBackboneConfig(num_layers=2, num_attention_heads=4, attention_head_dim=32)
+        return DiTBackbone.build(shape, sample_size=16, channels=1, num_classes=10).model
 
     device = torch.device("cuda", 0)
     dist.init_process_group("nccl", init_method=f"file://{tmp_path}/pg", rank=0, world_size=1, device_id=device)
