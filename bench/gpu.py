@@ -198,7 +198,14 @@ class StepProfiler:
         from torch.autograd import DeviceType
 
         averages = self.prof.key_averages()
-        cuda = [e for e in averages if e.device_type == DeviceType.CUDA]
+        # Kernels, copies and memsets; not the GPU-side spans of annotations (the optimizer's step range).
+        cuda = [
+            e
+            for e in averages
+            if e.device_type == DeviceType.CUDA
+            and not getattr(e, "is_user_annotation", False)
+            and not e.key.startswith(("Optimizer.", "ProfilerStep"))
+        ]
         # On a CPU there are no kernels: the operators' own (self) times stand in for them.
         rows = cuda or [e for e in averages if e.device_type == DeviceType.CPU and e.key.startswith("aten::")]
         own = (lambda e: e.self_device_time_total) if cuda else (lambda e: e.self_cpu_time_total)

@@ -231,8 +231,9 @@ def build_train_loader(
         num_workers=workers,
         persistent_workers=False,
         prefetch_factor=cfg.train.prefetch_factor if workers else None,
+        # No pin_memory_device: torch pins for the current accelerator (this rank's device) and warns, from
+        # 2.11, at every iterator a loader given one makes.
         pin_memory=cfg.train.pin_memory and cuda,
-        pin_memory_device=str(device) if cfg.train.pin_memory and cuda else "",
     )
 
 
