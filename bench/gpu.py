@@ -226,6 +226,7 @@ def profile_child(runner: str, model: str, mode: str, quick: bool) -> dict:
     if runner == "hand":
         hand_loop(model, mode, quick, on_step=profiler.on_step)
     else:
+        # Here only: the hand-written side of this file never imports gentrain.
         from trainer.cli import main as gentrain_main
         from trainer.engine.step import StepRunner
 
