@@ -8,9 +8,13 @@ cores, the rest of the model as before (bf16 autocast). Hence:
   names, so a float8 run resumes without float8 and a bf16 run resumes with it (the step's numbers differ, as
   with any change of kernels; exact resume holds within one setting).
 - **Scaling**: `tensorwise` (the default for `true`) takes one scale per tensor and cuBLAS's float8 GEMM, the
-  fastest recipe, and the one whose float8 all-gather FSDP2 supports; `rowwise` takes a scale per row of each
-  operand (CUTLASS kernel), more robust to outlier rows (large activations in a few tokens), somewhat slower.
-  torchao's own guidance, which torchtitan follows.
+  fastest recipe; `rowwise` takes a scale per row of each operand (CUTLASS kernel), more robust to outlier
+  rows (large activations in a few tokens), slower (0.78x tensorwise's DiT-XL/2 step on an H200,
+  docs/benchmarks.md). torchao's own guidance, which torchtitan follows.
+- **Under FSDP2** the weights are gathered as FSDP's mixed precision gathers them (bf16) and cast to float8
+  after: torchao's float8 all-gather (`enable_fsdp_float8_all_gather`, tensorwise only) would halve that
+  traffic but makes each weight a tensor subclass, which the sharded checkpoint writer has not been tested
+  with on a GPU; not turned on.
 - **Which layers**: the `nn.Linear` layers of the learning parts that are transformers, whose both dimensions
   are multiples of 16 (the float8 GEMM's alignment): attention projections and MLPs. A DiT's final projection
   (patch x patch x channels outputs) stays as it is. A UNet has no such backbone: refused.
