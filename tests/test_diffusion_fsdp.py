@@ -152,3 +152,44 @@ def full_weights(root: str) -> dict[str, torch.Tensor]:
     return CheckpointView(store, info).read_weights(
         "transformer.model.safetensors" if "transformer.model.safetensors" in files else "transformer.model",
     )
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("parallel", ["ddp", "fsdp"])
+def test_float8_resumes_bit_identical_under_ddp_and_fsdp2(tmp_path, parallel):
+    """train.float8=tensorwise at two ranks: torchao's Float8Linear (its casts, scales and autograd) with the
+    matmul emulated (GENTRAIN_TEST_FLOAT8_EMULATE=1, torchao's test mode: a CPU has no float8 tensor cores;
+    tests/test_gpu_step.py runs the float8 matmuls with compile on a GPU). A rank SIGKILLed mid-run resumes
+    bit-identical; the checkpoint holds the plain float32 weights; a run without float8, in one process,
+    resumes from it."""
+    steps = 4
+    env = {"HF_HUB_OFFLINE": "1", "GENTRAIN_TEST_FLOAT8_EMULATE": "1"}
+
+    def args(root):
+        return tiny(
+            root,
+            "task=probe_tasks:KillableDDPM",
+            "model.backbone={kind: dit, num_layers: 2, num_attention_heads: 2, attention_head_dim: 8}",
+            "model.num_classes=10",
+            "checkpoint.every_steps=2",
+            f"train.parallel={parallel}",
+            "train.float8=tensorwise",
+            max_steps=steps,
+        )
+
+    # Rank 1 dies in step 3; the restart resumes from step 2.
+    a = _kill_and_compare(tmp_path, args, kill_at=3, steps=steps, **env)
+    log = (tmp_path / "killed.log").read_text()
+    assert re.search(rf"world_size=2 restart=1 parallel={parallel} .*resumed_from=\S+step-000000002", log), log[-3000:]
+    # 2 layers x (q, k, v, out, two feed-forward linears), on every attempt
+    assert log.count("float8 (tensorwise scaling): 12 linear layers of transformer") == 2, log[-3000:]
+    weights = [t for name, ts in a.items() if ".model." in name or ".ema." in name for t in ts.values()]
+    assert weights and all(type(t) is torch.Tensor and t.dtype == torch.float32 for t in weights)
+    if parallel == "fsdp":
+        assert {"transformer.model.rank-00001.safetensors", "transformer.optimizer.rank-00000.safetensors"} <= set(a)
+        # float8 off, one process: the two ranks' slices are gathered into the whole float32 weights
+        run_env = clean_env(PYTHONPATH=str(REPO / "tests"), HF_HUB_OFFLINE="1")
+        r = run_cli("train", *args(tmp_path / "killed"), "train.max_steps=5", "train.float8=none", env=run_env)
+        assert r.returncode == 0, r.stderr[-3000:]
+        assert re.search(r"world_size=1 .*resumed_from=\S+step-000000004", r.stderr), r.stderr[-3000:]
+        assert "float8 (" not in r.stderr and "GENTRAIN_TEST_FLOAT8_EMULATE" not in r.stderr

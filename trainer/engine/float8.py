@@ -23,11 +23,19 @@ cores, the rest of the model as before (bf16 autocast). Hence:
   into neighbouring kernels (eager, the casts cost more than the faster matmuls save on most shapes).
 
 Applied before DDP/FSDP wrapping, activation checkpointing and compile (torchtitan's order).
+
+The suite setting `GENTRAIN_TEST_FLOAT8_EMULATE=1` (never a config key, docs/development.md) lets float8 run
+where there are no float8 tensor cores, with torchao's own test mode (`Float8LinearConfig.emulate`: the same
+casts, scales and Float8Linear autograd, the matmul emulated in higher precision). It is how the suite runs
+float8 under DDP and FSDP2 at two ranks with real torchrun processes on CPU (one GPU cannot hold two NCCL
+ranks); it gives no speedup.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
+import os
 from collections.abc import Collection, Mapping
 
 import torch
@@ -38,6 +46,7 @@ from trainer.errors import ConfigError
 log = logging.getLogger("gentrain")
 
 _EXTRA = "pip install 'gentrain[float8]'"
+TEST_EMULATE = "GENTRAIN_TEST_FLOAT8_EMULATE"
 _TRANSFORMERS = ("DiTTransformer2DModel", "PixArtTransformer2DModel", "SD3Transformer2DModel")
 
 
@@ -77,7 +86,9 @@ def apply_float8(
     """Convert the learning transformer parts' eligible linear layers to float8; the number converted."""
     if recipe == "none":
         return 0
-    check_float8_device(recipe, device)
+    emulate = os.environ.get(TEST_EMULATE) == "1"
+    if not emulate:
+        check_float8_device(recipe, device)
     try:
         from torchao.float8 import Float8LinearConfig, convert_to_float8_training
     except ImportError as e:
@@ -89,6 +100,11 @@ def apply_float8(
             "float8 applies to DiT, PixArt and MMDiT backbones (model.backbone.kind). Remove train.float8"
         )
     config = Float8LinearConfig.from_recipe_name(recipe)
+    if emulate:
+        config = dataclasses.replace(config, emulate=True)
+        log.warning(
+            "float8: %s=1, matmuls emulated (torchao's test mode): a test suite setting, no speedup", TEST_EMULATE
+        )
     converted = 0
     for name in parts:
         before = sum(1 for m in modules[name].modules() if isinstance(m, nn.Linear))
