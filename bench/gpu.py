@@ -78,12 +78,9 @@ def hand_loop(model: str, mode: str, quick: bool, on_step=None) -> dict:
         from torchao.float8 import convert_to_float8_training
 
         def token_linear(m, fqn):
-            return (
-                m.in_features % 16 == 0
-                and m.out_features % 16 == 0
-                and "transformer_blocks" in fqn
-                and "norm" not in fqn
-            )
+            if not isinstance(m, torch.nn.Linear) or m.in_features % 16 or m.out_features % 16:
+                return False
+            return "transformer_blocks" in fqn and "norm" not in fqn
 
         convert_to_float8_training(net, module_filter_fn=token_linear)
     if mode in ("compile", "float8"):
