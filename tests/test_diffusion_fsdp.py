@@ -155,13 +155,14 @@ def full_weights(root: str) -> dict[str, torch.Tensor]:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("parallel", ["ddp", "fsdp"])
-def test_float8_resumes_bit_identical_under_ddp_and_fsdp2(tmp_path, parallel):
-    """train.float8=tensorwise at two ranks: torchao's Float8Linear (its casts, scales and autograd) with the
-    matmul emulated (GENTRAIN_TEST_FLOAT8_EMULATE=1, torchao's test mode: a CPU has no float8 tensor cores;
-    tests/test_gpu_step.py runs the float8 matmuls with compile on a GPU). A rank SIGKILLed mid-run resumes
-    bit-identical; the checkpoint holds the plain float32 weights; a run without float8, in one process,
-    resumes from it."""
+def test_float8_resumes_bit_identical_under_fsdp2(tmp_path):
+    """train.float8=tensorwise at two FSDP2 ranks: torchao's Float8Linear (its casts, scales and autograd) on
+    sharded DTensor weights, with the matmul emulated (GENTRAIN_TEST_FLOAT8_EMULATE=1, torchao's test mode: a
+    CPU has no float8 tensor cores). A rank SIGKILLed mid-run resumes bit-identical; the sharded checkpoint
+    holds the plain float32 weights; a run without float8, in one process, resumes from it. DDP, whose
+    wrapper leaves the layers whole, and compile run with the float8 matmuls on a GPU (tests/test_gpu_step.py);
+    one suite minute is spent on the sharded case only."""
+    parallel = "fsdp"
     steps = 4
     env = {"HF_HUB_OFFLINE": "1", "GENTRAIN_TEST_FLOAT8_EMULATE": "1"}
 
@@ -185,11 +186,10 @@ def test_float8_resumes_bit_identical_under_ddp_and_fsdp2(tmp_path, parallel):
     assert log.count("float8 (tensorwise scaling): 12 linear layers of transformer") == 2, log[-3000:]
     weights = [t for name, ts in a.items() if ".model." in name or ".ema." in name for t in ts.values()]
     assert weights and all(type(t) is torch.Tensor and t.dtype == torch.float32 for t in weights)
-    if parallel == "fsdp":
-        assert {"transformer.model.rank-00001.safetensors", "transformer.optimizer.rank-00000.safetensors"} <= set(a)
-        # float8 off, one process: the two ranks' slices are gathered into the whole float32 weights
-        run_env = clean_env(PYTHONPATH=str(REPO / "tests"), HF_HUB_OFFLINE="1")
-        r = run_cli("train", *args(tmp_path / "killed"), "train.max_steps=5", "train.float8=none", env=run_env)
-        assert r.returncode == 0, r.stderr[-3000:]
-        assert re.search(r"world_size=1 .*resumed_from=\S+step-000000004", r.stderr), r.stderr[-3000:]
-        assert "float8 (" not in r.stderr and "GENTRAIN_TEST_FLOAT8_EMULATE" not in r.stderr
+    assert {"transformer.model.rank-00001.safetensors", "transformer.optimizer.rank-00000.safetensors"} <= set(a)
+    # float8 off, one process: the two ranks' slices are gathered into the whole float32 weights
+    run_env = clean_env(PYTHONPATH=str(REPO / "tests"), HF_HUB_OFFLINE="1")
+    r = run_cli("train", *args(tmp_path / "killed"), "train.max_steps=5", "train.float8=none", env=run_env)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert re.search(r"world_size=1 .*resumed_from=\S+step-000000004", r.stderr), r.stderr[-3000:]
+    assert "float8 (" not in r.stderr and "GENTRAIN_TEST_FLOAT8_EMULATE" not in r.stderr

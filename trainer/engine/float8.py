@@ -27,7 +27,7 @@ Applied before DDP/FSDP wrapping, activation checkpointing and compile (torchtit
 The suite setting `GENTRAIN_TEST_FLOAT8_EMULATE=1` (never a config key, docs/development.md) lets float8 run
 where there are no float8 tensor cores, with torchao's own test mode (`Float8LinearConfig.emulate`: the same
 casts, scales and Float8Linear autograd, the matmul emulated in higher precision). It is how the suite runs
-float8 under DDP and FSDP2 at two ranks with real torchrun processes on CPU (one GPU cannot hold two NCCL
+float8 at two FSDP2 ranks with real torchrun processes on CPU (one GPU cannot hold two NCCL
 ranks); it gives no speedup.
 """
 
