@@ -237,6 +237,19 @@ def test_a_caption_embeds_bit_identically_alone_and_anywhere_in_a_batch(kind, fo
         assert torch.equal(getattr(batched, field)[2], getattr(alone, field)[0]), field
 
 
+def test_the_training_steps_autocast_never_reaches_the_cached_vectors(folders, tmp_path):
+    # Captions are encoded inside the step's forward, under train.precision's autocast on the training device.
+    cfg = TextEncoderConfig(
+        kind="t5", encoder=str(folders["t5"]), width=24, max_tokens=8, cache_dir=str(tmp_path / "a")
+    )
+    plain = TextEncoder(cfg).encode(CAPTIONS)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        under = TextEncoder(cfg.model_copy(update={"cache_dir": str(tmp_path / "b")})).encode(CAPTIONS)
+    assert under.tokens.dtype == torch.float32
+    for field in ("tokens", "mask", "pooled"):
+        assert torch.equal(getattr(under, field), getattr(plain, field)), field
+
+
 def test_the_encoders_run_where_asked_with_a_cache_of_their_own(folders, tmp_path):
     """`gentrain data encode` runs the transformers encoders on its GPU: every model moves there, and the
     embedding cache is another one, so a CPU run is never served vectors another device computed. (The meta

@@ -349,7 +349,8 @@ class TextEncoder:
         missing = [c for c in dict.fromkeys(captions) if c not in self._memory and not self._from_disk(c)]
         if missing:
             # Never under the training step's autocast: the cached vectors must not depend on train.precision.
-            with torch.no_grad(), torch.autocast("cpu", enabled=False), torch.autocast(self.run_on.type, enabled=False):
+            # Autocast acts per device type: off for the one the encoders run on is off for all their ops.
+            with torch.no_grad(), torch.autocast(self.run_on.type, enabled=False):
                 tokens, mask, pooled = self.backend.encode(missing)
             self.encoded += len(missing)
             for i, caption in enumerate(missing):
