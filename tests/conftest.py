@@ -105,6 +105,11 @@ _IMPORT_TIME = (
 )
 
 
+# ... except these, which share a prefix but are read while a run works, never on import: torchrun's own
+# (its agent reads them; a rank gets them in its environment like any other variable).
+_RUNTIME = ("TORCHELASTIC_", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE")
+
+
 # Folders a forked run may have on PYTHONPATH beyond the server's: what they hold (the tests' probe tasks,
 # this checkout) is imported by the run, never by the server, so the fork puts them on sys.path where
 # `python -m` would (tests/zygote.py).
@@ -121,7 +126,7 @@ def fork_server(env: dict[str, str], cwd: Path | None = None) -> _Zygote | None:
 
 def _forkable(env: dict[str, str]) -> bool:
     base = clean_env()
-    keys = {k for k in {*env, *base} if k.startswith(_IMPORT_TIME)}
+    keys = {k for k in {*env, *base} if k.startswith(_IMPORT_TIME) and not k.startswith(_RUNTIME)}
     for k in keys:
         if env.get(k) == base.get(k):
             continue

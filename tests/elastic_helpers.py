@@ -17,9 +17,28 @@ def _start_agent(cmd: list[str], log_path: Path, env: dict[str, str]) -> subproc
     )
 
 
-def start_torchrun(torchrun_args: list[str], train_args: list[str], log_path: Path, **env: str) -> subprocess.Popen:
-    """`torchrun ... -m trainer train ...`."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", *torchrun_args, "-m", "trainer", "train", *train_args]
+def worker_command(env: dict[str, str], fork: bool = True, script: str | None = None) -> list[str]:
+    """What torchrun runs per rank for `-m trainer` (or `script`): tests/zygote_worker.py, which forks the
+    rank from the test fork server (tests/zygote.py), where a CLI run with this environment would fork
+    (tests/conftest.py `fork_server`); else `-m trainer` (`script`), a fresh interpreter. Adds the server's
+    socket to `env`."""
+    from conftest import REPO, fork_server
+    from zygote_worker import ZYGOTE
+
+    server = fork_server(clean_env(**env)) if fork else None
+    if server is None:
+        return [script] if script else ["-m", "trainer"]
+    env[ZYGOTE] = server.socket
+    return [str(REPO / "tests" / "zygote_worker.py"), script or "trainer"]
+
+
+def start_torchrun(
+    torchrun_args: list[str], train_args: list[str], log_path: Path, fork: bool = True, **env: str
+) -> subprocess.Popen:
+    """`torchrun ... -m trainer train ...`, the ranks forked from the test fork server unless `fork=False`
+    or the environment needs fresh interpreters (`worker_command`)."""
+    worker = worker_command(env, fork)
+    cmd = [sys.executable, "-m", "torch.distributed.run", *torchrun_args, *worker, "train", *train_args]
     return _start_agent(cmd, log_path, env)
 
 

@@ -50,15 +50,20 @@ def test_sigkilled_worker_is_restarted_and_the_result_equals_an_uninterrupted_ru
     steps = 120
     # Dropout draws from the global RNG: resume must reproduce those draws too.
     args = ["checkpoint.every_steps=10", "train.log_every_steps=5", "model.dropout=0.1"]
+    # The ranks here are fresh interpreters, as torchrun starts them in a pod (fork=False); the suite's other
+    # torchrun tests fork theirs from the test fork server (tests/zygote_worker.py), this one keeps the
+    # unforked path under a SIGKILL and a restart.
     ref_log = tmp_path / "ref.log"
-    ref = start_torchrun(standalone(2), tiny(tmp_path / "ref", *args, max_steps=steps), ref_log)
+    ref = start_torchrun(standalone(2), tiny(tmp_path / "ref", *args, max_steps=steps), ref_log, fork=False)
     assert finish(ref, ref_log) == 0, ref_log.read_text()[-4000:]
 
     log = tmp_path / "killed.log"
     # `accelerate launch` settings gentrain ignores (tests/test_accelerate_env.py): before they were passed
     # explicitly, this one autocast every DDP forward in bf16 and the weights below differed.
     launch_env = {"ACCELERATE_MIXED_PRECISION": "bf16", "ACCELERATE_GRADIENT_ACCUMULATION_STEPS": "3"}
-    proc = start_torchrun(standalone(2), tiny(tmp_path / "killed", *args, max_steps=steps), log, **launch_env)
+    proc = start_torchrun(
+        standalone(2), tiny(tmp_path / "killed", *args, max_steps=steps), log, fork=False, **launch_env
+    )
     try:
         wait_for_log(log, "step-000000030", proc, timeout=300)
         victims = [p for p in worker_pids(proc.pid) if rank_of(p) == 1]

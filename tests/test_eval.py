@@ -9,6 +9,7 @@ import pytest
 import scipy.linalg
 import torch
 from conftest import clean_env, free_port, run_cli, tiny
+from elastic_helpers import worker_command
 from helpers import kill_group
 
 from trainer.data.datasets import DigitsDataset
@@ -134,6 +135,7 @@ def test_training_evaluates_periodically_and_eval_cli_over_2_ranks_equals_1_rank
     def two_ranks(num: int) -> dict:
         (root / "eval-000000002.json").unlink()
         log, port = tmp_path / f"eval2-{num}.log", free_port()
+        env: dict[str, str] = {}
         proc = subprocess.Popen(
             [
                 sys.executable,
@@ -144,8 +146,7 @@ def test_training_evaluates_periodically_and_eval_cli_over_2_ranks_equals_1_rank
                 f"--rdzv-endpoint=127.0.0.1:{port}",
                 f"--rdzv-id=eval-{port}",
                 "--max-restarts=0",
-                "-m",
-                "trainer",
+                *worker_command(env),
                 "eval",
                 str(root),
                 "--num-images",
@@ -153,7 +154,7 @@ def test_training_evaluates_periodically_and_eval_cli_over_2_ranks_equals_1_rank
             ],  # torchrun's parser refuses --num
             stdout=open(log, "w"),
             stderr=subprocess.STDOUT,
-            env=clean_env(),
+            env=clean_env(**env),
             start_new_session=True,
         )
         try:

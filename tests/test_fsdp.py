@@ -16,7 +16,7 @@ from collections import defaultdict
 import pytest
 import torch
 from conftest import REPO, clean_env, run_cli, tiny
-from elastic_helpers import rank_of, start_torchrun, worker_pids
+from elastic_helpers import rank_of, start_torchrun, worker_command, worker_pids
 from helpers import assert_tensors_equal, kill_group
 from test_elastic import finish, make_images, standalone
 
@@ -172,17 +172,18 @@ def test_sigkilled_fsdp_rank_resumes_bit_identical_from_an_async_save(tmp_path):
 def roundtrip(tmp_path, name: str, nproc: int, src: str, out: str, *args: str) -> None:
     """Resume `src` at `nproc` ranks (resharding) and save the same step, untrained, under `out`."""
     log = tmp_path / f"{name}.log"
+    env: dict[str, str] = {}
     cmd = [
         sys.executable,
         "-m",
         "torch.distributed.run",
         *standalone(nproc, max_restarts=0),
-        str(REPO / "tests" / "reshard_roundtrip.py"),
+        *worker_command(env, script=str(REPO / "tests" / "reshard_roundtrip.py")),
         out,
         *tiny(tmp_path / name, f"checkpoint.url={src}", *args),
     ]
     proc = subprocess.Popen(
-        cmd, stdout=open(log, "w"), stderr=subprocess.STDOUT, env=clean_env(), start_new_session=True
+        cmd, stdout=open(log, "w"), stderr=subprocess.STDOUT, env=clean_env(**env), start_new_session=True
     )
     assert finish(proc, log) == 0, log.read_text()[-4000:]
 

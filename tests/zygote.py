@@ -12,14 +12,25 @@ does (minus the signal for a run a signal ended).
 What a fork cannot reproduce is left to real processes (tests/conftest.py `run_cli` decides): a run with
 its own working directory, import-time settings (HF_*, TORCH*, OMP_*, ...) or PYTHONPATH (beyond this
 checkout and its tests/ folder, which a fork puts on sys.path as `python -m` would) starts a fresh
-interpreter, as does every torchrun worker. A run a test signals (`start_cli`) is forked too, into a
-session of its own; the signal reaches it by its pid, as it would a fresh interpreter.
+interpreter. A run a test signals (`start_cli`) is forked too, into a session of its own; the signal
+reaches it by its pid, as it would a fresh interpreter.
+
+torchrun's workers are forked too (tests/zygote_worker.py, tests/elastic_helpers.py): the process
+torchrun starts is a small client that hands this server its stdin, stdout and stderr (SCM_RIGHTS), its
+environment (RANK, MASTER_PORT, TORCHELASTIC_*, ...), working directory and argv; the run is forked with
+them, in a session of its own. The client forwards every signal torchrun sends it to the run and ends
+as the run ended (the same exit code, or killed by the same signal), so the agent's monitoring, restarts
+and shutdown see what they would see of a fresh interpreter. Such a run is tied to its client: when the
+client dies (SIGKILLed by a test or by torchrun, which cannot be forwarded) the monitor kills the run at
+once.
 The stdlib's multiprocessing forkserver does the same for its workers; it cannot run a module as
 `__main__` with another environment and argv, so this is written here.
 
-Protocol, one connection per run: the client sends one JSON line {args, env, cwd, stdout, stderr and
-optionally session (the run starts a session of its own)}; the monitor answers "pid <n>\\n", then
-"exit <code>\\n".
+Protocol, one connection per run: the client sends one JSON line {args, env, cwd, optionally script (the
+run is `python SCRIPT ARGS`, not `-m trainer`), and either stdout and
+stderr (file paths) or fds (true: stdin, stdout and stderr come with the line as SCM_RIGHTS); optionally
+session (the run starts a session of its own) and tied (the run is SIGKILLed when the client's end of
+the connection closes)}; the monitor answers "pid <n>\\n", then "exit <code>\\n".
 """
 
 from __future__ import annotations
@@ -27,6 +38,7 @@ from __future__ import annotations
 import gc
 import json
 import os
+import select
 import signal
 import socket
 import sys
@@ -52,57 +64,91 @@ def _serve(path: str) -> None:
     print("ready", flush=True)
     while True:
         conn, _ = server.accept()
-        request = b""
-        while not request.endswith(b"\n"):
+        # The client's descriptors, if it sent any, arrive with the request's first bytes.
+        request, fds, _, _ = socket.recv_fds(conn, 1 << 16, 3)
+        while request and not request.endswith(b"\n"):
             chunk = conn.recv(1 << 16)
             if not chunk:
                 break
             request += chunk
         if not request.endswith(b"\n"):
             conn.close()
+            for fd in fds:
+                os.close(fd)
             continue
         if os.fork() == 0:  # the monitor: starts the run, waits for it, reports how it ended
             server.close()
             signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+            req = json.loads(request)
             pid = os.fork()
             if pid == 0:
                 conn.close()
-                _run(json.loads(request))  # never returns
+                _run(req, fds)  # never returns
+            for fd in fds:
+                os.close(fd)
             try:
                 conn.sendall(f"pid {pid}\n".encode())
-                _, status = os.waitpid(pid, 0)
+                status = _wait_tied(conn, pid) if req.get("tied") else os.waitpid(pid, 0)[1]
                 # As subprocess reports it: the exit code, or minus the signal that killed the run.
                 conn.sendall(f"exit {os.waitstatus_to_exitcode(status)}\n".encode())
+            except OSError:
+                pass  # the client is gone
             finally:
                 os._exit(0)
         conn.close()
+        for fd in fds:
+            os.close(fd)
 
 
-def _run(req: dict) -> None:
+def _wait_tied(conn: socket.socket, pid: int) -> int:
+    """The run's wait status; if the client's end closes first (it was killed), SIGKILL the run then."""
+    try:
+        ended = os.pidfd_open(pid)  # readable once the run has exited
+    except (AttributeError, OSError):  # no pidfd (Linux before 5.3): look every 50 ms
+        ended = None
+    while True:
+        ready = select.select([conn] if ended is None else [conn, ended], [], [], 0.05 if ended is None else None)[0]
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            return status
+        if conn in ready and not conn.recv(1 << 12):
+            os.kill(pid, signal.SIGKILL)
+            return os.waitpid(pid, 0)[1]
+
+
+def _run(req: dict, fds: list[int]) -> None:
     import runpy
 
     if req.get("session"):
         os.setsid()  # a process group of its own, as Popen(start_new_session=True) makes
-    stdin = os.open(os.devnull, os.O_RDONLY)
-    out = os.open(req["stdout"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    # stderr into stdout's file shares its offset, as Popen(stderr=STDOUT) does
-    same = req["stderr"] == req["stdout"]
-    err = out if same else os.open(req["stderr"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    if req.get("fds"):  # the client's own stdin, stdout and stderr
+        stdin, out, err = fds
+    else:
+        stdin = os.open(os.devnull, os.O_RDONLY)
+        out = os.open(req["stdout"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        # stderr into stdout's file shares its offset, as Popen(stderr=STDOUT) does
+        same = req["stderr"] == req["stdout"]
+        err = out if same else os.open(req["stderr"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     for fd, target in ((stdin, 0), (out, 1), (err, 2)):
         os.dup2(fd, target)
-    for fd in {stdin, out, err}:
+    for fd in {stdin, out, err} - {0, 1, 2}:
         os.close(fd)
     os.chdir(req["cwd"])
     os.environ.clear()
     os.environ.update(req["env"])
-    sys.argv = [os.path.join(req["cwd"], "trainer", "__main__.py"), *req["args"]]
-    sys.path[0] = req["cwd"]  # what `python -m` puts first, then PYTHONPATH's folders
+    script = req.get("script")  # `python SCRIPT ARGS` instead of `python -m trainer ARGS`
+    sys.argv = [script or os.path.join(req["cwd"], "trainer", "__main__.py"), *req["args"]]
+    # what `python -m` puts first (`python SCRIPT`: the script's folder), then PYTHONPATH's folders
+    sys.path[0] = os.path.dirname(os.path.abspath(script)) if script else req["cwd"]
     extra = [p for p in req["env"].get("PYTHONPATH", "").split(os.pathsep) if p and p not in sys.path]
     sys.path[1:1] = extra
     # An uncaught exception prints its traceback and exits 1, SystemExit exits with its code: as in
     # any interpreter, with non-daemon threads joined and atexit handlers run on the way out.
     try:
-        runpy.run_module("trainer", run_name="__main__", alter_sys=True)
+        if script:
+            runpy.run_path(script, run_name="__main__")
+        else:
+            runpy.run_module("trainer", run_name="__main__", alter_sys=True)
         code = 0
     except SystemExit as e:
         if e.code is None or isinstance(e.code, int):
