@@ -3,8 +3,13 @@
 from __future__ import annotations
 
 import json
+import os
+import re
+import signal
 import subprocess
 import sys
+import time
+from pathlib import Path
 
 import pytest
 from conftest import run_cli
@@ -75,3 +80,59 @@ def test_a_run_forked_by_the_test_server_matches_a_fresh_interpreter(tmp_path):
         assert (forked.returncode, forked.stdout) == (fresh.returncode, fresh.stdout), args
         assert forked.stderr.splitlines()[-1:] == fresh.stderr.splitlines()[-1:], args
     assert [r.returncode for r in (server.run(a, clean_env(), timeout=300) for a in runs)] == [0, 2, 1]
+
+
+RANK_SCRIPT = """\
+import os, signal, sys, time
+print(f"rank {os.environ['RANK']} pid {os.getpid()} in {os.getcwd()} argv {sys.argv[1:]}", flush=True)
+print("to stderr", file=sys.stderr, flush=True)
+if sys.argv[1] == "exit":
+    sys.exit(int(sys.argv[2]))
+while True:  # until a signal ends it
+    time.sleep(0.05)
+"""
+
+
+@pytest.mark.slow
+def test_a_rank_forked_through_the_worker_client_gets_its_streams_and_ends_as_it_would_unforked(tmp_path):
+    """tests/zygote_worker.py stands in for the process torchrun starts per rank: the rank writes to the
+    client's stdout and stderr and sees its environment, argv and working directory; the client exits with
+    the rank's code, dies of the signal the rank died of (forwarded to it), and a SIGKILLed client's rank
+    is killed with it."""
+    import conftest
+    from conftest import REPO, _zygote, clean_env
+    from zygote_worker import ZYGOTE
+
+    server = _zygote()
+    assert server is not None, f"the fork server did not start: {conftest._ZYGOTE_FAILED}"
+    script = tmp_path / "rank.py"
+    script.write_text(RANK_SCRIPT)
+    env = clean_env(RANK="1", **{ZYGOTE: server.socket})
+    client = [sys.executable, str(REPO / "tests" / "zygote_worker.py"), str(script)]
+
+    done = subprocess.run([*client, "exit", "3"], capture_output=True, text=True, env=env, cwd=tmp_path, timeout=120)
+    assert done.returncode == 3, done.stderr
+    assert re.fullmatch(rf"rank 1 pid \d+ in {tmp_path} argv \['exit', '3'\]\n", done.stdout), done.stdout
+    assert done.stderr == "to stderr\n"
+
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        proc = subprocess.Popen([*client, "wait"], stdout=subprocess.PIPE, text=True, env=env, cwd=tmp_path)
+        try:
+            rank_pid = int(re.search(r"pid (\d+)", proc.stdout.readline()).group(1))
+            assert rank_pid != proc.pid
+            os.kill(proc.pid, sig)  # SIGTERM: forwarded to the rank; SIGKILL: the client alone, at once
+            assert proc.wait(timeout=60) == -sig
+            deadline = time.monotonic() + 60
+            while Path(f"/proc/{rank_pid}").exists() and _state(rank_pid) != "Z":
+                assert time.monotonic() < deadline, f"rank {rank_pid} outlived its client's {sig!r}"
+                time.sleep(0.02)
+        finally:
+            proc.kill()
+            proc.wait()
+
+
+def _state(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return "Z"
