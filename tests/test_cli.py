@@ -112,7 +112,9 @@ def test_a_rank_forked_through_the_worker_client_gets_its_streams_and_ends_as_it
 
     done = subprocess.run([*client, "exit", "3"], capture_output=True, text=True, env=env, cwd=tmp_path, timeout=120)
     assert done.returncode == 3, done.stderr
-    assert re.fullmatch(rf"rank 1 pid \d+ in {tmp_path} argv \['exit', '3'\]\n", done.stdout), done.stdout
+    assert re.fullmatch(rf"rank 1 pid \d+ in {re.escape(str(tmp_path))} argv \['exit', '3'\]\n", done.stdout), (
+        done.stdout
+    )
     assert done.stderr == "to stderr\n"
 
     for sig in (signal.SIGTERM, signal.SIGKILL):

@@ -30,6 +30,18 @@ def main() -> None:
     if not path:
         os.execv(sys.executable, [sys.executable, "-u", *([script] if script else ["-m", target]), *args])
     assert script or target == "trainer", f"zygote_worker runs the trainer module or a script, not {target!r}"
+    # Signals go to the run from the start: one that comes before its pid is known is sent once it is.
+    pid: int | None = None
+    pending: list[int] = []
+
+    def forward(signum: int, _frame) -> None:
+        if pid is None:
+            pending.append(signum)
+        else:
+            os.kill(pid, signum)
+
+    for sig in FORWARDED:
+        signal.signal(sig, forward)
     conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     conn.connect(path)
     request = {"args": args, "env": dict(os.environ), "cwd": os.getcwd(), "fds": True, "session": True, "tied": True}
@@ -42,8 +54,8 @@ def main() -> None:
         print(f"zygote_worker: the test fork server did not start the run ({first!r})", file=sys.stderr)
         sys.exit(1)
     pid = int(first[4:])
-    for sig in FORWARDED:
-        signal.signal(sig, lambda signum, _frame: os.kill(pid, signum))
+    for signum in pending:
+        os.kill(pid, signum)
     last = replies.readline().decode()  # a forwarded signal interrupts nothing here: the read resumes (PEP 475)
     code = int(last[5:]) if last.startswith("exit ") else -signal.SIGKILL  # the monitor itself was killed
     if code < 0:  # end as the run ended: by its signal
