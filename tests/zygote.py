@@ -27,10 +27,10 @@ The stdlib's multiprocessing forkserver does the same for its workers; it cannot
 `__main__` with another environment and argv, so this is written here.
 
 Protocol, one connection per run: the client sends one JSON line {args, env, cwd, optionally script (the
-run is `python SCRIPT ARGS`, not `-m trainer`), and either stdout and
-stderr (file paths) or fds (true: stdin, stdout and stderr come with the line as SCM_RIGHTS); optionally
-session (the run starts a session of its own) and tied (the run is SIGKILLed when the client's end of
-the connection closes)}; the monitor answers "pid <n>\\n", then "exit <code>\\n".
+run is `python SCRIPT ARGS`, not `-m trainer`), and either stdout and stderr (file paths) or fds (true:
+stdin, stdout and stderr come with the line as SCM_RIGHTS); optionally session (the run starts a session
+of its own) and tied (the run is SIGKILLed when the client's end of the connection closes)}; the monitor
+answers "pid <n>\\n", then "exit <code>\\n".
 """
 
 from __future__ import annotations
