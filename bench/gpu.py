@@ -17,10 +17,12 @@ peak GPU memory ratios, and MFU against the card's datasheet peak.
 
 `--profile dit-s-eager` instead profiles steps of the two (torch.profiler, after a warm-up, same shapes) and
 prints where gentrain's step spends device time the hand-written one does not: wall and summed kernel time per
-step (their difference is the device's idle time), and the kernels by their excess per step.
+step (their difference is the device's idle time), and the kernels by their excess per step. Each side's time
+is also split into matrix products, attention and the rest (`gemm_share`: the matmuls' share, the part float8
+can shorten; `--profile dit-xl-compile` gives the share bench/float8_roofline.py weighs its ceiling with).
 
 Usage: python bench/gpu.py [--only dit-s dit-xl-compile hand:dit-xl-compile ...] [--out DIR] [--budget-s 480]
-       python bench/gpu.py --profile dit-s-eager [--out DIR]
+       python bench/gpu.py --profile dit-s-eager [dit-xl-compile ...] [--out DIR]
        python bench/gpu.py --quick   # CPU smoke: tiny shapes, a few steps (checks the script, not speed)
 """
 
@@ -220,13 +222,35 @@ class StepProfiler:
         rows = cuda or [e for e in averages if e.device_type == DeviceType.CPU and e.key.startswith("aten::")]
         own = (lambda e: e.self_device_time_total) if cuda else (lambda e: e.self_cpu_time_total)
         kernels = {e.key[:120]: [own(e) / 1e3 / self.n, e.count / self.n] for e in rows}
+        total = sum(v[0] for v in kernels.values())
+        by_kind = {"gemm": 0.0, "attention": 0.0, "other": 0.0}
+        for name, (ms, _) in kernels.items():
+            by_kind[kernel_kind(name)] += ms
         return {
             "device": "cuda" if cuda else "cpu",
             "wall_ms_per_step": wall * 1e3 / self.n,
-            "kernel_ms_per_step": sum(v[0] for v in kernels.values()),
+            "kernel_ms_per_step": total,
             "launches_per_step": sum(v[1] for v in kernels.values()),
+            # The matmuls' share of the device's time: what float8 can shorten (bench/float8_roofline.py's
+            # share_needed says how large it must be for a given speedup).
+            **{f"{kind}_ms_per_step": ms for kind, ms in by_kind.items()},
+            "gemm_share": by_kind["gemm"] / total if total else 0.0,
             "kernels": dict(sorted(kernels.items(), key=lambda kv: -kv[1][0])),
         }
+
+
+_ATTENTION = ("flash", "fmha", "attention", "sdpa", "scaled_dot_product")
+# cuBLAS (xmma, nvjet), CUTLASS, inductor's matmul templates (triton_tem_), torch's float8 GEMM; on a CPU the
+# matrix products' aten operators.
+_GEMM = ("gemm", "nvjet", "cutlass", "xmma", "triton_tem_", "scaled_mm", "aten::mm", "aten::addmm", "aten::bmm")
+
+
+def kernel_kind(name: str) -> str:
+    """gemm, attention or other, by the kernel's (or, on a CPU, the operator's) name."""
+    lower = name.lower()
+    if any(s in lower for s in _ATTENTION):  # first: flash attention kernels are CUTLASS kernels too
+        return "attention"
+    return "gemm" if any(s in lower for s in _GEMM) else "other"
 
 
 def profile_child(runner: str, model: str, mode: str, quick: bool) -> dict:

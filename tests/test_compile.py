@@ -78,4 +78,7 @@ def test_a_compiled_step_matches_the_eager_step_within_fp32_rounding():
         torch.testing.assert_close(grads_c[name], g, rtol=0, atol=1e-4 * scale, msg=name)
     stats = CompileStats.now()
     graphs, breaks = stats.graphs - before.graphs, stats.graph_breaks - before.graph_breaks
-    assert graphs >= 1 and breaks == 0 and stats.seconds > before.seconds, (before, stats)
+    # One graph for both blocks: the first block's input (a transposed view of the patch embedding) is laid
+    # out as the second's, so dynamo's stride guards do not compile the block a second time.
+    assert graphs == 1 and breaks == 0 and stats.seconds > before.seconds, (before, stats)
+    assert stats.recompiles == before.recompiles, stats.recompile_reasons

@@ -195,7 +195,7 @@ def test_float8_keeps_the_parameter_names_so_checkpoints_stay_plain():
     from diffusers import DiTTransformer2DModel
     from torchao.float8 import convert_to_float8_training
 
-    from trainer.engine.float8 import _eligible
+    from trainer.engine.float8 import float8_eligible
 
     def dit():
         torch.manual_seed(0)
@@ -203,7 +203,7 @@ def test_float8_keeps_the_parameter_names_so_checkpoints_stay_plain():
             num_attention_heads=2, attention_head_dim=16, in_channels=1, num_layers=2, sample_size=8, patch_size=2
         )
 
-    plain, converted = dit(), convert_to_float8_training(dit(), module_filter_fn=_eligible)
+    plain, converted = dit(), convert_to_float8_training(dit(), module_filter_fn=float8_eligible)
     assert any(type(m).__name__ == "Float8Linear" for m in converted.modules())
     a, b = plain.state_dict(), converted.state_dict()
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) and a[k].dtype == b[k].dtype for k in a)

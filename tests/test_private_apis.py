@@ -137,9 +137,9 @@ def test_move_buffers_moves_buffers_only_and_keeps_persistence():
 
 
 def test_dynamo_counters_and_compile_timers():
-    """trainer/engine/compile.py's CompileStats reads dynamo's `counters` (graph breaks, unique graphs,
-    recompiles) and `compilation_time_metrics` (the forward frames' and the lazy backward's compile timers),
-    and raises `torch._dynamo.config.recompile_limit`. torch has no public API for either figure
+    """trainer/engine/compile.py's CompileStats reads dynamo's `counters` (graph breaks, unique graphs), its
+    per-compile records (`get_compilation_metrics`: recompiles and their reasons) and
+    `compilation_time_metrics` (the forward frames' and the lazy backward's compile timers), and raises `torch._dynamo.config.recompile_limit`. torch has no public API for either figure
     (`torch._dynamo.explain` recompiles the function to find out). End to end: the compile lines the
     torchrun test in test_diffusion_fsdp.py asserts on."""
     from torch._dynamo.utils import compilation_time_metrics, counters
@@ -153,14 +153,28 @@ def test_dynamo_counters_and_compile_timers():
         torch._dynamo.graph_break()
         return torch.cos(y).sum()
 
+    # dynamo keeps its last 64 compiles' records, from which recompiles are counted: start this count empty
+    torch._dynamo.utils.clear_compilation_metrics()
     before = CompileStats.now()
     x = torch.randn(8, requires_grad=True)
     # a real compile, not a hit in inductor's or AOT autograd's on-disk caches (warm from an earlier run),
     # which loads the backward without the timer
     with torch._inductor.config.patch(fx_graph_cache=False), torch._functorch.config.patch(enable_autograd_cache=False):
-        torch.compile(f, dynamic=False)(x).backward()
-    after = CompileStats.now()
-    for key in ("graph_break", "stats", "recompiles"):
+        compiled = torch.compile(f, dynamic=False)
+        compiled(x).backward()
+        after = CompileStats.now()
+        compiled(torch.randn(4, requires_grad=True)).backward()  # static shapes: another size recompiles
+    again = CompileStats.now()
+    _guard(after.recompiles == before.recompiles, f"a first compile counted as a recompile: {after}")
+    _guard(
+        again.recompiles == after.recompiles + 2,  # f's two frames (before and after the break) recompile
+        f"torch._dynamo.utils.get_compilation_metrics() has no recompile_reason for a recompile: {again}",
+    )
+    _guard(
+        any("size mismatch" in r for r in again.recompile_reasons),
+        f"dynamo's recompile_reason no longer names the guard that failed: {again.recompile_reasons}",
+    )
+    for key in ("graph_break", "stats"):
         _guard(key in counters, f"torch._dynamo.utils.counters has no {key!r} counter any more")
     _guard(after.graph_breaks == before.graph_breaks + 1, "dynamo's counters['graph_break'] did not count a break")
     _guard(after.graphs >= before.graphs + 2, "dynamo's counters['stats']['unique_graphs'] did not count graphs")

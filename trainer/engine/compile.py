@@ -63,10 +63,18 @@ def _compiled_class(cls: type) -> type:
         def forward(self, *args, **kwargs):
             if not torch.is_grad_enabled():
                 return original(self, *args, **kwargs)
-            return compiled(self, *args, **kwargs)
+            return compiled(self, *map(_dense, args), **{k: _dense(v) for k, v in kwargs.items()})
 
         _CLASSES[cls] = type(cls.__name__, (cls,), {"forward": forward, "compiled": True, "__module__": cls.__module__})
     return _CLASSES[cls]
+
+
+def _dense(value):
+    """`value` laid out contiguously if it is a tensor that is not. Dynamo guards on strides: a DiT's first
+    block gets its tokens as a transposed view of the patch embedding, the others the contiguous output of the
+    block before, so the shared graph was compiled twice (the first step's compile time doubled) for a copy
+    that costs one block's input."""
+    return value.contiguous() if isinstance(value, torch.Tensor) and not value.is_contiguous() else value
 
 
 def compile_blocks(module: nn.Module) -> list[nn.Module]:
@@ -108,18 +116,24 @@ class CompileStats:
     graph_breaks: int
     recompiles: int
     break_reasons: tuple[str, ...]
+    recompile_reasons: tuple[str, ...] = ()
 
     @classmethod
     def now(cls) -> CompileStats:
-        from torch._dynamo.utils import compilation_time_metrics, counters
+        from torch._dynamo.utils import compilation_time_metrics, counters, get_compilation_metrics
 
         breaks = counters["graph_break"]
+        # Recompiles: the compiles dynamo recorded a guard failure for (its per-compile records; it keeps the
+        # last 64, and a run compiles one graph per block class and input shape). `counters["recompiles"]`
+        # is not incremented by torch 2.13 (it read 0 whatever happened).
+        recompiled = [m.recompile_reason for m in get_compilation_metrics() if m.recompile_reason]
         return cls(
             seconds=sum(sum(compilation_time_metrics.get(k, ())) for k in _COMPILE_TIMERS),
             graphs=int(counters["stats"]["unique_graphs"]),
             graph_breaks=int(sum(breaks.values())),
-            recompiles=int(sum(counters["recompiles"].values())),
+            recompiles=len(recompiled),
             break_reasons=tuple(reason for reason, _ in breaks.most_common(3)),
+            recompile_reasons=tuple(dict.fromkeys(r.strip() for r in recompiled))[:3],
         )
 
     def line(self) -> str:
@@ -129,4 +143,6 @@ class CompileStats:
         )
         if self.break_reasons:
             text += "; breaks: " + " | ".join(r.replace("\n", " ")[:200] for r in self.break_reasons)
+        if self.recompile_reasons:
+            text += "; recompiled for: " + " | ".join(r.replace("\n", " ")[:200] for r in self.recompile_reasons)
         return text

@@ -71,7 +71,7 @@ def _is_transformer(module: nn.Module) -> bool:
     return any(type(m).__name__ in _TRANSFORMERS for m in module.modules())
 
 
-def _eligible(module: nn.Module, fqn: str) -> bool:
+def float8_eligible(module: nn.Module, fqn: str) -> bool:
     """Token-level linears (attention and MLP) whose dims the float8 GEMM accepts. Per-sample ones (timestep
     and label embeddings, adaLN modulation, the final projection) multiply a batch-sized M, which the GEMM
     also wants a multiple of 16, for a negligible share of the FLOPs: they stay in bf16."""
@@ -108,7 +108,7 @@ def apply_float8(
     converted = 0
     for name in parts:
         before = sum(1 for m in modules[name].modules() if isinstance(m, nn.Linear))
-        convert_to_float8_training(modules[name], module_filter_fn=_eligible, config=config)
+        convert_to_float8_training(modules[name], module_filter_fn=float8_eligible, config=config)
         still = sum(1 for m in modules[name].modules() if type(m) is nn.Linear)
         converted += before - still
     log.info("float8 (%s scaling): %d linear layers of %s", recipe, converted, ", ".join(parts))
