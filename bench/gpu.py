@@ -240,9 +240,10 @@ class StepProfiler:
 
 
 _ATTENTION = ("flash", "fmha", "attention", "sdpa", "scaled_dot_product")
-# cuBLAS (xmma, nvjet), CUTLASS, inductor's matmul templates (triton_tem_), torch's float8 GEMM; on a CPU the
-# matrix products' aten operators.
-_GEMM = ("gemm", "nvjet", "cutlass", "xmma", "triton_tem_", "scaled_mm", "aten::mm", "aten::addmm", "aten::bmm")
+# cuBLAS (xmma, nvjet, and its split-K reductions), CUTLASS, inductor's matmul templates (triton_tem_), torch's
+# float8 GEMM; on a CPU the matrix products' aten operators.
+_GEMM = ("gemm", "nvjet", "splitk", "cutlass", "xmma", "triton_tem_", "scaled_mm")
+_GEMM += ("aten::mm", "aten::addmm", "aten::bmm")
 
 
 def kernel_kind(name: str) -> str:

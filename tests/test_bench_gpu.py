@@ -51,7 +51,11 @@ def test_kernels_are_told_apart_by_name():
     from gpu import kernel_kind
 
     # cuBLAS and CUTLASS names as torch.profiler reports them on a Hopper card; CPU operators.
-    for name in ("sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize128x128x64", "nvjet_tst_128x256_64x4_2x1_v_bz_TNT"):
+    for name in (
+        "sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize128x128x64",
+        "nvjet_tst_128x256_64x4_2x1_v_bz_TNT",
+        "void cublasLt::splitKreduce_kernel<32, 16, int, float, __nv_bfloat16>",
+    ):
         assert kernel_kind(name) == "gemm", name
     assert kernel_kind("void cutlass::device_kernel<flash::enable_sm90_or_later<flash::FlashAttnFwdSm90>>") == (
         "attention"
