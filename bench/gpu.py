@@ -22,6 +22,7 @@ is also split into matrix products, attention and the rest (`gemm_share`: the ma
 can shorten; `--profile dit-xl-compile` gives the share bench/float8_roofline.py weighs its ceiling with).
 
 Usage: python bench/gpu.py [--only dit-s dit-xl-compile hand:dit-xl-compile ...] [--out DIR] [--budget-s 480]
+       python bench/gpu.py --only hand:dit-xl-compile dit-xl-float8 --profile dit-xl-compile   # both, one call
        python bench/gpu.py --profile dit-s-eager [dit-xl-compile ...] [--out DIR]
        python bench/gpu.py --quick   # CPU smoke: tiny shapes, a few steps (checks the script, not speed)
 """
@@ -338,7 +339,7 @@ def main() -> None:
     if args.profile_child:
         print(json.dumps(profile_child(*args.profile_child, quick=args.quick)), flush=True)
         return
-    if args.profile:
+    if args.profile and not args.only:
         for name in args.profile:
             profile_pair(name, args.quick, args.out)
         return
@@ -365,6 +366,22 @@ def main() -> None:
             results[key] = gentrain_run(model, mode, args.quick, args.out)
         results[key]["wall_s"] = round(time.perf_counter() - t0, 1)
         print(json.dumps({key: results[key]}), flush=True)
+    ratios = ratios_of(results)
+    print(json.dumps({"ratios": ratios, "total_s": round(time.perf_counter() - start, 1)}), flush=True)
+    with open(os.path.join(args.out, "gpu.json"), "w") as f:
+        json.dump({"results": results, "ratios": ratios}, f, indent=1)
+    # --only with --profile: the profiles after the comparison, in one call, while the budget lasts
+    for name in args.profile or []:
+        if time.perf_counter() - start > args.budget_s:
+            print(json.dumps({"profile": name, "skipped": "over the time budget"}), flush=True)
+            continue
+        profile_pair(name, args.quick, args.out)
+
+
+def ratios_of(results: dict[str, dict]) -> dict[str, dict]:
+    """hand / gentrain step time (and memory, MFU) per gentrain variant measured with its baseline: float8
+    variants against the hand-written bf16 compiled loop, and against the hand-written float8 loop when that
+    ran too, which also gives float8's own gain written by hand (`hand:...-float8-vs-hand:...-compile`)."""
     ratios = {}
     for model, mode, runner in VARIANTS:
         if runner != "gt":
@@ -384,9 +401,11 @@ def main() -> None:
             ratios[f"{model}-{mode}-vs-hand-{mode}"] = {
                 "hand_over_gentrain_speed": round(by_hand["step_s"] / gt["step_s"], 3)
             }
-    print(json.dumps({"ratios": ratios, "total_s": round(time.perf_counter() - start, 1)}), flush=True)
-    with open(os.path.join(args.out, "gpu.json"), "w") as f:
-        json.dump({"results": results, "ratios": ratios}, f, indent=1)
+        if mode.startswith("float8") and "step_s" in by_hand and "step_s" in hand:
+            ratios[f"hand:{model}-{mode}-vs-hand:{model}-compile"] = {
+                "speedup": round(hand["step_s"] / by_hand["step_s"], 3)
+            }
+    return ratios
 
 
 if __name__ == "__main__":

@@ -28,9 +28,12 @@ def test_the_comparison_runs_both_loops_and_prints_their_ratio(tmp_path):
 
 
 def test_the_profile_compares_the_two_steps_operator_by_operator(tmp_path):
-    r = run_bench("gpu.py", "--quick", "--profile", "dit-s-eager", "--out", str(tmp_path))
+    # with --only, one call runs the comparison first and the profile after it
+    only = ("--only", "hand:dit-s-eager")
+    r = run_bench("gpu.py", "--quick", *only, "--profile", "dit-s-eager", "--out", str(tmp_path))
     assert r.returncode == 0, r.stderr[-3000:]
-    (report,) = _lines(r.stdout)
+    hand, summary, report = _lines(r.stdout)
+    assert list(hand) == ["hand:dit-s-eager"] and summary["ratios"] == {} and report["profile"] == "dit-s-eager"
     for side in ("hand", "gt"):
         s = report[side]
         assert s["device"] == "cpu" and s["wall_ms_per_step"] > 0 and 0 < s["kernel_ms_per_step"]
@@ -44,6 +47,20 @@ def test_the_profile_compares_the_two_steps_operator_by_operator(tmp_path):
     assert excess and all(len(v) == 3 for v in excess.values())
     full = json.loads((tmp_path / "profile-dit-s-eager.json").read_text())
     assert full["hand"]["kernels"]["aten::mm"][1] == full["gt"]["kernels"]["aten::mm"][1] > 0
+
+
+def test_float8_is_compared_with_both_hand_written_loops():
+    sys.path.insert(0, str(REPO / "bench"))
+    from gpu import ratios_of
+
+    results = {"hand:dit-xl-compile": {"step_s": 0.22}, "gt:dit-xl-float8": {"step_s": 0.2}}
+    assert ratios_of(results) == {"dit-xl-float8": {"hand_over_gentrain_speed": 1.1}}
+    results["hand:dit-xl-float8"] = {"step_s": 0.176}
+    assert ratios_of(results) == {
+        "dit-xl-float8": {"hand_over_gentrain_speed": 1.1},  # gentrain float8 against hand-written bf16
+        "dit-xl-float8-vs-hand-float8": {"hand_over_gentrain_speed": 0.88},  # ... and hand-written float8
+        "hand:dit-xl-float8-vs-hand:dit-xl-compile": {"speedup": 1.25},  # float8's own gain, by hand
+    }
 
 
 def test_kernels_are_told_apart_by_name():
