@@ -2,8 +2,10 @@
 
 `bench/gpu.py` measures what float8 gives on a GPU (DiT-XL/2 at batch 128, tensorwise + compile: 1.031x the
 hand-written bf16 compiled loop on an H200; issue 34 asks for 1.3x). This script asks what it could give. For
-every linear layer gentrain converts (`trainer.engine.float8.float8_eligible`, on the DiT that bench/gpu.py
-trains, built by gentrain's own backbone; each layer's rows recorded from a forward on the meta device),
+every linear layer gentrain converts with each recipe (`trainer.engine.float8.float8_layers`: the attention
+and MLP linears torchao's size thresholds keep; `--unsized`: all of them, as the suite's emulated float8
+does), on the DiT that bench/gpu.py trains (built by gentrain's own backbone; each layer's rows recorded from
+a forward on the meta device),
 torchao's roofline model (`torchao.testing.training.roofline_utils`, the model behind torchao's
 benchmarks/float8/float8_roofline.py) gives:
 
@@ -30,8 +32,8 @@ added here from NVIDIA's datasheets with the same compute peaks and torchao's H1
 itself fills in cards it has not measured.
 
 Usage: python bench/float8_roofline.py [--model dit-xl] [--measured bench/results/gpu-h200-2026-11-27b.json]
-       [--step-s S --card "NVIDIA H200"] [--target 1.3] [--heads 16 32 48 64]
-       python bench/float8_roofline.py --quick --step-s 0.01   # the suite's smoke run: a tiny DiT
+       [--step-s S --card "NVIDIA H200"] [--target 1.3] [--heads 16 32 48 64] [--unsized]
+       python bench/float8_roofline.py --quick --unsized --step-s 0.01   # the suite's smoke run: a tiny DiT
 """
 
 from __future__ import annotations
@@ -49,7 +51,7 @@ sys.path.insert(0, str(REPO))
 from gpu import MODELS, QUICK  # noqa: E402  (bench/gpu.py: the shapes the GPU comparison trains)
 
 from trainer.diffusion.backbones.dit import DiTBackbone, DiTBackboneConfig  # noqa: E402
-from trainer.engine.float8 import float8_eligible  # noqa: E402
+from trainer.engine.float8 import float8_layers  # noqa: E402
 
 MEASURED = REPO / "bench" / "results" / "gpu-h200-2026-11-27b.json"
 H100 = "NVIDIA H100"
@@ -79,9 +81,11 @@ def roofline():
     return ru
 
 
-def converted_linears(layers: int, heads: int, dim: int, batch: int) -> dict[str, tuple[int, int, int]]:
-    """{name: (M, K, N)} of the linears `train.float8` converts in gentrain's DiT of this shape: M the rows each
-    multiplies at `batch` (recorded from a forward on the meta device: no memory, no arithmetic)."""
+def converted_linears(
+    layers: int, heads: int, dim: int, batch: int, recipe: str, sized: bool = True
+) -> dict[str, tuple[int, int, int]]:
+    """{name: (M, K, N)} of the linears `train.float8=recipe` converts in gentrain's DiT of this shape: M the
+    rows each multiplies at `batch` (recorded from a forward on the meta device: no memory, no arithmetic)."""
     config = DiTBackboneConfig(num_layers=layers, num_attention_heads=heads, attention_head_dim=dim, patch_size=2)
     with torch.device("meta"):
         backbone = DiTBackbone.build(config, sample_size=TOKENS_SIDE, channels=1, num_classes=10)
@@ -93,8 +97,9 @@ def converted_linears(layers: int, heads: int, dim: int, batch: int) -> dict[str
 
         return hook
 
+    convert, _ = float8_layers(backbone.model, recipe, sized)
     for name, module in backbone.model.named_modules():
-        if float8_eligible(module, name):
+        if name in convert:
             module.register_forward_pre_hook(record(name))
     x = torch.empty(batch, 1, TOKENS_SIDE, TOKENS_SIDE, device="meta")
     t = torch.zeros(batch, dtype=torch.long, device="meta")
@@ -129,6 +134,9 @@ def main() -> None:
     p.add_argument("--card", default="NVIDIA H200", choices=CARDS, help="the card --step-s was measured on")
     p.add_argument("--target", type=float, default=1.3)
     p.add_argument("--heads", type=int, nargs="*", default=[16, 32, 48, 64], help="widths to sweep (x 72)")
+    p.add_argument(
+        "--unsized", action="store_true", help="every eligible linear, not only those torchao's size thresholds keep"
+    )
     args = p.parse_args()
 
     ru = roofline()
@@ -139,15 +147,15 @@ def main() -> None:
         results = json.loads(args.measured.read_text())["results"]
         step_s = results[f"hand:{args.model}-compile"]["step_s"]
         source = f"{args.measured.name}: hand:{args.model}-compile"
-    shapes = converted_linears(layers, heads, dim, batch)
+    shapes = {r: converted_linears(layers, heads, dim, batch, r, not args.unsized) for r in RECIPES}
     print(
         json.dumps(
             {
                 "model": args.model + (" (quick)" if args.quick else ""),
                 "width": heads * dim,
                 "batch": batch,
-                "linears": len(shapes),
-                "shapes": sorted({s for s in shapes.values()}),
+                "linears": {r: len(v) for r, v in shapes.items()},
+                "shapes": {r: sorted(set(v.values())) for r, v in shapes.items()},
                 "measured_step_s": step_s,
                 "measured_on": args.card,
                 "measured_from": source,
@@ -159,7 +167,9 @@ def main() -> None:
     for card in CARDS:
         for recipe in RECIPES:
             for fused in (False, True):
-                t = model_times(ru, shapes, card, recipe, fused)
+                if not shapes[recipe]:
+                    continue  # nothing this recipe converts
+                t = model_times(ru, shapes[recipe], card, recipe, fused)
                 linear = t["bf16_s"] / (t["fp8_gemm_s"] + t["fp8_casts_s"])
                 row = {"card": card, "recipe": recipe, "fused": fused} | {k: round(v * 1e3, 3) for k, v in t.items()}
                 row = {k.replace("_s", "_ms") if k.endswith("_s") else k: v for k, v in row.items()}
@@ -173,9 +183,15 @@ def main() -> None:
                 print(json.dumps(row), flush=True)
     sweep = {}
     for h in args.heads:
-        t = model_times(ru, converted_linears(layers, h, dim, batch), args.card, "tensorwise", True)
-        sweep[h * dim] = round(t["bf16_s"] / (t["fp8_gemm_s"] + t["fp8_casts_s"]), 4)
+        widened = converted_linears(layers, h, dim, batch, "tensorwise", not args.unsized)
+        if widened:
+            t = model_times(ru, widened, args.card, "tensorwise", True)
+            sweep[h * dim] = round(t["bf16_s"] / (t["fp8_gemm_s"] + t["fp8_casts_s"]), 4)
     on_card = [r for r in rows if r["card"] == args.card]
+    if not on_card:
+        note = "no linear of this model is above torchao's size thresholds; --unsized models them all"
+        print(json.dumps({"target": args.target, "best_step_speedup": None, "note": note}), flush=True)
+        return
     best = max(on_card, key=lambda r: r["step_speedup"])
     print(
         json.dumps(

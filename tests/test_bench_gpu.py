@@ -86,14 +86,16 @@ def test_kernels_are_told_apart_by_name():
 
 
 def test_the_float8_roofline_prints_each_cards_ceiling_for_the_converted_linears():
-    """--quick: gentrain's tiny DiT (bench/gpu.py's quick shapes: 2 blocks of width 32, batch 16, 16x16 tokens).
-    Checked: the layers are the ones float8 converts (6 a block, every one multiplying batch x tokens rows),
+    """--quick: gentrain's tiny DiT (bench/gpu.py's quick shapes: 2 blocks of width 32, batch 16, 16x16 tokens),
+    every eligible layer (--unsized; the size thresholds keep none this narrow). Checked: the layers are the
+    ones float8 converts (6 a block, every one multiplying batch x tokens rows),
     each figure is the roofline's arithmetic on the times it prints, and the step estimate obeys Amdahl."""
-    r = run_bench("float8_roofline.py", "--quick", "--step-s", "0.01", "--heads", "2", "4")
+    r = run_bench("float8_roofline.py", "--quick", "--unsized", "--step-s", "0.01", "--heads", "2", "4")
     assert r.returncode == 0, r.stderr[-3000:]
     head, *rows, summary = _lines(r.stdout)
-    assert head["linears"] == 12 and head["batch"] == 16
-    assert {tuple(s) for s in head["shapes"]} == {(16 * 256, 32, 32), (16 * 256, 32, 128), (16 * 256, 128, 32)}
+    assert head["linears"] == {"tensorwise": 12, "rowwise": 12} and head["batch"] == 16
+    shapes = {(16 * 256, 32, 32), (16 * 256, 32, 128), (16 * 256, 128, 32)}
+    assert {tuple(s) for s in head["shapes"]["tensorwise"]} == shapes
     assert len(rows) == 3 * 2 * 2  # cards x recipes x fused
     for row in rows:
         fp8 = row["fp8_gemm_ms"] + row["fp8_casts_ms"]
@@ -109,6 +111,11 @@ def test_the_float8_roofline_prints_each_cards_ceiling_for_the_converted_linears
     on_card = [row for row in rows if row["card"] == head["measured_on"]]
     assert summary["best_step_speedup"] == max(row["step_speedup"] for row in on_card)
     assert set(summary["linear_speedup_by_width"]) == {"32", "64"}
+    # Without --unsized, gentrain's own choice: nothing this narrow is above torchao's size thresholds.
+    r = run_bench("float8_roofline.py", "--quick", "--step-s", "0.01", "--heads")
+    assert r.returncode == 0, r.stderr[-3000:]
+    head, summary = _lines(r.stdout)
+    assert head["linears"] == {"tensorwise": 0, "rowwise": 0} and summary["best_step_speedup"] is None
 
 
 def test_the_float8_roofline_follows_the_model_it_names():

@@ -7,7 +7,8 @@ suite runs on one:
 - a step's logged values stay on the device and are read at the log cadence only;
 - FLOPs are counted on fake tensors before the first step: the same count as the real step, no memory, no
   state changed;
-- `train.float8` refuses where there are no float8 tensor cores, and keeps checkpoints plain.
+- `train.float8` refuses where there are no float8 tensor cores, converts only the layers torchao's size
+  thresholds say it speeds up (refusing a model with none), and keeps checkpoints plain.
 """
 
 from __future__ import annotations
@@ -209,9 +210,77 @@ def test_float8_keeps_the_parameter_names_so_checkpoints_stay_plain():
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) and a[k].dtype == b[k].dtype for k in a)
 
 
+def _meta_dit(layers: int, heads: int, dim: int):
+    from trainer.diffusion.backbones.dit import DiTBackbone, DiTBackboneConfig
+
+    shape = DiTBackboneConfig(num_layers=layers, num_attention_heads=heads, attention_head_dim=dim, patch_size=2)
+    with torch.device("meta"):  # shapes only: DiT-XL/2's 718M parameters take no memory
+        return DiTBackbone.build(shape, sample_size=32, channels=1, num_classes=10).model
+
+
+def test_float8_converts_the_layers_large_enough_to_be_faster():
+    """torchao's size thresholds per recipe (its H100 benchmarks): DiT-XL/2's attention and MLP linears all
+    convert with tensorwise, only the MLP's first with rowwise; a DiT-S/2's MLP first layer with tensorwise.
+    Without the thresholds (the suite's emulated float8) every eligible layer converts."""
+    from trainer.engine.float8 import float8_layers
+
+    xl, small = _meta_dit(28, 16, 72), _meta_dit(12, 6, 64)
+    convert, kept = float8_layers(xl, "tensorwise")
+    assert len(convert) == 28 * 6 and kept == []
+    convert, kept = float8_layers(xl, "rowwise")
+    assert len(convert) == 28 and all(n.endswith("ff.net.0.proj") for n in convert) and len(kept) == 28 * 5
+    convert, kept = float8_layers(small, "tensorwise")
+    assert [n for n in convert if not n.endswith("ff.net.0.proj")] == [] and len(convert) == 12 and len(kept) == 60
+    assert float8_layers(small, "rowwise")[0] == []
+    assert len(float8_layers(small, "rowwise", sized=False)[0]) == 12 * 6
+    assert {n.rsplit(".", 1)[-1] for n in float8_layers(small, "rowwise")[1]} >= {"to_q", "to_k", "to_v", "proj", "2"}
+
+
+def test_float8_leaves_pixarts_per_sample_adaln_in_bf16():
+    from trainer.diffusion import build_backbone
+    from trainer.engine.float8 import float8_layers
+
+    spec = {"kind": "pixart", "patch_size": 2, "num_layers": 1, "num_attention_heads": 16, "attention_head_dim": 72}
+    with torch.device("meta"):
+        model = build_backbone({**spec, "caption_channels": 4096}, 64, 4).model
+    convert, kept = float8_layers(model, "tensorwise")
+    assert "adaln_single.linear" in dict(model.named_modules())  # batch rows: the timestep's modulation
+    assert not [n for n in convert + kept if not n.startswith("transformer_blocks.0.")], convert
+    assert len(convert) == 10 and kept == []  # self and cross attention (4 + 4), the MLP (2)
+
+
+def test_float8_keeps_small_layers_in_bf16_and_refuses_a_model_with_none_large_enough(monkeypatch, caplog):
+    import trainer.engine.float8 as float8
+
+    # The device check (a float8 GPU) is not what this tests; past it, the conversion is the real one.
+    monkeypatch.setattr(float8, "check_float8_device", lambda recipe, device: None)
+    monkeypatch.delenv(float8.TEST_EMULATE, raising=False)
+    small = _meta_dit(12, 6, 64)
+    with caplog.at_level("INFO", logger="gentrain"):
+        assert float8.apply_float8({"transformer": small}, ["transformer"], "tensorwise", torch.device("cpu"), "ddpm")
+    assert sum(type(m).__name__ == "Float8Linear" for m in small.modules()) == 12
+    assert (
+        "float8 (tensorwise scaling): 12 linear layers of transformer; kept in bf16, too small for float8 to be "
+        "faster (torchao's thresholds): 60 of transformer (1536x384 (x12), 384x384 (x48))"
+    ) in caplog.text
+    with pytest.raises(ConfigError) as e:
+        float8.apply_float8({"transformer": _meta_dit(12, 6, 64)}, ["transformer"], "rowwise", torch.device("cpu"), "d")
+    assert "train.float8=rowwise: no linear layer of transformer is large enough for float8 to be faster" in str(
+        e.value
+    )
+    assert "384x1536 (x12), 1536x384 (x12), 384x384 (x48)" in str(e.value) and "try train.float8=tensorwise" in str(
+        e.value
+    )
+    with pytest.raises(ConfigError, match=r"in x out: transformer: 32x128 \(x2\), 128x32 \(x2\), 32x32 \(x8\)"):
+        float8.apply_float8(
+            {"transformer": _meta_dit(2, 2, 16)}, ["transformer"], "tensorwise", torch.device("cpu"), "d"
+        )
+
+
 @pytest.mark.skipif(not (CUDA and torch.cuda.get_device_capability() >= (8, 9)), reason="needs float8 tensor cores")
 def test_float8_trains_a_dit_on_the_gpu_and_resumes_without_it(tmp_path):
-    dit = "{kind: dit, num_layers: 2, num_attention_heads: 4, attention_head_dim: 32, patch_size: 2}"
+    # width 384: the MLPs' first layers (384 -> 1,536) are above torchao's tensorwise thresholds
+    dit = "{kind: dit, num_layers: 2, num_attention_heads: 4, attention_head_dim: 96, patch_size: 2}"
     base = [f"model.backbone={dit}", "model.num_classes=10", "data.image_size=32", "train.precision=bf16"]
     cfg = load_config("digits-ddpm", tiny(tmp_path, *base, "train.float8=tensorwise", max_steps=3), environ={})
     assert Trainer(cfg, DistEnv()).fit() == 0
@@ -238,7 +307,8 @@ def test_float8_with_compile_trains_under_ddp_and_fsdp2_and_the_weights_stay_pla
 
     def dit():  # as the ddpm task builds it (its FSDP units and the unit kept gathered)
         torch.manual_seed(0)
-        shape = DiTBackboneConfig(num_layers=2, num_attention_heads=4, attention_head_dim=32)
+        # width 384: the MLPs' first layers (384 -> 1,536) are above torchao's tensorwise thresholds
+        shape = DiTBackboneConfig(num_layers=2, num_attention_heads=4, attention_head_dim=96)
         return DiTBackbone.build(shape, sample_size=16, channels=1, num_classes=10).model
 
     device = torch.device("cuda", 0)

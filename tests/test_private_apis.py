@@ -216,6 +216,38 @@ def test_torchao_8bit_state_flattens_to_codes_scale_and_map():
     )
 
 
+def test_torchao_float8_size_thresholds():
+    """trainer/engine/float8.py's float8_layers keeps in bf16 the linears torchao's `_auto_filter_for_recipe`
+    (exported by torchao.float8, named private and marked experimental) says float8 would slow down, with
+    the thresholds its docstring and docs/scaling.md quote. End to end: tests/test_gpu_step.py (DiT-XL/2 and
+    DiT-S/2 per recipe)."""
+    pytest.importorskip("torchao")
+    try:
+        from torchao.float8 import _auto_filter_for_recipe
+    except ImportError as e:
+        _guard(False, f"torchao.float8._auto_filter_for_recipe ({e}); trainer/engine/float8.py float8_layers")
+    expected = {  # (in, out): (tensorwise, rowwise)
+        (1152, 1152): (True, False),
+        (1152, 4608): (True, True),
+        (4608, 1152): (True, False),
+        (384, 1536): (True, False),
+        (384, 384): (False, False),
+        (4096, 1024): (False, False),
+        (4112, 1024): (True, False),
+        (2048, 4096): (True, False),
+        (1040, 4112): (True, True),
+        (1152, 1160): (False, False),  # not a multiple of 16
+    }
+    for recipe, column in (("tensorwise", 0), ("rowwise", 1)):
+        keep = _auto_filter_for_recipe(recipe, filter_fqns=[])
+        got = {shape: keep(nn.Linear(*shape, device="meta"), "blocks.0.ff") for shape in expected}
+        _guard(
+            got == {shape: both[column] for shape, both in expected.items()},
+            f"torchao's {recipe} size thresholds changed ({got}); update trainer/engine/float8.py's docstring, "
+            "docs/scaling.md#float8 and the layer counts in tests/test_gpu_step.py",
+        )
+
+
 def test_fake_tensor_mode_for_the_flop_count():
     """trainer/engine/step.py counts a step's FLOPs under torch._subclasses.fake_tensor.FakeTensorMode (with
     allow_non_fake_inputs: the real parameters join as fakes), so nothing is computed or allocated. End to

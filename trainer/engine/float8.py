@@ -17,7 +17,9 @@ cores, the rest of the model as before (bf16 autocast). Hence:
   with on a GPU; not turned on.
 - **Which layers**: the `nn.Linear` layers of the learning parts that are transformers, whose both dimensions
   are multiples of 16 (the float8 GEMM's alignment): attention projections and MLPs. A DiT's final projection
-  (patch x patch x channels outputs) stays as it is. A UNet has no such backbone: refused.
+  (patch x patch x channels outputs) stays as it is. A UNet has no such backbone: refused. Of those, the ones
+  torchao's size thresholds for the recipe say float8 would slow down stay bf16 (`float8_layers`; logged with
+  their shapes); a model with none left is refused with the shapes.
 - **Where**: NVIDIA GPUs with float8 tensor cores (compute capability 8.9: L4, L40S; 9.0: H100, H200; B200);
   anywhere else exit 2 with the reason. It pays off with `train.compile=true`, which fuses the casts and scales
   into neighbouring kernels (eager, the casts cost more than the faster matmuls save on most shapes).
@@ -77,13 +79,51 @@ def float8_eligible(module: nn.Module, fqn: str) -> bool:
     also wants a multiple of 16, for a negligible share of the FLOPs: they stay in bf16."""
     if not isinstance(module, nn.Linear) or module.in_features % 16 or module.out_features % 16:
         return False
-    return not any(word in fqn for word in ("norm", "emb", "proj_out", "time", "caption_projection", "context"))
+    return not any(
+        word in fqn for word in ("norm", "emb", "adaln", "proj_out", "time", "caption_projection", "context")
+    )
+
+
+def float8_layers(module: nn.Module, recipe: str, sized: bool = True) -> tuple[list[str], list[str]]:
+    """(convert, too_small): the names of `module`'s linears that `train.float8=recipe` converts, and of the
+    eligible ones (`float8_eligible`) it keeps in bf16 because torchao's size thresholds for the recipe say
+    float8 would be slower there (`sized`; off, every eligible layer converts).
+
+    The thresholds are torchao's `_auto_filter_for_recipe` (exported, marked experimental; guarded by
+    tests/test_private_apis.py), drawn from its float8 benchmarks on H100s: the casts float8 adds grow with
+    rows x (in + out) and the GEMM time it saves with rows x in x out, so narrow layers lose. Tensorwise keeps
+    a layer unless in <= 4096 and out <= 1024; rowwise, whose casts cost more, only layers with out > 2048 and
+    in > 1024, and not out <= 4096 with in <= 2048. DiT-XL/2 (width 1,152): every attention and MLP linear
+    converts with tensorwise, only the MLP's first (1,152 -> 4,608) with rowwise; a DiT-S/2 (width 384) keeps
+    all but that one in bf16 with tensorwise, all with rowwise."""
+    fast = None
+    if sized:
+        from torchao.float8 import _auto_filter_for_recipe
+
+        fast = _auto_filter_for_recipe(recipe, filter_fqns=[])
+    convert: list[str] = []
+    too_small: list[str] = []
+    for fqn, m in module.named_modules():
+        if float8_eligible(m, fqn):
+            (convert if fast is None or fast(m, fqn) else too_small).append(fqn)
+    return convert, too_small
+
+
+def _shapes(module: nn.Module, names: Collection[str]) -> str:
+    """`in x out (x count)` of the named linears, the largest first."""
+    counts: dict[tuple[int, int], int] = {}
+    for fqn, m in module.named_modules():
+        if fqn in names:
+            counts[(m.in_features, m.out_features)] = counts.get((m.in_features, m.out_features), 0) + 1
+    shapes = sorted(counts, key=lambda s: -s[0] * s[1])
+    return ", ".join(f"{i}x{o}" + (f" (x{counts[i, o]})" if counts[i, o] > 1 else "") for i, o in shapes)
 
 
 def apply_float8(
     modules: Mapping[str, nn.Module], learning: Collection[str], recipe: str, device: torch.device, task: str
 ) -> int:
-    """Convert the learning transformer parts' eligible linear layers to float8; the number converted."""
+    """Convert the learning transformer parts' eligible linear layers that are large enough for float8 to pay
+    off (`float8_layers`) to float8; the number converted. Exit 2 where none is."""
     if recipe == "none":
         return 0
     emulate = os.environ.get(TEST_EMULATE) == "1"
@@ -99,17 +139,38 @@ def apply_float8(
             f"train.float8={recipe}: task {task!r} trains no transformer backbone (parts: {', '.join(learning)}); "
             "float8 applies to DiT, PixArt and MMDiT backbones (model.backbone.kind). Remove train.float8"
         )
+    # The suite's emulated matmuls run on tiny models, all below the thresholds: every eligible layer converts.
+    plans = {name: float8_layers(modules[name], recipe, sized=not emulate) for name in parts}
+    if not any(convert for convert, _ in plans.values()):
+        small = "; ".join(f"{name}: {_shapes(modules[name], plans[name][1])}" for name in parts)
+        other = " (or try train.float8=tensorwise, whose thresholds are lower)" if recipe == "rowwise" else ""
+        raise ConfigError(
+            f"train.float8={recipe}: no linear layer of {', '.join(parts)} is large enough for float8 to be "
+            f"faster than bf16 (in x out: {small or 'none'}; torchao's size thresholds for {recipe} scaling, "
+            f"from its H100 benchmarks, see docs/scaling.md#float8). Remove train.float8{other}"
+        )
     config = Float8LinearConfig.from_recipe_name(recipe)
     if emulate:
         config = dataclasses.replace(config, emulate=True)
         log.warning(
-            "float8: %s=1, matmuls emulated (torchao's test mode): a test suite setting, no speedup", TEST_EMULATE
+            "float8: %s=1, matmuls emulated (torchao's test mode) and layers of every size converted: a test "
+            "suite setting, no speedup",
+            TEST_EMULATE,
         )
     converted = 0
     for name in parts:
+        chosen = set(plans[name][0])
         before = sum(1 for m in modules[name].modules() if isinstance(m, nn.Linear))
-        convert_to_float8_training(modules[name], module_filter_fn=float8_eligible, config=config)
+        convert_to_float8_training(
+            modules[name], module_filter_fn=lambda m, fqn, chosen=chosen: fqn in chosen, config=config
+        )
         still = sum(1 for m in modules[name].modules() if type(m) is nn.Linear)
         converted += before - still
-    log.info("float8 (%s scaling): %d linear layers of %s", recipe, converted, ", ".join(parts))
+    kept = {name: plans[name][1] for name in parts if plans[name][1]}
+    line = f"float8 ({recipe} scaling): {converted} linear layers of {', '.join(parts)}"
+    if kept:
+        line += "; kept in bf16, too small for float8 to be faster (torchao's thresholds): " + "; ".join(
+            f"{len(names)} of {name} ({_shapes(modules[name], names)})" for name, names in kept.items()
+        )
+    log.info("%s", line)
     return converted
