@@ -24,12 +24,14 @@ can shorten; `--profile dit-xl-compile` gives the share bench/float8_roofline.py
 Usage: python bench/gpu.py [--only dit-s dit-xl-compile hand:dit-xl-compile ...] [--out DIR] [--budget-s 480]
        python bench/gpu.py --only hand:dit-xl-compile dit-xl-float8 --profile dit-xl-compile   # both, one call
        python bench/gpu.py --profile dit-s-eager [dit-xl-compile ...] [--out DIR]
+       python bench/gpu.py --levers [--budget-s 200]   # float8 set up each way by hand, against bf16
        python bench/gpu.py --quick   # CPU smoke: tiny shapes, a few steps (checks the script, not speed)
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import re
@@ -59,12 +61,15 @@ VARIANTS = [  # in order of what matters most, should the time budget run out
 
 
 # ---------------------------------------------------------------------------------------------- hand-written
-def hand_loop(model: str, mode: str, quick: bool, on_step=None) -> dict:
+def hand_loop(model: str, mode: str, quick: bool, on_step=None, lever: str = "", steps: int = 0) -> dict:
+    """The hand-written loop; `lever` (see LEVERS) changes how a float8 run is set up, `steps` overrides the
+    model's step count."""
     import torch
     import torch.nn.functional as F
     from diffusers import DDPMScheduler, DiTTransformer2DModel
 
-    layers, heads, dim, batch, steps = (QUICK if quick else MODELS)[model]
+    layers, heads, dim, batch, model_steps = (QUICK if quick else MODELS)[model]
+    steps = steps or model_steps
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     torch.manual_seed(0)
     net = DiTTransformer2DModel(
@@ -78,14 +83,26 @@ def hand_loop(model: str, mode: str, quick: bool, on_step=None) -> dict:
         num_embeds_ada_norm=10,
     ).to(device)
     if mode == "float8":  # torchao's float8 training on the token-level linears, as a user converts by hand
-        from torchao.float8 import convert_to_float8_training
+        from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+        from torchao.float8.config import Float8GemmConfig
+
+        config = Float8LinearConfig.from_recipe_name("tensorwise")
+        if "fast-accum" in lever:  # the backward's two GEMMs accumulate fast too (the forward's already does)
+            fast = Float8GemmConfig(use_fast_accum=True)
+            config = dataclasses.replace(config, gemm_config_grad_input=fast, gemm_config_grad_weight=fast)
 
         def token_linear(m, fqn):
             if not isinstance(m, torch.nn.Linear) or m.in_features % 16 or m.out_features % 16:
                 return False
+            if "mlp" in lever and ".ff." not in fqn:  # the MLP's two linears only (width x 4 width)
+                return False
             return "transformer_blocks" in fqn and "norm" not in fqn
 
-        convert_to_float8_training(net, module_filter_fn=token_linear)
+        convert_to_float8_training(net, module_filter_fn=token_linear, config=config)
+    if "cdt" in lever:  # inductor tunes each generated kernel's launch configuration (the casts' included)
+        import torch._inductor.config
+
+        torch._inductor.config.coordinate_descent_tuning = True
     if mode in ("compile", "float8"):
         for block in net.transformer_blocks:
             block.compile()
@@ -119,6 +136,43 @@ def hand_loop(model: str, mode: str, quick: bool, on_step=None) -> dict:
     if device.type == "cuda":
         out["gpu_mem_gb"] = torch.cuda.max_memory_allocated() / 1e9
     return out
+
+
+# In one process, one after another (coordinate-descent tuning last: inductor's setting is global): the
+# hand-written DiT-XL/2 compiled per block in bf16, then float8 set up each way.
+LEVERS = ("bf16", "float8", "float8-fast-accum", "float8-mlp", "float8-cdt", "bf16-cdt")
+
+
+def lever_sweep(quick: bool, budget_s: float, out_dir: str) -> dict:
+    """What, set up by hand, makes float8 pay at DiT-XL/2: each lever's step time and its speedup over the bf16
+    compiled loop measured in the same process."""
+    import gc
+
+    import torch
+
+    float8_cores = torch.cuda.is_available() and torch.cuda.get_device_capability() >= (8, 9)
+    start, results = time.perf_counter(), {}
+    for lever in LEVERS:
+        if lever.startswith("float8") and not float8_cores:
+            results[lever] = {"skipped": "no float8 tensor cores"}
+        elif time.perf_counter() - start > budget_s:
+            results[lever] = {"skipped": "over the time budget"}
+        else:
+            torch._dynamo.reset()
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
+                torch.cuda.reset_peak_memory_stats()
+            t0 = time.perf_counter()
+            mode = "float8" if lever.startswith("float8") else "compile"
+            results[lever] = hand_loop("dit-xl", mode, quick, lever=lever, steps=0 if quick else 16)
+            results[lever]["wall_s"] = round(time.perf_counter() - t0, 1)
+            gc.collect()
+        print(json.dumps({lever: results[lever]}), flush=True)
+    base = results["bf16"].get("step_s")
+    speedups = {k: round(base / r["step_s"], 3) for k, r in results.items() if k != "bf16" and "step_s" in r}
+    with open(os.path.join(out_dir, "levers.json"), "w") as f:
+        json.dump({"results": results, "speedup_over_bf16": speedups}, f, indent=1)
+    return {"speedup_over_bf16": speedups}
 
 
 # ---------------------------------------------------------------------------------------------- gentrain
@@ -224,7 +278,7 @@ class StepProfiler:
         own = (lambda e: e.self_device_time_total) if cuda else (lambda e: e.self_cpu_time_total)
         kernels = {e.key[:120]: [own(e) / 1e3 / self.n, e.count / self.n] for e in rows}
         total = sum(v[0] for v in kernels.values())
-        by_kind = {"gemm": 0.0, "attention": 0.0, "other": 0.0}
+        by_kind = {"gemm": 0.0, "attention": 0.0, "cast": 0.0, "other": 0.0}
         for name, (ms, _) in kernels.items():
             by_kind[kernel_kind(name)] += ms
         return {
@@ -248,10 +302,16 @@ _GEMM += ("aten::mm", "aten::addmm", "aten::bmm")
 
 
 def kernel_kind(name: str) -> str:
-    """gemm, attention or other, by the kernel's (or, on a CPU, the operator's) name."""
+    """gemm, attention, cast or other, by the kernel's (or, on a CPU, the operator's) name. `cast`: inductor's
+    generated kernels (triton_poi/red/per) that make float8 operands, by what the fusion's name says they
+    compute (an amax, `abs` + `max`; a scale, `reciprocal`; anything feeding `_scaled_mm`). They
+    carry the layer norm, GELU or residual add fused into them too, work a bf16 step does in kernels of its own."""
     lower = name.lower()
     if any(s in lower for s in _ATTENTION):  # first: flash attention kernels are CUTLASS kernels too
         return "attention"
+    if lower.startswith(("triton_poi_", "triton_red_", "triton_per_")):  # before gemm: `_scaled_mm` in a name
+        scaled = "_scaled_mm" in lower or ("abs" in lower and "max" in lower) or "reciprocal" in lower
+        return "cast" if scaled else "other"
     return "gemm" if any(s in lower for s in _GEMM) else "other"
 
 
@@ -328,6 +388,9 @@ def main() -> None:
         "--profile", nargs="+", metavar="MODEL-MODE", help="profile hand and gentrain at these, e.g. dit-s-eager"
     )
     p.add_argument("--profile-child", nargs=3, metavar=("RUNNER", "MODEL", "MODE"), help=argparse.SUPPRESS)
+    p.add_argument(
+        "--levers", action="store_true", help="DiT-XL/2 by hand: bf16 and float8 set up each way, one process"
+    )
     p.add_argument("--out", default=os.environ.get("OUT", "."))
     p.add_argument("--quick", action="store_true")
     p.add_argument("--budget-s", type=float, default=480)
@@ -338,6 +401,9 @@ def main() -> None:
         return
     if args.profile_child:
         print(json.dumps(profile_child(*args.profile_child, quick=args.quick)), flush=True)
+        return
+    if args.levers:
+        print(json.dumps(lever_sweep(args.quick, args.budget_s, args.out)), flush=True)
         return
     if args.profile and not args.only:
         for name in args.profile:
