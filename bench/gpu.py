@@ -24,7 +24,7 @@ can shorten; `--profile dit-xl-compile` gives the share bench/float8_roofline.py
 Usage: python bench/gpu.py [--only dit-s dit-xl-compile hand:dit-xl-compile ...] [--out DIR] [--budget-s 480]
        python bench/gpu.py --only hand:dit-xl-compile dit-xl-float8 --profile dit-xl-compile   # both, one call
        python bench/gpu.py --profile dit-s-eager [dit-xl-compile ...] [--out DIR]
-       python bench/gpu.py --levers [--budget-s 200]   # float8 set up each way by hand, against bf16
+       python bench/gpu.py --levers [float8-nocompile ...] [--budget-s 200]   # float8 by hand, each way, vs bf16
        python bench/gpu.py --quick   # CPU smoke: tiny shapes, a few steps (checks the script, not speed)
 """
 
@@ -98,7 +98,14 @@ def hand_loop(model: str, mode: str, quick: bool, on_step=None, lever: str = "",
                 return False
             return "transformer_blocks" in fqn and "norm" not in fqn
 
-        convert_to_float8_training(net, module_filter_fn=token_linear, config=config)
+        if "nocompile" in lever:  # torchao's prototype: Triton kernels that cast and transpose in one pass
+            from torchao.prototype.float8nocompile.float8nocompile_linear_utils import (
+                convert_to_float8_nocompile_training,
+            )
+
+            convert_to_float8_nocompile_training(net, module_filter_fn=token_linear, config=config)
+        else:
+            convert_to_float8_training(net, module_filter_fn=token_linear, config=config)
     if "cdt" in lever:  # inductor tunes each generated kernel's launch configuration (the casts' included)
         import torch._inductor.config
 
@@ -140,12 +147,15 @@ def hand_loop(model: str, mode: str, quick: bool, on_step=None, lever: str = "",
 
 # In one process, one after another (coordinate-descent tuning last: inductor's setting is global): the
 # hand-written DiT-XL/2 compiled per block in bf16, then float8 set up each way.
-LEVERS = ("bf16", "float8", "float8-fast-accum", "float8-mlp", "float8-cdt", "bf16-cdt")
+# float8-nocompile: torchao's float8nocompile prototype (fused cast + transpose kernels; pytorch/pytorch#130015
+# is inductor's slow codegen for that pattern), its blocks compiled as the others.
+LEVERS = ("bf16", "float8", "float8-nocompile", "float8-fast-accum", "float8-mlp", "float8-cdt", "bf16-cdt")
 
 
-def lever_sweep(quick: bool, budget_s: float, out_dir: str) -> dict:
+def lever_sweep(quick: bool, budget_s: float, out_dir: str, only: list[str] | None = None) -> dict:
     """What, set up by hand, makes float8 pay at DiT-XL/2: each lever's step time and its speedup over the bf16
-    compiled loop measured in the same process."""
+    compiled loop measured in the same process (bf16 always runs first; `only` picks the others). A lever that
+    fails is recorded with its error and the sweep goes on."""
     import gc
 
     import torch
@@ -153,6 +163,8 @@ def lever_sweep(quick: bool, budget_s: float, out_dir: str) -> dict:
     float8_cores = torch.cuda.is_available() and torch.cuda.get_device_capability() >= (8, 9)
     start, results = time.perf_counter(), {}
     for lever in LEVERS:
+        if only and lever != "bf16" and lever not in only:
+            continue
         if lever.startswith("float8") and not float8_cores:
             results[lever] = {"skipped": "no float8 tensor cores"}
         elif time.perf_counter() - start > budget_s:
@@ -164,11 +176,14 @@ def lever_sweep(quick: bool, budget_s: float, out_dir: str) -> dict:
                 torch.cuda.reset_peak_memory_stats()
             t0 = time.perf_counter()
             mode = "float8" if lever.startswith("float8") else "compile"
-            results[lever] = hand_loop("dit-xl", mode, quick, lever=lever, steps=0 if quick else 16)
+            try:
+                results[lever] = hand_loop("dit-xl", mode, quick, lever=lever, steps=0 if quick else 16)
+            except Exception as e:  # a lever torch or torchao cannot run is a finding, not the end
+                results[lever] = {"error": f"{type(e).__name__}: {str(e)[:800]}"}
             results[lever]["wall_s"] = round(time.perf_counter() - t0, 1)
             gc.collect()
         print(json.dumps({lever: results[lever]}), flush=True)
-    base = results["bf16"].get("step_s")
+    base = results["bf16"].get("step_s", 0.0)
     speedups = {k: round(base / r["step_s"], 3) for k, r in results.items() if k != "bf16" and "step_s" in r}
     with open(os.path.join(out_dir, "levers.json"), "w") as f:
         json.dump({"results": results, "speedup_over_bf16": speedups}, f, indent=1)
@@ -389,7 +404,10 @@ def main() -> None:
     )
     p.add_argument("--profile-child", nargs=3, metavar=("RUNNER", "MODEL", "MODE"), help=argparse.SUPPRESS)
     p.add_argument(
-        "--levers", action="store_true", help="DiT-XL/2 by hand: bf16 and float8 set up each way, one process"
+        "--levers",
+        nargs="*",
+        metavar="LEVER",
+        help=f"DiT-XL/2 by hand: bf16 and float8 set up each way, one process (all, or some of {LEVERS[1:]})",
     )
     p.add_argument("--out", default=os.environ.get("OUT", "."))
     p.add_argument("--quick", action="store_true")
@@ -402,8 +420,11 @@ def main() -> None:
     if args.profile_child:
         print(json.dumps(profile_child(*args.profile_child, quick=args.quick)), flush=True)
         return
-    if args.levers:
-        print(json.dumps(lever_sweep(args.quick, args.budget_s, args.out)), flush=True)
+    if args.levers is not None:
+        unknown = set(args.levers) - set(LEVERS)
+        if unknown:
+            p.error(f"unknown levers {sorted(unknown)}; known: {', '.join(LEVERS)}")
+        print(json.dumps(lever_sweep(args.quick, args.budget_s, args.out, args.levers)), flush=True)
         return
     if args.profile and not args.only:
         for name in args.profile:

@@ -39,7 +39,8 @@ def test_the_profile_compares_the_two_steps_operator_by_operator(tmp_path):
         assert s["device"] == "cpu" and s["wall_ms_per_step"] > 0 and 0 < s["kernel_ms_per_step"]
         assert s["launches_per_step"] > 0 and "idle_ms_per_step" in s
         # The split adds up to the whole; a DiT's step spends part of it in matrix products, never all.
-        parts = s["gemm_ms_per_step"] + s["attention_ms_per_step"] + s["other_ms_per_step"]
+        parts = s["gemm_ms_per_step"] + s["attention_ms_per_step"] + s["cast_ms_per_step"] + s["other_ms_per_step"]
+        assert s["cast_ms_per_step"] == 0  # no float8 here
         assert parts == pytest.approx(s["kernel_ms_per_step"], rel=1e-3, abs=2e-3)
         assert 0 < s["gemm_share"] < 1 and s["gemm_ms_per_step"] > 0
     # The same model and optimizer: their matmuls appear on both sides, once per step each as often.
@@ -80,6 +81,44 @@ def test_kernels_are_told_apart_by_name():
     assert kernel_kind("aten::addmm") == kernel_kind("aten::mm") == "gemm"
     assert kernel_kind("aten::_scaled_dot_product_flash_attention_for_cpu") == "attention"
     assert kernel_kind("triton_poi_fused_add_mul_0") == kernel_kind("aten::native_layer_norm") == "other"
+    # float8 on a Hopper card (bench/results/gpu-h200-2026-11-28-float8.json): the GEMMs are cuBLAS's (qq: e4m3 x
+    # e4m3, qr: e4m3 x e5m2); inductor's casts carry `_scaled_mm` in their fused names and are no GEMM.
+    assert kernel_kind("nvjet_sm90_qqtst_192x192_128x4_2x1_v_bz_coopB_TNN") == "gemm"
+    assert kernel_kind("nvjet_sm90_qrtst_144x128_128x6_1x2_h_bz_coopA_algo2_TNN") == "gemm"
+    for name in (
+        "triton_poi_fused__scaled_mm__to_copy_add_clamp_gelu_mul_reciprocal_t_view_26",  # scaled cast (+ transpose)
+        "triton_red_fused__to_copy_abs_add_gelu_max_view_24",  # the amax, GELU fused in
+        "triton_red_fused_abs_max_transpose_view_26",
+    ):
+        assert kernel_kind(name) == "cast", name
+    assert kernel_kind("triton_red_fused__to_copy_add_mul_native_layer_norm_split_unsqueeze_10") == "other"
+
+
+def test_the_lever_sweep_measures_bf16_first_and_says_why_a_lever_did_not_run(tmp_path):
+    r = run_bench("gpu.py", "--quick", "--levers", "float8-nocompile", "--out", str(tmp_path))
+    assert r.returncode == 0, r.stderr[-3000:]
+    bf16, nocompile, summary = _lines(r.stdout)
+    assert bf16["bf16"]["step_s"] > 0  # the baseline, in the same process
+    assert nocompile == {"float8-nocompile": {"skipped": "no float8 tensor cores"}}  # a CPU has none
+    assert summary == {"speedup_over_bf16": {}}
+    assert json.loads((tmp_path / "levers.json").read_text())["results"]["bf16"] == bf16["bf16"]
+    r = run_bench("gpu.py", "--levers", "float9")
+    assert r.returncode == 2 and "unknown levers ['float9']" in r.stderr
+
+
+def test_torchaos_float8nocompile_prototype_is_where_the_lever_imports_it():
+    """The `float8-nocompile` lever imports a torchao prototype (it needs Triton, so not on this CPU): fail
+    here, by name, when an upgrade moves or renames it."""
+    import ast
+    import importlib.util
+
+    spec = importlib.util.find_spec("torchao.prototype.float8nocompile.float8nocompile_linear_utils")
+    assert spec is not None, "torchao no longer ships float8nocompile: drop the bench's float8-nocompile lever"
+    tree = ast.parse(open(spec.origin).read())
+    fn = next(
+        n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == "convert_to_float8_nocompile_training"
+    )
+    assert {"config", "module_filter_fn"} <= {a.arg for a in fn.args.kwonlyargs}
 
 
 # ---------------------------------------------------------------------------------------------- float8 roofline
