@@ -18,8 +18,12 @@ peak GPU memory ratios, and MFU against the card's datasheet peak.
 `--profile dit-s-eager` instead profiles steps of the two (torch.profiler, after a warm-up, same shapes) and
 prints where gentrain's step spends device time the hand-written one does not: wall and summed kernel time per
 step (their difference is the device's idle time), and the kernels by their excess per step. Each side's time
-is also split into matrix products, attention and the rest (`gemm_share`: the matmuls' share, the part float8
-can shorten; `--profile dit-xl-compile` gives the share bench/float8_roofline.py weighs its ceiling with).
+is also split into matrix products, attention, float8 casts and the rest (`gemm_share`: the matmuls' share, the
+part float8 can shorten; `--profile dit-xl-compile` gives the share bench/float8_roofline.py weighs its ceiling
+with; `--profile dit-xl-float8` what the casts take back).
+
+`--levers` sets float8 up each way a user could by hand (LEVERS) and measures each against the bf16 loop in
+the same process: whether any setup makes float8 pay at DiT-XL/2.
 
 Usage: python bench/gpu.py [--only dit-s dit-xl-compile hand:dit-xl-compile ...] [--out DIR] [--budget-s 480]
        python bench/gpu.py --only hand:dit-xl-compile dit-xl-float8 --profile dit-xl-compile   # both, one call
@@ -183,8 +187,8 @@ def lever_sweep(quick: bool, budget_s: float, out_dir: str, only: list[str] | No
             results[lever]["wall_s"] = round(time.perf_counter() - t0, 1)
             gc.collect()
         print(json.dumps({lever: results[lever]}), flush=True)
-    base = results["bf16"].get("step_s", 0.0)
-    speedups = {k: round(base / r["step_s"], 3) for k, r in results.items() if k != "bf16" and "step_s" in r}
+    base = results["bf16"].get("step_s")  # none if bf16 itself failed: then no speedups, only the step times
+    speedups = {k: round(base / r["step_s"], 3) for k, r in results.items() if base and k != "bf16" and "step_s" in r}
     with open(os.path.join(out_dir, "levers.json"), "w") as f:
         json.dump({"results": results, "speedup_over_bf16": speedups}, f, indent=1)
     return {"speedup_over_bf16": speedups}
