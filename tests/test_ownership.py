@@ -7,12 +7,14 @@ only waiting by time is the lease's own lapse, made short with checkpoint.lease_
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import signal
 import subprocess
 import sys
 import textwrap
+import time
 import uuid
 from pathlib import Path
 
@@ -23,6 +25,7 @@ from helpers import assert_tensors_equal, kill_group, start_cli, wait_for_log
 
 from trainer.checkpoint import CheckpointStore
 from trainer.checkpoint.lease import Holder, Lease, LeaseError, LeaseLost, lease_file
+from trainer.errors import CheckpointError
 from trainer.storage import filesystem
 
 WEIGHTS = ("unet.model.safetensors", "unet.ema.safetensors", "unet.optimizer.safetensors")
@@ -166,6 +169,32 @@ def test_a_killed_holders_lease_is_taken_over_without_waiting(tmp_path):
     assert "took over the lease" in r.stderr and "its process is gone" in r.stderr, r.stderr[-3000:]
 
 
+def _stopped(pid: int) -> bool:
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().rsplit(")", 1)[1].split()[0] in "Tt"
+
+
+def _stop_outside_the_lease_lock(proc, root: Path | None) -> None:
+    """SIGSTOP `proc` at a moment it does not hold the local root's lock (the renewal's read, compare and
+    rename; `root` None: a store without one): a holder stopped inside it is the other case
+    (test_a_lock_nobody_releases_stops_a_contender_with_the_reason_and_the_holder_carries_on)."""
+    for _ in range(100):
+        proc.send_signal(signal.SIGSTOP)
+        while not _stopped(proc.pid):  # the signal is delivered asynchronously
+            time.sleep(0.001)
+        if root is None:
+            return
+        fd = os.open(root, os.O_RDONLY)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return  # free while the holder is stopped (closing the descriptor releases it again)
+        except BlockingIOError:
+            proc.send_signal(signal.SIGCONT)
+        finally:
+            os.close(fd)
+    raise AssertionError("the holder held the lease's lock at each of 100 stops")
+
+
 @pytest.mark.slow
 def test_a_paused_holder_loses_its_lease_after_the_ttl_and_never_commits_again(tmp_path):
     log = tmp_path / "a.log"
@@ -173,7 +202,7 @@ def test_a_paused_holder_loses_its_lease_after_the_ttl_and_never_commits_again(t
     root = root_of(tmp_path)
     try:
         wait_for_log(log, "step-000000020 (", a)  # the commit line of step 20
-        a.send_signal(signal.SIGSTOP)  # alive, but not renewing: like a partitioned or frozen node
+        _stop_outside_the_lease_lock(a, root)  # alive, but not renewing: like a partitioned or frozen node
         mine = manifest(root, 20)["timeline"]
         r = train(tmp_path, "checkpoint.every_steps=2", "checkpoint.lease_seconds=3", max_steps=24, env=clean_env())
         assert r.returncode == 0, r.stderr[-3000:]
@@ -256,7 +285,7 @@ def test_the_lease_refuses_a_renewing_holder_takes_over_a_silent_one_and_fences_
         assert _ask(holder) == "ok"
 
         # Paused (alive, silent) for longer than its lease: taken over, and it never commits again.
-        holder.send_signal(signal.SIGSTOP)
+        _stop_outside_the_lease_lock(holder, Path(root) if not options else None)
         newcomer = Lease(fs, root, url, 1, other)
         newcomer.acquire(poll_seconds=0.02)
         holder.send_signal(signal.SIGCONT)
@@ -268,6 +297,39 @@ def test_the_lease_refuses_a_renewing_holder_takes_over_a_silent_one_and_fences_
     finally:
         holder.kill()
         holder.wait()
+
+
+def test_a_lock_nobody_releases_stops_a_contender_with_the_reason_and_the_holder_carries_on(tmp_path):
+    """A process stopped while it holds the local root's lock (SIGSTOP, a frozen container; here the test
+    holds it): a contender gives up after one lease period naming the folder, never hangs, and changes
+    nothing; the holder's renewals wait as long, are retried, and go through once the lock is free."""
+    url = str(tmp_path / "root")
+    fs, root = filesystem(url, {})
+    holder = Lease(fs, root, url, 0.5, Holder("holder-host", 4242, "job-h", 0))
+    holder.acquire()
+    try:
+        fd = os.open(root, os.O_RDONLY)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)  # what a process stopped inside its renewal leaves
+            before = lease_file(fs, root).read()
+            with pytest.raises(LeaseError, match="held its lock .* for 0.5s without releasing it") as stuck:
+                Lease(fs, root, url, 0.5, Holder("other-host", 1, "job-o", 0)).acquire(poll_seconds=0.02)
+            assert root in str(stuck.value) and "Nothing was changed" in str(stuck.value)
+            assert lease_file(fs, root).read() == before
+        finally:
+            os.close(fd)  # the lock is free again
+        for _ in range(3000):  # until a renewal has gone through (the holder renews every 0.125 s)
+            try:
+                holder.check()
+                break
+            except CheckpointError:
+                time.sleep(0.01)
+        holder.check()
+        with pytest.raises(LeaseError, match="renewed it"):  # the holder's still, and renewing
+            Lease(fs, root, url, 0.5, Holder("other-host", 1, "job-o", 0)).acquire(poll_seconds=0.02)
+    finally:
+        holder.release()
+    assert lease_file(fs, root).read() is None
 
 
 @pytest.mark.parametrize("kind", ["local", "s3", "gs"])

@@ -15,7 +15,9 @@ its own (`lease_seconds / 4`, off the step's path); any other trainer that finds
 Every write is conditional where the store can make it so, so two contenders never both win:
 
 - local disks: create with `os.link` (fails if the name exists), replace and delete under an
-  `fcntl.flock` of the root dir (on a network file system only as good as its lock support);
+  `fcntl.flock` of the root dir (on a network file system only as good as its lock support), held for a
+  read, a compare and a rename only and waited for at most `lease_seconds`: a process stopped while it
+  holds it makes the contender exit 2 naming the folder, never hang;
 - S3: `PutObject` with `If-None-Match: *` (create) or `If-Match: <etag>` (renew, take over) and
   `DeleteObject` with `If-Match` (s3fs passes these to botocore >= 1.35.20; AWS honours them since
   2024, moto's server too);
@@ -233,8 +235,11 @@ class _LocalLeaseFile(_LeaseFile):
     """A local disk: every change under an exclusive flock, files replaced by rename (never seen half)."""
 
     conditional = True
+    lock_seconds = 30.0  # how long a change waits for the folder's lock (the Lease sets its lease_seconds)
 
     def _tmp(self, data: bytes) -> str:
+        # Written and synced before the lock is taken: the locked section is a read, a compare and a rename.
+        os.makedirs(os.path.dirname(self.path), exist_ok=True)
         tmp = f"{self.path}.tmp-{os.getpid()}-{threading.get_ident()}"
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o640)
         with os.fdopen(fd, "wb") as f:
@@ -251,29 +256,54 @@ class _LocalLeaseFile(_LeaseFile):
         os.makedirs(root, exist_ok=True)
         fd = os.open(root, os.O_RDONLY)
         try:
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX)
-            except OSError as e:
-                log.debug("cannot lock %s (%s): lease writes are read-compare-write there", root, e)
+            self._lock(fd, root)
             yield
         finally:
             os.close(fd)  # releases the lock
 
-    def create(self, data: bytes) -> str:
-        with self._locked():
-            tmp = self._tmp(data)
+    def _lock(self, fd: int, root: str) -> None:
+        # Never a blocking flock: a process stopped while it holds the lock (SIGSTOP, a frozen container, a
+        # network file system keeping the lock of a client it lost) would hang this one for good. The lock
+        # is held for a read, a compare and a rename, so a wait of a whole lease period means it is stuck.
+        deadline = time.monotonic() + self.lock_seconds
+        while True:
             try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                return
+            except BlockingIOError:
+                if time.monotonic() >= deadline:
+                    raise LeaseError(
+                        f"the lease of checkpoint root {root} cannot be changed: another process has held its "
+                        f"lock (a flock of that folder) for {self.lock_seconds:g}s without releasing it, most "
+                        "likely a stopped process of this host (SIGSTOP, a frozen container) or a network file "
+                        "system that keeps the lock of a client it lost. Nothing was changed; resume or end "
+                        f"that process (`lsof {root}` names it), then run again"
+                    ) from None
+                time.sleep(0.01)
+            except OSError as e:
+                log.debug("cannot lock %s (%s): lease writes are read-compare-write there", root, e)
+                return
+
+    def create(self, data: bytes) -> str:
+        tmp = self._tmp(data)
+        try:
+            with self._locked():
                 os.link(tmp, self.path)  # atomic: fails if the name exists
-            finally:
-                os.unlink(tmp)
+        finally:
+            os.unlink(tmp)
         return hashlib.sha256(data).hexdigest()
 
     def replace(self, data: bytes, version: str) -> str:
-        with self._locked():
-            cur = self.read()
-            if cur is None or cur[1] != version:
-                raise _Conflict
-            os.replace(self._tmp(data), self.path)
+        tmp = self._tmp(data)
+        try:
+            with self._locked():
+                cur = self.read()
+                if cur is None or cur[1] != version:
+                    raise _Conflict
+                os.replace(tmp, self.path)
+        finally:
+            with contextlib.suppress(FileNotFoundError):  # renamed into place, or left after a conflict
+                os.unlink(tmp)
         return hashlib.sha256(data).hexdigest()
 
     def delete(self, version: str) -> None:
@@ -448,6 +478,8 @@ class Lease:
         self, fs: AbstractFileSystem, root: str, url: str, lease_seconds: float, holder: Holder, run: str = ""
     ):
         self.file = lease_file(fs, root)
+        if isinstance(self.file, _LocalLeaseFile):  # a lock held past a whole lease period is stuck
+            self.file.lock_seconds = float(lease_seconds)
         self.fs, self.root = fs, root
         # A root the lease itself created (a local folder) is removed again when the run leaves nothing in it
         # (a config refused at start-up): a refused run leaves no trace.
