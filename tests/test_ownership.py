@@ -304,21 +304,22 @@ def test_a_lock_nobody_releases_stops_a_contender_with_the_reason_and_the_holder
     holds it): a contender gives up after one lease period naming the folder, never hangs, and changes
     nothing; the holder's renewals wait as long, are retried, and go through once the lock is free."""
     url = str(tmp_path / "root")
+    SECONDS = 2.0  # margin for a renewal (with its fsync) on a loaded machine; the contender waits this long
     fs, root = filesystem(url, {})
-    holder = Lease(fs, root, url, 0.5, Holder("holder-host", 4242, "job-h", 0))
+    holder = Lease(fs, root, url, SECONDS, Holder("holder-host", 4242, "job-h", 0))
     holder.acquire()
     try:
         fd = os.open(root, os.O_RDONLY)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX)  # what a process stopped inside its renewal leaves
             before = lease_file(fs, root).read()
-            with pytest.raises(LeaseError, match="held its lock .* for 0.5s without releasing it") as stuck:
-                Lease(fs, root, url, 0.5, Holder("other-host", 1, "job-o", 0)).acquire(poll_seconds=0.02)
+            with pytest.raises(LeaseError, match="held its lock .* for 2s without releasing it") as stuck:
+                Lease(fs, root, url, SECONDS, Holder("other-host", 1, "job-o", 0)).acquire(poll_seconds=0.02)
             assert root in str(stuck.value) and "Nothing was changed" in str(stuck.value)
             assert lease_file(fs, root).read() == before
         finally:
             os.close(fd)  # the lock is free again
-        for _ in range(3000):  # until a renewal has gone through (the holder renews every 0.125 s)
+        for _ in range(3000):  # until a renewal has gone through (the holder renews every SECONDS / 4)
             try:
                 holder.check()
                 break
@@ -326,7 +327,7 @@ def test_a_lock_nobody_releases_stops_a_contender_with_the_reason_and_the_holder
                 time.sleep(0.01)
         holder.check()
         with pytest.raises(LeaseError, match="renewed it"):  # the holder's still, and renewing
-            Lease(fs, root, url, 0.5, Holder("other-host", 1, "job-o", 0)).acquire(poll_seconds=0.02)
+            Lease(fs, root, url, SECONDS, Holder("other-host", 1, "job-o", 0)).acquire(poll_seconds=0.02)
     finally:
         holder.release()
     assert lease_file(fs, root).read() is None
