@@ -30,7 +30,7 @@ TINY = {
     "dit": {"num_layers": 1, "num_attention_heads": 2, "attention_head_dim": 8},
     "pixart": {"num_layers": 1, "num_attention_heads": 2, "attention_head_dim": 8, "caption_channels": 16},
     "mmdit": {
-        "num_layers": 1,
+        "num_layers": 2,  # SD3's last block reads the caption stream only: its LoRA targets need one more
         "num_attention_heads": 2,
         "attention_head_dim": 8,
         "caption_channels": 16,
@@ -39,13 +39,14 @@ TINY = {
 }
 
 
-def test_the_registry_is_every_module_of_the_package_that_sets_backbone():
+def test_the_literal_registry_lists_every_module_of_the_package_that_sets_backbone():
     found = {}
     for info in pkgutil.iter_modules(backbones_pkg.__path__):
         cls = getattr(importlib.import_module(f"trainer.diffusion.backbones.{info.name}"), "BACKBONE", None)
         if cls is not None:
             found[cls.kind] = cls
-    assert found == BACKBONES and list(BACKBONES) == ["unet", "dit", "pixart", "mmdit"]
+    assert found == BACKBONES, "a backbone module's class is missing from _REGISTERED (or listed without one)"
+    assert list(BACKBONES) == sorted(BACKBONES, key=lambda kind: (BACKBONES[kind].order, kind))
     assert set(TINY) == set(BACKBONES), "a new backbone adds its TINY entry here"
 
 
@@ -74,6 +75,40 @@ def test_every_backbone_declares_what_it_takes_and_offers_and_builds_tiny(kind):
     assert ("pooled" in b.accepts) == (cls.pooled_width(c) is not None)
     if cls.stage_conditioning == "tokens":
         assert width is not None, "a stage feeds its conditions as caption tokens"
+    _check_float8_and_lora_declarations(cls, b.model)
+
+
+def _check_float8_and_lora_declarations(cls, model: torch.nn.Module) -> None:
+    """What a kind declares for float8 and LoRA names layers its model has: every per-sample fragment and
+    every LoRA target matches one, and float8 converts attention projections (the engine asks only this)."""
+    from trainer.engine.float8 import declared_models, float8_layers
+
+    names = [n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear | torch.nn.Conv2d)]
+    for target in cls.lora_targets:
+        assert any(n == target or n.endswith(f".{target}") for n in names), (cls.kind, target)
+    if cls.float8_per_sample is None:
+        assert declared_models(model) == []
+        return
+    assert declared_models(model) == [("", model, cls.float8_per_sample)]
+    for fragment in cls.float8_per_sample:
+        assert any(fragment in n for n in names), f"{cls.kind} declares {fragment!r}, which names no layer"
+    convert, kept = float8_layers(model, "tensorwise", sized=False)
+    assert kept == [] and {n.rsplit(".", 1)[-1] for n in convert} >= {"to_q", "to_k", "to_v"}
+    assert not [n for n in convert if any(f in n for f in cls.float8_per_sample)]
+
+
+def test_mmdit_converts_both_token_streams_to_float8_and_keeps_its_modulations():
+    """Both streams of an MMDiT block are token-level: the caption stream's attention and MLP (`ff_context`)
+    convert like the image stream's; the adaLN modulations and embeddings stay in bf16."""
+    from trainer.engine.float8 import float8_layers
+
+    spec = {"kind": "mmdit", **TINY["mmdit"], "attention_head_dim": 16, "caption_channels": 32, "pooled_channels": 32}
+    with torch.device("meta"):
+        model = BACKBONES["mmdit"].build(parse_backbone(spec), 8, 4).model
+    convert, _ = float8_layers(model, "tensorwise", sized=False)
+    block0 = {n.removeprefix("transformer_blocks.0.") for n in convert if n.startswith("transformer_blocks.0.")}
+    assert {"ff_context.net.0.proj", "ff_context.net.2", "attn.add_q_proj", "attn.to_add_out", "ff.net.2"} <= block0
+    assert not [n for n in convert if "norm" in n or "embed" in n or n == "proj_out"]
 
 
 def test_the_config_unions_are_derived_from_the_registry():

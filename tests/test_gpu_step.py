@@ -193,18 +193,18 @@ def test_float8_is_refused_without_float8_tensor_cores(tmp_path):
 
 
 def test_float8_keeps_the_parameter_names_so_checkpoints_stay_plain():
-    from diffusers import DiTTransformer2DModel
     from torchao.float8 import convert_to_float8_training
 
-    from trainer.engine.float8 import float8_eligible
+    from trainer.diffusion.backbones.dit import DiTBackbone, DiTBackboneConfig
+    from trainer.engine.float8 import float8_layers
 
     def dit():
         torch.manual_seed(0)
-        return DiTTransformer2DModel(
-            num_attention_heads=2, attention_head_dim=16, in_channels=1, num_layers=2, sample_size=8, patch_size=2
-        )
+        shape = DiTBackboneConfig(num_attention_heads=2, attention_head_dim=16, num_layers=2, patch_size=2)
+        return DiTBackbone.build(shape, sample_size=8, channels=1).model
 
-    plain, converted = dit(), convert_to_float8_training(dit(), module_filter_fn=float8_eligible)
+    chosen = set(float8_layers(dit(), "tensorwise", sized=False)[0])
+    plain, converted = dit(), convert_to_float8_training(dit(), module_filter_fn=lambda m, fqn: fqn in chosen)
     assert any(type(m).__name__ == "Float8Linear" for m in converted.modules())
     a, b = plain.state_dict(), converted.state_dict()
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) and a[k].dtype == b[k].dtype for k in a)

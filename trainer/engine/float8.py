@@ -15,9 +15,11 @@ cores, the rest of the model as before (bf16 autocast). Hence:
   after: torchao's float8 all-gather (`enable_fsdp_float8_all_gather`, tensorwise only) would halve that
   traffic but makes each weight a tensor subclass, which the sharded checkpoint writer has not been tested
   with on a GPU; not turned on.
-- **Which layers**: the `nn.Linear` layers of the learning parts that are transformers, whose both dimensions
-  are multiples of 16 (the float8 GEMM's alignment): attention projections and MLPs. A DiT's final projection
-  (patch x patch x channels outputs) stays as it is. A UNet has no such backbone: refused. Of those, the ones
+- **Which layers**: what each backbone declares (`Backbone.float8_per_sample`, set on the model it builds as
+  the attribute `float8_per_sample`; this module knows no class or layer name): a part holding a model that
+  declares it is a transformer, and its `nn.Linear` layers whose both dimensions are multiples of 16 (the
+  float8 GEMM's alignment) convert, except the per-sample ones it names (embeddings, adaLN modulation, the
+  final projection): attention projections and MLPs. A UNet declares none: refused. Of those, the ones
   torchao's size thresholds for the recipe say float8 would slow down stay bf16 (`float8_layers`; logged with
   their shapes); a model with none left is refused with the shapes.
 - **Where**: NVIDIA GPUs with float8 tensor cores (compute capability 8.9: L4, L40S; 9.0: H100, H200; B200);
@@ -49,7 +51,7 @@ log = logging.getLogger("gentrain")
 
 _EXTRA = "pip install 'gentrain[float8]'"
 TEST_EMULATE = "GENTRAIN_TEST_FLOAT8_EMULATE"
-_TRANSFORMERS = ("DiTTransformer2DModel", "PixArtTransformer2DModel", "SD3Transformer2DModel")
+DECLARED = "float8_per_sample"  # the attribute a backbone sets on its model (Backbone.float8_per_sample)
 
 
 def check_float8_device(recipe: str, device: torch.device) -> None:
@@ -69,19 +71,20 @@ def check_float8_device(recipe: str, device: torch.device) -> None:
         )
 
 
-def _is_transformer(module: nn.Module) -> bool:
-    return any(type(m).__name__ in _TRANSFORMERS for m in module.modules())
+def declared_models(module: nn.Module) -> list[tuple[str, nn.Module, tuple[str, ...]]]:
+    """(name, model, per-sample fragments) of the models inside `module` (itself included) whose backbone
+    declares float8: `Backbone.float8_per_sample`, set on the model it builds."""
+    return [(name, m, tuple(getattr(m, DECLARED))) for name, m in module.named_modules() if hasattr(m, DECLARED)]
 
 
-def float8_eligible(module: nn.Module, fqn: str) -> bool:
-    """Token-level linears (attention and MLP) whose dims the float8 GEMM accepts. Per-sample ones (timestep
-    and label embeddings, adaLN modulation, the final projection) multiply a batch-sized M, which the GEMM
-    also wants a multiple of 16, for a negligible share of the FLOPs: they stay in bf16."""
+def float8_eligible(module: nn.Module, fqn: str, per_sample: Collection[str]) -> bool:
+    """Token-level linears (attention and MLP) whose dims the float8 GEMM accepts; `fqn` is the layer's name in
+    the declaring model and `per_sample` that model's declared fragments. Per-sample linears (timestep and
+    label embeddings, adaLN modulation, the final projection) multiply a batch-sized M, which the GEMM also
+    wants a multiple of 16, for a negligible share of the FLOPs: they stay in bf16."""
     if not isinstance(module, nn.Linear) or module.in_features % 16 or module.out_features % 16:
         return False
-    return not any(
-        word in fqn for word in ("norm", "emb", "adaln", "proj_out", "time", "caption_projection", "context")
-    )
+    return not any(word in fqn for word in per_sample)
 
 
 def float8_layers(module: nn.Module, recipe: str, sized: bool = True) -> tuple[list[str], list[str]]:
@@ -103,8 +106,13 @@ def float8_layers(module: nn.Module, recipe: str, sized: bool = True) -> tuple[l
         fast = _auto_filter_for_recipe(recipe, filter_fqns=[])
     convert: list[str] = []
     too_small: list[str] = []
-    for fqn, m in module.named_modules():
-        if float8_eligible(m, fqn):
+    seen: set[str] = set()
+    for prefix, model, per_sample in declared_models(module):
+        for name, m in model.named_modules():
+            fqn = f"{prefix}.{name}" if prefix and name else prefix or name
+            if fqn in seen or not float8_eligible(m, name, per_sample):
+                continue
+            seen.add(fqn)
             (convert if fast is None or fast(m, fqn) else too_small).append(fqn)
     return convert, too_small
 
@@ -133,11 +141,12 @@ def apply_float8(
         from torchao.float8 import Float8LinearConfig, convert_to_float8_training
     except ImportError as e:
         raise ConfigError(f"train.float8={recipe} needs torchao: {_EXTRA} ({e})") from e
-    parts = [n for n in learning if _is_transformer(modules[n])]
+    parts = [n for n in learning if declared_models(modules[n])]
     if not parts:
         raise ConfigError(
             f"train.float8={recipe}: task {task!r} trains no transformer backbone (parts: {', '.join(learning)}); "
-            "float8 applies to DiT, PixArt and MMDiT backbones (model.backbone.kind). Remove train.float8"
+            "float8 applies to transformer backbones (a model.backbone.kind whose linears it declares: see "
+            "docs/scaling.md#float8). Remove train.float8"
         )
     # The suite's emulated matmuls run on tiny models, all below the thresholds: every eligible layer converts.
     plans = {name: float8_layers(modules[name], recipe, sized=not emulate) for name in parts}

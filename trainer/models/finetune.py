@@ -28,7 +28,7 @@ import json
 import logging
 import posixpath
 import sys
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -70,20 +70,21 @@ class LoraSettings(BaseModel):
         None, gt=0, description="lora_alpha; the update is scaled by alpha / rank (default rank)"
     )
     dropout: float = Field(0.0, ge=0, lt=1)
-    targets: list[str] = Field(
-        default=["to_q", "to_k", "to_v", "to_out.0", "conv1", "conv2"],
+    targets: list[str] | None = Field(
+        default=None,
         min_length=1,
-        description="module names (suffixes) to adapt: attention projections and ResNet convolutions",
+        description="module names (suffixes) to adapt; default: the backbone's (a UNet's attention projections "
+        "and ResNet convolutions, a transformer's attention projections)",
     )
 
-    def peft_config(self):
+    def peft_config(self, default_targets: Sequence[str]):
         from peft import LoraConfig
 
         return LoraConfig(
             r=self.rank,
             lora_alpha=self.alpha if self.alpha is not None else self.rank,
             lora_dropout=self.dropout,
-            target_modules=list(self.targets),
+            target_modules=list(self.targets or default_targets),
             init_lora_weights=True,  # B = 0: the adapted model starts exactly at the pretrained one
         )
 
@@ -198,17 +199,19 @@ def load_weights(module: nn.Module, tensors: Mapping[str, torch.Tensor], key: st
     module.load_state_dict({k: v.to(own[k].dtype) for k, v in tensors.items()}, strict=not skip)
 
 
-def apply_lora(unet: nn.Module, settings: LoraSettings, key: str) -> int:
-    """Wrap the target layers with LoRA adapters (everything else frozen); returns the adapter parameter count."""
+def apply_lora(unet: nn.Module, settings: LoraSettings, key: str, default_targets: Sequence[str]) -> int:
+    """Wrap the target layers (`settings.targets`, else the backbone's `default_targets`) with LoRA adapters
+    (everything else frozen); returns the adapter parameter count."""
     if importlib.util.find_spec("peft") is None:  # the `lora` extra: a run without LoRA never needs it
         raise ConfigError(f"{key} needs peft: pip install 'gentrain[lora]'")
     from peft import inject_adapter_in_model
 
     try:
-        inject_adapter_in_model(settings.peft_config(), unet)
+        inject_adapter_in_model(settings.peft_config(default_targets), unet)
     except ValueError as e:
         layers = sorted({n.rsplit(".", 1)[-1] for n, m in unet.named_modules() if isinstance(m, nn.Linear | nn.Conv2d)})
-        raise ConfigError(f"{key}.targets={settings.targets}: {e}. Layer names in this UNet: {layers}") from None
+        targets = settings.targets or list(default_targets)
+        raise ConfigError(f"{key}.targets={targets}: {e}. Layer names in this model: {layers}") from None
     return sum(p.numel() for p in unet.parameters() if p.requires_grad)
 
 
@@ -310,9 +313,10 @@ def prepare_unet(
     hints: Mapping[str, str],
     storage_options: Mapping[str, Any] | None,
     load: bool,
+    lora_targets: Sequence[str],
 ) -> PretrainedFolder | None:
     """Load `c.pretrained` into `unet` (when `load`: a training start; inference and resumes overwrite the
-    weights anyway) and put LoRA adapters on it. Returns the folder read (its `extras` are the caller's)."""
+    weights anyway) and put LoRA adapters on it (`c.lora.targets`, else the backbone's `lora_targets`). Returns the folder read (its `extras` are the caller's)."""
     folder = None
     if c.pretrained is not None and load:
         folder = read_folder(c.pretrained, f"{key}.pretrained", storage_options)
@@ -321,6 +325,7 @@ def prepare_unet(
         load_weights(unet, folder.tensors, where, f"the weights of {WEIGHTS_NAME}")
         log.info("%s: weights from %s (%s)", key, c.pretrained, folder.record["digest"])
     if c.lora is not None:
-        n = apply_lora(unet, c.lora, f"{key}.lora")
-        log.info("%s: LoRA rank %d on %s: %d trainable adapter parameters", key, c.lora.rank, c.lora.targets, n)
+        n = apply_lora(unet, c.lora, f"{key}.lora", lora_targets)
+        targets = c.lora.targets or list(lora_targets)
+        log.info("%s: LoRA rank %d on %s: %d trainable adapter parameters", key, c.lora.rank, targets, n)
     return folder

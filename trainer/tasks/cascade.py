@@ -50,6 +50,7 @@ from trainer.diffusion import (
     default_labels,
     labels_or_null,
 )
+from trainer.diffusion.backbones import UNetBackbone
 from trainer.diffusion.stages import CascadeConfig, StageConfig, StageNet, TransformerStageNet, stage_hints
 from trainer.errors import ConfigError
 from trainer.models.finetune import EXTRAS_NAME, load_weights, prepare_unet
@@ -134,7 +135,13 @@ class CascadeTask(Task):
             net = nets[f"stage{k}"] = StageNet(s, self.cfg, self.channels, lowres=k > 1)
             key = f"model.stages[{k - 1}]"
             folder = prepare_unet(
-                net.unet, s, key, stage_hints(key), self.ctx.storage_options, self.ctx.load_pretrained
+                net.unet,
+                s,
+                key,
+                stage_hints(key),
+                self.ctx.storage_options,
+                self.ctx.load_pretrained,
+                UNetBackbone.lora_targets,  # a stage's UNet is a UNet backbone's model, shaped by the stage's keys
             )
             if folder is None:
                 continue

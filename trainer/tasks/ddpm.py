@@ -204,7 +204,15 @@ class DDPMTask(Task):
         # The part is the bare diffusers module: its state-dict keys are those of checkpoints written before
         # the backbone section existed.
         net = self.backbone.model
-        folder = prepare_unet(net, c, "model", _backbone_hints(c), self.ctx.storage_options, self.ctx.load_pretrained)
+        folder = prepare_unet(
+            net,
+            c,
+            "model",
+            _backbone_hints(c),
+            self.ctx.storage_options,
+            self.ctx.load_pretrained,
+            c.denoiser_class.lora_targets,
+        )
         if folder is not None:
             self._inputs[f"{self.part}.pretrained"] = folder.record
         return {self.part: net, **extra}

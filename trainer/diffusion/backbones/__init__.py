@@ -1,5 +1,7 @@
-"""The registry of backbones: every module of this package that sets `BACKBONE` (a `Backbone` subclass) is
-one kind, so adding a backbone is adding one module (see docs/architecture.md, "Adding a backbone").
+"""The registry of backbones: one literal list of the `Backbone` classes, each the `BACKBONE` of its own
+module of this package, so adding a backbone is adding one module and one line here (see
+docs/architecture.md, "Adding a backbone"). A list rather than a scan of the package: what a run can build
+is read here, and a stray module cannot register itself.
 
 `BACKBONES` maps each kind to its class, listed by the classes' `order`; `BackboneConfig` is the union of
 their `Config` schemas discriminated by `kind` (`model.backbone.*`), and `backbone_configs` the union of
@@ -8,8 +10,6 @@ the kinds that satisfy a condition (a cascade stage's: those with `stage_conditi
 
 from __future__ import annotations
 
-import importlib
-import pkgutil
 from collections.abc import Callable, Mapping
 from typing import Annotated, Any, Union
 
@@ -29,17 +29,11 @@ from trainer.diffusion.backbones.unet import (
 )
 
 
-def _registered() -> dict[str, type[Backbone]]:
-    found = []
-    for info in pkgutil.iter_modules(__path__):
-        module = importlib.import_module(f"{__name__}.{info.name}")
-        cls = getattr(module, "BACKBONE", None)
-        if cls is not None:
-            found.append(cls)
-    return {cls.kind: cls for cls in sorted(found, key=lambda cls: (cls.order, cls.kind))}
+_REGISTERED: tuple[type[Backbone], ...] = (UNetBackbone, DiTBackbone, PixArtBackbone, MMDiTBackbone)
 
-
-BACKBONES: dict[str, type[Backbone]] = _registered()
+BACKBONES: dict[str, type[Backbone]] = {
+    cls.kind: cls for cls in sorted(_REGISTERED, key=lambda cls: (cls.order, cls.kind))
+}
 
 
 def backbone_configs(which: Callable[[type[Backbone]], Any] = lambda cls: True) -> Any:

@@ -16,8 +16,9 @@ A backbone class is the one place that says what its kind takes and offers, so t
 testing kind strings: its config schema (`Config`, one kind of `model.backbone.*`), whether it takes class
 labels, its caption and pooled widths, how a cascade stage conditions it (`stage_conditioning`), the
 diffusers pipeline that samples an export of it (`pipeline`), the ddpm part it is saved as (`part`), the
-config keys behind its diffusers config fields (`config_hints`) and its FSDP units. Each kind is one module
-of this package that sets `BACKBONE` (the registry, `trainer.diffusion.backbones`, finds it).
+config keys behind its diffusers config fields (`config_hints`), its FSDP units, which of its linears float8
+may convert (`float8_per_sample`) and where LoRA goes by default (`lora_targets`). Each kind is one module
+of this package that sets `BACKBONE`, listed in the registry (`trainer.diffusion.backbones`).
 
 The diffusers module is `backbone.model`; `call(model, x, t, cond)` runs one without the wrapper (a part
 saved as the bare diffusers module keeps its state-dict keys): the backbone's own module, or a wrapper of it
@@ -92,12 +93,22 @@ class Backbone(nn.Module):
     # Units (submodule names of the model) the model uses again after their own forward: FSDP keeps them
     # gathered until their backward (trainer.engine.shard.gathered_units reads the model's attribute).
     _gathered_units: ClassVar[tuple[str, ...]] = ()
+    # float8 (`train.float8`, trainer.engine.float8 reads the model's attribute of this name): None, the kind is
+    # no transformer and float8 is refused; else name fragments of the model's per-sample linears (timestep and
+    # label embeddings, adaLN modulation, the output projection), which multiply a batch-sized M for a
+    # negligible share of the FLOPs and stay in bf16. Every other linear whose dims the float8 GEMM accepts (the
+    # attention projections and MLPs of every token stream) converts.
+    float8_per_sample: ClassVar[tuple[str, ...] | None] = None
+    # peft's `target_modules` when `lora.targets` is unset: the layers diffusers' LoRA scripts adapt for it.
+    lora_targets: ClassVar[tuple[str, ...]] = ("to_q", "to_k", "to_v", "to_out.0")
 
     def __init__(self, model: nn.Module, accepts: set[str], requires: set[str] | None = None):
         super().__init__()
         self.model = model
         if self._gathered_units:  # on the module the engine shards: the part is the bare diffusers module
             model.fsdp_gathered_units = self._gathered_units
+        if self.float8_per_sample is not None:  # likewise for float8, which converts the bare module's layers
+            model.float8_per_sample = self.float8_per_sample
         self.accepts = frozenset(accepts)
         self.requires = frozenset(requires or ())
 

@@ -34,6 +34,8 @@ class DiTBackbone(Backbone):
     # but not a unit) and over an extra FSDP forward method (the call is to a submodule inside forward, not a
     # method of the part).
     _gathered_units = ("transformer_blocks.0",)
+    # Each block's adaLN-zero (`norm1`: its timestep-and-label embedding and modulation) and the output layer.
+    float8_per_sample = ("norm1", "proj_out")
 
     @classmethod
     def build(

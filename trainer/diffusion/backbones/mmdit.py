@@ -26,6 +26,12 @@ class MMDiTBackbone(Backbone):
     order = 30
     stage_conditioning = "tokens"
     _unit_lists = ("transformer_blocks",)
+    # The timestep-and-pooled-text embedding, the caption embedder, each block's two adaLN modulations (`norm1`,
+    # `norm1_context`), the final modulation and output layer. Both streams' attention and MLPs (the caption
+    # stream's `add_*_proj`, `to_add_out`, `ff_context`) convert.
+    float8_per_sample = ("time_text_embed", "context_embedder", "norm1", "norm_out", "proj_out")
+    # diffusers' train_dreambooth_lora_sd3.py: both streams' attention projections.
+    lora_targets = ("to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "add_k_proj", "add_v_proj", "to_add_out")
 
     @classmethod
     def build(

@@ -31,6 +31,9 @@ class PixArtBackbone(Backbone):
     order = 20
     stage_conditioning = "tokens"
     _unit_lists = ("transformer_blocks",)
+    # The shared adaLN-single (timestep embedding and modulation), the caption projection (run once per step
+    # on the caption tokens before the blocks: a small share of the FLOPs) and the output layer.
+    float8_per_sample = ("adaln_single", "caption_projection", "proj_out")
 
     def __init__(self, model, accepts, requires, pixel_scale: int = 1):
         super().__init__(model, accepts, requires)

@@ -99,6 +99,9 @@ class UNetBackbone(Backbone):
     takes_labels = True
     pipeline = "DDIMPipeline"  # or DDPMPipeline: its loop is any scheduler's own steps
     _unit_lists = ("down_blocks", "up_blocks")
+    # Attention projections and the ResNet blocks' convolutions (float8: none, a UNet's convolutions are its
+    # FLOPs; `float8_per_sample` stays None and train.float8 is refused).
+    lora_targets = ("to_q", "to_k", "to_v", "to_out.0", "conv1", "conv2")
 
     @classmethod
     def config_hints(cls, prefix: str) -> dict[str, str]:
