@@ -234,8 +234,24 @@ def _schedule_without_lambdas(root):
     edit_json(root, 4, "trainer.json", edit)
 
 
+def _optimizer_setting(key, value):
+    """An optimizer setting of the wrong type (#47): torch's Optimizer.load_state_dict takes it as it is, and
+    the first fused AdamW step after the resume crashed (exit 1, at every restart)."""
+
+    def tamper(root):
+        def edit(doc):
+            doc["parts"]["unet"]["optimizer"]["param_groups"][0][key] = value
+            return doc
+
+        edit_json(root, 4, "trainer.json", edit)
+
+    return tamper
+
+
 # Loader-refused payloads (#35): each passed verify before, then crashed the loader that reads it.
 LOADER_REFUSED = {
+    "optimizer-lr-string": _optimizer_setting("lr", "high"),
+    "optimizer-betas-one": _optimizer_setting("betas", [0.9]),
     "safetensors-header-utf16": _header_utf16,
     "safetensors-dim-2^64": _header_dim_2_64,
     "safetensors-dim-2^63": _header_dim_2_63,
@@ -435,6 +451,34 @@ def test_fit_problems_name_each_file_and_key_that_does_not_fit_the_model(tmp_pat
     want = [f"{name}: {key} has shape {[shape[0] + 1, *shape[1:]]}, the model's is {shape}" for name in files]
     assert fit_problems(CheckpointView(store, info)) == want
     assert fit_problems(CheckpointView(store, info), cache=cache) == want and len(cache) == 1  # one config: built once
+
+
+def test_verify_refuses_optimizer_groups_that_do_not_fit_the_model(root):
+    # #47: a parameter moved from one optimizer group to the other. Both groups parse, but torch's
+    # Optimizer.load_state_dict refuses groups of other sizes than the model's optimizer has.
+    def edit(doc):
+        groups = doc["parts"]["unet"]["optimizer"]["param_groups"]
+        groups[1]["params"].append(groups[0]["params"].pop())
+        return doc
+
+    store = CheckpointStore(str(root))
+    assert fit_problems(CheckpointView(store, store.check(4))) == []
+    edit_json(root, 4, "trainer.json", edit)
+    problems = fit_problems(CheckpointView(store, store.check(4)))
+    assert len(problems) == 1 and "parts.unet.optimizer has parameter groups of" in problems[0], problems
+    r = run_cli("checkpoints", "verify", str(root))
+    assert r.returncode == 1 and "parameter groups" in r.stdout + r.stderr, r.stdout + r.stderr
+    no_traceback(r)
+
+
+@pytest.mark.parametrize("case", ["optimizer-lr-string", "optimizer-betas-one"])
+def test_verify_says_invalid_for_optimizer_settings_of_the_wrong_type(root, case):
+    # #47: verify called these valid, and every resume then crashed in the optimizer's first step.
+    LOADER_REFUSED[case](root)
+    r = run_cli("checkpoints", "verify", str(root / "step-000000004"))
+    assert r.returncode == 1, r.stdout + r.stderr
+    assert "INVALID" in r.stdout and "param_groups[0]" in r.stdout + r.stderr, r.stdout + r.stderr
+    no_traceback(r)
 
 
 def test_fit_problems_import_no_task_a_checkpoint_names_by_import_path_unless_the_user_names_it(tmp_path):

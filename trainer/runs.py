@@ -227,6 +227,14 @@ def model_shapes(
     and persistent buffers); frozen parts are not in checkpoints and are left out. See `fit_problems`.
     `cache` (a dict the caller keeps) holds the shapes by config and frozen sources: `checkpoints list`
     builds each model once for all the checkpoints of a root."""
+    return _model_facts(view, task_name, text_encoder, cache)[0]
+
+
+def _model_facts(
+    view: CheckpointView, task_name: str | None, text_encoder: str | None, cache: dict[str, Any] | None
+) -> tuple[dict[str, dict[str, list[int]]], dict[str, list[int]]]:
+    """(`model_shapes`, {part: how many parameters each of its optimizer's groups holds}) of the model the
+    checkpoint's config builds: its optimizer groups are formed as training forms them (`param_groups`)."""
     key = json.dumps([view.config_tree, view.frozen_records, task_name, text_encoder], sort_keys=True)
     if cache is not None and key in cache:
         return cache[key]
@@ -240,6 +248,8 @@ def model_shapes(
         cfg.data.image_size, cfg.data.channels, cfg.seed, None, options, num_frames=frames, load_pretrained=False
     )
     from accelerate import init_empty_weights  # about a second to import: only the fit check needs it
+
+    from trainer.optim import param_groups  # diffusers' schedules with it: only the fit check needs it
 
     try:
         task = task_class(cfg.task)(cfg.model_cfg, ctx)
@@ -255,9 +265,14 @@ def model_shapes(
         for part, module in modules.items()
         if part not in frozen
     }
+    groups = {
+        part: [len(g["params"]) for g in param_groups(module, 0.0)]
+        for part, module in modules.items()
+        if part not in frozen
+    }
     if cache is not None:
-        cache[key] = shapes
-    return shapes
+        cache[key] = shapes, groups
+    return shapes, groups
 
 
 def fit_problems(
@@ -278,12 +293,13 @@ def fit_problems(
     no config or one that builds no model, or a frozen source it needs is not available. Call it on a
     checkpoint that `CheckpointReader.verify` passed.
     """
-    models = model_shapes(view, task_name, text_encoder, cache)
+    models, group_sizes = _model_facts(view, task_name, text_encoder, cache)
     problems = []
     for part, want in models.items():
         if view.saved_shapes(part, "model") is None:
             problems.append(f"{view.url}: no weights of part {part!r}, which its config builds")
             continue
+        problems += _optimizer_problems(view, part, group_sizes[part])
         for kind in ("model", "ema"):
             found = view.saved_shapes(part, kind)
             if found is None:
@@ -296,6 +312,25 @@ def fit_problems(
                 if saved[key] != want[key]:
                     problems.append(f"{what}: {key} has shape {saved[key]}, the model's is {want[key]}")
     return problems
+
+
+def _optimizer_problems(view: CheckpointView, part: str, want: list[int]) -> list[str]:
+    """The part's saved optimizer groups against the ones its model gets (how many, and how many parameters
+    each): what torch's `Optimizer.load_state_dict` refuses at resume. Their settings' types and ranges
+    were checked when trainer.json was parsed (`trainer.checkpoint.validity.check_param_groups`). None for
+    a checkpoint with weights only (a consolidated copy)."""
+    if not view.holds_training_state:
+        return []
+    saved = view.trainer_state()["parts"].get(part)
+    if saved is None:
+        return [f"{view.url}: trainer.json holds no state of part {part!r}, which its config builds"]
+    found = [len(g["params"]) for g in saved["optimizer"]["param_groups"]]
+    if found != want:
+        return [
+            f"{view.url}: trainer.json parts.{part}.optimizer has parameter groups of {found} parameters, "
+            f"the model's optimizer has {want}"
+        ]
+    return []
 
 
 def consolidate(view: CheckpointView, out_url: str, storage_options: Mapping[str, Any] | None = None) -> CheckpointView:

@@ -20,6 +20,8 @@ bytes.
 
 from __future__ import annotations
 
+import functools
+import inspect
 import json
 import math
 import re
@@ -350,8 +352,117 @@ def parse_trainer_json(raw: bytes, step: int | None = None) -> dict[str, Any]:
         raise CheckpointCorrupt(f"trainer.json says step {doc['progress']['step']}, the manifest {step}")
     for name, part in doc["parts"].items():
         _check_skeleton(part["optimizer"], f"trainer.json parts.{name}.optimizer")
+        check_param_groups(part["optimizer"], f"trainer.json parts.{name}.optimizer")
         _check_settings_load(part, f"trainer.json parts.{name}")
     return doc
+
+
+# The settings a saved group must have: torch's Adam/AdamW `__setstate__` fills in the others (maximize,
+# foreach, fused, ...) when a state from an older torch lacks them, but its step reads these unconditionally.
+_REQUIRED_SETTINGS = ("lr", "betas", "eps", "weight_decay")
+_IMPLEMENTATION = ("fused", "foreach")  # how this process steps: replaced by the live part's at load
+_MAX_GROUPS = 4096
+
+
+@functools.cache
+def _adamw_settings() -> dict[str, Any]:
+    """A parameter group of a scratch AdamW (torch's constructor defaults): the type of each setting."""
+    group = torch.optim.AdamW([torch.zeros(1, requires_grad=True)]).param_groups[0]
+    return {k: v for k, v in group.items() if k != "params"}
+
+
+@functools.cache
+def _adamw_arguments() -> frozenset[str]:
+    """The settings AdamW's constructor takes (its groups also hold ones it sets itself)."""
+    return frozenset(inspect.signature(torch.optim.AdamW.__init__).parameters) - {"self", "params"}
+
+
+def check_param_groups(optimizer: Any, what: str) -> None:
+    """A part's saved optimizer settings (`param_groups`) are ones its step can use: every setting a scratch
+    AdamW has is of that setting's type (a float may be an int, a tensor reference or nothing else; betas a
+    list of two), the ones its step reads are there, and the hyperparameters pass AdamW's own constructor
+    (a learning rate, betas, eps and weight decay in range, finite). Each group's `params` are distinct
+    parameter indices.
+
+    Why here: torch's `Optimizer.load_state_dict` checks only how many groups and parameters there are and
+    takes every other value as it is, so `lr: "high"` or `betas: [0.9]` loaded, then crashed the first step
+    of every restart (exit 1, retried forever) while verify called the checkpoint valid. Now verify refuses
+    it and a resume falls back past it, like any checkpoint its loaders would refuse.
+
+    adamw8bit (torchao's AdamW8bit) keeps a subset of AdamW's settings with the same types and ranges, its
+    lr a tensor (a {"__tensor__": key} reference here): it is checked against AdamW's, so verify needs no
+    torchao. Settings this torch does not know (a newer torch's) are left alone: its step never reads them.
+    How many groups and parameters the model needs is the fit check's (`trainer.runs.fit_problems`) and,
+    at resume, `trainer.checkpoint.state.check_fits`'."""
+    groups = optimizer.get("param_groups") if isinstance(optimizer, dict) else None
+    if not isinstance(groups, list) or len(groups) > _MAX_GROUPS:
+        raise CheckpointCorrupt(f"{what}.param_groups is not a list of parameter groups")
+    defaults = _adamw_settings()
+    for i, group in enumerate(groups):
+        where = f"{what}.param_groups[{i}]"
+        if not isinstance(group, dict):
+            raise CheckpointCorrupt(f"{where} is a {type(group).__name__}, not an object")
+        params = group.get("params")
+        if (
+            not isinstance(params, list)
+            or not all(type(p) is int and 0 <= p < 1 << 63 for p in params)
+            or len(set(params)) != len(params)
+        ):
+            raise CheckpointCorrupt(f"{where}.params is not a list of distinct parameter indices")
+        missing = [k for k in _REQUIRED_SETTINGS if k not in group]
+        if missing:
+            raise CheckpointCorrupt(f"{where} has no {', '.join(missing)}: its optimizer step reads them")
+        for key, value in group.items():
+            if key in defaults or key == "initial_lr":
+                problem = _setting_problem(value, defaults.get(key, 0.0), key in _IMPLEMENTATION)
+                if problem:
+                    raise CheckpointCorrupt(f"{where}.{key} is {_short(value)}: {problem}")
+        if group.get("differentiable"):  # gentrain never trains with it, and a fused step refuses it
+            raise CheckpointCorrupt(f"{where}.differentiable is true: the fused AdamW step refuses it")
+        state = optimizer.get("state") if isinstance(optimizer.get("state"), dict) else {}
+        if group.get("amsgrad"):  # its step reads a running maximum every started parameter then has
+            started = [state[k] for p in params if isinstance(state.get(k := f"__int__{p}"), dict)]
+            if any("max_exp_avg_sq" not in s for s in started):
+                raise CheckpointCorrupt(f"{where}.amsgrad is true, but its parameters' state has no max_exp_avg_sq")
+        trial = {k: v for k, v in group.items() if k in _adamw_arguments() and k not in _IMPLEMENTATION}
+        trial = {k: (defaults[k] if _is_tensor_ref(v) else v) for k, v in trial.items()}
+        if isinstance(trial.get("betas"), list):
+            trial["betas"] = tuple(
+                defaults["betas"][j] if _is_tensor_ref(b) else b for j, b in enumerate(trial["betas"])
+            )
+        try:
+            torch.optim.AdamW([torch.zeros(1, requires_grad=True)], **trial)
+        except (ValueError, TypeError, RuntimeError) as e:
+            raise CheckpointCorrupt(f"{where}: AdamW refuses these settings ({type(e).__name__}: {e})"[:300]) from None
+
+
+def _is_tensor_ref(value: Any) -> bool:
+    return isinstance(value, dict) and set(value) == {"__tensor__"}
+
+
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def _setting_problem(value: Any, want: Any, implementation: bool) -> str | None:
+    """Why `value` cannot stand for an optimizer setting whose default is `want` (None: it can)."""
+    if implementation or want is None:
+        return None if value is None or type(value) is bool else "expected true, false or null"
+    if type(want) is bool:
+        return None if type(value) is bool else "expected true or false"
+    if isinstance(want, float | int):
+        if _is_tensor_ref(value):
+            return None
+        if type(value) not in (int, float):
+            return "expected a number"
+        return None if math.isfinite(value) else "expected a finite number"
+    if isinstance(want, tuple | list):
+        if not isinstance(value, list) or len(value) != len(want):
+            return f"expected a list of {len(want)} numbers"
+        problems = [_setting_problem(v, w, False) for v, w in zip(value, want, strict=True)]
+        return next((f"expected a list of {len(want)} numbers" for p in problems if p), None)
+    return None
 
 
 def _check_settings_load(part: Mapping[str, Any], what: str) -> None:
