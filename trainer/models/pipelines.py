@@ -1,0 +1,464 @@
+"""A released diffusers pipeline folder (SD 1.x/2.x, SDXL, SD3/3.5, Flux.1, PixArt-Sigma) read as data: which
+family it is, what each component is, how its scheduler trained it, and every file pinned by digest, before
+anything is built from it (issue 48, "a pipeline folder in").
+
+A pipeline folder is what `DiffusionPipeline.save_pretrained` writes: `model_index.json` naming each component
+as `[library, class]`, and one subfolder per component. `inspect_pipeline` reads it the way gentrain reads
+everything from a store: JSON and safetensors only, nothing imported by a name the folder gives.
+
+- **The family** is told by the pipeline class `model_index.json` names (`StableDiffusionPipeline`,
+  `StableDiffusionXLPipeline`, `StableDiffusion3Pipeline`, `FluxPipeline`, `PixArtSigmaPipeline`, and the
+  img2img/inpaint variants of the same weights), and checked against what it must hold: the denoiser's class
+  (`UNet2DConditionModel`, `SD3Transformer2DModel`, `FluxTransformer2DModel`, `PixArtTransformer2DModel`), an
+  `AutoencoderKL`, the text encoders and tokenizers of the family, a scheduler. A folder that is none of these,
+  or lacks a part, is a ConfigError (exit 2) listing everything missing at once.
+- **No code runs**: each component's library must be `diffusers` or `transformers` and its class one this
+  module knows for that slot (a folder naming a module of its own, as community pipelines do, is refused);
+  weights must be safetensors (`.bin` pickles are refused with the command that converts them); sharded
+  weights (`*.safetensors.index.json`, as SDXL's and Flux's large files are saved) are read through their
+  index, whose shards must stay inside the component's folder.
+- **Pinned**: every file the run will read (configs, weights, tokenizer files) is hashed with blake3 as it is
+  streamed (no whole-file reads: a Flux transformer is 24 GB); the record (`url`, `family`, per-file digests
+  and sizes, one digest over them) goes into the run's checkpoints like every frozen source's, so a resume
+  against a changed folder is refused naming the file.
+- **The training objective** comes from the scheduler: epsilon or v-prediction with the DDPM betas for the
+  UNet families (`prediction_type`, `num_train_timesteps`, `beta_schedule`, `beta_start`, `beta_end`),
+  rectified flow with its `shift` (and Flux.1 dev's resolution-dependent `use_dynamic_shifting`) for
+  SD3 and Flux. Flux.1 dev and schnell are one family told apart by the transformer's `guidance_embeds`.
+"""
+
+from __future__ import annotations
+
+import json
+import posixpath
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from trainer.checkpoint.format import new_digest
+from trainer.errors import ConfigError
+
+MODEL_INDEX = "model_index.json"
+_MAX_JSON_BYTES = 4 << 20  # model_index.json, configs and weight indexes are a few KB; a larger one is not one
+_CHUNK = 16 << 20
+
+# The classes each kind of slot may hold (library, classes). A tokenizer slot takes any transformers tokenizer
+# class (they are data: vocabularies and merges, read by `tokenizers`/sentencepiece, never code).
+_VAE = ("diffusers", ("AutoencoderKL",))
+_CLIP = ("transformers", ("CLIPTextModel",))
+_CLIP_PROJ = ("transformers", ("CLIPTextModelWithProjection",))
+_T5 = ("transformers", ("T5EncoderModel",))
+_TOKENIZER = "tokenizer"  # a transformers tokenizer class (see `_accepts`)
+_SCHEDULER = "scheduler"  # any diffusers class whose name ends in "Scheduler"
+
+
+@dataclass(frozen=True)
+class Family:
+    """One family of released pipelines: what its folder holds and how its denoiser trains."""
+
+    name: str  # "sd", "sdxl", "sd3", "flux", "pixart-sigma"
+    pipelines: tuple[str, ...]  # model_index.json `_class_name`s
+    denoiser: str  # the denoiser's slot ("unet" or "transformer")
+    denoiser_class: str
+    required: Mapping[str, Any]  # slot -> (library, classes) | _TOKENIZER | _SCHEDULER
+    optional: Mapping[str, Any] = field(default_factory=dict)  # slots a folder may hold or set to null
+    ignored: tuple[str, ...] = ()  # slots gentrain never reads (a safety checker, an image processor)
+    lora_prefix: str = "unet"  # the key prefix diffusers' `load_lora_weights` expects for the denoiser
+
+
+_SD_IGNORED = ("safety_checker", "feature_extractor", "image_encoder")
+
+FAMILIES: tuple[Family, ...] = (
+    Family(
+        "sd",
+        ("StableDiffusionPipeline", "StableDiffusionImg2ImgPipeline", "StableDiffusionInpaintPipeline"),
+        "unet",
+        "UNet2DConditionModel",
+        {"vae": _VAE, "text_encoder": _CLIP, "tokenizer": _TOKENIZER, "scheduler": _SCHEDULER},
+        ignored=_SD_IGNORED,
+    ),
+    Family(
+        "sdxl",
+        ("StableDiffusionXLPipeline", "StableDiffusionXLImg2ImgPipeline", "StableDiffusionXLInpaintPipeline"),
+        "unet",
+        "UNet2DConditionModel",
+        {
+            "vae": _VAE,
+            "text_encoder": _CLIP,
+            "text_encoder_2": _CLIP_PROJ,
+            "tokenizer": _TOKENIZER,
+            "tokenizer_2": _TOKENIZER,
+            "scheduler": _SCHEDULER,
+        },
+        ignored=_SD_IGNORED,
+    ),
+    Family(
+        "sd3",
+        ("StableDiffusion3Pipeline", "StableDiffusion3Img2ImgPipeline", "StableDiffusion3InpaintPipeline"),
+        "transformer",
+        "SD3Transformer2DModel",
+        {
+            "vae": _VAE,
+            "text_encoder": _CLIP_PROJ,
+            "text_encoder_2": _CLIP_PROJ,
+            "tokenizer": _TOKENIZER,
+            "tokenizer_2": _TOKENIZER,
+            "scheduler": _SCHEDULER,
+        },
+        # SD3 runs without T5 (its slot null): diffusers' encode_prompt then pads with zeros.
+        optional={"text_encoder_3": _T5, "tokenizer_3": _TOKENIZER},
+        ignored=("image_encoder", "feature_extractor"),
+        lora_prefix="transformer",
+    ),
+    Family(
+        "flux",
+        ("FluxPipeline", "FluxImg2ImgPipeline", "FluxInpaintPipeline"),
+        "transformer",
+        "FluxTransformer2DModel",
+        {
+            "vae": _VAE,
+            "text_encoder": _CLIP,
+            "text_encoder_2": _T5,
+            "tokenizer": _TOKENIZER,
+            "tokenizer_2": _TOKENIZER,
+            "scheduler": _SCHEDULER,
+        },
+        ignored=("image_encoder", "feature_extractor"),
+        lora_prefix="transformer",
+    ),
+    Family(
+        "pixart-sigma",
+        ("PixArtSigmaPipeline",),
+        "transformer",
+        "PixArtTransformer2DModel",
+        {"vae": _VAE, "text_encoder": _T5, "tokenizer": _TOKENIZER, "scheduler": _SCHEDULER},
+        lora_prefix="transformer",
+    ),
+)
+
+_WEIGHTS = {"diffusers": "diffusion_pytorch_model.safetensors", "transformers": "model.safetensors"}
+_PICKLES = {"diffusers": "diffusion_pytorch_model.bin", "transformers": "pytorch_model.bin"}
+_CONFIGS = {"diffusers": "config.json", "transformers": "config.json", _SCHEDULER: "scheduler_config.json"}
+# What a tokenizer folder may hold: everything `AutoTokenizer` reads for the CLIP and T5 tokenizers.
+_TOKENIZER_FILES = (
+    "tokenizer_config.json",
+    "tokenizer.json",
+    "vocab.json",
+    "merges.txt",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "spiece.model",
+)
+
+
+@dataclass
+class Component:
+    slot: str
+    library: str
+    cls: str
+    files: list[str]  # paths relative to the pipeline folder that the run reads
+    config: dict[str, Any] | None = None
+
+
+@dataclass
+class Objective:
+    """How the pipeline's denoiser was trained, read from its scheduler (`model.objective.*` values)."""
+
+    prediction_type: str  # "epsilon", "v" or "flow"
+    num_train_timesteps: int
+    beta_schedule: str | None = None
+    beta_start: float | None = None
+    beta_end: float | None = None
+    shift: float | None = None  # flow: the timestep shift (SD3: 3.0; Flux.1 schnell 1.0)
+    dynamic_shift: bool = False  # flow: Flux.1 dev's resolution-dependent shift (base_shift .. max_shift)
+    base_shift: float | None = None
+    max_shift: float | None = None
+
+
+@dataclass
+class PipelineFolder:
+    url: str
+    family: Family
+    components: dict[str, Component]
+    objective: Objective
+    record: dict[str, Any]  # url, family, files {path: {blake3, bytes}}, digest: pinned in the run's checkpoints
+
+    @property
+    def denoiser(self) -> Component:
+        return self.components[self.family.denoiser]
+
+    @property
+    def variant(self) -> str:
+        """The family's variant where the denoiser's config tells it (Flux.1 dev: guidance_embeds)."""
+        if self.family.name == "flux":
+            return "dev" if (self.denoiser.config or {}).get("guidance_embeds") else "schnell"
+        return self.family.name
+
+
+def family_of(pipeline_class: str) -> Family | None:
+    return next((f for f in FAMILIES if pipeline_class in f.pipelines), None)
+
+
+def _known() -> str:
+    return ", ".join(f"{f.pipelines[0]} ({f.name})" for f in FAMILIES)
+
+
+class _Folder:
+    """The pipeline folder on its filesystem: listings and bounded JSON reads, as data."""
+
+    def __init__(self, url: str, key: str, storage_options: Mapping[str, Any] | None):
+        import fsspec
+
+        self.url, self.key = url, key
+        try:
+            self.fs, root = fsspec.core.url_to_fs(url, **dict(storage_options or {}))
+        except (ValueError, ImportError, TypeError) as e:
+            raise ConfigError(f"{key}={url!r}: cannot open that location ({e})") from None
+        self.root = root.rstrip("/")
+
+    def path(self, rel: str) -> str:
+        return posixpath.join(self.root, rel)
+
+    def names(self, rel: str = "") -> dict[str, str]:
+        """name -> type ('file', 'directory', other) of a folder's entries; {} when it does not exist."""
+        try:
+            entries = self.fs.ls(self.path(rel) if rel else self.root, detail=True)
+        except FileNotFoundError:
+            return {}
+        except OSError as e:
+            raise ConfigError(f"{self.key}={self.url!r}: cannot list {rel or 'the folder'} ({e})") from None
+        return {posixpath.basename(e["name"].rstrip("/")): e.get("type", "file") for e in entries}
+
+    def size(self, rel: str) -> int:
+        # Links are followed: a Hugging Face cache snapshot (`snapshots/<revision>/`) is a folder of links into
+        # its blobs. What is read through one is parsed as JSON or safetensors, never run.
+        info = self.fs.info(self.path(rel))
+        if info.get("type") != "file":
+            raise ConfigError(f"{self.key}={self.url!r}: {rel} is not a regular file")
+        return int(info.get("size") or 0)
+
+    def json(self, rel: str) -> dict[str, Any]:
+        try:
+            if self.size(rel) > _MAX_JSON_BYTES:
+                raise ConfigError(f"{self.key}={self.url!r}: {rel} is over {_MAX_JSON_BYTES >> 20} MiB: not a config")
+            value = json.loads(self.fs.cat_file(self.path(rel)))
+        except FileNotFoundError:
+            raise ConfigError(f"{self.key}={self.url!r}: {rel} is missing") from None
+        except (ValueError, RecursionError) as e:
+            raise ConfigError(f"{self.key}={self.url!r}: {rel} is not valid JSON ({e})") from None
+        except OSError as e:
+            raise ConfigError(f"{self.key}={self.url!r}: cannot read {rel} ({e})") from None
+        if not isinstance(value, dict):
+            raise ConfigError(f"{self.key}={self.url!r}: {rel} holds {type(value).__name__}, not a JSON object")
+        return value
+
+    def digest(self, rel: str) -> dict[str, Any]:
+        """blake3 and size of one file, streamed."""
+        h = new_digest("blake3")
+        n = 0
+        try:
+            self.size(rel)
+            with self.fs.open(self.path(rel), "rb") as f:
+                while chunk := f.read(_CHUNK):
+                    h.update(chunk)
+                    n += len(chunk)
+        except OSError as e:
+            raise ConfigError(f"{self.key}={self.url!r}: cannot read {rel} ({e})") from None
+        return {"blake3": h.hexdigest(), "bytes": n}
+
+
+def _slot_entry(index: dict[str, Any], slot: str) -> tuple[str, str] | None:
+    """(library, class) of `slot` in model_index.json; None when absent or null."""
+    entry = index.get(slot)
+    if entry is None or entry == [None, None]:
+        return None
+    if not (isinstance(entry, list) and len(entry) == 2 and all(isinstance(x, str) for x in entry)):
+        raise ValueError(f"{slot}: {entry!r} is not [library, class]")
+    return entry[0], entry[1]
+
+
+def _accepts(spec: Any, library: str, cls: str) -> bool:
+    if spec == _TOKENIZER:
+        # CLIPTokenizer, T5TokenizerFast, ... and the generic fast tokenizer (transformers 5 names it
+        # TokenizersBackend): `AutoTokenizer` reads each from its files.
+        generic = ("PreTrainedTokenizerFast", "TokenizersBackend")
+        return library == "transformers" and (cls.endswith(("Tokenizer", "TokenizerFast")) or cls in generic)
+    if spec == _SCHEDULER:
+        return library == "diffusers" and cls.endswith("Scheduler")
+    want_library, classes = spec
+    return library == want_library and cls in classes
+
+
+def _describe(spec: Any) -> str:
+    if spec == _TOKENIZER:
+        return "a transformers tokenizer"
+    if spec == _SCHEDULER:
+        return "a diffusers scheduler"
+    return " or ".join(f"{spec[0]}.{c}" for c in spec[1])
+
+
+def _weight_files(folder: _Folder, slot: str, library: str, names: Mapping[str, str], problems: list[str]) -> list[str]:
+    """The safetensors files of a model component: the single file, or the shards its index names."""
+    single = _WEIGHTS[library]
+    if names.get(single) == "file":
+        return [f"{slot}/{single}"]
+    index_name = f"{single}.index.json"
+    if names.get(index_name) == "file":
+        try:
+            index = folder.json(f"{slot}/{index_name}")
+        except ConfigError as e:
+            problems.append(str(e).split(": ", 1)[-1])
+            return []
+        weight_map = index.get("weight_map")
+        if not isinstance(weight_map, dict) or not weight_map:
+            problems.append(f"{slot}/{index_name} has no weight_map")
+            return []
+        shards = sorted({v for v in weight_map.values() if isinstance(v, str)})
+        bad = [s for s in shards if "/" in s or "\\" in s or s in ("", ".", "..") or not s.endswith(".safetensors")]
+        if bad or len(shards) != len(set(weight_map.values())):
+            problems.append(f"{slot}/{index_name} names shards outside its folder or not safetensors: {bad[:3]}")
+            return []
+        missing = [s for s in shards if names.get(s) != "file"]
+        if missing:
+            problems.append(f"{slot}: the shards {missing[:3]} its index names are missing")
+            return []
+        return [f"{slot}/{index_name}"] + [f"{slot}/{s}" for s in shards]
+    if names.get(_PICKLES[library]) == "file" or any(n.endswith(".bin") for n in names):
+        problems.append(
+            f"{slot} holds only pickled weights (.bin), which gentrain never loads: save it again with "
+            "save_pretrained(..., safe_serialization=True)"
+        )
+    else:
+        problems.append(f"{slot} has no {single} (nor a sharded {index_name})")
+    return []
+
+
+def _component(folder: _Folder, slot: str, library: str, cls: str, spec: Any, problems: list[str]) -> Component | None:
+    names = folder.names(slot)
+    if not names:
+        problems.append(f"{slot}/ is missing (model_index.json names {library}.{cls})")
+        return None
+    if spec == _TOKENIZER:
+        files = [f"{slot}/{n}" for n in _TOKENIZER_FILES if names.get(n) == "file"]
+        if not any(n in names for n in ("tokenizer.json", "vocab.json", "spiece.model")):
+            problems.append(f"{slot}/ holds no vocabulary (tokenizer.json, vocab.json + merges.txt, or spiece.model)")
+            return None
+        return Component(slot, library, cls, files)
+    config_name = _CONFIGS[_SCHEDULER if spec == _SCHEDULER else library]
+    if names.get(config_name) != "file":
+        problems.append(f"{slot}/{config_name} is missing")
+        return None
+    try:
+        config = folder.json(f"{slot}/{config_name}")
+    except ConfigError as e:
+        problems.append(str(e).split(": ", 1)[-1])
+        return None
+    files = [f"{slot}/{config_name}"]
+    if spec != _SCHEDULER:
+        weights = _weight_files(folder, slot, library, names, problems)
+        if not weights:
+            return None
+        files += weights
+    return Component(slot, library, cls, files, config)
+
+
+def _objective(scheduler: Component, key: str) -> Objective:
+    c = scheduler.config or {}
+    steps = c.get("num_train_timesteps", 1000)
+    if not isinstance(steps, int) or isinstance(steps, bool) or not 1 <= steps <= 100_000:
+        raise ConfigError(f"{key}: scheduler/scheduler_config.json num_train_timesteps={steps!r} is not a count")
+    if scheduler.cls.startswith("FlowMatch"):
+        shift = c.get("shift", 1.0)
+        if not isinstance(shift, int | float) or isinstance(shift, bool) or not 0 < shift <= 100:
+            raise ConfigError(f"{key}: scheduler/scheduler_config.json shift={shift!r} is not a positive number")
+        dynamic = bool(c.get("use_dynamic_shifting", False))
+        return Objective(
+            "flow",
+            steps,
+            shift=float(shift),
+            dynamic_shift=dynamic,
+            base_shift=c.get("base_shift") if dynamic else None,
+            max_shift=c.get("max_shift") if dynamic else None,
+        )
+    prediction = c.get("prediction_type", "epsilon")
+    mapped = {"epsilon": "epsilon", "v_prediction": "v"}.get(prediction)
+    if mapped is None:
+        raise ConfigError(
+            f"{key}: scheduler/scheduler_config.json prediction_type={prediction!r}: gentrain fine-tunes epsilon or "
+            "v_prediction denoisers (and flow matching with a FlowMatch scheduler)"
+        )
+    return Objective(
+        mapped,
+        steps,
+        beta_schedule=c.get("beta_schedule", "linear"),
+        beta_start=c.get("beta_start", 0.0001),
+        beta_end=c.get("beta_end", 0.02),
+    )
+
+
+def inspect_pipeline(url: str, key: str = "model.pretrained", storage_options: Mapping[str, Any] | None = None):
+    """The pipeline folder at `url` recognized, checked and pinned (see the module doc); ConfigError (exit 2)
+    naming everything wrong with it."""
+    folder = _Folder(url, key, storage_options)
+    top = folder.names()
+    if not top:
+        raise ConfigError(f"{key}={url!r}: no such folder (or it is empty)")
+    if top.get(MODEL_INDEX) != "file":
+        what = "a single model's folder (config.json)" if "config.json" in top else "no diffusers pipeline folder"
+        raise ConfigError(
+            f"{key}={url!r} has no {MODEL_INDEX}: it is {what}. A released pipeline's folder (as "
+            f"DiffusionPipeline.save_pretrained writes it) holds {MODEL_INDEX} and one subfolder per component"
+        )
+    index = folder.json(MODEL_INDEX)
+    pipeline_class = index.get("_class_name")
+    family = family_of(pipeline_class) if isinstance(pipeline_class, str) else None
+    if family is None:
+        raise ConfigError(
+            f"{key}={url!r}: {MODEL_INDEX} names the pipeline {pipeline_class!r}, which gentrain does not fine-tune; "
+            f"it reads {_known()}"
+        )
+    problems: list[str] = []
+    slots = {family.denoiser: ("diffusers", (family.denoiser_class,)), **family.required}
+    components: dict[str, Component] = {}
+    for slot, spec in {**slots, **family.optional}.items():
+        try:
+            entry = _slot_entry(index, slot)
+        except ValueError as e:
+            problems.append(f"{MODEL_INDEX}: {e}")
+            continue
+        if entry is None:
+            if slot in slots:
+                problems.append(f"{MODEL_INDEX} has no {slot} ({_describe(spec)})")
+            continue
+        library, cls = entry
+        if not _accepts(spec, library, cls):
+            problems.append(
+                f"{slot} is {library}.{cls}; a {family.pipelines[0]} holds {_describe(spec)} there "
+                "(gentrain imports no class a folder names: only these)"
+            )
+            continue
+        found = _component(folder, slot, library, cls, spec, problems)
+        if found is not None:
+            components[slot] = found
+    if problems:
+        raise ConfigError(
+            f"{key}={url!r} is a {family.pipelines[0]} folder ({family.name}) that gentrain cannot use:\n  "
+            + "\n  ".join(problems)
+        )
+    objective = _objective(components["scheduler"], key)
+    files: dict[str, dict[str, Any]] = {MODEL_INDEX: folder.digest(MODEL_INDEX)}
+    for component in components.values():
+        for rel in component.files:
+            files[rel] = folder.digest(rel)
+    h = new_digest("blake3")
+    for rel in sorted(files):
+        h.update(f"{rel}\0{files[rel]['bytes']}\0{files[rel]['blake3']}\n".encode())
+    record = {"url": url, "family": family.name, "files": files, "digest": f"blake3:{h.hexdigest()}"}
+    return PipelineFolder(url, family, components, objective, record)
+
+
+def changed_files(pinned: Mapping[str, Any], now: Mapping[str, Any]) -> list[str]:
+    """The files of a pinned pipeline record (`PipelineFolder.record`) that differ in, or are gone from, the
+    folder as it is `now` (another record): what a resume against a changed base names."""
+    before, after = pinned.get("files", {}), now.get("files", {})
+    return sorted(rel for rel in before if after.get(rel) != before[rel]) + sorted(set(after) - set(before))
