@@ -8,11 +8,13 @@ from __future__ import annotations
 
 import io
 import json
+import shutil
 import subprocess
 import sys
 import tarfile
 from collections import defaultdict
 
+import blake3
 import hypothesis.strategies as st
 import numpy as np
 import pytest
@@ -39,6 +41,8 @@ from trainer.runs import load_frozen
 
 ENV = clean_env(PYTHONPATH=f"{REPO}:{REPO / 'tests'}", HF_HUB_OFFLINE="1")
 DIGITS = 1797
+# A run that stops at the first sample it cannot use (exit 2 naming it and why).
+STRICT = ["data.max_skipped_fraction=0"]
 
 
 def latent_args(root, vae: str, *extra: str, max_steps: int = 2) -> list[str]:
@@ -181,6 +185,84 @@ def test_another_autoencoder_images_where_latents_are_expected_and_the_reverse_e
     encode_dataset(config(latent_args(tmp_path, vae)), plain, 900, progress=False)
     r = run_cli("train", *latent_args(tmp_path / "d", vae, *from_shards(plain), "data.flip=true"), env=ENV)
     assert r.returncode == 2 and "--flip" in r.stderr, r.stderr[-3000:]
+
+
+@pytest.fixture(scope="module")
+def other_vae(tmp_path_factory) -> str:
+    return vae_folder(tmp_path_factory.mktemp("other-vae") / "vae", seed=1)
+
+
+def _digest(cfg) -> str:
+    return load_frozen(PART, frozen_source(cfg.model_cfg.autoencoder), {}).record["digest"]
+
+
+def test_a_rerun_into_another_autoencoders_shards_without_their_encode_json_exits_2_naming_the_mismatch(
+    tmp_path, vae, other_vae
+):
+    """Found 1 of issue 47: the rerun encoded "0 shards, 0 samples", exited 0 and wrote a shards.json naming
+    this autoencoder over the other one's latents. Each shard's index records its encode settings."""
+    out = tmp_path / "shards"
+    theirs = config(latent_args(tmp_path, other_vae))
+    encode_dataset(theirs, str(out), 900, progress=False)
+    (out / "encode.json").unlink()
+    before = (out / "shards.json").read_bytes()
+    args = ["data", "encode", *latent_args(tmp_path, vae), "--samples-per-shard", "900", "--out", str(out)]
+    r = run_cli(*args, env=ENV)
+    assert r.returncode == 2, r.stderr[-3000:]
+    line = r.stderr.strip().splitlines()[-1]
+    assert "000000.tar" in line and "other settings" in line and "Traceback" not in r.stderr
+    assert _digest(theirs) in line and _digest(config(latent_args(tmp_path, vae))) in line
+    assert (out / "shards.json").read_bytes() == before and not (out / "encode.json").exists()  # nothing written
+    # Shards of `data pack` (their indexes record no encode settings) are refused the same way.
+    src = tmp_path / "imgs"
+    make_folder(src, per_class=2, size=8)
+    pack(src, tmp_path / "packed", 2)
+    r = run_cli(*args[:-1], str(tmp_path / "packed"), env=ENV)
+    assert r.returncode == 2 and "records no encode settings" in r.stderr, r.stderr[-3000:]
+
+
+def test_a_shard_swapped_for_one_of_another_encode_of_the_same_size_is_never_trained_on(tmp_path, vae, other_vae):
+    """Found 1 of issue 47: a shard copied in from another encode (same size, so the same offsets) was read
+    without complaint. shards.json pins each shard's index by digest, the index each sample's bytes."""
+    ours, theirs = tmp_path / "ours", tmp_path / "theirs"
+    # One shard of every sample: the one replaced is the one the run reads.
+    encode_dataset(config(latent_args(tmp_path, vae)), str(ours), DIGITS, progress=False)
+    encode_dataset(config(latent_args(tmp_path, other_vae)), str(theirs), DIGITS, progress=False)
+    assert (ours / "000000.tar").stat().st_size == (theirs / "000000.tar").stat().st_size
+    listed = json.loads((ours / "shards.json").read_text())
+    for j, e in enumerate(listed["shardlist"]):  # the digests are those of the bytes there
+        assert e["digest"] == "blake3:" + blake3.blake3((ours / f"{j:06d}.tar").read_bytes()).hexdigest()
+        assert e["index_digest"] == "blake3:" + blake3.blake3((ours / f"{j:06d}.tar.idx.json").read_bytes()).hexdigest()
+
+    def train(name: str):
+        return run_cli("train", *latent_args(tmp_path / name, vae, *from_shards(str(ours)), *STRICT), env=ENV)
+
+    # The tar alone: its samples' bytes are not those its index records.
+    shutil.copy(theirs / "000000.tar", ours / "000000.tar")
+    r = train("tar")
+    assert r.returncode == 2, r.stderr[-3000:]
+    assert "000000.tar#" in r.stderr and "digest" in r.stderr and "Traceback" not in r.stderr
+    # The tar with its index: the index is not the one shards.json pins.
+    shutil.copy(theirs / "000000.tar.idx.json", ours / "000000.tar.idx.json")
+    r = train("both")
+    assert r.returncode == 2, r.stderr[-3000:]
+    assert "000000.tar" in r.stderr and "index" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_encoded_shards_without_digests_are_refused_naming_the_fix(tmp_path, encoded):
+    """An encoded set's shards.json written before shards were pinned by content (no digests): refused."""
+    from trainer.data.shards import load_shard_list
+    from trainer.errors import ConfigError
+
+    old = tmp_path / "old"
+    shutil.copytree(encoded, old)
+    listed = json.loads((old / "shards.json").read_text())
+    for e in listed["shardlist"]:
+        del e["digest"], e["index_digest"]
+    (old / "shards.json").write_text(json.dumps(listed))
+    with pytest.raises(ConfigError, match=r"no content digests.*gentrain data encode"):
+        load_shard_list(f"{old}/shards.json", None)
+    assert load_shard_list(f"{encoded}/shards.json", None).index_digests[0].startswith("blake3:")
 
 
 _KILLING_ENCODE = """

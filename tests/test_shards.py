@@ -6,6 +6,7 @@ import io
 import json
 import os
 import re
+import shutil
 import signal
 import tarfile
 from collections import defaultdict
@@ -310,6 +311,51 @@ def test_shards_without_index_are_a_config_error_naming_the_fix(tmp_path):
     r = run_cli("train", *tiny(tmp_path, "data.source=shards", f"data.urls={tmp_path}/s/{{000000..000001}}.tar"))
     assert r.returncode == 2
     assert "000000.tar has no readable index" in r.stderr and "gentrain data index" in r.stderr
+
+
+def test_a_shard_list_naming_shards_outside_its_folder_exits_2_naming_the_entry(tmp_path):
+    """Found 1 of issue 47: an entry `"url": "../other/000000.tar"` (or an absolute path, another store) was
+    read from wherever it pointed. A shard list names shards in its own folder only."""
+    src = tmp_path / "src"
+    make_folder(src, per_class=2, size=8)
+    pack(src, tmp_path / "s", 2)
+    shutil.copytree(tmp_path / "s", tmp_path / "other")
+    listed = json.loads((tmp_path / "s" / "shards.json").read_text())
+    listed["shardlist"][1]["url"] = "../other/000001.tar"
+    (tmp_path / "s" / "shards.json").write_text(json.dumps(listed))
+    url = f"{tmp_path}/s/shards.json"
+    r = run_cli("train", *tiny(tmp_path, "data.source=shards", f"data.urls={url}", max_steps=1))
+    assert r.returncode == 2, r.stderr[-3000:]
+    assert "../other/000001.tar" in r.stderr and "its own folder" in r.stderr and "Traceback" not in r.stderr
+    from trainer.errors import ConfigError
+
+    bad = [
+        f"{tmp_path}/other/000001.tar",
+        f"file://{tmp_path}/other/000001.tar",
+        "s3://bucket/000001.tar",
+        "a/../../other/000001.tar",
+        "..",
+        "",
+        "memory::x.tar",
+        None,
+        7,
+    ]
+    for value in bad:
+        doc = {**listed, "shardlist": [listed["shardlist"][0], {**listed["shardlist"][1], "url": value}]}
+        (tmp_path / "s" / "shards.json").write_text(json.dumps(doc))
+        with pytest.raises(ConfigError, match=r"shardlist\[1\]") as e:
+            load_shard_list(url, None)
+        assert repr(value) in str(e.value)
+    for entry in ({"url": "000001.tar"}, {"url": "000001.tar", "nsamples": "2"}, {"url": "000001.tar", "nsamples": -1}):
+        (tmp_path / "s" / "shards.json").write_text(json.dumps({**listed, "shardlist": [entry]}))
+        with pytest.raises(ConfigError, match=r"shardlist\[0\]"):
+            load_shard_list(url, None)
+    (tmp_path / "s" / "shards.json").write_text(json.dumps({**listed, "base": f"{tmp_path}/other"}))
+    with pytest.raises(ConfigError, match=r"base"):
+        load_shard_list(url, None)
+    listed["shardlist"][1]["url"] = "./sub/../000001.tar"  # inside the folder however written: fine
+    (tmp_path / "s" / "shards.json").write_text(json.dumps(listed))
+    assert load_shard_list(url, None).urls[1] == f"{tmp_path}/s/000001.tar"
 
 
 # ---------------------------------------------------------------- S3: bytes, faults

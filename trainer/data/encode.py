@@ -26,6 +26,13 @@ j = r mod W, so ranks never share a shard. A shard is committed by uploading its
 name, moving it in place, then writing its index the same way: a shard without its index is unfinished
 (re-encoded on resume), a finished one is kept. `shards.json`, with the `encoded` settings a training run
 checks, is written last, by whichever rank finds every shard finished.
+
+Pinned by content (issue 47): each shard's index records the settings it was encoded with (the
+autoencoder's digest among them), the tar's blake3 and each sample's (see `trainer.data.shards.index`),
+and `shards.json` every shard's tar and index digests. A rerun checks every index already in the folder
+against the settings asked for before it writes anything, `encode.json` or not: a shard of another encode
+(or of `data pack`) exits 2 naming it and what differs, where trusting the folder would have written a
+`shards.json` naming this autoencoder over another's latents. Shards of the same settings are kept.
 """
 
 from __future__ import annotations
@@ -35,6 +42,7 @@ import json
 import logging
 import os
 import posixpath
+import re
 import tempfile
 from dataclasses import dataclass
 from typing import Any
@@ -45,10 +53,12 @@ import torch
 from trainer.data.pack import PackSummary
 from trainer.data.shards.index import (
     SHARDLIST_NAME,
+    digest,
     filesystem,
     index_json,
     index_url,
-    parse_index,
+    read_index,
+    sample_digest,
     shard_list_json,
     strip_protocol,
 )
@@ -60,6 +70,8 @@ log = logging.getLogger(__name__)
 
 SETTINGS_NAME = "encode.json"
 DTYPES = ("float16", "float32")
+# A shard's tar or index in an encode's folder ("000000.tar", "000000.tar.idx.json"; 7 digits past a million).
+_SHARD_FILE = re.compile(r"(\d{6,})\.tar(\.idx\.json)?")
 
 
 def _npy(array: np.ndarray) -> bytes:
@@ -150,17 +162,68 @@ def _commit(fs, local_or_bytes: str | bytes, url: str) -> None:
     fs.mv(strip_protocol(fs, partial), strip_protocol(fs, url))
 
 
-def _finished(fs, url: str) -> tuple[int, int] | None:
-    """(samples, bytes) of a committed shard (its index exists and matches the tar), else None."""
+def _finished(fs, out: str, settings: dict) -> dict[int, dict]:
+    """The shards already committed in `out` (an interrupted encode's, or other ranks'), as shard list entries
+    by shard number, each index checked against `settings`: ConfigError (exit 2) naming the first shard of
+    another encode, or of anything else, and what differs. A shard whose tar is missing or not the size its
+    index records is unfinished (encoded again)."""
+    where = strip_protocol(fs, out)
+    fs.invalidate_cache(where)  # an object store's listing cache would hide what other ranks committed since
     try:
-        blob = fs.cat_file(strip_protocol(fs, index_url(url)), start=0)
-        offsets = parse_index(blob, index_url(url))
-        size = int(json.loads(blob)["shard_bytes"])
-        if fs.size(strip_protocol(fs, url)) != size:
-            return None
-    except (FileNotFoundError, ValueError, KeyError):
-        return None
-    return len(offsets) - 1, size
+        listing = fs.ls(where, detail=True)
+    except FileNotFoundError:
+        return {}
+    sizes = {posixpath.basename(e["name"].rstrip("/")): e.get("size") for e in listing}
+    named = sorted((int(m.group(1)), name) for name in sizes if (m := _SHARD_FILE.fullmatch(name)) and m.group(2))
+    named = [(j, name) for j, name in named if name == f"{j:06d}.tar.idx.json"]  # names this encode writes
+    if not named:
+        return {}
+    paths = [strip_protocol(fs, posixpath.join(out, name)) for _, name in named]
+    blobs = fs.cat(paths, on_error="return", start=0)
+    done: dict[int, dict] = {}
+    foreign: list[tuple[str, str]] = []  # (shard, what differs)
+    for (j, name), path in zip(named, paths, strict=True):
+        blob = blobs.get(path, FileNotFoundError(path))
+        if isinstance(blob, FileNotFoundError):
+            continue  # gone since the listing: unfinished
+        if isinstance(blob, BaseException):
+            raise blob  # the store failed: not a verdict on the folder
+        tar = name.removesuffix(".idx.json")
+        try:
+            offsets, pins, doc = read_index(blob, name)
+        except (ValueError, UnicodeDecodeError) as e:
+            foreign.append((tar, f"its index is not one gentrain writes ({e})"))
+            continue
+        found = doc.get("encoded")
+        if not isinstance(found, dict):
+            why = "its index records no encode settings (shards of data pack or data index, or of an encode"
+            foreign.append((tar, f"{why} by a gentrain that did not pin them)"))
+            continue
+        if found != settings:
+            foreign.append((tar, f"encoded with other settings ({_differences(found, settings)})"))
+            continue
+        if pins is None or not isinstance(doc.get("digest"), str) or sizes.get(tar) != doc.get("shard_bytes"):
+            continue  # its tar missing or cut short: unfinished
+        done[j] = {
+            "url": tar,
+            "nsamples": len(offsets) - 1,
+            "filesize": doc["shard_bytes"],
+            "digest": doc["digest"],
+            "index_digest": digest(blob),
+        }
+    if foreign:
+        tar, why = foreign[0]
+        more = f" (and {len(foreign) - 1} more)" if len(foreign) > 1 else ""
+        raise ConfigError(
+            f"data encode: {posixpath.join(out, tar)}{more} is not a shard of this encode: {why}; encode into an "
+            "empty folder, or rerun with the settings those shards were encoded with"
+        )
+    return done
+
+
+def _differences(found: dict, settings: dict) -> str:
+    diff = sorted(k for k in set(found) | set(settings) if found.get(k) != settings.get(k))
+    return "; ".join(f"{k}: {found.get(k)!r} there, {settings.get(k)!r} now" for k in diff)
 
 
 def _device() -> torch.device:
@@ -244,7 +307,10 @@ def encode_dataset(
     fs = filesystem(out_url, storage_options)
     out = out_url.rstrip("/")
     fs.makedirs(strip_protocol(fs, out), exist_ok=True)
-    _check_settings(fs, out, settings)
+    recorded = _check_settings(fs, out, settings)
+    finished = _finished(fs, out, settings)  # before anything is written: a folder of another encode exits 2
+    if not recorded:
+        _commit(fs, json.dumps(settings, indent=1).encode(), posixpath.join(out, SETTINGS_NAME))
     num_shards = -(-n // samples_per_shard)
     mine = list(range(rank, num_shards, world_size))
     summary = PackSummary()
@@ -258,7 +324,7 @@ def encode_dataset(
 
     for j in tqdm(mine, desc=f"encoding (rank {rank})", unit="shard", disable=not progress):
         url = posixpath.join(out, f"{j:06d}.tar")
-        if _finished(fs, url) is not None:
+        if j in finished:
             continue
         positions = list(range(j * samples_per_shard, min((j + 1) * samples_per_shard, n)))
         samples: list[dict[str, bytes]] = []
@@ -298,10 +364,18 @@ def encode_dataset(
                 for sample in samples:
                     writer.write(sample)
             with open(tmp.name, "rb") as f:
-                offsets, _, _ = scan_tar(f)
-            size = os.path.getsize(tmp.name)
+                data = f.read()
+            offsets, _, _ = scan_tar(io.BytesIO(data))
+            view = memoryview(data)
+            pins = {
+                "digest": digest(data),
+                "sample_digests": [sample_digest(view[a:b]).hex() for a, b in zip(offsets, offsets[1:], strict=False)],
+                "encoded": settings,
+            }
+            size = len(data)
+            del view, data
             _commit(fs, tmp.name, url)
-        _commit(fs, index_json(offsets, size), index_url(url))
+        _commit(fs, index_json(offsets, size, **pins), index_url(url))
         summary.shards += 1
         summary.samples += len(samples)
         summary.bytes += size
@@ -312,35 +386,36 @@ def encode_dataset(
     return summary
 
 
-def _check_settings(fs, out: str, settings: dict) -> None:
-    """Write `encode.json`, or check that the one there (an earlier, interrupted encode) has the same settings."""
+def _check_settings(fs, out: str, settings: dict) -> bool:
+    """Whether `encode.json` is there (an earlier, interrupted encode's), checked to hold the same settings.
+    Not proof of what the shards are (it may be lost, or never copied with them): `_finished` checks those."""
     url = posixpath.join(out, SETTINGS_NAME)
     try:
         found = json.loads(fs.cat_file(strip_protocol(fs, url), start=0))
     except FileNotFoundError:
-        _commit(fs, json.dumps(settings, indent=1).encode(), url)
-        return
+        return False
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ConfigError(
+            f"data encode: {url} is not JSON ({e}): not an encode's folder; encode into another"
+        ) from None
     if found != settings:
-        diff = sorted(k for k in set(found) | set(settings) if found.get(k) != settings.get(k))
-        shown = "; ".join(f"{k}: {found.get(k)!r} there, {settings.get(k)!r} now" for k in diff)
+        shown = _differences(found, settings) if isinstance(found, dict) else repr(found)
         raise ConfigError(
             f"data encode: {out} holds shards encoded with other settings ({shown}); resume with the same "
             "config and options, or encode into another folder"
         )
+    return True
 
 
 def _maybe_write_shard_list(
     fs, out: str, num_shards: int, settings: dict, classes: list[str] | None, num_classes: int | None
 ) -> bool:
-    """`shards.json` with the `encoded` settings, once every shard is committed (by any rank: the same bytes)."""
-    entries = []
-    for j in range(num_shards):
-        name = f"{j:06d}.tar"
-        done = _finished(fs, posixpath.join(out, name))
-        if done is None:
-            return False
-        entries.append({"url": name, "nsamples": done[0], "filesize": done[1]})
-    doc = json.loads(shard_list_json(entries, classes, num_classes))
+    """`shards.json` with the `encoded` settings and every shard's digests, once every shard is committed (by
+    any rank: the same bytes)."""
+    done = _finished(fs, out, settings)
+    if any(j not in done for j in range(num_shards)):
+        return False
+    doc = json.loads(shard_list_json([done[j] for j in range(num_shards)], classes, num_classes))
     doc["encoded"] = settings
     _commit(fs, json.dumps(doc, indent=1).encode(), posixpath.join(out, SHARDLIST_NAME))
     return True

@@ -11,11 +11,19 @@ offset of every sample (one integer per sample, see `trainer.data.shards.index`)
 a rank fetches exactly the tar bytes of its own samples, one range request per
 run of neighbouring samples, all of a step's requests concurrently (fsspec
 `cat_ranges`).
+
+Pinned shards (`gentrain data encode`'s; see `trainer.data.shards.index`): an index whose blake3 is not
+the one the shard list pins makes its shard foreign, skipped whole for the rest of the process (a
+mismatch does not heal, unlike an unreachable store); a sample whose bytes' digest is not the one its
+index records is a corrupt sample. Both are skipped and counted like any unreadable sample (the zero-weight
+slot, `skipped_samples`, `data.max_skipped_fraction`'s stop naming them), so their bytes never reach a
+step: the policy of every unreadable sample, and a run on many of them stops with exit 2.
 """
 
 from __future__ import annotations
 
 import logging
+import math
 import os
 import tarfile
 import time
@@ -28,7 +36,16 @@ from PIL import Image, UnidentifiedImageError
 
 from trainer.data.datasets import short_reason
 from trainer.data.shards.decode import decode_sample
-from trainer.data.shards.index import ShardList, filesystem, index_url, parse_index, strip_protocol
+from trainer.data.shards.index import (
+    SAMPLE_DIGEST_BYTES,
+    ShardList,
+    digest,
+    filesystem,
+    index_url,
+    read_index,
+    sample_digest,
+    strip_protocol,
+)
 from trainer.data.shards.latents import decode_encoded_sample
 from trainer.data.shards.tar import parse_samples
 
@@ -87,7 +104,8 @@ class ShardSet:
         self.starts = np.concatenate([[0], np.cumsum(shards.counts)]).astype(np.int64)
         self._fs = None
         self._pid = None
-        self._indexes: OrderedDict[int, np.ndarray] = OrderedDict()
+        # shard -> (offsets, its samples' digests back to back or None), the shards touched recently
+        self._indexes: OrderedDict[int, tuple[np.ndarray, bytes | None]] = OrderedDict()
         self._dead_until: dict[int, float] = {}
         self._skips: dict[str, str] = {}  # "url#member" -> why that sample was skipped (this process)
         self._shard_errors: dict[int, str] = {}  # shard -> why it was last skipped whole (this process)
@@ -126,13 +144,22 @@ class ShardSet:
             why,
         )
 
+    def _shard_refused(self, shard: int, why: str, detail: str, stats: FetchStats) -> None:
+        """A shard that is not the one the list pins: skipped for the rest of this process (see the module doc)."""
+        url = self.shards.urls[shard]
+        self._dead_until[shard] = math.inf
+        self._shard_errors[shard] = short_reason(why)
+        stats.failed_shards.append(url)
+        log.warning("skipping shard %s (pid %d): %s; %s", url, os.getpid(), why, detail)
+
     def _alive(self, shard: int) -> bool:
         until = self._dead_until.get(shard)
         return until is None or time.monotonic() >= until
 
-    def indexes(self, shards: list[int], stats: FetchStats) -> dict[int, np.ndarray | None]:
-        """The offsets of each shard (None: unreachable), the ones not cached fetched with concurrent requests."""
-        out: dict[int, np.ndarray | None] = {}
+    def indexes(self, shards: list[int], stats: FetchStats) -> dict[int, tuple[np.ndarray, bytes | None] | None]:
+        """(offsets, sample digests or None) of each shard (None: unreadable or refused), the ones not cached
+        fetched with concurrent requests."""
+        out: dict[int, tuple[np.ndarray, bytes | None] | None] = {}
         todo = []
         for shard in dict.fromkeys(shards):
             if shard in self._indexes:
@@ -170,10 +197,20 @@ class ShardSet:
             out[shard] = None
         return out
 
-    def _parsed_index(self, shard: int, blob: bytes, stats: FetchStats) -> np.ndarray | None:
+    def _parsed_index(self, shard: int, blob: bytes, stats: FetchStats) -> tuple[np.ndarray, bytes | None] | None:
         url = index_url(self.shards.urls[shard])
+        pinned = self.shards.index_digests[shard] if self.shards.index_digests is not None else None
+        if pinned is not None and digest(blob) != pinned:
+            self._shard_refused(
+                shard,
+                "foreign shard: its index is not the one the shard list pins (another encode's, or altered since)",
+                f"{url} has digest {digest(blob)}, the shard list pins {pinned}: restore that shard and its index, "
+                "or encode again",
+                stats,
+            )
+            return None
         try:
-            offsets = parse_index(blob, url)
+            offsets, digests, _ = read_index(blob, url)
         except (ValueError, KeyError) as e:
             self._shard_failed(shard, e, stats)
             return None
@@ -184,10 +221,10 @@ class ShardSet:
                 stats,
             )
             return None
-        self._indexes[shard] = offsets
+        self._indexes[shard] = (offsets, digests)
         while len(self._indexes) > self.index_cache:
             self._indexes.popitem(last=False)
-        return offsets
+        return offsets, digests
 
     def load_many(self, wanted: list[tuple[int, int, int, bool]], stats: FetchStats) -> list:
         """(shard, member, aug_seed, flip) -> (image, label, extras) or None, fetching all ranges at once."""
@@ -195,14 +232,21 @@ class ShardSet:
         ranges: list[tuple[int, int, int, int]] = []  # (slot, shard, start, end)
         indexes = self.indexes([w[0] for w in wanted], stats)
         for slot, (shard, member, _, _) in enumerate(wanted):
-            offsets = indexes[shard]
-            if offsets is not None:
-                ranges.append((slot, shard, int(offsets[member]), int(offsets[member + 1])))
+            index = indexes[shard]
+            if index is not None:
+                ranges.append((slot, shard, int(index[0][member]), int(index[0][member + 1])))
         blobs = self._fetch(ranges, stats)
+        forged: set[int] = set()  # ranges whose bytes are not the ones their index records
+        for i, ((slot, shard, start, end), blob) in enumerate(zip(ranges, blobs, strict=True)):
+            pins = indexes[shard][1]
+            if pins is not None and blob is not None and len(blob) == end - start:
+                at = wanted[slot][1] * SAMPLE_DIGEST_BYTES
+                if sample_digest(blob) != pins[at : at + SAMPLE_DIGEST_BYTES]:
+                    forged.add(i)
         whole = [
             i
             for i, (r, blob) in enumerate(zip(ranges, blobs, strict=True))
-            if blob is not None and len(blob) == r[3] - r[2]
+            if blob is not None and len(blob) == r[3] - r[2] and i not in forged
         ]
         parsed = dict(zip(whole, parse_samples([blobs[i] for i in whole]), strict=True))
         for i, ((slot, shard, start, end), blob) in enumerate(zip(ranges, blobs, strict=True)):
@@ -213,6 +257,11 @@ class ShardSet:
             try:
                 if len(blob) != end - start:
                     raise ValueError(f"short read: {len(blob)} of {end - start} bytes")
+                if i in forged:
+                    raise ValueError(
+                        "digest mismatch: its bytes are not those its index records (a corrupt shard, or one "
+                        "replaced by another encode's)"
+                    )
                 members = parsed[i]
                 if isinstance(members, Exception):
                     raise members
