@@ -139,3 +139,32 @@ def test_a_model_too_large_for_memory_is_a_config_error_and_frees_the_lease(tmp_
     with pytest.raises(ConfigError, match=r"does not fit in memory on cpu: .*can't allocate memory.*smaller model"):
         Trainer(cfg, DistEnv())
     assert not list((tmp_path / "run").rglob("*lease*")), "the refused run left its lease behind"
+
+
+@pytest.mark.parametrize(
+    ("preset", "overrides", "key"),
+    [
+        ("digits-ddpm", ["sample.inference_steps=1001"], "sample.inference_steps"),
+        ("digits-ddpm", ["model.num_train_timesteps=20", "sample.scheduler=dpm"], "sample.inference_steps"),
+        ("digits-ddpm", ["sample.inference_steps=10", "eval.inference_steps=1001"], "eval.inference_steps"),
+        ("digits-cascade", ["sample.inference_steps=1001"], "sample.inference_steps"),
+    ],
+)
+def test_sampler_settings_a_preview_or_evaluation_cannot_use_are_refused_when_the_config_is_read(
+    preset, overrides, key
+):
+    # #47: they trained, committed the checkpoint, then crashed in the preview (exit 1, at every restart).
+    with pytest.raises(ConfigError, match=rf"^{key}=\d+: the .* cannot sample that many steps .*set {key} lower"):
+        load_config(preset, overrides)
+    load_config("digits-ddpm", ["sample.inference_steps=1000", "eval.inference_steps=1000"])  # the schedule's all
+    load_config("digits-ddpm", ["sample.inference_steps=5000", "model.prediction_type=flow"])  # flow has no cap
+
+
+@pytest.mark.slow
+def test_train_with_more_preview_steps_than_timesteps_exits_2_before_the_first_step(tmp_path):
+    from conftest import tiny
+
+    r = run_cli("train", *tiny(tmp_path, "model.num_train_timesteps=8", "sample.inference_steps=9"), timeout=300)
+    assert r.returncode == 2, r.stderr[-3000:]
+    assert "Traceback" not in r.stderr and "sample.inference_steps=9" in r.stderr, r.stderr[-3000:]
+    assert not (tmp_path / "run" / "checkpoints").exists()  # refused before any work

@@ -143,5 +143,32 @@ def load_config(
     environ: Mapping[str, str] | None = None,
 ) -> Config:
     """The run's config from all four layers (preset or YAML, environment, key=value), validated, task model
-    included (see `trainer.config.load` for precedence and messages)."""
-    return config_from_dict(*read_layers(preset_or_yaml, overrides, environ))
+    included (see `trainer.config.load` for precedence and messages), and the sampler settings its previews
+    and evaluations will use (`check_sampling_settings`)."""
+    cfg = config_from_dict(*read_layers(preset_or_yaml, overrides, environ))
+    check_sampling_settings(cfg)
+    return cfg
+
+
+def check_sampling_settings(cfg: Config) -> None:
+    """Refuse (exit 2) sampler settings the task's sampler would refuse: `sample.inference_steps` (every
+    preview, the last one after the final checkpoint) and `eval.inference_steps` (evaluations, `gentrain
+    eval`) with `sample.scheduler`, asked of the task (`Task.sampling_refusal`: a DDPM schedule of
+    `model.num_train_timesteps` steps takes at most that many). Without this the run trained, committed
+    its checkpoint, then crashed in the preview, and every restart did the same.
+
+    A user's config only: a checkpoint's stored config (`config_from_dict`) is not refused for it, so a
+    run that committed such settings can still be sampled with other flags."""
+    refusal_of = getattr(task_class(cfg.task), "sampling_refusal", None)  # a task class from before it
+    if refusal_of is None:
+        return
+    settings = [("sample.inference_steps", cfg.sample.inference_steps, "the previews")]
+    if cfg.eval.inference_steps is not None:
+        settings.append(("eval.inference_steps", cfg.eval.inference_steps, "the evaluations"))
+    for key, steps, used_by in settings:
+        refusal = refusal_of(cfg.model_cfg, steps, cfg.sample.scheduler)
+        if refusal is not None:
+            raise ConfigError(
+                f"{key}={steps}: {used_by} of task {cfg.task!r} cannot sample that many steps with "
+                f"sample.scheduler={cfg.sample.scheduler}: {refusal}; set {key} lower"
+            )

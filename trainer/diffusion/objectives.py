@@ -204,6 +204,16 @@ class Objective:
             raise ConfigError(f"sample.scheduler={kind!r}: choose one of {', '.join(SAMPLERS)}")
         return self._inference_scheduler(kind)
 
+    def sampler_refusal(self, steps: int, kind: str) -> str | None:
+        """Why `steps` steps of sampler `kind` would fail or draw nothing usable (None: they work), asked of a
+        fresh sampler as `denoise` builds it. Called when a config is read (`Task.sampling_refusal`), so a
+        preview or evaluation does not fail after the checkpoint before it committed."""
+        try:
+            self.inference_scheduler(kind).set_timesteps(steps)
+        except (ValueError, RuntimeError) as e:
+            return str(e).splitlines()[0][:300] if str(e) else type(e).__name__
+        return None
+
     @torch.no_grad()
     def denoise(
         self,
@@ -255,6 +265,14 @@ class _DDPMObjective(Objective):
 
     def draw(self, draws, n, device, dtype) -> Draw:
         return Draw(draws.randint(self.train_scheduler.config.num_train_timesteps).to(device))
+
+    def sampler_refusal(self, steps: int, kind: str) -> str | None:
+        # DDIM refuses more steps than the schedule has; DPM-Solver takes them, repeats timesteps and
+        # returns NaN images (diffusers 0.36): neither draws anything.
+        timesteps = self.train_scheduler.config.num_train_timesteps
+        if steps > timesteps:
+            return f"its training schedule has {timesteps} steps (num_train_timesteps), the most a sampler takes"
+        return super().sampler_refusal(steps, kind)
 
     def target(self, x0: Tensor, noise: Tensor, t: Tensor) -> Tensor:
         raise NotImplementedError

@@ -302,6 +302,13 @@ class Task:
         with ctx.preferred_weights():
             return {"samples": self.sample(modules, ctx.request(), ctx.device)}
 
+    @classmethod
+    def sampling_refusal(cls, model_cfg: BaseModel, inference_steps: int, scheduler: str) -> str | None:
+        """Why this config's sampler would refuse `inference_steps` steps of `scheduler` (`sample.*`,
+        `eval.*`), or None. Asked when the config is read (`trainer.registry.check_sampling_settings`), so a
+        preview or an evaluation never fails after hours of training. Default: nothing refused."""
+        return None
+
     def sample_accepts(self) -> frozenset[str]:
         """The options of a `SampleRequest` this task's `sample` reads (`trainer.tasks.sampling.OPTIONS`:
         `labels`, `prompts`, `temperature`, ...), as this config builds it. `gentrain sample` refuses any

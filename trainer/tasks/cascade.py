@@ -122,6 +122,14 @@ class CascadeTask(Task):
     def trainable_part_names(cls, model_cfg: CascadeConfig) -> list[str]:
         return [f"stage{k}" for k in range(1, len(model_cfg.stages) + 1)]
 
+    @classmethod
+    def sampling_refusal(cls, model_cfg: CascadeConfig, inference_steps: int, scheduler: str) -> str | None:
+        for i, stage in enumerate(model_cfg.stages):  # every stage samples with the same settings
+            refusal = build_objective(stage).sampler_refusal(inference_steps, scheduler)
+            if refusal is not None:
+                return f"model.stages[{i}]: {refusal}"
+        return None
+
     def learning_parts(self) -> list[str]:
         stages = self.ctx.stages or range(1, len(self.cfg.stages) + 1)
         return [f"stage{k}" for k in sorted(stages)]

@@ -177,6 +177,11 @@ class DDPMTask(Task):
     def trainable_part_names(cls, model_cfg: DiffusionModelConfig) -> list[str]:
         return [part_name(model_cfg)]
 
+    @classmethod
+    def sampling_refusal(cls, model_cfg: DiffusionModelConfig, inference_steps: int, scheduler: str) -> str | None:
+        objective = build_objective(model_cfg, pixels=model_cfg.autoencoder is None)
+        return objective.sampler_refusal(inference_steps, scheduler)
+
     @property
     def conditional(self) -> bool:
         return self.cfg.num_classes is not None or self.text is not None
