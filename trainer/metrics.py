@@ -187,6 +187,10 @@ class TrainingMetrics:
             "Steps trained before a restart that were trained again after it (known with the memory tier on)",
         )
         self.preemptions = Counter("gentrain_preemptions", "Stops by SIGTERM/SIGINT with an emergency checkpoint")
+        self.nonfinite_steps = Counter(
+            "gentrain_nonfinite_steps",
+            "Optimizer steps not applied because their loss or gradient norm was inf or NaN (rank 0 counts the job's)",
+        )
         self.device_memory = None
         if torch.cuda.is_available():
             self.device_memory = Gauge(
@@ -299,6 +303,11 @@ class TrainingMetrics:
     def on_checkpoint_failure(self) -> None:
         if self.enabled:
             self.ckpt_failures.inc()
+
+    def on_nonfinite_steps(self, steps: int) -> None:
+        """`steps` more steps were found not applied (read late, at the reporter's cadence; rank 0)."""
+        if self.enabled and steps > 0:
+            self.nonfinite_steps.inc(steps)
 
     def on_preemption(self) -> None:
         if self.enabled:

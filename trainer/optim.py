@@ -120,6 +120,49 @@ def adamw8bit_class() -> type[torch.optim.Optimizer]:
     return AdamW8bit
 
 
+def step_unless(optimizer: torch.optim.Optimizer, skip: torch.Tensor) -> None:
+    """`optimizer.step()`, leaving every parameter and state tensor as it was where `skip` (a float32 0-d tensor
+    on the device, 1.0 = skip) says so: decided on the device, the host never reads `skip`.
+
+    torch's fused Adam and AdamW take it as `found_inf`, the way the fp16 GradScaler hands its overflow flag over:
+    the kernel returns before touching anything and the step counts are taken back. Other optimizers (torchao's
+    AdamW8bit, AdamW off CPU and CUDA) have no such input: they step on gradients zeroed where `skip` is set (no
+    NaN reaches a state built in this step), and every parameter and state tensor they had is then put back by
+    `torch.where`. That keeps a copy of the parameters and state during the step. Limit: a state tensor on
+    another device than `skip` (torchao keeps its step count on the host) is not put back: a skipped step
+    advances torchao's bias correction by one.
+    """
+    if isinstance(optimizer, torch.optim.Adam) and all(g.get("fused") for g in optimizer.param_groups):
+        optimizer.found_inf = skip  # read by torch.optim.Adam.step (what torch.amp.GradScaler.step sets)
+        try:
+            optimizer.step()
+        finally:
+            del optimizer.found_inf
+        return
+    skipped = skip.bool()
+    params = [p for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
+    with torch.no_grad():
+        for p in params:
+            grad = _local(p.grad)
+            grad.copy_(torch.where(skipped, torch.zeros((), dtype=grad.dtype, device=grad.device), grad))
+        held = [_local(p) for p in params]
+        for p in params:
+            for v in optimizer.state.get(p, {}).values():
+                if isinstance(v, torch.Tensor):
+                    held += [_local(t) for t in plain_tensors(v)]
+        held = [t for t in held if t.device == skip.device]
+        saved = [t.clone() for t in held]
+    optimizer.step()
+    with torch.no_grad():
+        for t, before in zip(held, saved, strict=True):
+            t.copy_(torch.where(skipped, before, t))
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """A DTensor's local shard (what `torch.where` with a plain flag can take); plain tensors as they are."""
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
 def build_lr_schedule(
     optimizer: torch.optim.Optimizer, cfg: Config, part: str | None = None
 ) -> torch.optim.lr_scheduler.LRScheduler:

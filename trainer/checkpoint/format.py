@@ -9,6 +9,7 @@ import hashlib
 import json
 import os
 import tempfile
+import warnings
 from collections.abc import Callable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
@@ -16,6 +17,8 @@ from typing import Any
 import blake3
 import torch
 from safetensors import safe_open
+
+from trainer.errors import CheckpointCorrupt, CheckpointError
 
 _CHUNK = 64 << 20
 
@@ -136,17 +139,123 @@ def _write_all(fd: int, data: bytes) -> None:
         view = view[os.write(fd, view) :]
 
 
-def _tensor_bytes(t: torch.Tensor) -> memoryview:
+def _tensor_bytes(t: torch.Tensor, name: str, what: str) -> memoryview:
     t = t.detach()
     if t.device.type != "cpu":
         t = t.cpu()
     t = t.contiguous()
+    check_finite(name, t, what)
     if t.numel() == 0:
         return memoryview(b"")
     return memoryview(t.reshape(-1).view(torch.uint8).numpy())
 
 
-def write_safetensors(f, tensors: Mapping[str, torch.Tensor], on_bytes: Callable[[memoryview], None]) -> int:
+# Float dtypes torch has no isfinite or sum for on the CPU: checked as float16, which holds each of their values.
+_WIDEN = {torch.float8_e4m3fn, torch.float8_e4m3fnuz, torch.float8_e5m2, torch.float8_e5m2fnuz}
+
+
+class NonFiniteTensor(CheckpointCorrupt):
+    """A tensor to be saved (or read from a checkpoint) holds inf or NaN: such a checkpoint is never committed,
+    and one found in a root is invalid (a run resumed from it would train nothing but NaN)."""
+
+
+def all_finite(t: torch.Tensor) -> bool:
+    """Whether `t` holds no inf or NaN (integer and bool tensors always do).
+
+    One sum first: an inf or NaN anywhere makes the sum inf or NaN, so a finite sum proves every element
+    finite, at memory speed (about 5 GB/s a core here, where `isfinite(t).all()` ran 0.5). Only a sum that is
+    not finite (a real inf or NaN, or finite values whose sum overflowed) gets the element-wise check."""
+    if not (t.is_floating_point() or t.is_complex()) or t.numel() == 0:
+        return True
+    if t.dtype in _WIDEN:
+        t = t.to(torch.float16)
+    if bool(torch.isfinite(t.sum())):
+        return True
+    return bool(torch.isfinite(t).all())
+
+
+def check_finite(name: str, t: torch.Tensor, where: str) -> None:
+    """NonFiniteTensor naming the tensor and where it is, if `t` holds an inf or NaN."""
+    if not all_finite(t):
+        raise NonFiniteTensor(
+            f"{where}: tensor {name!r} holds inf or NaN values. A checkpoint never keeps non-finite weights: "
+            "the training that produced them diverged (see train.max_nonfinite_steps), or the file was altered"
+        )
+
+
+class FiniteScan:
+    """The inf/NaN check of a safetensors file's tensors on the bytes streaming through its digest: `update`
+    takes the file's chunks in order, so a verify reads each file once.
+
+    The header is taken from the stream's first bytes and parsed by `parse_header(prefix)` (the reader's
+    checked parser: (header entries, data offset)); a header it refuses, or longer than `max_header_bytes`,
+    ends the scan (`skipped`), since the structure check names that defect. `bad` lists the tensors found
+    holding inf or NaN."""
+
+    def __init__(self, parse_header: Callable[[bytes], tuple[Mapping[str, Any], int]], max_header_bytes: int):
+        self._parse_header = parse_header
+        self._max_header = max_header_bytes
+        self._prefix = bytearray()  # the bytes up to the end of the header, until it is parsed
+        self._regions: list[tuple[int, int, torch.dtype, str]] | None = None
+        self._pos = 0
+        self._carry = b""  # the start of an element the previous chunk cut off
+        self.skipped = False
+        self.bad: list[str] = []
+
+    def update(self, chunk: bytes | memoryview) -> None:
+        if self.skipped:
+            return
+        pos, end = self._pos, self._pos + len(chunk)
+        self._pos = end
+        if self._regions is None and not self._header_from(chunk):
+            return
+        for start, stop, dtype, name in self._regions:
+            if stop <= pos or start >= end:
+                continue
+            lo, hi = max(start, pos), min(stop, end)
+            piece = bytes(chunk[lo - pos : hi - pos])
+            if lo == pos and self._carry:
+                piece, self._carry = self._carry + piece, b""
+            whole = len(piece) - len(piece) % dtype.itemsize
+            if hi == end and hi < stop:
+                self._carry = piece[whole:]
+            if whole and name not in self.bad:
+                with warnings.catch_warnings():  # a bytes object is read-only: nothing here writes to it
+                    warnings.simplefilter("ignore", UserWarning)
+                    values = torch.frombuffer(piece, dtype=dtype, count=whole // dtype.itemsize)
+                if not all_finite(values):
+                    self.bad.append(name)
+
+    def _header_from(self, chunk: bytes | memoryview) -> bool:
+        """Gather the header's bytes; once all are in, parse it (True: the tensors' regions are known)."""
+        self._prefix += chunk
+        if len(self._prefix) < 8:
+            return False
+        n = int.from_bytes(self._prefix[:8], "little")
+        if n > self._max_header:
+            self.skipped = True
+            return False
+        if len(self._prefix) < 8 + n:
+            return False
+        try:
+            header, data_start = self._parse_header(bytes(self._prefix[: 8 + n]))
+        except (ValueError, CheckpointError):
+            self.skipped = True
+            return False
+        self._regions = []
+        for name, h in header.items():
+            dtype = SAFETENSORS_DTYPES[h["dtype"]]
+            start, stop = (data_start + int(o) for o in h["data_offsets"])
+            if (dtype.is_floating_point or dtype.is_complex) and stop > start:
+                self._regions.append((start, stop, dtype, name))
+        self._regions.sort()
+        self._prefix = bytearray()
+        return True
+
+
+def write_safetensors(
+    f, tensors: Mapping[str, torch.Tensor], on_bytes: Callable[[memoryview], None], what: str = "checkpoint save"
+) -> int:
     """Stream `tensors` to file object `f` in the safetensors format; returns bytes written.
 
     Written by hand because the safetensors package can only serialize to a
@@ -154,6 +263,10 @@ def write_safetensors(f, tensors: Mapping[str, torch.Tensor], on_bytes: Callable
     to any fsspec file (S3, GCS) without a second full copy in memory while the
     digest is computed on the way. The result is read back with the safetensors
     library itself (tests check the round trip).
+
+    Each tensor is checked for inf and NaN on the way (`check_finite`, on the copy its bytes are taken from):
+    NonFiniteTensor (naming `what`, the file) stops the write before its first byte, so the store never
+    commits (nor prunes for) a checkpoint holding one.
     """
     header: dict[str, Any] = {}
     offset = 0
@@ -169,7 +282,7 @@ def write_safetensors(f, tensors: Mapping[str, torch.Tensor], on_bytes: Callable
     raw += b" " * (-len(raw) % 8)
     head = memoryview(len(raw).to_bytes(8, "little") + raw)
     total = 0
-    for chunk in [head] + [_tensor_bytes(tensors[n]) for n in names]:
+    for chunk in [head] + [_tensor_bytes(tensors[n], n, what) for n in names]:
         for i in range(0, len(chunk), _CHUNK):
             piece = chunk[i : i + _CHUNK]
             on_bytes(piece)

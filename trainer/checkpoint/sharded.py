@@ -47,7 +47,7 @@ from torch.distributed.checkpoint.storage import StorageReader
 from torch.distributed.tensor import DTensor
 from torch.futures import Future
 
-from trainer.checkpoint.format import DTYPE_NAMES, entry_digest, new_digest, torch_dtype
+from trainer.checkpoint.format import DTYPE_NAMES, check_finite, entry_digest, new_digest, torch_dtype
 from trainer.checkpoint.layout import (
     SHARD_INDEX,
     group_files,
@@ -350,6 +350,7 @@ class ChunkReader(StorageReader):
             t = t.view(dtype).reshape(rows_shape)
             for d in range(1, len(rows_shape)):
                 t = t.narrow(d, item.storage_offsets[d], item.lengths[d])
+            check_finite(item.storage_index.fqn, t, f"{self.info.url}/{name}")  # never resume into NaN weights
             out.append((item, t))
         return out
 

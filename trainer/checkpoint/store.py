@@ -275,7 +275,7 @@ class CheckpointStore(CheckpointRetention):
                 f.write(payload)
                 n = len(payload)
             else:
-                n = write_safetensors(f, payload, digest.update)
+                n = write_safetensors(f, payload, digest.update, f"checkpoint save of {path}")
             if self._local:
                 fsync(f)  # payload durable before the manifest commits it
             return {"bytes": n, digest.algorithm: digest.hexdigest()}

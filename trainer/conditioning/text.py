@@ -375,6 +375,10 @@ class TextEncoder:
         except (OSError, RuntimeError) as e:  # a torn file from a killed writer: encode again
             log.warning("text cache %s unreadable (%s); encoding again", path, e)
             return False
+        bad = [k for k in ("tokens", "mask", "pooled") if k in t and not bool(torch.isfinite(t[k].float()).all())]
+        if bad:  # an embedding with inf or NaN would make every weight NaN; the encoder gives it again
+            log.warning("text cache %s holds inf or NaN values in %s; encoding again", path, ", ".join(bad))
+            return False
         self._memory[caption] = (t["tokens"], t["mask"], t["pooled"])
         self.from_disk += 1
         return True

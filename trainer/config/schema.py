@@ -64,6 +64,12 @@ class TrainConfig(_Section):
     weight_decay: Finite = Field(0.0, ge=0)
     betas: Betas = (0.9, 0.999)
     max_grad_norm: Finite | None = Field(1.0, gt=0)
+    max_nonfinite_steps: int = Field(
+        8,
+        ge=0,
+        description="stop (exit 2) after this many steps in a row whose loss or gradient norm was inf or NaN (such "
+        "steps are never applied); 0 = never stop",
+    )
     optimizer: OptimizerName = Field(
         "adamw", description="every part's optimizer: adamw, or adamw8bit (8-bit state, the lowbit extra)"
     )

@@ -180,8 +180,9 @@ def read_embedding(f: BinaryIO) -> np.ndarray:
     """A .npy embedding as float32 (its shape kept); ValueError naming the defect for anything else.
 
     Never unpickles: the header is read first and an object dtype refused before any data is;
-    strings, structured and complex arrays, empty arrays and truncated files are refused too,
-    so a sidecar either gives numbers or is the reason its sample is skipped."""
+    strings, structured and complex arrays, empty arrays, truncated files and inf or NaN values (also
+    float64 values beyond float32's range) are refused too, so a sidecar either gives finite numbers or is
+    the reason its sample is skipped."""
     try:
         version = np.lib.format.read_magic(f)
         if version == (1, 0):
@@ -197,9 +198,12 @@ def read_embedding(f: BinaryIO) -> np.ndarray:
         if 0 in shape:
             raise ValueError(f"empty array of shape {list(shape)}")
         f.seek(0)
-        return np.asarray(np.lib.format.read_array(f, allow_pickle=False), dtype=np.float32)
+        values = np.asarray(np.lib.format.read_array(f, allow_pickle=False), dtype=np.float32)
     except EOFError as e:
         raise ValueError(f"truncated ({e})") from None
+    if not np.isfinite(values).all():  # one inf would make every weight NaN: the sample is skipped instead
+        raise ValueError("holds inf or NaN values")
+    return values
 
 
 def read_metadata_captions(

@@ -19,10 +19,16 @@ from trainer.engine.shard import full_value, is_fsdp, reshard
 from trainer.engine.wrap import Wrapping
 from trainer.errors import ConfigError
 from trainer.models.finetune import cast_frozen_base
-from trainer.optim import OptimSettings, build_ema, build_lr_schedule, build_optimizer
+from trainer.optim import OptimSettings, build_ema, build_lr_schedule, build_optimizer, step_unless
 from trainer.tasks.base import FrozenWeights
 
 log = logging.getLogger(__name__)
+
+
+def nonfinite(*values: torch.Tensor) -> torch.Tensor:
+    """1.0 when any of `values` (0-d tensors on one device) is inf or NaN, else 0.0: a float32 0-d tensor on
+    the device, computed there (the host never waits for it)."""
+    return (~torch.isfinite(torch.stack([v.detach().float() for v in values]))).any().float()
 
 
 class Part:
@@ -81,20 +87,40 @@ class Part:
 
     def optimizer_step(self) -> torch.Tensor:
         """Unscale, clip, step optimizer, schedule and EMA; returns the gradient norm before clipping, a
-        0-d tensor on the device (read at the log cadence, never here: see trainer.engine.report)."""
-        self.fence()  # everything below changes state a background save may still be copying
+        0-d tensor on the device (read at the log cadence, never here: see trainer.engine.report). A
+        non-finite norm skips the optimizer step (see `apply_step`); a run's steps go through StepRunner,
+        which decides for all the step's parts together."""
+        norm = self.clip_gradients()
+        self.apply_step(nonfinite(norm))
+        return norm
+
+    def clip_gradients(self) -> torch.Tensor:
+        """The first half of a step: unscale (fp16) and clip; the gradient norm before clipping (0-d, on the
+        device, never read here). Over DTensor gradients it is computed over every rank's shard (one
+        all-reduce); under DDP every rank holds the same all-reduced gradients: the same norm everywhere."""
+        self.fence()  # everything from here on changes state a background save may still be copying
         self.scaler.unscale_(self.optimizer)
         max_norm = self.settings.max_grad_norm
         params = [p for p in self.params if p.grad is not None]
-        # Over DTensor gradients the norm is computed over every rank's shard (one all-reduce).
         norm = full_value(torch.nn.utils.clip_grad_norm_(params, max_norm if max_norm else float("inf")))
-        self.scaler.step(self.optimizer)
+        return norm.detach()
+
+    def apply_step(self, skip: torch.Tensor) -> None:
+        """The second half: the optimizer step, unless `skip` (float32 on the device, 1.0 when the step's loss or
+        a gradient norm was not finite) says otherwise, decided on the device (trainer.optim.step_unless); then
+        the loss scale, the schedule, the EMA and the part's step count.
+
+        A skipped step still counts: the schedule, the EMA's decay and `step` advance (they are host-side
+        counters, and following the device's decision would wait for the device every step). The weights
+        and the optimizer's state are left as they were, so the EMA averages in unchanged, finite weights.
+        The fp16 scaler's own overflow check (`unscale_`) sets its next scale; its `step` is not used, since
+        it would hand the optimizer its own flag only (and read it on the host for other optimizers)."""
+        step_unless(self.optimizer, skip)
         self.scaler.update()
         self.lr_schedule.step()
         if self.ema is not None:
             self.ema.step(self.module.parameters())
         self.step += 1
-        return norm.detach()
 
     @property
     def sharded(self) -> bool:
@@ -110,7 +136,7 @@ class Part:
 
     # ---- state
     def stable_tensors(self) -> list[torch.Tensor]:
-        """Tensors that change only in `optimizer_step`, `load_state_dict` or an EMA swap (all behind
+        """Tensors that change only in `apply_step`, `load_state_dict` or an EMA swap (all behind
         `fence`): parameters, EMA weights, optimizer state. Buffers are not among them."""
         out = list(self.module.parameters())
         if self.ema is not None:

@@ -1,4 +1,5 @@
-"""Training progress: the global step, the data position and the skipped samples, saved with every checkpoint."""
+"""Training progress: the global step, the data position, the skipped samples and the steps not applied (their
+loss or gradient norm was not finite), saved with every checkpoint."""
 
 from __future__ import annotations
 
@@ -21,6 +22,9 @@ from trainer.randomness import CURRENT_STREAM, STREAM_PER_SAMPLE_CPU, STREAMS, s
 MIN_SKIPPED_TO_STOP = 32
 # How many skipped files (the first ones, each with its reason) are remembered and named in the stop message.
 MAX_SKIPPED_FILES = 5
+# Of a streak of non-finite steps, the first this many and then every this many-th are logged one by one.
+_NONFINITE_LOG_FIRST = 3
+_NONFINITE_LOG_EVERY = 100
 # A tracker run id as W&B and MLflow write them (hex, letters, digits, - and _); the checkpoint is not trusted.
 _RUN_ID = re.compile(r"[A-Za-z0-9_-]{1,128}")
 
@@ -37,6 +41,14 @@ class TrainProgress:
 
     `max_skipped_fraction` (`data.max_skipped_fraction`) stops a run training
     on nothing: see `check_skipped`.
+
+    `nonfinite_steps` counts the steps that were not applied because their
+    loss or a gradient norm was inf or NaN (trainer.engine.step), and
+    `nonfinite_streak` those in a row up to the newest step read, the first
+    of them `nonfinite_first`: `max_nonfinite_steps` in a row stop the run
+    (`check_nonfinite`). Each step's verdict stays on the device until it is
+    read (`post_verdict`, `settle_verdicts`): at the reporter's reads, every
+    `max_nonfinite_steps` steps, and before a checkpoint saves the counts.
     """
 
     def __init__(
@@ -47,6 +59,7 @@ class TrainProgress:
         seed: int,
         order: Mapping[str, Any] | None = None,
         max_skipped_fraction: float = 1.0,
+        max_nonfinite_steps: int = 8,
     ):
         self.batch_size = batch_size
         # The config keys the sample order is a function of (besides the cursor): a resume under other
@@ -60,6 +73,13 @@ class TrainProgress:
         self.cursor = 0
         self.skipped_samples = 0
         self.skipped_files: list[str] = []
+        self.max_nonfinite_steps = max_nonfinite_steps
+        self.nonfinite_steps = 0
+        self.nonfinite_streak = 0
+        self.nonfinite_first: int | None = None
+        self._verdicts: list[tuple[int, torch.Tensor]] = []  # (step, 0-d flag on the device), not yet read
+        # (step, how many in a row there) of the steps found non-finite, not yet reported (see `take_nonfinite`)
+        self._nonfinite_news: list[tuple[int, int]] = []
         self.saved_world_size: int | None = None
         self.saved_time: float | None = None
         # The tracker runs this run logs into (W&B and MLflow run ids, see Reporter.start_trackers).
@@ -117,13 +137,71 @@ class TrainProgress:
             "or remove those files and resume, or raise data.max_skipped_fraction (1 = never stop)"
         )
 
+    # ---- steps not applied (non-finite loss or gradient norm)
+    def post_verdict(self, step: int, flag: torch.Tensor) -> None:
+        """Step `step`'s verdict (1.0: not applied), a tensor on the device, kept unread until `settle_verdicts`.
+        Every `max_nonfinite_steps` steps the older ones are read (on CUDA all but this step's, which the device
+        may still be computing: the host then waits for work queued before this step, never for this step)."""
+        self._verdicts.append((step, flag.detach()))
+        every = self.max_nonfinite_steps
+        if every and step % every == 0:
+            self.settle_verdicts(len(self._verdicts) - (1 if flag.is_cuda else 0))
+
+    def settle_verdicts(self, count: int | None = None) -> None:
+        """Read the first `count` pending verdicts (all by default) in one transfer and count them. Every rank
+        holds the same verdicts (see StepRunner.nonfinite_verdict) and settles at the same steps."""
+        count = len(self._verdicts) if count is None else max(count, 0)
+        due, self._verdicts = self._verdicts[:count], self._verdicts[count:]
+        if not due:
+            return
+        flags = torch.stack([f.to(due[0][1].device).float().reshape(()) for _, f in due]).tolist()
+        for (step, _), flag in zip(due, flags, strict=True):
+            if flag:
+                self.nonfinite_steps += 1
+                self.nonfinite_streak += 1
+                if self.nonfinite_streak == 1:
+                    self.nonfinite_first = step
+                n = self.nonfinite_streak
+                if n <= _NONFINITE_LOG_FIRST or n % _NONFINITE_LOG_EVERY == 0:
+                    self._nonfinite_news.append((step, n))
+            else:
+                self.nonfinite_streak = 0
+                self.nonfinite_first = None
+
+    def take_nonfinite(self) -> tuple[int, list[tuple[int, int]]]:
+        """(steps not applied in all, (step, in a row) of those to log since the last call): the reporter's."""
+        news, self._nonfinite_news = self._nonfinite_news, []
+        return self.nonfinite_steps, news
+
+    def check_nonfinite(self) -> None:
+        """Stop (ConfigError: exit 2, never retried) after `max_nonfinite_steps` steps in a row that were not
+        applied: the run is not training, and restarting it would repeat the same steps. None of those steps
+        touched the weights, so the last checkpoint is as good as any later one. 0 never stops."""
+        limit = self.max_nonfinite_steps
+        if not limit or self.nonfinite_streak < limit:
+            return
+        raise ConfigError(
+            f"train.max_nonfinite_steps={limit}: the last {self.nonfinite_streak} steps (from step "
+            f"{self.nonfinite_first} on) had a loss or gradient norm that was inf or NaN, so none of them was "
+            f"applied and the run is not training ({self.nonfinite_steps} such steps in this run). Likely causes: "
+            "a learning rate too high for the model (the run diverged: lower train.lr or lengthen "
+            "train.warmup_steps), a corrupt sample or input producing inf/NaN (check the data from that step's "
+            "cursor on), fp16 overflow (train.precision=fp16: use bf16). Fix it and resume from the last "
+            "checkpoint (no step of the streak changed its weights), or raise train.max_nonfinite_steps (0 = never "
+            "stop)"
+        )
+
     def state_dict(self) -> dict[str, Any]:
+        self.settle_verdicts()  # the counts saved hold every step of the checkpoint
         return {
             "step": self.step,
             "cursor": self.cursor,
             "epoch": self.epoch,
             "skipped_samples": self.skipped_samples,
             "skipped_files": list(self.skipped_files),
+            "nonfinite_steps": self.nonfinite_steps,
+            "nonfinite_streak": self.nonfinite_streak,
+            "nonfinite_first": self.nonfinite_first,
             "world_size": self.world_size,
             "seed": self.seed,
             "order": self.order,
@@ -152,6 +230,14 @@ class TrainProgress:
         files = state.get("skipped_files")
         files = files if isinstance(files, list) else []
         self.skipped_files = [f for f in files if isinstance(f, str)][:MAX_SKIPPED_FILES]
+        # Absent before they were counted; validity.py types them, anything else from an older file is 0/None.
+        self.nonfinite_steps = _count(state.get("nonfinite_steps"))
+        self.nonfinite_streak = min(_count(state.get("nonfinite_streak")), self.nonfinite_steps)
+        first = state.get("nonfinite_first")
+        self.nonfinite_first = first if self.nonfinite_streak and _count(first) == first else None
+        if self.nonfinite_first is None:
+            self.nonfinite_streak = 0
+        self._verdicts, self._nonfinite_news = [], []
         # The tracker runs to continue ({"wandb": id, "mlflow": run id}): ids only, anything else is dropped.
         trackers = state.get("trackers")
         trackers = trackers if isinstance(trackers, dict) else {}
@@ -171,6 +257,11 @@ class TrainProgress:
         set_stream_version(stream)
         self.saved_world_size = state.get("world_size")
         self.saved_time = state.get("time_unix")
+
+
+def _count(value: Any) -> int:
+    """A non-negative int from a checkpoint, else 0."""
+    return value if isinstance(value, int) and not isinstance(value, bool) and value >= 0 else 0
 
 
 class JobAgreement:

@@ -19,6 +19,7 @@ from accelerate.tracking import get_available_trackers
 from trainer.config.redact import redact
 from trainer.elastic import broadcast_object
 from trainer.engine.progress import TrainProgress
+from trainer.engine.step import NONFINITE
 from trainer.errors import ConfigError
 from trainer.media import contact_sheet, make_grid
 from trainer.metrics import TrainingMetrics
@@ -238,6 +239,10 @@ def flat_hparams(tree: dict, prefix: str = "") -> dict[str, Any]:
     return out
 
 
+def _finite(values: dict[str, float]) -> bool:
+    return all(math.isfinite(v) for v in values.values())
+
+
 class Reporter:
     """Everything a step, a validation or a preview reports, to people and machines.
 
@@ -280,8 +285,13 @@ class Reporter:
         self._window_start: float | None = None
         self._window_steps = 0
         self._excluded = 0.0  # seconds of checkpoints, validation and previews inside the window
+        # Steps not applied: how many the metric has counted (set at `start`, after the resume: the metric counts
+        # this process's), and the values read of non-finite steps, to name in the log.
+        self._nonfinite_counted = 0
+        self._nonfinite_values: dict[int, dict[str, float]] = {}
 
     def start(self) -> None:
+        self._nonfinite_counted = self.progress.nonfinite_steps
         if self.is_main and sys.stderr.isatty():
             from tqdm.auto import tqdm
 
@@ -298,6 +308,9 @@ class Reporter:
             self._window_start = t0
         self._window_steps += 1
         self.metrics.on_step(step, len(batch["positions"]), t_data, lr, batch["skipped"])
+        verdict = logs.pop(NONFINITE, None)  # every rank holds it (the same value): counted, not logged as a value
+        if verdict is not None:
+            self.progress.post_verdict(step, verdict)
         if "io" in batch:
             self.metrics.on_data_io(batch["io"])
         if self._ledger_enabled:
@@ -308,6 +321,8 @@ class Reporter:
             self._pending.append((step, logs, lr, t_data))
         if self.read_due(step):
             self.read()
+        else:
+            self._report_nonfinite()
 
     def read_due(self, step: int) -> bool:
         """The steps whose values are read (and logged): every `train.log_every_steps`, the first and the last."""
@@ -320,8 +335,8 @@ class Reporter:
             self._excluded += seconds
 
     def read(self) -> None:
-        """Read every pending step's values (one device-to-host transfer), warn about the first non-finite
-        one by its step, log the newest, and restart the rate window. Every rank calls it at the same steps
+        """Read every pending step's values (one device-to-host transfer) and the steps' verdicts (counted, the
+        steps not applied logged: `_report_nonfinite`), log the newest, and restart the rate window. Every rank calls it at the same steps
         (rank 0 alone holds values); it waits for the device only here."""
         now = time.perf_counter()
         steps_run = max(1, self._window_steps)
@@ -330,14 +345,13 @@ class Reporter:
         pending, self._pending = self._pending, []
         self.metrics.on_step_time(seconds, steps_run)
         if not pending:
+            self._report_nonfinite(settle=True)
             return
         flat = [v for _, logs, _, _ in pending for v in logs.values()]
         numbers = iter(torch.stack([v.float() for v in flat]).tolist() if flat else [])
         rows = [(s, {k: next(numbers) for k in logs}, lr, t_data) for s, logs, lr, t_data in pending]
-        for s, values, _, _ in rows:
-            if not all(math.isfinite(v) for v in values.values()):
-                log.warning("non-finite loss or grad norm at step %d: %s", s, values)
-                break
+        self._nonfinite_values.update({s: values for s, values, _, _ in rows if not _finite(values)})
+        self._report_nonfinite(settle=True)
         step, values, lr, t_data = rows[-1]
         perf = {"samples_per_s": self.progress.batch_size / seconds, **self.throughput.rates(seconds)}
         losses = {k.rsplit("/", 1)[0]: v for k, v in values.items() if k.endswith("/loss")}
@@ -362,6 +376,31 @@ class Reporter:
                 t_data,
                 self.progress.epoch,
             )
+
+    def _report_nonfinite(self, settle: bool = False) -> None:
+        """With `settle`, read every pending verdict first (TrainProgress.settle_verdicts; the reads do, which
+        wait for the device anyway). Then log the steps found not applied, count them
+        (gentrain_nonfinite_steps_total), then stop the run with exit 2 if too many came in a row. Every rank
+        calls it at the same steps with the same verdicts, so every rank stops at the same step."""
+        if settle:
+            self.progress.settle_verdicts()
+        total, news = self.progress.take_nonfinite()
+        if self.is_main:
+            for s, in_a_row in news:
+                values = self._nonfinite_values.get(s)
+                log.warning(
+                    "step %d not applied: its loss or gradient norm is inf or NaN%s (%d in a row, %d in this run; "
+                    "train.max_nonfinite_steps=%d in a row stop the run)",
+                    s,
+                    f" ({' '.join(f'{k}={v}' for k, v in values.items())})" if values else "",
+                    in_a_row,
+                    total,
+                    self.progress.max_nonfinite_steps,
+                )
+            self.metrics.on_nonfinite_steps(total - self._nonfinite_counted)
+        self._nonfinite_counted = total
+        self._nonfinite_values = {}
+        self.progress.check_nonfinite()
 
     def on_validation(self, step: int, values: dict[str, float]) -> None:
         if not self.is_main:

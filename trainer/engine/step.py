@@ -13,6 +13,9 @@ Why the details are the way they are:
   one drew, whatever else consumed random numbers before (data loader
   iterators, sampling, validation). Per-sample draws that must not depend on
   the world size use trainer.randomness.sample_generators instead.
+- A step whose loss or gradient norm is not finite is not applied (`nonfinite_verdict`), decided
+  on the device so the host never waits: one bad batch or a divergence spike costs a step, never
+  the weights. TrainProgress counts these steps and stops a run that has nothing but them.
 """
 
 from __future__ import annotations
@@ -25,10 +28,11 @@ from typing import Any
 
 import numpy as np
 import torch
+import torch.distributed as dist
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from trainer.config import Config
-from trainer.engine.parts import FrozenPart, ModuleView, Part
+from trainer.engine.parts import FrozenPart, ModuleView, Part, nonfinite
 from trainer.engine.runtime import Runtime
 from trainer.engine.shard import is_fsdp
 from trainer.engine.throughput import StepFlops
@@ -37,6 +41,10 @@ from trainer.randomness import Stream, stream_seed
 from trainer.tasks.base import Batch, Phase, StepInfo, Task
 
 log = logging.getLogger(__name__)
+
+# The key of a step's logs holding its verdict: 1.0 when the step was not applied (its loss or a gradient norm
+# was not finite). The reporter hands it to TrainProgress, which counts; it is not logged as a value.
+NONFINITE = "step/nonfinite"
 
 
 def autocast(device: torch.device, precision: str):
@@ -227,6 +235,7 @@ class StepRunner:
     def run(self, batch: dict, step: int) -> dict[str, torch.Tensor]:
         """One optimizer step of every part the task trains now; returns this rank's logs as 0-d tensors on
         the device. Nothing here waits for the device: the reporter reads the values at its cadence.
+        `logs[NONFINITE]` is 1.0 when the step was not applied (`nonfinite_verdict`).
 
         Phases of parts this run does not train (outside `train.stages`) or that reached their own
         `optim.<part>.max_steps` are dropped: those parts are not touched at all."""
@@ -238,5 +247,23 @@ class StepRunner:
             self.parts[phase.part].optimizer.zero_grad(set_to_none=True)
         logs = self.accumulate(batch, step, phases)
         for phase in phases:
-            logs[f"{phase.name}/grad_norm"] = self.parts[phase.part].optimizer_step()
+            logs[f"{phase.name}/grad_norm"] = self.parts[phase.part].clip_gradients()
+        skip = self.nonfinite_verdict(logs, phases)
+        for phase in phases:
+            self.parts[phase.part].apply_step(skip)
+        logs[NONFINITE] = skip
         return logs
+
+    def nonfinite_verdict(self, logs: Mapping[str, torch.Tensor], phases: list[Phase]) -> torch.Tensor:
+        """1.0 (float32, on the device) when this step must not be applied: a phase's loss or a part's gradient
+        norm is inf or NaN. One verdict for the whole step, so no part takes a step its partner skipped.
+
+        Decided on the device; the host never waits for it (the reporter reads it later, see
+        TrainProgress.post_verdict). The norms are the same on every rank (DDP all-reduces the gradients,
+        FSDP the norm); a loss is this rank's, so under several processes the verdict is all-reduced (max,
+        one scalar): every rank skips the same steps and the replicas never drift apart."""
+        values = [logs[f"{ph.name}/loss"] for ph in phases] + [logs[f"{ph.name}/grad_norm"] for ph in phases]
+        skip = nonfinite(*(v.to(self.device, non_blocking=True) for v in values))
+        if self.world_size > 1 and dist.is_available() and dist.is_initialized():
+            dist.all_reduce(skip, op=dist.ReduceOp.MAX)
+        return skip

@@ -70,7 +70,8 @@ def _read_npy(raw: bytes, name: str) -> np.ndarray:
 def decode_encoded_sample(members: dict[str, bytes], encoded: dict, flip: bool, aug_seed: int):
     """(posterior, label, extras) of an encoded sample: posterior = cat(mean, std) on the channel axis,
     float32 (the loader moves it like an image; the task splits it). The mirrored image's posterior when
-    `flip` and the sample's augmentation draw says so (the draw an image source flips by)."""
+    `flip` and the sample's augmentation draw says so (the draw an image source flips by). ValueError (the
+    loader skips and counts the sample) for a member that is malformed or holds inf or NaN."""
     names = _POSTERIOR_MEMBERS[bool(flip and aug_seed & 1)]
     mean, std = (_npy_view(members[name], name) for name in names)
     want = tuple(encoded["latent_shape"])
@@ -79,6 +80,8 @@ def decode_encoded_sample(members: dict[str, bytes], encoded: dict, flip: bool, 
     posterior = np.empty((2 * want[0], *want[1:]), np.float32)  # both halves converted straight into it
     posterior[: want[0]] = mean
     posterior[want[0] :] = std
+    if not np.isfinite(posterior).all():  # one inf would make every weight NaN: a corrupt sample, skipped
+        raise ValueError("posterior holds inf or NaN values")
     x = torch.from_numpy(posterior)
     label = int(members["cls"].decode().strip()) if "cls" in members else -1
     extras: dict[str, Any] = {}
@@ -86,7 +89,10 @@ def decode_encoded_sample(members: dict[str, bytes], encoded: dict, flip: bool, 
         extras["caption"] = members["txt"].decode("utf-8", errors="replace").strip()
     if encoded.get("text") is not None:
         for k in _TEXT:
-            extras[f"text_{k}"] = torch.from_numpy(_read_npy(members[f"text.{k}.npy"], f"text.{k}.npy"))
+            values = _read_npy(members[f"text.{k}.npy"], f"text.{k}.npy")
+            if not np.isfinite(values).all():
+                raise ValueError(f"member text.{k}.npy holds inf or NaN values")
+            extras[f"text_{k}"] = torch.from_numpy(values)
     return x, label, extras
 
 
