@@ -102,6 +102,7 @@ class Trainer:
                 seed=cfg.seed,
                 order=self._order_keys(),
                 max_skipped_fraction=cfg.data.max_skipped_fraction,
+                max_nonfinite_steps=t.max_nonfinite_steps,
             )
             frozen_records = {n: f.record for n, f in self.frozen.items()}
             self.checkpoints.attach(self.progress, self.parts, frozen_records, self.task.inputs())

@@ -37,7 +37,7 @@ import torch
 from fsspec.implementations.local import LocalFileSystem
 from safetensors.torch import load as safetensors_load
 
-from trainer.checkpoint.format import entry_digest, new_digest
+from trainer.checkpoint.format import FiniteScan, NonFiniteTensor, check_finite, entry_digest, new_digest
 from trainer.checkpoint.layout import (
     MANIFEST,
     SHARD_INDEX,
@@ -52,6 +52,7 @@ from trainer.checkpoint.layout import (
     whole_file,
 )
 from trainer.checkpoint.validity import (
+    MAX_HEADER_BYTES,
     check_rank_tensors,
     parse_json,
     parse_manifest,
@@ -254,23 +255,41 @@ class CheckpointReader:
         return data
 
     def verify_file(self, info: CheckpointInfo, name: str, chunk_bytes: int = 16 << 20) -> None:
-        """Stream one file through its digest (memory: one chunk); raises CheckpointCorrupt."""
+        """Stream one file through its digest (memory: one chunk); raises CheckpointCorrupt. A safetensors
+        file's tensors are checked for inf and NaN on the same bytes (NonFiniteTensor, after the digest)."""
         algorithm, _ = entry_digest(self.manifest_entry(info, name))
         h, n = new_digest(algorithm), 0
+        what = f"{info.url}/{name}"
+        scan = None
+        if is_tensor_file(name):
+            size = int(self.manifest_entry(info, name)["bytes"])
+            scan = FiniteScan(
+                lambda raw: parse_safetensors_header(lambda s, k: raw[s : s + k], size, what), MAX_HEADER_BYTES
+            )
         try:
             with self.fs.open(self._path(info.name, name), "rb") as f:
                 while chunk := f.read(chunk_bytes):
                     h.update(chunk)
+                    if scan is not None:
+                        scan.update(chunk)
                     n += len(chunk)
         except (FileNotFoundError, IsADirectoryError):
-            raise CheckpointCorrupt(f"{info.url}/{name} is missing or not a file") from None
+            raise CheckpointCorrupt(f"{what} is missing or not a file") from None
         self.check_digest(info, name, n, h.hexdigest(), algorithm)
+        if scan is not None and scan.bad:
+            raise NonFiniteTensor(
+                f"{what}: {len(scan.bad)} tensor(s) hold inf or NaN values ({', '.join(scan.bad[:5])}); a checkpoint "
+                "with non-finite weights is invalid (resuming from it would train nothing but NaN)"
+            )
 
     def read_tensors(self, info: CheckpointInfo, name: str) -> dict[str, torch.Tensor]:
         """A safetensors payload, digest-checked and its header checked before the library parses it."""
         data = self.read_file(info, name)
         parse_safetensors_header(lambda start, n: data[start : start + n], len(data), f"{info.url}/{name}")
-        return safetensors_load(data)
+        tensors = safetensors_load(data)
+        for key, t in tensors.items():
+            check_finite(key, t, f"{info.url}/{name}")
+        return tensors
 
     def read_json(self, info: CheckpointInfo, name: str) -> Any:
         """A JSON payload, digest-checked and, for the state files gentrain reads, checked against its schema."""
