@@ -19,6 +19,7 @@ import torch
 
 from trainer import __version__
 from trainer.config import Config
+from trainer.config.redact import secret_values
 from trainer.data import build_splits, build_train_loader, is_video
 from trainer.elastic import (
     EXIT_OK,
@@ -31,9 +32,11 @@ from trainer.elastic import (
     exit_now,
     run_within,
 )
+from trainer.engine.attempts import Attempts
 from trainer.engine.calibrate import Calibrator
 from trainer.engine.checkpoints import CheckpointManager
 from trainer.engine.compile import CompileStats, apply_compile
+from trainer.engine.compile_cache import RunCompileCache
 from trainer.engine.evaluate import Evaluator
 from trainer.engine.float8 import apply_float8
 from trainer.engine.parts import FrozenPart, Part, build_parts
@@ -48,7 +51,7 @@ from trainer.engine.throughput import Throughput
 from trainer.engine.upload import run_dir_uploader
 from trainer.engine.validate import Validator
 from trainer.engine.wrap import wrapping_for
-from trainer.errors import ConfigError
+from trainer.errors import ConfigError, CrashLoop
 from trainer.hostmem import keep_freed_memory
 from trainer.metrics import TrainingMetrics
 from trainer.randomness import seed_everything
@@ -88,6 +91,7 @@ class Trainer:
             linger_seconds=cfg.metrics.linger_seconds,
         )
         self.checkpoints = CheckpointManager(cfg, runtime, self.metrics)
+        self.attempts = Attempts(self.checkpoints.store, env, secret_values(cfg.to_dict()))
         try:  # a refusal while building (exit 2) gives the root's lease back: nothing of the run stays behind
             self.uploader = run_dir_uploader(cfg) if env.is_main else None
             self.train_set, self.val_set, num_classes = build_splits(cfg)
@@ -187,14 +191,29 @@ class Trainer:
     def fit(self) -> int:
         try:
             return self._fit()
-        except BaseException:  # a refusal (exit 2) or a crash: the next launch need not wait for the lease
+        except BaseException as e:  # a refusal (exit 2) or a crash: the next launch need not wait for the lease
+            loop = self._record_crash(e)
             self.checkpoints.release_lease()
+            if loop is not None:  # the same crash a third time: exit 2, not another restart
+                log.error("the crash, as in the attempts before this one:", exc_info=e)
+                raise loop from None
             raise
+
+    def _record_crash(self, error: BaseException) -> CrashLoop | None:
+        """Record a crash in the run's attempts (trainer.engine.attempts); the CrashLoop to raise instead when it
+        is the third in a row. Never raises: the crash itself is what the process exits with."""
+        try:
+            return self.attempts.crashed(error, self.progress.step, self.checkpoints.saved_step)
+        except Exception as e:  # noqa: BLE001 - bookkeeping on the way out
+            log.warning("could not record the crash in the run's attempts: %s", e)
+            return None
 
     def _fit(self) -> int:
         cfg, progress = self.cfg, self.progress
         self.stop_request.install()
         self.checkpoints.resume()
+        resumed = progress.step if self.checkpoints.resumed_from is not None else None
+        self.attempts.start(resumed, self.checkpoints.store.timeline.run)  # counts crashes from here on
         # After the resume: a restarted or resumed job continues the tracker runs its checkpoint names.
         progress.trackers = self.reporter.start_trackers(flat_hparams(cfg.to_dict()), progress.trackers)
         self.clock.mark("resume")
@@ -230,6 +249,8 @@ class Trainer:
             elif compile_pending:  # the first compiled step (a step counted for real runs eagerly)
                 compile_pending = False
                 log.info("%s", CompileStats.now().line())
+                if self.compile_cache is not None:
+                    self.compile_cache.save_once()
             first_step = False
             progress.advance()
             stop = self._settle(agreement.post(self.stop_request.requested, batch))
@@ -333,6 +354,19 @@ class Trainer:
             order |= {"data.shard_window": data.shard_window, "data.shuffle_block": data.shuffle_block}
         return order
 
+    def _compile_cache(self) -> RunCompileCache | None:
+        """The run's compile cache on its checkpoint store (trainer.engine.compile_cache), restored by each
+        node's local rank 0 before the wrapper's first collective (DDP's and FSDP2's broadcast of the weights),
+        so no rank of the node compiles, at its first step, before the folder is whole."""
+        store = self.checkpoints.store
+        t = self.cfg.train
+        graphs = ("precision", "parallel", "cpu_offload", "activation_checkpointing", "float8", "micro_batch_size")
+        what = {"model": self.cfg.model_cfg.model_dump(mode="json"), **{k: getattr(t, k, None) for k in graphs}}
+        cache = RunCompileCache.for_run(store.fs, store.root, self.runtime.device, what)
+        if cache is not None and self.env.is_local_main:
+            cache.restore_if_empty()
+        return cache
+
     def _build_parts(self) -> tuple[dict[str, Part], dict[str, FrozenPart]]:
         """Frozen parts first (pinned to the resume checkpoint's sources), then the task's modules, wrapped
         for the process layout (one process, DDP or FSDP: see trainer.engine.wrap)."""
@@ -355,6 +389,8 @@ class Trainer:
         # Only parts this run trains are wrapped (a cascade stage outside train.stages is not).
         learning = set(self.task.learning_parts())
         apply_float8(modules, learning, self.cfg.train.float8, self.runtime.device, self.cfg.task)
+        # Restored before the wrapper's first collective, which every rank waits at (see _compile_cache).
+        self.compile_cache = self._compile_cache() if self.cfg.train.compile else None
         wrapping.prepare(modules, frozen=frozen, learning=learning)
         apply_activation_checkpointing(modules, learning, self.cfg.train.activation_checkpointing, self.cfg.task)
         if self.cfg.train.compile:

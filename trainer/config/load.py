@@ -365,9 +365,10 @@ def parse_overrides(args: Iterable[str]) -> dict[str, Any]:
     return _override_layer(args)[0]
 
 
-# Variables gentrain itself sets for its workers, test failpoints (GENTRAIN_FAULT_*) and the test suite's
-# own settings (GENTRAIN_TEST_*, docs/development.md); never config keys.
-_ENV_NOT_CONFIG = {"GENTRAIN_METRICS_DIR"}
+# Variables gentrain itself sets for its workers, secrets that must never reach a config (which checkpoints
+# record: the compile cache's HMAC key, trainer/engine/compile_cache.py), test failpoints (GENTRAIN_FAULT_*) and
+# the test suite's own settings (GENTRAIN_TEST_*, docs/development.md); never config keys.
+_ENV_NOT_CONFIG = {"GENTRAIN_METRICS_DIR", "GENTRAIN_COMPILE_CACHE_KEY"}
 _ENV_NOT_CONFIG_PREFIXES = ("GENTRAIN_FAULT_", "GENTRAIN_TEST_")
 
 
