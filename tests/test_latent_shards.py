@@ -260,9 +260,12 @@ def test_encoded_shards_without_digests_are_refused_naming_the_fix(tmp_path, enc
     for e in listed["shardlist"]:
         del e["digest"], e["index_digest"]
     (old / "shards.json").write_text(json.dumps(listed))
-    with pytest.raises(ConfigError, match=r"no content digests.*gentrain data encode"):
-        load_shard_list(f"{old}/shards.json", None)
-    assert load_shard_list(f"{encoded}/shards.json", None).index_digests[0].startswith("blake3:")
+    for urls in (f"{old}/shards.json", f"{old}/{{000000..000003}}.tar"):  # the list, or patterns beside it
+        with pytest.raises(ConfigError, match=r"no content digests.*gentrain data encode"):
+            load_shard_list(urls, None)
+    pinned = [e["index_digest"] for e in json.loads(open(f"{encoded}/shards.json").read())["shardlist"]]
+    assert load_shard_list(f"{encoded}/shards.json", None).index_digests == pinned
+    assert load_shard_list(f"{encoded}/{{000001..000002}}.tar", None).index_digests == pinned[1:3]
 
 
 _KILLING_ENCODE = """

@@ -171,9 +171,10 @@ def load_shard_list(urls: str | list[str], storage_options: dict | None, key: st
             listed = json.loads(fs.cat_file(strip_protocol(fs, list_url), start=0))
         except FileNotFoundError:
             pass
-        except json.JSONDecodeError as e:
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
             raise ConfigError(f"{key}: {list_url} is not JSON: {e}") from None
-        if listed:
+        listed = listed if isinstance(listed, dict) else {}
+        if listed.get("shardlist"):  # none: another tool's shards.json; the counts come from the indexes
             for rel, n, pin in _entries(listed, list_url, key):
                 counts[strip_protocol(fs, posixpath.join(url_dir(list_url), rel))] = n
                 pins[strip_protocol(fs, posixpath.join(url_dir(list_url), rel))] = pin
@@ -220,7 +221,7 @@ def _read_json(url: str, storage_options: dict | None, key: str) -> dict:
         return json.loads(fs.cat_file(strip_protocol(fs, url), start=0))
     except FileNotFoundError:
         raise ConfigError(f"{key}={url!r} does not exist") from None
-    except json.JSONDecodeError as e:
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise ConfigError(f"{key}={url!r} is not JSON: {e}") from None
 
 
