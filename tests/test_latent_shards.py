@@ -308,6 +308,8 @@ def test_sigkill_during_encoding_keeps_finished_shards_hides_the_half_written_on
     assert names == sorted(p.name for p in out.iterdir() if ".partial-" not in p.name)
     for name in names:
         assert (tmp_path / "ref" / name).read_bytes() == (out / name).read_bytes(), name
+    for e in json.loads((out / "shards.json").read_text())["shardlist"]:  # pinned: the resumed shards' own digests
+        assert e["digest"] == "blake3:" + blake3.blake3((out / e["url"]).read_bytes()).hexdigest()
     # Settings that differ from the interrupted encode's are refused.
     again = run_cli(*args, "--out", str(out), "--dtype", "float32", env=ENV)
     assert again.returncode == 2 and "other settings" in again.stderr and "dtype" in again.stderr
