@@ -200,11 +200,12 @@ class ShardSet:
     def _parsed_index(self, shard: int, blob: bytes, stats: FetchStats) -> tuple[np.ndarray, bytes | None] | None:
         url = index_url(self.shards.urls[shard])
         pinned = self.shards.index_digests[shard] if self.shards.index_digests is not None else None
-        if pinned is not None and digest(blob) != pinned:
+        found = digest(blob) if pinned is not None else None
+        if found != pinned:
             self._shard_refused(
                 shard,
                 "foreign shard: its index is not the one the shard list pins (another encode's, or altered since)",
-                f"{url} has digest {digest(blob)}, the shard list pins {pinned}: restore that shard and its index, "
+                f"{url} has digest {found}, the shard list pins {pinned}: restore that shard and its index, "
                 "or encode again",
                 stats,
             )
