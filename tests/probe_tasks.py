@@ -14,6 +14,9 @@ instead of racing a running job (`PROBE_TASK_KILL_SIGNAL=TERM` sends SIGTERM
 instead). `KillableVQGAN`, `KillableMaskGIT`, `KillableVideoTokenizer`,
 `KillableVideoMaskGIT`, `KillableAutoencoder` and `KillableDDPM` are the real tasks plus that switch.
 
+`PROBE_TASK_RAISE=STEP` raises a RuntimeError in global step STEP on every attempt, on every rank: a crash
+that follows from the checkpoint, as a bad sample or a bug would (tests/test_crash_loops.py).
+
 `PROBE_TASK_OVERLAP=1` holds every background snapshot copy until the
 training thread reaches a fence or an optimizer step has completed (see
 `hold_snapshot_copies`): the copy then always overlaps the next step's
@@ -56,6 +59,9 @@ def maybe_die(step: int) -> None:
     may be a glob; `PROBE_TASK_KILL_AFTER_COUNT=N` waits for N matches. `PROBE_TASK_KILL_SIGNAL=STOP`
     freezes the process instead, after printing "probe: stopped in step STEP" (a node that hangs).
     """
+    crash_at = os.environ.get("PROBE_TASK_RAISE")
+    if crash_at is not None and step == int(crash_at):
+        raise RuntimeError(f"probe: a deterministic crash in step {step}")
     kill = os.environ.get("PROBE_TASK_KILL")
     attempt = os.environ.get("PROBE_TASK_KILL_ATTEMPT", "0")
     if kill and attempt in ("*", os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")):

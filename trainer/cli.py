@@ -710,8 +710,8 @@ def main(argv: list[str] | None = None) -> int:
     }
     try:
         return handlers[args.command](args)
-    except ConfigError as e:
-        _fail(f"config error: {e}")
+    except ConfigError as e:  # its kinds say what they are (a store error, a crash loop)
+        _fail(f"{e.label}: {e}")
         return EXIT_USAGE
     except CheckpointError as e:  # a checkpoint that cannot be read (training falls back past these itself)
         _fail(f"checkpoint error: {e}")

@@ -1,6 +1,8 @@
 """Every name inside a checkpoint root, built and parsed in one place.
 
     <root>/lease.json                         the trainer that owns the root now (trainer.checkpoint.lease)
+    <root>/attempts.json                      the last crashed training process's resume point and crash
+                                              (trainer.checkpoint.attempts: ends crash loops)
     <root>/step-000001200/                    one checkpoint (step_dir_name / parse_step_dir)
         manifest.json                         written last: the commit point
         trainer.json                          steps, optimizer skeletons, data cursor, config
@@ -30,6 +32,7 @@ MANIFEST = "manifest.json"
 TRAINER_JSON = "trainer.json"
 SHARD_INDEX = "shards.json"
 LEASE_FILE = "lease.json"  # beside the step dirs, while a trainer holds the root
+ATTEMPTS_FILE = "attempts.json"  # beside the step dirs: the last crash and where it resumed from (rank 0 writes)
 KINDS = ("model", "ema", "optimizer")  # the kinds of tensor group a part has
 
 _PIECE = re.compile(r"^piece-r(\d{5,})\.json$")

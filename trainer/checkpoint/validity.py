@@ -339,6 +339,40 @@ def _check_loadable(header: Mapping[str, Any], head: bytes, size: int, what: str
             raise CheckpointCorrupt(f"{what}: tensor {key!r} of shape {list(shape)} cannot be made ({why})") from None
 
 
+# ------------------------------------------------------------------ attempts.json
+
+
+MAX_ATTEMPTS_BYTES = 64 << 10  # a record gentrain writes is under 2 KB; more is not read
+
+
+class CrashRecord(_Open):
+    """The crash of the last attempt (trainer.engine.attempts)."""
+
+    signature: Annotated[StrictStr, Field(max_length=1024)]
+    error: Annotated[StrictStr, Field(max_length=4096)]
+    step: NonNegInt
+    resume_step: NonNegInt | None  # where the next attempt is expected to resume from (None: a fresh start)
+    run: Annotated[StrictStr, Field(pattern=OWNER_ID)] | None = None
+    count: Annotated[StrictInt, Field(ge=1, le=1 << 20)]
+
+
+class AttemptsDoc(_Open):
+    format_version: Annotated[StrictInt, Field(ge=1, le=1)]
+    attempt: dict[StrictStr, Any]
+    crash: CrashRecord | None = None
+
+
+def parse_attempts(raw: bytes) -> dict[str, Any]:
+    """attempts.json, checked against its schema; CheckpointCorrupt if it is not one gentrain wrote."""
+    if len(raw) > MAX_ATTEMPTS_BYTES:
+        raise CheckpointCorrupt(f"attempts.json is {len(raw)} bytes, more than gentrain writes")
+    doc = parse_json(raw, "attempts.json")
+    if not isinstance(doc, dict):
+        raise CheckpointCorrupt(f"attempts.json holds a {type(doc).__name__}, not an object")
+    _model(AttemptsDoc, doc, "attempts.json")
+    return doc
+
+
 # ------------------------------------------------------------------ JSON state
 
 

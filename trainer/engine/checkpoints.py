@@ -12,6 +12,7 @@ nothing of runs, ranks' roles or tasks.
 from __future__ import annotations
 
 import atexit
+import errno
 import logging
 import os
 import re
@@ -57,7 +58,7 @@ from trainer.elastic import (
     new_gloo_group,
 )
 from trainer.engine.runtime import Runtime
-from trainer.errors import ConfigError
+from trainer.errors import ConfigError, StoreRefusesWrites
 from trainer.metrics import TrainingMetrics
 
 log = logging.getLogger("gentrain")
@@ -101,14 +102,12 @@ class CheckpointManager:
             self.writer = Checkpointer(
                 self.store,
                 c.async_,
-                on_done=metrics.on_checkpoint_done,
+                on_done=self._on_committed,
                 write=self._write_sharded,
                 on_copy_failure=lambda step, meta, e: self._write_sharded(step, {}, meta, failed=repr(e)),
             )
         else:
-            self.writer = (
-                Checkpointer(self.store, c.async_, on_done=metrics.on_checkpoint_done) if self.env.is_main else None
-            )
+            self.writer = Checkpointer(self.store, c.async_, on_done=self._on_committed) if self.env.is_main else None
         self.every_steps = c.every_steps
         self.memory, self.memory_writer = self._memory_tier(cfg, runtime, metrics)
         self.memory_every_steps = c.memory_every_steps
@@ -116,6 +115,8 @@ class CheckpointManager:
         self._memory_resumed: CheckpointInfo | None = None
         self.resumed_tier: str | None = None
         self.failures = 0
+        self.committed_step: int | None = None  # rank 0: the newest step this process committed
+        self.saved_step: int | None = None  # every rank: the newest step this process began to save (any tier)
         self._stall: float | None = None  # an async save's stall so far; its fence adds the rest
         self.resumed_from: str | None = None
         self.steps_reached: int | None = None  # the newest step completed before this process started (memory tier)
@@ -343,6 +344,7 @@ class CheckpointManager:
     def save_to_memory(self, step: int) -> None:
         """Collective: this rank's piece of `step` into the memory tier, in the background (see trainer.checkpoint.memory)."""
         assert self.memory is not None and self.memory_writer is not None
+        self.saved_step = max(step, self.saved_step or 0)
         t0 = time.perf_counter()
         if self.sharded:
             files, index = sharded_snapshot_files(self.progress, self.parts, self.frozen, self.env.rank)
@@ -392,6 +394,7 @@ class CheckpointManager:
         """Collective: every rank contributes its own state. False if it failed; LeaseLost (exit 2, every
         rank) once another trainer took the root over."""
         self._stop_if_lease_lost()
+        self.saved_step = max(step, self.saved_step or 0)
         t0 = time.perf_counter()
         if self.sharded:
             files, index = sharded_snapshot_files(self.progress, self.parts, self.frozen, self.env.rank)
@@ -413,9 +416,12 @@ class CheckpointManager:
         except LeaseLost:
             raise
         except Exception as e:  # storage outage, quota, credentials: training goes on
+            if final:  # must not be lost silently: the run stops, in one line, its last good checkpoint kept
+                self.failures += 1
+                self.metrics.on_checkpoint_failure()
+                kept = self.store.url_for(self.committed_step) if self.committed_step is not None else None
+                raise final_save_error(step, self.store.url, e, kept) from None
             self._count_failure(e)
-            if final:
-                raise  # the final save must not be lost silently: crash, and be retried
             return False
         if background:
             self._stall = (self._stall or 0.0) + time.perf_counter() - t0  # the fence adds what it waits
@@ -480,6 +486,11 @@ class CheckpointManager:
             t0=t0,
             failed=failed,
         )
+
+    def _on_committed(self, result: SaveResult) -> None:
+        """A save this process committed (from the writer, its thread when async)."""
+        self.committed_step = max(result.info.step, self.committed_step or 0)
+        self.metrics.on_checkpoint_done(result)
 
     def _count_failure(self, err: BaseException) -> None:
         self.failures += 1
@@ -654,6 +665,34 @@ class CheckpointManager:
                 self.store.timeline.timeline,
                 f" (from step {info.step})" if info is not None else " (fresh start)",
             )
+
+
+# A store that refuses writes for good: read-only, no permission (also what s3fs and gcsfs raise for a 403), full.
+_REFUSED_WRITES = {errno.EACCES, errno.EPERM, errno.EROFS, errno.ENOSPC, getattr(errno, "EDQUOT", errno.ENOSPC)}
+
+
+def final_save_error(step: int, url: str, err: BaseException, kept: str | None) -> Exception:
+    """What a failed final save ends the run with, in one line and never a traceback (`kept`: the newest
+    checkpoint this process committed, which stays valid).
+
+    A store that refuses writes (`_REFUSED_WRITES`) is `StoreRefusesWrites`, exit 2: a restart would train the
+    steps since the last checkpoint again and fail the same way, and torchrun and Kubernetes restart exit 1
+    forever (the crash-loop record cannot be written there either). Anything else (an outage, a timeout) is a
+    `CheckpointError`, exit 1: the job's restart resumes from the last good checkpoint and tries again."""
+    if isinstance(err, ConfigError):  # the lease lost, or a refusal of its own: already says what to do
+        return err
+    what = f"the final checkpoint (step {step}) could not be written to {url}"
+    kept_text = f"{kept} stays valid" if kept else "the newest committed checkpoint stays valid"
+    cause, seen = err, 0
+    while cause is not None and seen < 8:  # the writer may wrap the store's OSError
+        if isinstance(cause, OSError) and (isinstance(cause, PermissionError) or cause.errno in _REFUSED_WRITES):
+            return StoreRefusesWrites(
+                f"{what}: the store refuses writes ({type(cause).__name__}: {cause}). Retrying cannot help: make "
+                "it writable (its permissions, a read-only mount, the bucket's policy or credentials, free "
+                f"space), then start the run again; {kept_text} and the run resumes from it"
+            )
+        cause, seen = cause.__cause__ or cause.__context__, seen + 1
+    return CheckpointError(f"{what} ({type(err).__name__}: {err}); {kept_text} and the job's restart resumes from it")
 
 
 # scheme://[userinfo@]host at the start of a URL (userinfo as trainer.config.redact finds it).
