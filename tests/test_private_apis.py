@@ -345,3 +345,23 @@ def test_diffusers_classes_in_their_own_modules_and_the_packages_imported_lazily
             f"{module} no longer calls packages_distributions() on import: drop it from "
             "trainer/lazy_packages.py PACKAGE_MAP_ON_FIRST_USE",
         )
+
+
+def test_inductor_cache_dir():
+    """trainer/engine/compile_cache.py packs and restores inductor's local cache folder, which it asks
+    `torch._inductor.runtime.cache_dir_utils.cache_dir` for (TORCHINDUCTOR_CACHE_DIR, else torch's default)."""
+    try:
+        from torch._inductor.runtime.cache_dir_utils import cache_dir
+    except ImportError as e:
+        _guard(False, f"torch._inductor.runtime.cache_dir_utils.cache_dir ({e}); trainer/engine/compile_cache.py")
+    import os
+
+    old = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = "/tmp/gentrain-guard-inductor"
+    try:
+        _guard(cache_dir() == "/tmp/gentrain-guard-inductor", "cache_dir() no longer reads TORCHINDUCTOR_CACHE_DIR")
+    finally:
+        if old is None:
+            del os.environ["TORCHINDUCTOR_CACHE_DIR"]
+        else:
+            os.environ["TORCHINDUCTOR_CACHE_DIR"] = old
