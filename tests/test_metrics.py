@@ -35,6 +35,7 @@ REQUIRED = [
     "gentrain_restarts",
     "gentrain_world_size",
     "gentrain_skipped_samples_total",
+    "gentrain_nonfinite_steps_total",
     "gentrain_preemptions_total",
     "gentrain_samples_per_second",
     "gentrain_achieved_flops",
