@@ -53,6 +53,7 @@ def diverged(tmp_path_factory):
     return tmp, r
 
 
+@pytest.mark.slow
 def test_a_diverging_run_applies_no_non_finite_step_keeps_finite_checkpoints_and_exits_2_naming_the_first(diverged):
     tmp, r = diverged
     root = tmp / "run" / "checkpoints"
@@ -75,6 +76,7 @@ def test_a_diverging_run_applies_no_non_finite_step_keeps_finite_checkpoints_and
     assert run_cli("checkpoints", "verify", str(root)).returncode == 0
 
 
+@pytest.mark.slow
 def test_the_count_survives_a_resume_is_exported_and_0_never_stops(diverged, tmp_path):
     src, _ = diverged
     shutil.copytree(src / "run", tmp_path / "run")
@@ -106,6 +108,7 @@ def test_the_count_survives_a_resume_is_exported_and_0_never_stops(diverged, tmp
     )
 
 
+@pytest.mark.slow
 def test_verify_flags_non_finite_weights_whose_digests_were_recomputed_and_a_resume_falls_back_past_them(
     diverged, tmp_path
 ):
