@@ -364,3 +364,80 @@ def test_a_lost_lease_is_a_usage_error_not_a_crash():
     from trainer.errors import ConfigError
 
     assert issubclass(LeaseLost, LeaseError) and issubclass(LeaseError, ConfigError)
+
+
+# ------------------------------------------------------------------ the lease file is data
+
+
+def _foreign(root: Path, kind: str) -> None:
+    root.mkdir(parents=True)
+    path = root / "lease.json"
+    if kind == "fifo":
+        os.mkfifo(path)  # read it blocking and the trainer waits for a writer forever
+    elif kind == "link":
+        path.symlink_to("/dev/zero")  # follow it and read to the end: MemoryError
+    else:
+        path.mkdir()
+
+
+@pytest.mark.parametrize(
+    ("kind", "named"), [("fifo", "a named pipe (FIFO)"), ("link", "a symbolic link"), ("dir", "a directory")]
+)
+def test_a_lease_file_that_is_not_a_file_exits_2_naming_it_without_opening_it(tmp_path, kind, named):
+    root = root_of(tmp_path)
+    _foreign(root, kind)
+    r = run_cli("train", *tiny(tmp_path, max_steps=1), timeout=300)  # a hang is a failure, not a wait
+    assert r.returncode == 2, r.stderr[-3000:]
+    assert f"the lease file {root / 'lease.json'} is {named}" in r.stderr and "remove it" in r.stderr, r.stderr[-3000:]
+    assert "Traceback" not in r.stderr and "step=1" not in r.stderr
+    assert os.path.lexists(root / "lease.json"), "what stands there is the user's to remove"
+
+
+def test_a_leases_own_lease_seconds_is_held_to_the_configs_bounds():
+    from annotated_types import Le
+
+    from trainer.checkpoint.lease import MAX_LEASE_SECONDS, _Doc
+    from trainer.config.schema import CheckpointConfig
+
+    assert MAX_LEASE_SECONDS == next(
+        m.le for m in CheckpointConfig.model_fields["lease_seconds"].metadata if isinstance(m, Le)
+    )
+    lease = json.loads(_Doc(Holder("h", 1, "j", 0), "t", "now", 0, 30.0).to_bytes())
+    for claimed, obeyed in ((999_999.0, 600.0), (0.001, 1.0), (30.0, 30.0)):
+        assert _Doc.parse(json.dumps({**lease, "lease_seconds": claimed}).encode()).lease_seconds == obeyed
+    for unreadable in (float("nan"), -1.0, 0.0):
+        assert _Doc.parse(json.dumps({**lease, "lease_seconds": unreadable}).encode()) is None
+
+
+def test_an_oversized_lease_is_read_no_further_than_a_lease_can_be_and_taken_over_as_unreadable(lease_root, caplog):
+    from trainer.checkpoint.lease import MAX_LEASE_BYTES
+
+    url, options = lease_root
+    fs, root = filesystem(url, options)
+    fs.makedirs(root, exist_ok=True)
+    doc = json.loads(Lease(fs, root, url, 1, Holder("h", 1, "j", 0))._doc())
+    # A lease that parses, padded to 1 MiB: read whole, it would name a holder who renews nothing.
+    fs.pipe_file(f"{root}/lease.json", json.dumps(doc).encode() + b" " * (1 << 20))
+    data, _ = lease_file(fs, root).read()
+    assert len(data) == MAX_LEASE_BYTES + 1
+    newcomer = Lease(fs, root, url, 1, Holder("other-host", 1, "job-o", 0))
+    newcomer.acquire(poll_seconds=0.02)  # watched for its own lease_seconds, then taken over
+    try:
+        assert "took over the lease" in caplog.text and "from an unreadable lease" in caplog.text, caplog.text
+        newcomer.check()
+    finally:
+        newcomer.release()
+    assert lease_file(fs, root).read() is None
+
+
+@pytest.mark.slow
+def test_lease_false_warns_naming_a_holder_it_does_not_check(tmp_path):
+    fs, root = filesystem(str(root_of(tmp_path)), {})
+    held = Lease(fs, root, str(root_of(tmp_path)), 30, Holder.me("job-h", 0))
+    held.acquire()  # this test process: alive, so a live holder
+    try:
+        r = train(tmp_path, "checkpoint.lease=false", max_steps=1)
+    finally:
+        held.release()
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "checkpoint.lease=false, but" in r.stderr and f"pid {os.getpid()}, job job-h" in r.stderr, r.stderr[-3000:]

@@ -1,5 +1,7 @@
 """Opening fsspec stores: one place that turns "this protocol's package is not installed" into a config error,
-and one that refuses, before any work, a local output folder or file that cannot be made.
+one that refuses, before any work, a local output folder or file that cannot be made, and one that turns a
+store's own exceptions (botocore, aiohttp, gcsfs: an unreachable endpoint, refused credentials) into one
+line (`store_errors`).
 
 fsspec imports a protocol's implementation (s3fs, gcsfs, adlfs, ...) only when a URL first uses it, and
 raises ImportError then. Left alone that is a traceback in the middle of a run (exit 1, which torchrun
@@ -8,25 +10,54 @@ and Kubernetes retry forever); it is a setup mistake the user fixes with an extr
 
 from __future__ import annotations
 
+import contextlib
 import os
-from collections.abc import Mapping
+import sys
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import fsspec
 from fsspec.registry import known_implementations
 
-from trainer.errors import ConfigError
+from trainer.errors import CheckpointError, ConfigError
 
 # Protocol -> the gentrain extra that installs its fsspec implementation.
 EXTRAS = {"s3": "s3", "s3a": "s3", "gs": "gcs", "gcs": "gcs"}
+GCSFS_ZB_HNS = "GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT"
 
 
 def filesystem(url: str, storage_options: Mapping[str, Any] | None = None) -> tuple[fsspec.AbstractFileSystem, str]:
     """(filesystem, path) for `url`, like fsspec.core.url_to_fs; a missing protocol package is a ConfigError."""
+    options = dict(storage_options or {})
     try:
-        return fsspec.core.url_to_fs(url, **dict(storage_options or {}))
+        if _gcs_custom_endpoint(url, options):
+            return _plain_gcsfs(url, options)
+        return fsspec.core.url_to_fs(url, **options)
     except ImportError as e:
         raise ConfigError(_missing(url, e)) from None
+
+
+def _gcs_custom_endpoint(url: str, options: Mapping[str, Any]) -> bool:
+    protocol = fsspec.core.split_protocol(url)[0]
+    return protocol in ("gs", "gcs") and bool(options.get("endpoint_url") or os.environ.get("STORAGE_EMULATOR_HOST"))
+
+
+def _plain_gcsfs(url: str, options: dict[str, Any]) -> tuple[fsspec.AbstractFileSystem, str]:
+    """gcsfs's own GCSFileSystem for a GCS endpoint other than Google's (an emulator, a proxy, a private
+    endpoint). gcsfs >= 2025.x makes gs:// its ExtendedGcsFileSystem unless GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT
+    is false (read when gcsfs is imported); that class asks Google's Storage Control API (gRPC, not the
+    endpoint given) for each bucket's layout and waits about 60 s per call for an answer that never comes.
+    gentrain sets the variable to false before gcsfs is imported unless the user set it, and if gcsfs was
+    imported already, builds the plain class itself; Google's own endpoint is left to gcsfs's default."""
+    if GCSFS_ZB_HNS in os.environ:  # the user's choice
+        return fsspec.core.url_to_fs(url, **options)
+    if "gcsfs" not in sys.modules:
+        os.environ[GCSFS_ZB_HNS] = "false"
+        return fsspec.core.url_to_fs(url, **options)
+    import gcsfs.core
+
+    fs = gcsfs.core.GCSFileSystem(**options)
+    return fs, fs._strip_protocol(url)
 
 
 def check_protocol(url: str) -> None:
@@ -102,3 +133,53 @@ def check_output_file(path: str, what: str, fix: str) -> None:
     if blocked is not None:
         where, why = blocked
         raise ConfigError(f"{what} cannot be written: {where} {why}; {fix}")
+    if os.path.islink(full) and not os.path.exists(full):
+        # A dangling link is written through: its target's folder must already be one (only the link's own
+        # folder is made), and be writable.
+        target = os.path.realpath(full)
+        folder = os.path.dirname(target)
+        if not os.path.isdir(folder):
+            why = "whose folder does not exist"
+        elif not os.access(folder, os.W_OK | os.X_OK):
+            why = "whose folder this user cannot write in"
+        else:
+            return
+        raise ConfigError(
+            f"{what} cannot be written: it is a symbolic link to {os.readlink(full)!r}, {why}; {fix}, or "
+            "remove the link"
+        )
+
+
+# Packages whose exceptions are the store's (a connection, a timeout, credentials): none subclass OSError
+# reliably (botocore's do not), so they are told by where they come from.
+_STORE_PACKAGES = ("botocore", "aiobotocore", "aiohttp", "s3fs", "gcsfs", "google", "fsspec", "adlfs", "azure")
+
+
+def is_store_error(e: BaseException) -> bool:
+    """`e` comes from the store, not from gentrain: an OSError, or an exception of a store package."""
+    if isinstance(e, ConfigError | CheckpointError):
+        return False
+    if isinstance(e, OSError | TimeoutError):
+        return True
+    return any(c.__module__.split(".")[0] in _STORE_PACKAGES for c in type(e).__mro__ if c is not object)
+
+
+def describe_store_error(e: BaseException) -> str:
+    """One line for a store's exception: its type and the first line of its message."""
+    text = str(e).strip().splitlines()[0] if str(e).strip() else ""
+    return f"{type(e).__name__}: {text[:300]}" if text else type(e).__name__
+
+
+@contextlib.contextmanager
+def store_errors(url: str, doing: str) -> Iterator[None]:
+    """Inside it, a store's own exception (`is_store_error`) becomes a CheckpointError of one line naming
+    `url` and what was being done (the CLI prints it redacted and exits 1: the store may be back later)."""
+    try:
+        yield
+    except Exception as e:
+        if not is_store_error(e):
+            raise
+        raise CheckpointError(
+            f"cannot {doing} {url}: the store failed ({describe_store_error(e)}); check that it is reachable and "
+            "that its storage options (endpoint, credentials) are right, then run again"
+        ) from None

@@ -34,6 +34,13 @@ over it raises `LeaseLost` (exit 2, never retried: the other trainer owns the ru
 commits again; if it could not renew it for `0.75 * lease_seconds` it refuses that commit (a failed
 save, retried at the next one) because a contender may be taking it over. Clocks of different hosts are
 never compared: a contender watches for a change of the lease, it does not read its time.
+
+The lease file is data from the store, never trusted: it is opened without following a link (local disks:
+`O_NOFOLLOW | O_NONBLOCK`, so a FIFO there never blocks), must be a regular file (object stores: an object,
+not a prefix), is read up to `MAX_LEASE_BYTES` only, and its `lease_seconds` is held to the bounds of
+`checkpoint.lease_seconds` (a forged 1e6 makes nobody wait 11 days). Anything but a regular file is a
+`ForeignLease` (exit 2 naming the path and what to do); a file that is too large or does not parse is an
+unreadable lease, watched and taken over like a silent holder's.
 """
 
 from __future__ import annotations
@@ -43,10 +50,12 @@ import fcntl
 import hashlib
 import json
 import logging
+import math
 import os
 import posixpath
 import secrets
 import socket
+import stat
 import threading
 import time
 from dataclasses import dataclass
@@ -54,16 +63,23 @@ from datetime import datetime, timezone
 from typing import Any
 from urllib.parse import quote
 
+from annotated_types import Ge, Le
 from fsspec import AbstractFileSystem
 from fsspec.implementations.local import LocalFileSystem
 
 from trainer.checkpoint.layout import LEASE_FILE
+from trainer.config.schema import CheckpointConfig
 from trainer.errors import CheckpointError, ConfigError
 
 log = logging.getLogger(__name__)
 
 RENEWALS_PER_TTL = 4  # the holder renews every lease_seconds / 4
 STALE_FRACTION = 0.75  # a holder not renewed for this share of lease_seconds commits nothing
+MAX_LEASE_BYTES = 64 << 10  # a lease gentrain writes is ~400 bytes; more is not read
+# A lease's own lease_seconds is held to checkpoint.lease_seconds' bounds (one source: the schema).
+_BOUNDS = CheckpointConfig.model_fields["lease_seconds"].metadata
+MIN_LEASE_SECONDS = float(next(m.ge for m in _BOUNDS if isinstance(m, Ge)))
+MAX_LEASE_SECONDS = float(next(m.le for m in _BOUNDS if isinstance(m, Le)))
 
 
 def _exists(fs: AbstractFileSystem, path: str) -> bool:
@@ -79,6 +95,36 @@ class LeaseError(ConfigError):
 
 class LeaseLost(LeaseError):
     """This trainer's lease was taken over: it must never commit to the root again."""
+
+
+class ForeignLease(LeaseError):
+    """Something that is not a file stands where the lease goes (a FIFO, a link, a directory, a device):
+    gentrain never wrote it, never opens or follows it, and cannot replace it; a person removes it."""
+
+    def __init__(self, path: str, kind: str):
+        self.path, self.kind = path, kind
+        super().__init__(
+            f"the lease file {path} is {kind}, not a file gentrain writes: gentrain reads a lease as data only "
+            "and never follows or opens anything else there, so it cannot tell who holds this checkpoint root. "
+            f"If no trainer is using the root, remove it (rm -r '{path}') and run again; nothing else was changed"
+        )
+
+
+def _kind(mode: int, path: str) -> str:
+    if stat.S_ISLNK(mode):
+        try:
+            return f"a symbolic link (to {os.readlink(path)!r})"
+        except OSError:
+            return "a symbolic link"
+    if stat.S_ISDIR(mode):
+        return "a directory"
+    if stat.S_ISFIFO(mode):
+        return "a named pipe (FIFO)"
+    if stat.S_ISSOCK(mode):
+        return "a socket"
+    if stat.S_ISCHR(mode) or stat.S_ISBLK(mode):
+        return "a device file"
+    return "not a regular file"
 
 
 class _Conflict(Exception):
@@ -174,15 +220,20 @@ class _Doc:
 
     @classmethod
     def parse(cls, raw: bytes) -> _Doc | None:
-        """The lease's fields, or None for bytes gentrain did not write (treated as a silent holder)."""
+        """The lease's fields, or None for bytes gentrain did not write (treated as a silent holder). Its
+        lease_seconds is held to checkpoint.lease_seconds' bounds: a lease cannot make a contender wait longer
+        than a config could."""
+        if len(raw) > MAX_LEASE_BYTES:
+            return None
         try:
             d = json.loads(raw)
             holder = Holder(
                 str(d["host"]), int(d["pid"]), str(d["job"]), int(d["restart"]), str(d["boot"]), str(d["start"])
             )
             seconds = float(d["lease_seconds"])
-            if not (0 < seconds < 1e6):
+            if not (math.isfinite(seconds) and seconds > 0):
                 return None
+            seconds = min(max(seconds, MIN_LEASE_SECONDS), MAX_LEASE_SECONDS)
             return cls(holder, str(d["token"]), str(d["since"]), int(d["beat"]), seconds, str(d.get("run", "")))
         except (ValueError, TypeError, KeyError, AttributeError, RecursionError):
             return None
@@ -200,11 +251,22 @@ class _LeaseFile:
         self.fs, self.path = fs, path
 
     def read(self) -> tuple[bytes, str] | None:
+        """(its first MAX_LEASE_BYTES + 1 bytes, its version), None if there is none; ForeignLease if it is
+        not an object (a prefix, a directory)."""
         try:
-            data = self.fs.cat_file(self.path)
+            info = self.fs.info(self.path)
+            if info.get("type") != "file":
+                raise ForeignLease(self._url(), f"a {info.get('type') or 'non-file'}, not an object")
+            data = self.fs.cat_file(self.path, start=0, end=MAX_LEASE_BYTES + 1)
         except FileNotFoundError:
             return None
         return data, hashlib.sha256(data).hexdigest()
+
+    def _url(self) -> str:
+        try:
+            return self.fs.unstrip_protocol(self.path)
+        except Exception:  # noqa: BLE001 - only for a message
+            return self.path
 
     def create(self, data: bytes) -> str:
         if self.read() is not None:
@@ -236,6 +298,37 @@ class _LocalLeaseFile(_LeaseFile):
 
     conditional = True
     lock_seconds = 30.0  # how long a change waits for the folder's lock (the Lease sets its lease_seconds)
+
+    def read(self) -> tuple[bytes, str] | None:
+        # lstat first: a FIFO, device or link is never opened; the open then neither follows a link nor
+        # blocks (O_NONBLOCK: a FIFO swapped in between), and fstat checks what was opened.
+        try:
+            st = os.lstat(self.path)
+        except FileNotFoundError:
+            return None
+        if not stat.S_ISREG(st.st_mode):
+            raise ForeignLease(self.path, _kind(st.st_mode, self.path))
+        try:
+            fd = os.open(self.path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+        except FileNotFoundError:
+            return None  # released in between
+        except OSError as e:  # ELOOP: a link swapped in between
+            raise ForeignLease(self.path, f"not a regular file ({e.strerror})") from None
+        try:
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode):
+                raise ForeignLease(self.path, _kind(st.st_mode, self.path))
+            chunks, n = [], 0
+            while n <= MAX_LEASE_BYTES:
+                chunk = os.read(fd, MAX_LEASE_BYTES + 1 - n)
+                if not chunk:
+                    break
+                chunks.append(chunk)
+                n += len(chunk)
+        finally:
+            os.close(fd)
+        data = b"".join(chunks)
+        return data, hashlib.sha256(data).hexdigest()
 
     def _tmp(self, data: bytes) -> str:
         # Written and synced before the lock is taken: the locked section is a read, a compare and a rename.
@@ -326,11 +419,13 @@ class _S3LeaseFile(_LeaseFile):
         # ETag first, bytes second: if it changed in between, a write made against this ETag fails (safe).
         try:
             self.fs.invalidate_cache(self.path)
-            etag = self.fs.info(self.path)["ETag"]
-            data = self.fs.cat_file(self.path)
+            info = self.fs.info(self.path)
+            if info.get("type") != "file" or "ETag" not in info:
+                raise ForeignLease(self._url(), "a prefix (a folder), not an object")
+            data = self.fs.cat_file(self.path, start=0, end=MAX_LEASE_BYTES + 1)
         except FileNotFoundError:
             return None
-        return data, etag
+        return data, info["ETag"]
 
     def _put(self, data: bytes, **condition: str) -> str:
         bucket, key = self._split()
@@ -391,7 +486,13 @@ class _GCSLeaseFile(_LeaseFile):
         try:
             meta = self.fs.call("GET", "b/{}/o/{}", bucket, key, json_out=True)
             generation = str(meta["generation"])
-            _, data = self.fs.call("GET", "b/{}/o/{}", bucket, key, alt="media", generation=generation)
+            # Only what a lease can hold is fetched: a larger object is unreadable, whatever its size.
+            big = (
+                {"headers": {"Range": f"bytes=0-{MAX_LEASE_BYTES}"}}
+                if int(meta.get("size", 0)) > MAX_LEASE_BYTES
+                else {}
+            )
+            _, data = self.fs.call("GET", "b/{}/o/{}", bucket, key, alt="media", generation=generation, **big)
         except FileNotFoundError:
             return None
         return data, generation
@@ -490,6 +591,7 @@ class Lease:
         self.run = run
         self.token = secrets.token_hex(16)
         self.since = ""
+        self.previous_run = ""  # the run the lease this one took over named ("": none, or it named none)
         self._version: str | None = None
         self._beat = 0
         self._renewed_at = 0.0  # monotonic time a renewal that succeeded was sent
@@ -560,6 +662,7 @@ class Lease:
             return False  # someone else moved first: the caller looks again
         who = doc.holder.describe(doc.since) if doc is not None else "an unreadable lease"
         log.warning("took over the lease on %s from %s: %s", self.url, who, why)
+        self.previous_run = doc.run if doc is not None else ""
         self._took(new, "took over")
         return True
 
@@ -578,6 +681,14 @@ class Lease:
         log.info("%s the lease on %s (%s, lease_seconds=%g)", how, self.url, self.me.describe(self.since), self.seconds)
         self._thread = threading.Thread(target=self._heartbeat, name="gentrain-lease", daemon=True)
         self._thread.start()
+
+    def name_run(self, run: str) -> None:
+        """Record the run this trainer writes in the lease now, not at the next renewal: a crash a moment
+        later leaves a lease that names it (a restart ties the memory tier to the root by it)."""
+        if run == self.run:
+            return
+        self.run = run
+        self.renew()
 
     # -- keeping it
     def _heartbeat(self) -> None:
@@ -623,7 +734,13 @@ class Lease:
             raise LeaseLost(self.lost)
         if self._version is None:
             raise LeaseLost(f"this trainer holds no lease on {self.url}")
-        cur = self.file.read()
+        try:
+            cur = self.file.read()
+        except ForeignLease as e:  # replaced by something else: this trainer cannot know it still owns the root
+            with self._lock:
+                self.lost = f"this trainer lost its lease on {self.url}: {e}"
+            log.error("%s", self.lost)
+            raise LeaseLost(self.lost) from None
         with self._lock:
             doc = _Doc.parse(cur[0]) if cur is not None else None
             if doc is None or doc.token != self.token:
@@ -657,3 +774,24 @@ class Lease:
 
     def describe(self) -> dict[str, Any]:
         return {"url": self.url, "holder": self.me.describe(self.since), "lost": self.lost}
+
+
+def present_holder(fs: AbstractFileSystem, root: str) -> str | None:
+    """Who the lease found on `root` names, for a trainer that does not take one (`checkpoint.lease=false`):
+    None when there is none, its holder is a process of this host that is gone, or it cannot be read now (an
+    outage is reported where it matters, at the first save). Reads it as data only, as a contender does."""
+    try:
+        cur = lease_file(fs, root).read()
+    except ForeignLease as e:
+        return f"something that is not a lease ({e.kind} at {e.path})"
+    except Exception as e:  # noqa: BLE001 - an unreachable store: nothing to warn about yet
+        log.debug("cannot read the lease of %s: %s", root, e)
+        return None
+    if cur is None:
+        return None
+    doc = _Doc.parse(cur[0])
+    if doc is None:
+        return "an unreadable lease (not one gentrain wrote)"
+    if doc.holder.gone():
+        return None
+    return doc.holder.describe(doc.since)

@@ -6,7 +6,7 @@ node holds a copy of what existed only on the lost one. Per node:
 
     <checkpoint.memory_dir>/<run key>/          run key: the durable root's name and a hash of its URL
         origin.json                             that durable root (credentials redacted), for people
-        reached.json                            the newest step this node's workers completed
+        reached.json                            the newest step whose snapshot this node stored
         step-000001200/                         the durable layout's file names (trainer.checkpoint.layout)
             <payload files>                     written by this node's ranks, or received from a peer
             piece-rNNNNN.json                   commit point of rank N's piece: its files' sizes and digests
@@ -218,7 +218,9 @@ class MemoryTier:
     # ------------------------------------------------------------------ save (writer thread)
 
     def mark_reached(self, step: int) -> None:
-        """Note the newest step this node completed (steps lost on a resume are counted from it)."""
+        """Note the newest step whose snapshot this node stored (steps lost on a resume are counted from
+        it). Called once the leader's piece is stored, never before: after a snapshot that failed (a full
+        /dev/shm) it must not claim a step the tier does not hold."""
         if self.is_leader:
             try:
                 _put(os.path.join(self.root, "reached.json"), json.dumps({"step": step}).encode())
@@ -249,6 +251,7 @@ class MemoryTier:
                     "meta": meta if owner == 0 else None,
                 }
                 self._put_piece(step, owner, doc)
+                self.mark_reached(step)
             except Exception as e:
                 error = f"{type(e).__name__}: {e}"
                 self._remove_files(step, [*files, piece_file(owner)])
@@ -382,11 +385,15 @@ class MemoryTier:
         return read_piece(self.root, step, owner)
 
     def reached(self) -> int | None:
+        """The newest step whose snapshot this node stored: reached.json, or a newer step holding a piece here
+        (a process killed between storing a piece and noting it)."""
         try:
             step = parse_json(_read(os.path.join(self.root, "reached.json")), "reached.json").get("step")
         except (OSError, CheckpointCorrupt, AttributeError):
-            return None
-        return step if isinstance(step, int) and step >= 0 else None
+            step = None
+        noted = step if isinstance(step, int) and not isinstance(step, bool) and step >= 0 else None
+        held = [s for s in self._steps() if self._owners_here(s)]
+        return max([*held, *([noted] if noted is not None else [])], default=None)
 
     def fetch(self, step: int, owner: int, src: int, dst: int) -> None:
         """Collective pair: the node leader `src` sends its copy of a piece, the node leader `dst` keeps it."""
@@ -424,8 +431,15 @@ class MemoryTier:
             self._remove_step(step)
 
     def clear(self) -> None:
-        """Forget every step (a run that does not resume)."""
+        """Forget every step, and the step reached (a run that does not resume, or another run's snapshots)."""
         self.forget_after(None)
+        if self.is_leader:
+            try:
+                os.unlink(os.path.join(self.root, "reached.json"))
+            except FileNotFoundError:
+                pass
+            except OSError as e:
+                log.debug("memory tier: cannot remove reached.json: %s", e)
 
     # ------------------------------------------------------------------ files
 

@@ -24,7 +24,7 @@ from typing import Any
 import torch
 
 from trainer import __version__
-from trainer.checkpoint.lease import Holder, Lease, LeaseError, LeaseLost
+from trainer.checkpoint.lease import Holder, Lease, LeaseError, LeaseLost, present_holder
 from trainer.checkpoint.memory import INDEX, OWNER, MemoryTier, agree, make_root, memory_root
 from trainer.checkpoint.sharded import write_sharded
 from trainer.checkpoint.state import (
@@ -60,6 +60,7 @@ from trainer.elastic import (
 from trainer.engine.runtime import Runtime
 from trainer.errors import ConfigError, StoreRefusesWrites
 from trainer.metrics import TrainingMetrics
+from trainer.storage import describe_store_error, is_store_error
 
 log = logging.getLogger("gentrain")
 
@@ -259,17 +260,23 @@ class CheckpointManager:
         and checked like a durable checkpoint. A step that fails any of that is dropped, the next tried."""
         tier = self.memory
         assert tier is not None
-        durable = None
+        durable, owner = None, None
         if self.env.is_main:
             newest = self.store.latest_valid()
             durable = newest.step if newest is not None else None
+            owner = self._root_owner(newest)
         report = (
             tier.inventory() if tier.is_leader else None,
             tier.reached() if tier.is_leader else None,
             self.env.rank,
         )
-        gathered = gather_objects((report, durable))
-        plan = agree([r for r, _ in gathered], gathered[0][1])
+        gathered = gather_objects((report, durable, owner))
+        durable, owner = gathered[0][1], gathered[0][2]
+        if owner == ("none", ""):  # the root holds no run: whatever the memory tier holds is another's
+            if any(r[0] for r, _, _ in gathered):
+                self._stale_memory("the checkpoint root holds no run (a new root, or one deleted to start over)")
+            return None
+        plan = agree([r for r, _, _ in gathered], durable)
         self.steps_reached = plan.reached
         leaders = [n[0] for n in tier.topology.nodes]
         for step in plan.candidates:
@@ -286,7 +293,12 @@ class CheckpointManager:
                 problems.append(f"rank {self.env.rank}: {type(e).__name__}: {e}")
             problems = [p for ps in gather_objects(problems) for p in ps]
             if not problems:
-                inputs = tier.read_piece(step, 0)["meta"].get("inputs") or {}
+                meta = tier.read_piece(step, 0)["meta"]
+                if owner is not None and meta.get(owner[0]) != owner[1]:  # every rank reads the same piece
+                    self.steps_reached = None
+                    self._stale_memory(f"its step {step} is of {owner[0]} {meta.get(owner[0])}, the root's {owner[1]}")
+                    return None
+                inputs = meta.get("inputs") or {}
                 check_pinned_inputs(inputs, self.inputs, f"the memory tier at {tier.root}")
                 problems = self._load_everywhere(tier.store.check(step), tier.store)
             if not problems:
@@ -300,8 +312,35 @@ class CheckpointManager:
                     "memory tier: step %d cannot be loaded (%s); trying an older one", step, "; ".join(problems)
                 )
             tier.drop(step)
-        tier.forget_after(gathered[0][1])
+        tier.forget_after(durable)
         return None
+
+    def _root_owner(self, newest: CheckpointInfo | None) -> tuple[str, str] | None:
+        """Rank 0: what memory-tier snapshots must belong to for a resume from them, as (manifest field,
+        value): the run of the root's newest checkpoint; with none, the run the lease a crashed holder left
+        named (this process took it over), or this torchrun job in a worker-group restart of it; ("none", "")
+        when the root holds no run (a new root, or one deleted to start over); None: not known (a checkpoint
+        from before runs were recorded), no check."""
+        if newest is not None:
+            run = CheckpointView(self.store, newest).run
+            return ("run", run) if run else None
+        if self.lease is not None and self.lease.previous_run:
+            return ("run", self.lease.previous_run)
+        if self.env.restart_count > 0 and self.env.run_id not in ("", "local"):
+            return ("job", self.env.run_id)
+        return ("none", "")
+
+    def _stale_memory(self, why: str) -> None:
+        """Collective: the memory tier holds another run's snapshots; forget them (each node's leader)."""
+        assert self.memory is not None
+        if self.env.is_main:
+            log.warning(
+                "memory tier %s: not resuming from it, its snapshots are not of the run in %s (%s); clearing them",
+                self.memory.root,
+                self.store.url,
+                why,
+            )
+        self.memory.clear()
 
     def _load_everywhere(self, info: CheckpointInfo, store: CheckpointStore | None = None) -> list[str]:
         """Collective: read and check `info` on every rank, apply it only if every rank and the check of
@@ -334,10 +373,8 @@ class CheckpointManager:
     # ---------------------------------------------------------------- save
 
     def maybe_save(self, step: int) -> None:
-        if self.memory is not None:
-            self.memory.mark_reached(step)
-            if step % self.memory_every_steps == 0:
-                self.save_to_memory(step)
+        if self.memory is not None and step % self.memory_every_steps == 0:
+            self.save_to_memory(step)
         if self.every_steps and step % self.every_steps == 0:
             self.save(step)
 
@@ -575,6 +612,14 @@ class CheckpointManager:
         off."""
         c = cfg.checkpoint
         if not c.lease:
+            if self.env.is_main and (who := present_holder(self.store.fs, self.store.root)) is not None:
+                log.warning(
+                    "checkpoint.lease=false, but %s has a lease held by %s: this trainer does not check it, so "
+                    "if that trainer is running both write this run and one's work is lost. Stop one of them, "
+                    "or leave checkpoint.lease on",
+                    self.store.url,
+                    who,
+                )
             return None
         if c.lease_seconds * 2 + 60 > cfg.elastic.collective_timeout_seconds and self.env.world_size > 1:
             raise ConfigError(
@@ -590,10 +635,12 @@ class CheckpointManager:
                 lease.acquire()
             except LeaseError as e:
                 refusal = str(e)
-            except OSError as e:  # the store itself: an outage, not a config error (exit 1: retried)
+            except Exception as e:  # the store itself: an outage, not a config error (exit 1: retried)
+                if not is_store_error(e):  # botocore's and aiohttp's are not all OSErrors
+                    raise
                 refusal = (
-                    f"OSError: cannot take the lease on {self.store.url} ({type(e).__name__}: {e}); the store may "
-                    "be unreachable: the job's restart tries again"
+                    f"OSError: cannot take the lease on {self.store.url} ({describe_store_error(e)}); the store "
+                    "may be unreachable: the job's restart tries again"
                 )
         refusal = broadcast_object(refusal)  # every rank waits for rank 0's answer, then raises together
         if refusal is not None and refusal.startswith("OSError: "):
@@ -657,7 +704,7 @@ class CheckpointManager:
         )
         self.store.timeline = broadcast_object(timeline)  # rank 0's ids, on every rank
         if self.lease is not None:
-            self.lease.run = self.store.timeline.run
+            self.lease.name_run(self.store.timeline.run)
         if self.env.is_main:
             log.info(
                 "checkpoints of this process: run %s, timeline %s%s",
