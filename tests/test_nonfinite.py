@@ -18,11 +18,13 @@ from ckpt_tamper import edit_tensors, read_tensors, step_dir
 from conftest import REPO, clean_env, free_port, run_cli, tiny
 from helpers import kill_group, start_cli, wait_for_log
 from PIL import Image
+from safetensors.torch import save as safetensors_save
 from torch.overrides import TorchFunctionMode
 
 from trainer.checkpoint import CheckpointStore
-from trainer.checkpoint.format import NonFiniteTensor
+from trainer.checkpoint.format import FiniteScan, NonFiniteTensor
 from trainer.checkpoint.quantized import plain_tensors
+from trainer.checkpoint.validity import MAX_HEADER_BYTES, parse_safetensors_header
 from trainer.data.datasets import read_embedding
 from trainer.data.shards.latents import decode_encoded_sample
 from trainer.engine.parts import nonfinite
@@ -270,3 +272,30 @@ def test_an_image_embedding_holding_inf_is_skipped_and_counted_and_the_weights_s
     assert progress(root, 2)["nonfinite_steps"] == 0
     for name in sorted(p.name for p in step_dir(root, 2).glob("*.safetensors")):
         assert finite(read_tensors(root, 2, name)), name
+
+
+@pytest.mark.parametrize("chunk", [1, 3, 7, 64, 1 << 20])
+def test_the_scan_on_the_hashed_bytes_finds_each_non_finite_tensor_whatever_the_chunks(chunk):
+    tensors = {
+        "a": torch.arange(10, dtype=torch.float32),
+        "b": torch.ones(5, dtype=torch.bfloat16),
+        "c": torch.arange(7, dtype=torch.float64),
+        "d": torch.arange(6, dtype=torch.int64),
+        "e": torch.ones(3, dtype=torch.float16),
+    }
+    tensors["b"][3] = float("inf")
+    tensors["c"][6] = float("nan")  # the file's last bytes
+    raw = safetensors_save(tensors)
+
+    def scan(data: bytes) -> list[str]:
+        s = FiniteScan(
+            lambda prefix: parse_safetensors_header(lambda o, n: prefix[o : o + n], len(data), "f"), MAX_HEADER_BYTES
+        )
+        for i in range(0, len(data), chunk):
+            s.update(memoryview(data)[i : i + chunk])
+        assert not s.skipped
+        return sorted(s.bad)
+
+    assert scan(raw) == ["b", "c"]
+    tensors["b"][3], tensors["c"][6] = 1.0, 1.0
+    assert scan(safetensors_save(tensors)) == []
