@@ -365,3 +365,18 @@ def test_inductor_cache_dir():
             del os.environ["TORCHINDUCTOR_CACHE_DIR"]
         else:
             os.environ["TORCHINDUCTOR_CACHE_DIR"] = old
+
+
+def test_fused_adamw_takes_found_inf_from_the_optimizer():
+    """trainer/optim.py `step_unless` hands fused AdamW a step's verdict as `optimizer.found_inf`, the attribute
+    torch.amp.GradScaler.step sets for optimizers with `_step_supports_amp_scaling`; 1.0 leaves everything as
+    it was. End to end: tests/test_nonfinite.py."""
+    p = nn.Parameter(torch.ones(4))
+    opt = torch.optim.AdamW([p], lr=0.1, fused=True)
+    _guard(getattr(opt, "_step_supports_amp_scaling", False), "fused AdamW no longer supports amp scaling")
+    _guard("found_inf" in inspect.getsource(torch.optim.Adam.step), "Adam.step no longer reads self.found_inf")
+    p.grad = torch.full((4,), float("nan"))
+    opt.found_inf = torch.ones(())
+    opt.step()
+    del opt.found_inf
+    _guard(torch.equal(p.detach(), torch.ones(4)), "fused AdamW stepped although found_inf was 1: see trainer/optim.py")
