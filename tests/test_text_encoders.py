@@ -304,6 +304,21 @@ def test_embeddings_are_cached_under_the_digest_and_a_changed_folder_changes_it(
     assert not torch.equal(third.encode(["a red cat"]).tokens, a.tokens) and third.encoded == 1
 
 
+def test_a_cached_embedding_holding_inf_or_nan_is_encoded_again(folders, tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    cfg = sd3_config(folders, tmp_path)
+    a = TextEncoder(cfg).encode(["a red cat"])
+    path = TextEncoder(cfg)._path("a red cat")
+    cached = load_file(str(path))
+    cached["pooled"][..., 0] = float("nan")  # as a bit flip on disk or a half-precision overflow would leave it
+    save_file(cached, str(path))
+    again = TextEncoder(cfg)
+    b = again.encode(["a red cat"])
+    assert again.encoded == 1 and again.from_disk == 0
+    assert torch.equal(a.pooled, b.pooled) and torch.isfinite(load_file(str(path))["pooled"]).all()
+
+
 def test_an_fsspec_url_is_copied_once_and_pins_the_same_digest(folders, tmp_path):
     local = TextEncoder(TextEncoderConfig(kind="t5", encoder=str(folders["t5"]), width=24, cache_dir=str(tmp_path)))
     url = TextEncoderConfig(kind="t5", encoder=f"file://{folders['t5']}", width=24, cache_dir=str(tmp_path))
