@@ -453,6 +453,7 @@ def test_fit_problems_name_each_file_and_key_that_does_not_fit_the_model(tmp_pat
     assert fit_problems(CheckpointView(store, info), cache=cache) == want and len(cache) == 1  # one config: built once
 
 
+@pytest.mark.slow
 def test_verify_refuses_optimizer_groups_that_do_not_fit_the_model(root):
     # #47: a parameter moved from one optimizer group to the other. Both groups parse, but torch's
     # Optimizer.load_state_dict refuses groups of other sizes than the model's optimizer has.
@@ -471,6 +472,7 @@ def test_verify_refuses_optimizer_groups_that_do_not_fit_the_model(root):
     no_traceback(r)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", ["optimizer-lr-string", "optimizer-betas-one"])
 def test_verify_says_invalid_for_optimizer_settings_of_the_wrong_type(root, case):
     # #47: verify called these valid, and every resume then crashed in the optimizer's first step.

@@ -94,7 +94,7 @@ _TABLE = {
     "registry": "config tasks",
     "eval": "checkpoint conditioning data elastic models randomness services tasks",
     # a trained run rebuilt from its checkpoint (sampling, export, frozen parts): the registry, through a view
-    "runs": "checkpoint conditioning config data models registry storage tasks",
+    "runs": "checkpoint conditioning config data models optim registry storage tasks",
     # the engine's components, the loop that builds them, and the commands
     "engine": "accelerate_env checkpoint config data elastic ema eval media metrics models optim randomness "
     "services storage tasks",
