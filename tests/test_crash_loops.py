@@ -21,7 +21,9 @@ from helpers import wait_for_log
 from trainer.checkpoint import CheckpointStore
 from trainer.checkpoint.attempts import UnusableRecord, read_attempts, write_attempts
 from trainer.checkpoint.validity import MAX_ATTEMPTS_BYTES
-from trainer.engine.attempts import error_signature
+from trainer.elastic import DistEnv
+from trainer.engine.attempts import Attempts, error_signature
+from trainer.errors import ConfigError, CrashLoop
 
 ENV = clean_env(PYTHONPATH=str(REPO / "tests"))  # probe_tasks: KillableDDPM raises where PROBE_TASK_RAISE says
 
@@ -63,6 +65,44 @@ def test_the_third_identical_crash_from_one_resume_point_exits_2_and_progress_co
     assert (record(tmp_path)["crash"]["count"], record(tmp_path)["crash"]["resume_step"]) == (1, 6)
     r = train(tmp_path, crash_at=6, max_steps=8)
     assert r.returncode == 1 and "crash 2 of 3 in a row from step 6" in r.stderr, r.stderr[-3000:]
+
+
+def _crash(message: str) -> RuntimeError:
+    """A RuntimeError raised (so it has a traceback) always from the same line."""
+    try:
+        raise RuntimeError(message)
+    except RuntimeError as e:
+        return e
+
+
+def test_the_count_continues_only_from_the_same_resume_point_with_nothing_saved_and_secrets_never_reach_the_record(
+    tmp_path,
+):
+    store = CheckpointStore(str(tmp_path / "root"))
+    os.makedirs(store.root)
+    run = "0123456789abcdef"
+    secret = "s3cr3t-token-value"
+
+    def attempt(resume_step, error, step, saved=None):
+        a = Attempts(store, DistEnv(), secrets={secret})
+        a.start(resume_step, run)
+        return a.crashed(error, step, saved)
+
+    boom = _crash(f"cannot reach https://user:{secret}@example.com/x with {secret}")
+    assert attempt(None, boom, 5, saved=4) is None  # a fresh start that saved step 4: crash 1 from step 4
+    text = (Path(store.root) / "attempts.json").read_text()
+    assert secret not in text and "<redacted>" in text, text
+    assert attempt(4, boom, 5) is None and read_attempts(store)["crash"]["count"] == 2
+    assert attempt(2, boom, 5) is None and read_attempts(store)["crash"]["count"] == 1  # resumed elsewhere
+    assert attempt(2, boom, 5) is None and read_attempts(store)["crash"]["count"] == 2
+    other = _crash("a different place")  # same type, same line here: the same signature, as intended
+    assert error_signature(other) == error_signature(boom)
+    assert attempt(2, KeyError("x"), 5) is None and read_attempts(store)["crash"]["count"] == 1  # another error
+    assert attempt(2, KeyError("x"), 5) is None
+    loop = attempt(2, KeyError("x"), 5)
+    assert isinstance(loop, CrashLoop) and "3 times in a row" in str(loop) and "from the state of step 2" in str(loop)
+    assert attempt(2, ConfigError("a refusal"), 5) is None  # exit 2 already: not a crash
+    assert read_attempts(store)["crash"]["count"] == 3  # and nothing recorded for it
 
 
 def test_the_signature_is_the_exception_type_and_its_innermost_frame_in_gentrain():
