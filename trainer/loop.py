@@ -29,6 +29,7 @@ from trainer.elastic import (
     StopRequest,
     StopRequested,
     barrier,
+    broadcast_object,
     exit_now,
     run_within,
 )
@@ -39,6 +40,7 @@ from trainer.engine.compile import CompileStats, apply_compile
 from trainer.engine.compile_cache import RunCompileCache
 from trainer.engine.evaluate import Evaluator
 from trainer.engine.float8 import apply_float8
+from trainer.engine.goodput import TimeLedger, goodput, one_line
 from trainer.engine.parts import FrozenPart, Part, build_parts
 from trainer.engine.preview import Previewer
 from trainer.engine.progress import JobAgreement, TrainProgress
@@ -68,6 +70,9 @@ class Trainer:
     def __init__(self, cfg: Config, env: DistEnv | None = None):
         self.clock = StartupClock()
         self.clock.mark("imports")
+        # Every second of this process from its start, by kind (trainer.engine.goodput): start-up until the loop.
+        self.ledger = TimeLedger(self.clock.marks[0][1])
+        self._time_exported: dict[str, float] = {}
         self.cfg = cfg
         env = env or DistEnv.from_environ()
         self.stop_request = StopRequest(cfg.elastic.grace_seconds, env.rank if env.world_size > 1 else None)
@@ -108,6 +113,7 @@ class Trainer:
                 max_skipped_fraction=cfg.data.max_skipped_fraction,
                 max_nonfinite_steps=t.max_nonfinite_steps,
             )
+            self.progress.ledger = self.checkpoints.ledger = self.ledger
             frozen_records = {n: f.record for n, f in self.frozen.items()}
             self.checkpoints.attach(self.progress, self.parts, frozen_records, self.task.inputs())
             self.step_runner = StepRunner(
@@ -159,7 +165,7 @@ class Trainer:
                 self.frozen,
                 self.train_set,
                 runtime=runtime,
-                every_steps=cfg.checkpoint.every_steps,
+                every_steps=self.checkpoints.every_steps,  # run by the loop when a durable save is due
                 chunk_size=self.step_runner.chunk_size,
             )
             self.evaluator = Evaluator(
@@ -211,9 +217,13 @@ class Trainer:
     def _fit(self) -> int:
         cfg, progress = self.cfg, self.progress
         self.stop_request.install()
+        ledger = self.ledger
+        ledger.switch("restore")
         self.checkpoints.resume()
+        ledger.switch("startup")
         resumed = progress.step if self.checkpoints.resumed_from is not None else None
         self.attempts.start(resumed, self.checkpoints.store.timeline.run)  # counts crashes from here on
+        self._continue_goodput(resumed)
         # After the resume: a restarted or resumed job continues the tracker runs its checkpoint names.
         progress.trackers = self.reporter.start_trackers(flat_hparams(cfg.to_dict()), progress.trackers)
         self.clock.mark("resume")
@@ -231,14 +241,19 @@ class Trainer:
         compile_pending = cfg.train.compile and env.is_main
         agreement = self.agreement = JobAgreement(self.device)
         first_step = True
+        schedule = self.checkpoints.schedule
+        schedule.start(progress.step)
 
         while progress.step < cfg.train.max_steps:
             t0 = time.perf_counter()
+            ledger.switch("data_wait")
             batch = next(batches)
             t_data = time.perf_counter() - t0
+            ledger.switch(ledger.step_kind(progress.step))
             # FLOPs, once per run, on fake tensors before the second step this process runs: the first one has
             # moved what libraries keep on the device (a scheduler's tables), which a count before it would
             # leave fake. Where fake tensors cannot count, the step itself is counted.
+            timed = not first_step and self.throughput.flops_per_step is not None  # a step's time, nothing else
             if self.throughput.flops_per_step is None and not first_step:
                 self._count_flops(batch)
             counting = self.throughput.flops_per_step is None and not first_step
@@ -248,7 +263,9 @@ class Trainer:
                 progress.flops_per_sample = self.throughput.flops_per_step * env.world_size / progress.batch_size
             elif compile_pending:  # the first compiled step (a step counted for real runs eagerly)
                 compile_pending = False
-                log.info("%s", CompileStats.now().line())
+                compiled = CompileStats.now()
+                ledger.take("compile", compiled.seconds)  # the step's compiling, not its training
+                log.info("%s", compiled.line())
                 if self.compile_cache is not None:
                     self.compile_cache.save_once()
             first_step = False
@@ -256,6 +273,9 @@ class Trainer:
             stop = self._settle(agreement.post(self.stop_request.requested, batch))
             self.reporter.on_step(batch, logs, self._lr(), t_data, t0)
             self._mark_first_step()
+            if timed:  # not a process's first step (it compiles, warms up), nor one that counted FLOPs
+                schedule.on_step_time(time.perf_counter() - t0)
+            ledger.switch("idle")
 
             if stop or self._saves_at(progress.step):  # the progress to save holds every settled skip
                 stop = self._settle(agreement.drain()) or stop
@@ -264,8 +284,12 @@ class Trainer:
                 return self.stop_for_preemption()
             if progress.step < cfg.train.max_steps:
                 t_other = time.perf_counter()
-                self.calibrator.maybe_run(progress.step)  # before the save: it holds what was measured
+                durable = self.checkpoints.durable_due(progress.step)
+                if durable:
+                    self.calibrator.run()  # before the save: it holds what was measured
+                ledger.switch("checkpoint_stall")
                 self.checkpoints.maybe_save(progress.step)
+                ledger.switch("eval")
                 try:  # a stop cuts these short; one that every rank agreed on stops the run at this step
                     self.validator.maybe_run(progress.step)
                     self.evaluator.maybe_run(progress.step)
@@ -275,17 +299,22 @@ class Trainer:
                         self._settle(agreement.drain())
                         self.reporter.read()
                         return self.stop_for_preemption()
-                if self.uploader is not None and self.checkpoints.every_steps:
-                    if progress.step % self.checkpoints.every_steps == 0:
-                        self.uploader.sync_in_background()
+                ledger.switch("idle")
+                if self.uploader is not None and durable:
+                    self.uploader.sync_in_background()
                 self.reporter.on_other_work(time.perf_counter() - t_other)
+                self._decide_intervals(progress.step, durable)
             self.checkpoints.report_background_failure()
+            self._export_time()
 
         if self._settle(agreement.drain()):
             self.reporter.read()
             return self.stop_for_preemption()
         self.calibrator.run()
+        ledger.switch("checkpoint_stall")
+        ledger.clean_stop = True  # the next process resuming from this checkpoint follows no failure
         self.checkpoints.save(progress.step, sync=True, final=True)
+        ledger.switch("eval")
         try:
             self.validator.maybe_run(progress.step, last=True)
             self.evaluator.maybe_run(progress.step, last=True)
@@ -293,6 +322,7 @@ class Trainer:
         except StopRequested:  # the final checkpoint is committed: close within the grace, exit 143
             run_within(self.stop_request.seconds_left(), self.close, "closing the run")
             exit_now(EXIT_PREEMPTED)
+        ledger.switch("idle")
         self.close()
         self.stop_request.uninstall()
         return EXIT_OK
@@ -308,12 +338,13 @@ class Trainer:
     def _saves_at(self, step: int) -> bool:
         """Whether a checkpoint (durable or memory tier) is written after `step`: its progress must hold every
         skip of its steps, so the agreement is settled first."""
-        cp = self.checkpoints
-        return bool(cp.memory is not None or (cp.every_steps and step % cp.every_steps == 0))
+        return self.checkpoints.saves_at(step)
 
     def _count_flops(self, batch: dict) -> None:
         t0 = time.perf_counter()
+        kind = self.ledger.switch("idle")
         flops = self.step_runner.count_flops(batch, self.progress.step)
+        self.ledger.switch(kind)
         self.reporter.on_other_work(time.perf_counter() - t0)  # not the step's time
         if flops is not None:
             self.throughput.set_counted(flops)
@@ -327,7 +358,10 @@ class Trainer:
         exit, which is skipped (see `exit_now`); StopRequest's deadline thread bounds the rest.
         """
         stop = self.stop_request
+        self.ledger.switch("checkpoint_stall")
+        self.ledger.clean_stop = True  # a stop, not a failure: the next process resuming from it counts none
         code = self.checkpoints.emergency_save(self.progress.step, stop)
+        self.ledger.switch("idle")
         run_within(stop.seconds_left(), self.close, "closing the run")
         exit_now(code)
 
@@ -426,7 +460,65 @@ class Trainer:
         if not self.clock.finished:
             self.clock.mark("first_step", last=True)
             if self.env.is_main:
-                log.info("startup timings (s): %s", json.dumps(self.clock.summary()))
+                # `compile`: seconds dynamo spent compiling before the first step ended (inside first_step).
+                compiled = round(CompileStats.now().seconds, 3) if self.cfg.train.compile else 0.0
+                log.info("startup timings (s): %s", json.dumps({**self.clock.summary(), "compile": compiled}))
+
+    # ------------------------------------------------------------------ time accounting (trainer.engine.goodput)
+
+    def _continue_goodput(self, resumed: int | None) -> None:
+        """After the resume: continue the run's time sums from the checkpoint, count a failure if this process
+        follows one, and mark the steps it trains again (up to the newest step the job had reached: the memory
+        tier's record, or the step attempts.json recorded for a crash from this resume point)."""
+        crash = self.attempts.streak or {}
+        reached = [self.progress.step, self.checkpoints.steps_reached, crash.get("step")]
+        self.ledger.redo_until = max(s for s in reached if isinstance(s, int) and not isinstance(s, bool))
+        count = crash.get("count")
+        crashes = count if isinstance(count, int) and not isinstance(count, bool) else 0
+        saved = self.progress.saved_goodput if resumed is not None else None
+        self.ledger.continue_from(saved, resumed is not None, crashes)
+
+    def _export_time(self) -> None:
+        """The run's seconds by kind to Prometheus (what was added since the last call) and its goodput."""
+        if not self.metrics.enabled:
+            return
+        now = self.ledger.run_seconds()
+        added = {k: v - self._time_exported.get(k, 0.0) for k, v in now.items()}
+        self._time_exported = now
+        self.metrics.on_time(added, goodput(now))
+
+    def _decide_intervals(self, step: int, durable: bool) -> None:
+        """`auto` intervals: at the steps every rank knows to decide at, rank 0 decides from what it measured and
+        every rank takes its decision (one broadcast), so every rank saves at the same steps."""
+        schedule = self.checkpoints.schedule
+        if not schedule.decides_at(step, durable):
+            return
+        decision = None
+        if self.env.is_main:
+            run = self.ledger.run_seconds()
+            decision = schedule.decide(sum(run.values()) / 3600.0, self.ledger.failures)
+        schedule.apply(broadcast_object(decision))
+        if schedule.auto_durable:
+            self.metrics.on_checkpoint_interval(schedule.every_steps)
+
+    def _report_time(self) -> None:
+        """The final accounting: this process's seconds by kind and the run's (rank 0's log), and the metrics."""
+        try:
+            self._export_time()
+            if not self.env.is_main:
+                return
+            mine, run = self.ledger.process_seconds(), self.ledger.run_seconds()
+            log.info("time of this process (s): %s goodput=%.4f", one_line(mine), goodput(mine))
+            record = self.ledger.record()
+            log.info(
+                "time of the run (s, %d process(es), %d failure(s)): %s goodput=%.4f",
+                record["processes"],
+                record["failures"],
+                one_line(run),
+                goodput(run),
+            )
+        except Exception as e:  # noqa: BLE001 - accounting never fails a run on its way out
+            log.warning("could not report the run's time accounting: %s", e)
 
     def _log_start(self) -> None:
         if not self.env.is_main:
@@ -465,7 +557,10 @@ class Trainer:
             )
 
     def close(self) -> None:
+        self.ledger.switch("checkpoint_stall")  # waiting for a background save to finish
         self.checkpoints.close()
+        self.ledger.switch("idle")
+        self._report_time()
         self.reporter.close()
         if self.uploader is not None:
             self.uploader.close()  # after the trackers: their last writes go along

@@ -78,7 +78,7 @@ class TrainingMetrics:
         host: str,
         task: str,
         version: str,
-        checkpoint_every_steps: int = 0,
+        checkpoint_every_steps: int | str = 0,
         linger_seconds: float = 0.0,
     ):
         self.enabled = port > 0
@@ -187,6 +187,17 @@ class TrainingMetrics:
             "Steps trained before a restart that were trained again after it (known with the memory tier on)",
         )
         self.preemptions = Counter("gentrain_preemptions", "Stops by SIGTERM/SIGINT with an emergency checkpoint")
+        # Rank 0's wall time by kind (trainer.engine.goodput.KINDS), the run's: a resumed process starts from
+        # the sums its checkpoint holds, so the counter is summed across restarts (a reset then a jump to them).
+        self.time_seconds = Counter(
+            "gentrain_time_seconds",
+            "Wall time of the run by kind (train, redone, startup, compile, restore, data_wait, checkpoint_stall, "
+            "eval, idle): rank 0's, summed across restarts",
+            ["kind"],
+        )
+        self.goodput = Gauge(
+            "gentrain_goodput", "Share of the run's wall time spent training new steps (rank 0)", multiprocess_mode="max"
+        )
         self.nonfinite_steps = Counter(
             "gentrain_nonfinite_steps",
             "Optimizer steps not applied because their loss or gradient norm was inf or NaN (rank 0 counts the job's)",
@@ -202,7 +213,7 @@ class TrainingMetrics:
         self.build_info.labels(version=version, torch=torch.__version__, task=task).set(1)
         self.restarts.set(env.restart_count)
         self.world_size.set(env.world_size)
-        self.ckpt_interval.set(checkpoint_every_steps)
+        self.ckpt_interval.set(checkpoint_every_steps if isinstance(checkpoint_every_steps, int) else 0)
         if env.is_local_main:
             registry = CollectorRegistry()
             multiprocess.MultiProcessCollector(registry)
@@ -308,6 +319,22 @@ class TrainingMetrics:
         """`steps` more steps were found not applied (read late, at the reporter's cadence; rank 0)."""
         if self.enabled and steps > 0:
             self.nonfinite_steps.inc(steps)
+
+    def on_checkpoint_interval(self, steps: int) -> None:
+        """The durable interval `checkpoint.every_steps=auto` chose."""
+        if self.enabled:
+            self.ckpt_interval.set(steps)
+
+    def on_time(self, added: dict[str, float], goodput: float) -> None:
+        """Seconds by kind since the last call (the first: the run's sums before this process), and the run's
+        goodput now. Rank 0 only: the job's figures are its."""
+        if not self.enabled or not self.env.is_main:
+            return
+        for kind, seconds in added.items():
+            child = self.time_seconds.labels(kind=kind)  # every kind exported, 0 until it has time
+            if seconds > 0:
+                child.inc(seconds)
+        self.goodput.set(goodput)
 
     def on_preemption(self) -> None:
         if self.enabled:

@@ -11,6 +11,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from trainer.engine.goodput import TimeLedger, parse_record
 from trainer.errors import ConfigError
 from trainer.randomness import CURRENT_STREAM, STREAM_PER_SAMPLE_CPU, STREAMS, set_stream_version
 
@@ -92,6 +93,10 @@ class TrainProgress:
         # the one its checkpoint was trained on, so it draws what the uninterrupted run would have.
         self.rng_stream = CURRENT_STREAM
         set_stream_version(self.rng_stream)
+        # The run's time accounting (trainer.engine.goodput): saved as the ledger's record at each save, and
+        # the record of the checkpoint resumed from, which the ledger continues.
+        self.ledger: TimeLedger | None = None
+        self.saved_goodput: dict[str, Any] | None = None
 
     @property
     def epoch(self) -> int:
@@ -209,6 +214,7 @@ class TrainProgress:
             "trackers": dict(self.trackers),
             "flops_per_sample": self.flops_per_sample,
             "rng_stream": self.rng_stream,
+            **({"goodput": self.ledger.record()} if self.ledger is not None else {}),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -257,6 +263,7 @@ class TrainProgress:
         set_stream_version(stream)
         self.saved_world_size = state.get("world_size")
         self.saved_time = state.get("time_unix")
+        self.saved_goodput = parse_record(state.get("goodput"))  # informative: a malformed one is dropped
 
 
 def _count(value: Any) -> int:
