@@ -193,6 +193,14 @@ def _parser() -> argparse.ArgumentParser:
     de.add_argument("--shuffle-seed", type=int, default=0, help="samples are written in an order permuted by it")
     de.add_argument("--no-shuffle", action="store_true", help="write the samples in the source's order")
     de.add_argument("--storage-options", type=json.loads, default={}, help="JSON passed to fsspec for --out")
+    r = sub.add_parser("runs", help="what a run stored about itself")
+    rsub = r.add_subparsers(dest="action", required=True)
+    rg = rsub.add_parser(
+        "goodput", help="the run's wall time by kind and its goodput, summed over its processes (newest checkpoint)"
+    )
+    rg.add_argument("root", help="the run's checkpoint root (checkpoint.url)")
+    rg.add_argument("--storage-options", type=_json_object, default={})
+
     sub.add_parser("presets", help="list the built-in presets")
     sub.add_parser(
         "launch",
@@ -665,6 +673,34 @@ def cmd_presets(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def cmd_runs(args: argparse.Namespace) -> int:
+    """`runs goodput ROOT`: the time accounting the run keeps in its newest checkpoint (trainer.engine.goodput)."""
+    _setup_logging()
+    from trainer.checkpoint import CheckpointReader, CheckpointView  # torch-heavy (see the module doc)
+    from trainer.engine.goodput import parse_record, table
+    from trainer.storage import store_errors
+
+    with store_errors(args.root, "read the run in"):  # an unreachable store: one line, exit 1
+        reader = CheckpointReader(args.root, args.storage_options)
+        info = reader.latest_valid()
+        if info is None:
+            raise ConfigError(
+                f"{args.root} holds no valid checkpoint, so no time accounting: give a run's checkpoint root "
+                "(its checkpoint.url) once it has saved a checkpoint"
+            )
+        view = CheckpointView(reader, info)
+        progress = view.trainer_state().get("progress") or {}
+    record = parse_record(progress.get("goodput"))
+    if record is None:
+        raise ConfigError(
+            f"{info.url} holds no time accounting (written by a gentrain that did not keep it): resume the run "
+            "with this gentrain and it is kept from then on"
+        )
+    print(f"run {view.run or '-'} at step {info.step} ({info.url}; time up to that checkpoint's save):")
+    print(table(record["seconds"], record["processes"], record["failures"]))
+    return EXIT_OK
+
+
 def cmd_launch(argv: list[str]) -> int:
     _setup_logging()
     from trainer.launch import launch  # torch-heavy (see the module doc)
@@ -704,6 +740,7 @@ def main(argv: list[str] | None = None) -> int:
         "train": cmd_train,
         "sample": cmd_sample,
         "checkpoints": cmd_checkpoints,
+        "runs": cmd_runs,
         "presets": cmd_presets,
         "data": cmd_data,
         "eval": cmd_eval,

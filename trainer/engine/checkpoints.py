@@ -57,6 +57,7 @@ from trainer.elastic import (
     gather_objects,
     new_gloo_group,
 )
+from trainer.engine.goodput import SaveSchedule, TimeLedger
 from trainer.engine.runtime import Runtime
 from trainer.errors import ConfigError, StoreRefusesWrites
 from trainer.metrics import TrainingMetrics
@@ -109,9 +110,19 @@ class CheckpointManager:
             )
         else:
             self.writer = Checkpointer(self.store, c.async_, on_done=self._on_committed) if self.env.is_main else None
-        self.every_steps = c.every_steps
         self.memory, self.memory_writer = self._memory_tier(cfg, runtime, metrics)
-        self.memory_every_steps = c.memory_every_steps
+        # When each tier saves: fixed intervals, or `auto` ones from the costs measured here (trainer.engine.goodput).
+        self.schedule = SaveSchedule(
+            c.every_steps,
+            c.memory_every_steps,
+            self.memory is not None,
+            c.max_interval_minutes,
+            cfg.elastic.mtbf_hours,
+            self.env.world_size,
+            self.env.is_main,
+        )
+        self.ledger: TimeLedger | None = None  # the loop's: fence waits inside a step are checkpoint stall
+        self._tier_stall = {"durable": 0.0, "memory": 0.0}  # this save's stall per tier, until its fence
         self.memory_failures = 0
         self._memory_resumed: CheckpointInfo | None = None
         self.resumed_tier: str | None = None
@@ -372,11 +383,30 @@ class CheckpointManager:
 
     # ---------------------------------------------------------------- save
 
+    @property
+    def every_steps(self) -> int:
+        """The durable interval now (`checkpoint.every_steps`, or the one `auto` chose)."""
+        return self.schedule.every_steps
+
+    @property
+    def memory_every_steps(self) -> int:
+        return self.schedule.memory_every_steps
+
+    def durable_due(self, step: int) -> bool:
+        """Whether `maybe_save(step)` writes a durable checkpoint (the same answer on every rank)."""
+        return self.schedule.durable_due(step)
+
+    def saves_at(self, step: int) -> bool:
+        """Whether `maybe_save(step)` writes anything (either tier)."""
+        return self.schedule.memory_due(step) or self.schedule.durable_due(step)
+
     def maybe_save(self, step: int) -> None:
-        if self.memory is not None and step % self.memory_every_steps == 0:
+        if self.memory is not None and self.schedule.memory_due(step):
             self.save_to_memory(step)
-        if self.every_steps and step % self.every_steps == 0:
+            self.schedule.saved(step, "memory")
+        if self.schedule.durable_due(step):
             self.save(step)
+            self.schedule.saved(step, "durable")
 
     def save_to_memory(self, step: int) -> None:
         """Collective: this rank's piece of `step` into the memory tier, in the background (see trainer.checkpoint.memory)."""
@@ -399,6 +429,7 @@ class CheckpointManager:
         except Exception as e:  # the previous snapshot's failure, raised by its wait: the next one retries
             self._count_memory_failure(e)
         self._stall = (self._stall or 0.0) + time.perf_counter() - t0
+        self._tier_stall["memory"] += time.perf_counter() - t0
 
     def _count_memory_failure(self, err: BaseException) -> None:
         self.memory_failures += 1
@@ -440,6 +471,7 @@ class CheckpointManager:
             rank_states = gather_objects(capture_rank_state())
             if not self.env.is_main:
                 self.metrics.on_checkpoint_stall(time.perf_counter() - t0)
+                self.schedule.on_cost("durable", time.perf_counter() - t0)
                 return True
             files = snapshot_files(self.progress, self.parts, rank_states, self.frozen)
             meta = self._meta()
@@ -462,28 +494,36 @@ class CheckpointManager:
             return False
         if background:
             self._stall = (self._stall or 0.0) + time.perf_counter() - t0  # the fence adds what it waits
+            self._tier_stall["durable"] += time.perf_counter() - t0
         else:
             self.metrics.on_checkpoint_stall(time.perf_counter() - t0)
+            self.schedule.on_cost("durable", time.perf_counter() - t0)
         return True
 
     def fence(self) -> None:
         """Wait until a background save has copied the parts' state; every part calls this before it
         changes its weights, optimizer state or EMA. A failed copy is counted like a failed save (that
         checkpoint is not written; training goes on and the next save retries)."""
-        waited = 0.0
+        waited = {"memory": 0.0, "durable": 0.0}
         if self.memory_writer is not None:
             try:
-                waited += self.memory_writer.fence()
+                waited["memory"] += self.memory_writer.fence()
             except SnapshotError as e:
                 self._count_memory_failure(e)
         if self.writer is not None:
             try:
-                waited += self.writer.fence()
+                waited["durable"] += self.writer.fence()
             except SnapshotError as e:
                 self._count_failure(e)
+        if self.ledger is not None:  # inside a step: these seconds were the save's, not the step's
+            self.ledger.take("checkpoint_stall", waited["memory"] + waited["durable"])
         if self._stall is not None:
-            self.metrics.on_checkpoint_stall(self._stall + waited)
+            self.metrics.on_checkpoint_stall(self._stall + waited["memory"] + waited["durable"])
             self._stall = None
+            for tier, stall in self._tier_stall.items():
+                if stall:  # one save's (or snapshot's) whole cost to the training thread, for `auto` intervals
+                    self.schedule.on_cost(tier, stall + waited[tier])
+            self._tier_stall = {"durable": 0.0, "memory": 0.0}
 
     def _write_sharded(
         self, step: int, files: Mapping[str, Any], meta: Mapping[str, Any], failed: str | None = None
