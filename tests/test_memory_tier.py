@@ -412,3 +412,48 @@ def test_a_memory_snapshot_that_cannot_be_written_is_counted_and_training_goes_o
     assert "Traceback" not in r.stderr
     assert sorted(p.parent.name for p in mem.glob("step-*/piece-r00000.json")) == ["step-000000004", "step-000000005"]
     assert CheckpointStore(f"{tmp_path}/run/checkpoints").latest_valid().step == 6
+
+
+# ------------------------------------------------------------------ which run the memory tier belongs to
+
+
+@pytest.mark.slow
+def test_the_memory_tier_resumes_only_the_run_its_root_holds_and_a_deleted_root_starts_over(tmp_path):
+    env = clean_env(PYTHONPATH=f"{REPO}/tests")
+    root = tmp_path / "r"
+    args = _args(root, "checkpoint.every_steps=0")  # the durable tier only at the end
+    durable = Path(f"{root}/run/checkpoints")
+    mem = Path(memory_root(f"{root}/shm", str(durable)))
+    # Killed after step 10's snapshot, before any durable checkpoint: the lease the killed trainer left names
+    # its run, so the restart resumes it from memory.
+    _killed(args, tmp_path / "k.log", env, mem / "step-000000010" / "piece-r00000.json")
+    assert not durable.joinpath("LATEST").exists() and (durable / "lease.json").exists()
+    r = run_cli("train", *args, env=env)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert re.search(r"resumed_from=memory:\S+step-000000010 step=10 ", r.stderr), r.stderr[-3000:]
+    first = CheckpointStore(str(durable)).latest_valid()
+    assert first.step == 12 and sorted(scan(str(mem)))
+    # The root deleted to start over (what the resume=false refusal suggests): the memory tier holds the
+    # deleted run's snapshots, which must not come back.
+    shutil.rmtree(durable)
+    r = run_cli("train", *args, env=env)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "resumed_from=none (fresh start) step=0 " in r.stderr, r.stderr[-3000:]
+    assert "not resuming from it, its snapshots are not of the run in" in r.stderr, r.stderr[-3000:]
+    runs = {json.loads(p.read_text())["meta"]["run"] for p in mem.glob("step-*/piece-r00000.json")}
+    assert runs and first.manifest["run"] not in runs, "the deleted run's snapshots were cleared"
+
+
+@pytest.mark.slow
+def test_reached_advances_only_with_a_snapshot_stored(tmp_path):
+    # As a full /dev/shm after step 1: every later snapshot fails. reached.json must not claim steps the
+    # memory tier never held (it said 5 with only step 1 stored).
+    args = tiny(tmp_path, "checkpoint.memory=true", f"checkpoint.memory_dir={tmp_path}/shm", max_steps=5)
+    mem = Path(memory_root(f"{tmp_path}/shm", f"{tmp_path}/run/checkpoints"))
+    mem.mkdir(parents=True)
+    for step in range(2, 6):
+        (mem / f"step-{step:09d}").write_text("not a directory")
+    r = run_cli("train", *args)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert sorted(scan(str(mem))) == [1]
+    assert json.loads((mem / "reached.json").read_text()) == {"step": 1}

@@ -59,3 +59,36 @@ def test_a_missing_store_package_exits_2_naming_the_extra(env_without_buckets, t
     assert f"gentrain[{extra}]" in r.stderr and "Traceback" not in r.stderr, r.stderr[-3000:]
     assert r.stderr.strip().count("\n") < 3, r.stderr  # a line, not a log of a failed run
     assert not (tmp_path / "run" / "checkpoints").exists()  # nothing started
+
+
+_GCS_CLASS = """
+import os, sys
+if sys.argv[1] == "imported":
+    import gcsfs  # gs:// already bound to gcsfs's default class
+from trainer.storage import filesystem
+fs, _ = filesystem("gs://bucket/run", {"endpoint_url": "http://127.0.0.1:9", "token": "anon"})
+print(type(fs).__name__, os.environ.get("GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT"))
+"""
+
+
+@pytest.mark.parametrize(
+    ("setting", "first", "want"),
+    [
+        (None, "fresh", "GCSFileSystem false"),
+        (None, "imported", "GCSFileSystem None"),
+        ("true", "fresh", "ExtendedGcsFileSystem true"),  # the user's own setting is kept
+    ],
+)
+def test_a_gcs_store_with_a_custom_endpoint_gets_gcsfs_plain_class_unless_the_user_chose(setting, first, want):
+    """gcsfs's ExtendedGcsFileSystem (its default) asks Google's Storage Control API about each bucket and
+    waits ~60 s per call on an emulator or a private endpoint; only the tests set the variable before."""
+    env = {
+        k: v for k, v in os.environ.items() if k not in ("GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT", "STORAGE_EMULATOR_HOST")
+    }
+    if setting is not None:
+        env["GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT"] = setting
+    r = subprocess.run(
+        [sys.executable, "-c", _GCS_CLASS, first], env=env, capture_output=True, text=True, timeout=120, check=False
+    )
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert r.stdout.split("\n")[-2] == want, r.stdout + r.stderr[-2000:]

@@ -441,3 +441,103 @@ def test_an_hf_dataset_with_one_readable_image_or_max_skipped_fraction_1_is_read
     with pytest.raises(ConfigError, match="32 rows spread over its 40 tried"):
         build_splits(cfg)
     shutil.rmtree(tmp_path / "some")
+
+
+# ---------------------------------------------------------------- read commands' flags and stores (#47)
+
+
+@pytest.mark.parametrize("kind", ["file", "under-a-file", "dangling", "read-only"])
+def test_data_encode_out_that_cannot_be_a_folder_exits_2_before_encoding(tmp_path, paths, kind):
+    out = paths.get(kind)
+    if kind == "read-only":
+        (tmp_path / "ro").mkdir(mode=0o555)
+        if os.access(tmp_path / "ro", os.W_OK):
+            pytest.skip("this user (root) may write in a folder of mode 555")
+        out = tmp_path / "ro" / "latents"
+    r = run_cli("data", "encode", "digits-latent-dit", "--out", str(out), "--samples-per-shard", "4")
+    assert_usage_error(r, f"--out {str(out)!r} cannot be made a folder")
+    assert "encoded" not in r.stdout
+
+
+DEEP = '{"a": ' * 5000 + "1" + "}" * 5000  # json.loads: RecursionError
+
+
+@pytest.mark.parametrize("value", [DEEP, '{"a": ' * 40 + "1" + "}" * 40])
+@pytest.mark.parametrize("args", [["sample", DDPM], ["eval", DDPM], ["checkpoints", "list", DDPM]])
+def test_storage_options_nested_too_deep_exit_2(args, value):
+    assert_usage_error(run_cli(*args, "--storage-options", value), "storage-options: the value nests deeper than")
+
+
+@pytest.mark.parametrize(
+    "args, flag",
+    [
+        (["sample", DDPM, "--num", str(2**64)], "--num"),
+        (["sample", DDPM, "--seed", str(2**64)], "--seed"),
+        (["sample", DDPM, "--seed", str(-(2**64))], "--seed"),
+        (["sample", DDPM, "--steps", str(2**70)], "--steps"),
+        (["eval", DDPM, "--num", str(2**64)], "--num"),
+    ],
+)
+def test_counts_and_seeds_beyond_their_range_exit_2(args, flag):
+    assert_usage_error(run_cli(*args), f"argument {flag}", "out of range")
+
+
+@pytest.mark.parametrize("command", [["sample", DDPM, "--num", "1", "--out", "OUT"], ["eval", DDPM, "--num", "2"]])
+def test_steps_above_the_models_timesteps_exit_2(tmp_path, command):
+    r = run_cli(*[str(tmp_path / "grid.png") if a == "OUT" else a for a in command], "--steps", "5000")
+    assert_usage_error(r, "--steps 5000", "cannot sample that many steps")
+
+
+def test_sample_out_a_dangling_link_into_a_missing_folder_exits_2(tmp_path):
+    link = tmp_path / "grid.png"
+    link.symlink_to(tmp_path / "gone" / "deeper" / "grid.png")
+    r = run_cli("sample", DDPM, "--num", "1", "--steps", "1", "--out", str(link))
+    assert_usage_error(r, f"--out {str(link)!r} cannot be written", "symbolic link", "whose folder does not exist")
+
+
+@pytest.mark.parametrize(
+    "command",
+    [
+        ["sample", "s3://bucket/run", "--num", "1"],
+        ["checkpoints", "list", "s3://bucket/run"],
+        ["checkpoints", "verify", "s3://bucket/run"],
+    ],
+)
+def test_an_unreachable_store_is_one_line_and_exit_1(tmp_path, command):
+    from conftest import free_port
+
+    endpoint = f"http://127.0.0.1:{free_port()}"  # nothing listens there
+    options = {
+        "endpoint_url": endpoint,
+        "key": "AKIDEXAMPLE",
+        "secret": "s3cr3t-never-printed",
+        "config_kwargs": {"retries": {"max_attempts": 1}},
+    }
+    out = ["--out", str(tmp_path / "grid.png")] if command[0] == "sample" else []
+    r = run_cli(*command, *out, "--storage-options", json.dumps(options))
+    assert r.returncode == 1, r.stderr[-3000:]
+    assert "Traceback" not in r.stderr and "s3cr3t-never-printed" not in r.stderr, r.stderr[-3000:]
+    said = [line for line in r.stderr.splitlines() if "127.0.0.1" in line]
+    assert len(said) == 1 and said[0].startswith("gentrain: checkpoint error: cannot "), r.stderr[-3000:]
+    assert "s3://bucket/run" in said[0] and "EndpointConnectionError" in said[0], said
+
+
+@pytest.mark.parametrize("bad", ["unet.model.safetensors", "unet.ema.safetensors"])
+def test_verify_names_the_file_whose_tensor_has_the_wrong_shape(tmp_path, bad):
+    from ckpt_tamper import edit_tensors, step_dir
+
+    root = tmp_path / "checkpoints"
+    shutil.copytree(DDPM, root)
+    key = ""
+
+    def reshape(tensors: dict) -> dict:
+        nonlocal key
+        key = sorted(k for k, t in tensors.items() if t.ndim == 4)[0]
+        tensors[key] = tensors[key].reshape(tensors[key].shape[0], -1).contiguous()
+        return tensors
+
+    edit_tensors(root, 2, bad, reshape)
+    r = run_cli("checkpoints", "verify", str(step_dir(root, 2)))
+    assert r.returncode == 1, r.stdout + r.stderr[-2000:]
+    other = ({"unet.model.safetensors", "unet.ema.safetensors"} - {bad}).pop()
+    assert f"{bad}: {key} has shape [" in r.stdout and other not in r.stdout, r.stdout

@@ -32,6 +32,22 @@ _TEXT_ENCODER_HELP = (
 )
 
 
+_MAX_JSON_DEPTH = 32  # storage options nest a few levels (config_kwargs.retries); redaction walks them
+
+
+def _json_depth(value: Any) -> int:
+    """How deep `value` nests (iteratively: a value nested thousands deep must not exhaust the stack)."""
+    deepest, todo = 0, [(value, 1)]
+    while todo:
+        v, depth = todo.pop()
+        deepest = max(deepest, depth)
+        if depth <= _MAX_JSON_DEPTH:
+            todo.extend(
+                (x, depth + 1) for x in (v.values() if isinstance(v, dict) else v if isinstance(v, list) else ())
+            )
+    return deepest
+
+
 def _json_object(text: str) -> dict[str, Any]:
     """A `--storage-options` value: a JSON object (fsspec takes keyword arguments), else a usage error."""
     # The text is not echoed: it may hold a credential, and argparse prints its errors unredacted.
@@ -40,9 +56,33 @@ def _json_object(text: str) -> dict[str, Any]:
         value = json.loads(text)
     except ValueError as e:
         raise argparse.ArgumentTypeError(f"the value is not JSON ({e}); {example}") from None
+    except RecursionError:
+        value = None
+    if value is None or _json_depth(value) > _MAX_JSON_DEPTH:
+        raise argparse.ArgumentTypeError(f"the value nests deeper than {_MAX_JSON_DEPTH} levels; {example}") from None
     if not isinstance(value, dict):
         raise argparse.ArgumentTypeError(f"the value is a JSON {type(value).__name__}, not an object; {example}")
     return value
+
+
+def _int_in(low: int, high: int):
+    """An argparse type: an integer in [low, high] (a seed or count beyond 64 bits is a usage error, never an
+    OverflowError in torch)."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"invalid int value: {text[:40]!r}") from None
+        if not low <= value <= high:
+            raise argparse.ArgumentTypeError(f"{text[:40]} is out of range: give an integer from {low} to {high}")
+        return value
+
+    return parse
+
+
+_COUNT = _int_in(-(2**31), 2**31 - 1)  # images: the commands' own checks say what is allowed within it
+_SEED = _int_in(-(2**63), 2**64 - 1)  # what torch.Generator.manual_seed takes
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -58,11 +98,11 @@ def _parser() -> argparse.ArgumentParser:
 
     s = sub.add_parser("sample", help="sample an image grid from a checkpoint")
     s.add_argument("checkpoint", help="a checkpoint (…/step-000001200) or a checkpoint root (newest valid)")
-    s.add_argument("--num", type=int, default=64)
+    s.add_argument("--num", type=_COUNT, default=64)
     s.add_argument("--out", default="grid.png")
-    s.add_argument("--seed", type=int, default=0)
+    s.add_argument("--seed", type=_SEED, default=0)
     s.add_argument(
-        "--steps", type=int, default=None, help="inference steps (default: the run's sample.inference_steps)"
+        "--steps", type=_COUNT, default=None, help="inference steps (default: the run's sample.inference_steps)"
     )
     s.add_argument("--scheduler", choices=["ddim", "dpm"], default=None)
     s.add_argument("--guidance-scale", type=float, default=None)
@@ -92,7 +132,7 @@ def _parser() -> argparse.ArgumentParser:
         "--num-images",
         "-n",
         dest="num",
-        type=int,
+        type=_COUNT,
         default=None,
         help="images generated and compared (default: eval.num); under torchrun use --num-images",
     )
@@ -100,7 +140,7 @@ def _parser() -> argparse.ArgumentParser:
         "--features", default=None, help="digits | inception | URL of a feature net (default: eval.features)"
     )
     e.add_argument("--features-url", default=None, help="features=inception: path/URL of the Inception weights")
-    e.add_argument("--steps", type=int, default=None, help="inference steps (default: eval/sample settings)")
+    e.add_argument("--steps", type=_COUNT, default=None, help="inference steps (default: eval/sample settings)")
     e.add_argument("--no-ema", action="store_true", help="use the raw weights instead of the EMA weights")
     e.add_argument(
         "--storage-options", type=_json_object, default={}, help="JSON passed to fsspec (checkpoints, and data too)"
@@ -192,7 +232,7 @@ def _parser() -> argparse.ArgumentParser:
     de.add_argument("--batch-size", type=int, default=64, help="images per encoder call")
     de.add_argument("--shuffle-seed", type=int, default=0, help="samples are written in an order permuted by it")
     de.add_argument("--no-shuffle", action="store_true", help="write the samples in the source's order")
-    de.add_argument("--storage-options", type=json.loads, default={}, help="JSON passed to fsspec for --out")
+    de.add_argument("--storage-options", type=_json_object, default={}, help="JSON passed to fsspec for --out")
     r = sub.add_parser("runs", help="what a run stored about itself")
     rsub = r.add_subparsers(dest="action", required=True)
     rg = rsub.add_parser(
@@ -214,6 +254,17 @@ def _parser() -> argparse.ArgumentParser:
 _REDACT = RedactingFilter()
 
 
+class _WithoutTraceback(logging.Filter):
+    """A store library's log record without its traceback (the message stays)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        record.exc_info, record.exc_text = None, None
+        return True
+
+
+_NO_TRACEBACK = _WithoutTraceback()
+
+
 def _setup_logging(rank: int = 0, world_size: int = 1) -> None:
     level = logging.INFO if rank == 0 else logging.WARNING
     prefix = f"[rank {rank}] " if world_size > 1 else ""
@@ -225,6 +276,9 @@ def _setup_logging(rank: int = 0, world_size: int = 1) -> None:
     )
     for noisy in ("fsspec", "s3fs", "gcsfs", "aiobotocore", "botocore", "urllib3", "PIL", "matplotlib"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
+        # Their errors as one line: gcsfs logs a traceback when it gives up on a store (gentrain says why).
+        if _NO_TRACEBACK not in logging.getLogger(noisy).filters:
+            logging.getLogger(noisy).addFilter(_NO_TRACEBACK)
     for handler in logging.getLogger().handlers:
         if _REDACT not in handler.filters:
             handler.addFilter(_REDACT)
@@ -235,8 +289,10 @@ def _open(args: argparse.Namespace, url: str, doing: str):
     telling the user why there is none to `doing` (the caller exits 1: EXIT_INVALID_CHECKPOINT)."""
     # Imports torch: only commands that read a checkpoint get here.
     from trainer.checkpoint import CheckpointView, resolve_checkpoint
+    from trainer.storage import store_errors
 
-    reader, info = resolve_checkpoint(url, args.storage_options)
+    with store_errors(url, "read checkpoints from"):  # an unreachable store: one line, exit 1
+        reader, info = resolve_checkpoint(url, args.storage_options)
     if info is None or not info.valid:
         why = info.reason if info else "no valid checkpoint under this root"
         _fail(f"cannot {doing} {url}: {why}")
@@ -254,6 +310,21 @@ def _load_for_inference(args: argparse.Namespace, view, device) -> tuple[Any, An
 
     check_stored_encoders(config_of(view, args.task).model_cfg, args.text_encoder, f"checkpoint {view.url}")
     return load_for_inference(view, not args.no_ema, device, task_name=args.task)
+
+
+def _check_steps(task, cfg, steps: int | None, scheduler: str | None) -> None:
+    """`--steps` the checkpoint's sampler would refuse (more than a DDPM schedule's num_train_timesteps):
+    exit 2 naming the flag, asked of the task as the config's sample.inference_steps is."""
+    refusal_of = getattr(type(task), "sampling_refusal", None)
+    if steps is None or refusal_of is None:
+        return
+    scheduler = scheduler or cfg.sample.scheduler
+    refusal = refusal_of(cfg.model_cfg, steps, scheduler)
+    if refusal is not None:
+        raise ConfigError(
+            f"--steps {steps}: this {cfg.task} checkpoint cannot sample that many steps with the {scheduler} "
+            f"scheduler: {refusal}; give fewer --steps"
+        )
 
 
 def cmd_train(args: argparse.Namespace) -> int:
@@ -320,6 +391,7 @@ def cmd_sample(args: argparse.Namespace) -> int:
     # checkpoint's task declares, then the run's sample.* settings for what the user left out.
     request = _request(args)
     check_request(request, task.sample_accepts(), cfg.task)
+    _check_steps(task, cfg, args.steps, args.scheduler)
     s = cfg.sample
     request = request.with_defaults(
         inference_steps=s.inference_steps, scheduler=s.scheduler, guidance_scale=s.guidance_scale
@@ -362,6 +434,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
     if args.data_storage_options is not None:
         cfg.data.storage_options = args.data_storage_options
     _set_eval_flags(cfg, args)
+    _check_steps(task, cfg, args.steps, None)
     net, about = load_features(cfg.eval.features, cfg.eval.features_url, args.storage_options or None)
     if env.world_size > 1:
         init_process_group(env, "nccl" if torch.cuda.is_available() else "gloo", cfg.elastic.collective_timeout_seconds)
@@ -499,35 +572,42 @@ def _list_memory_tier(memory_dir: str, root: str) -> bool:
     return True
 
 
+def _list_checkpoints(args: argparse.Namespace, store) -> int:
+    """`checkpoints list`: the memory tier's steps on this node, then the durable tier's, each checked."""
+    infos = store.list()
+    both = _list_memory_tier(args.memory_dir, args.root)
+    if not infos:
+        print(f"no checkpoints under {args.root}")
+        return EXIT_OK
+    if both:
+        print(f"durable tier ({args.root}):")
+    hint = store.latest_hint()
+    print(f"{'step':>10}  {'time (UTC)':<25}  {'size':>9}  status")
+    unchecked, shapes = [], {}  # the model of each config is built once for the whole root
+    for i in infos:
+        # The same check as `verify` (digests, structure, fit to the model), so the two always agree.
+        problems, skipped = _check(store, i, args, shapes)
+        status = "valid" if not problems else f"INVALID: {'; '.join(problems)}"
+        if i.step == hint:
+            status += " (LATEST)"
+        print(f"{i.step:>10}  {i.time_utc or '-':<25}  {_human_bytes(i.total_bytes):>9}  {status}")
+        if skipped:
+            unchecked.append(f"step {i.step}: weights not checked against a model: {skipped}")
+    for line in unchecked:
+        print(line)
+    return EXIT_OK
+
+
 def cmd_checkpoints(args: argparse.Namespace) -> int:
     _setup_logging()
     # torch-heavy (see the module doc)
     from trainer.checkpoint import CheckpointReader, CheckpointView, resolve_checkpoint
 
     if args.action == "list":
-        store = CheckpointReader(args.root, args.storage_options)
-        infos = store.list()
-        both = _list_memory_tier(args.memory_dir, args.root)
-        if not infos:
-            print(f"no checkpoints under {args.root}")
-            return EXIT_OK
-        if both:
-            print(f"durable tier ({args.root}):")
-        hint = store.latest_hint()
-        print(f"{'step':>10}  {'time (UTC)':<25}  {'size':>9}  status")
-        unchecked, shapes = [], {}  # the model of each config is built once for the whole root
-        for i in infos:
-            # The same check as `verify` (digests, structure, fit to the model), so the two always agree.
-            problems, skipped = _check(store, i, args, shapes)
-            status = "valid" if not problems else f"INVALID: {'; '.join(problems)}"
-            if i.step == hint:
-                status += " (LATEST)"
-            print(f"{i.step:>10}  {i.time_utc or '-':<25}  {_human_bytes(i.total_bytes):>9}  {status}")
-            if skipped:
-                unchecked.append(f"step {i.step}: weights not checked against a model: {skipped}")
-        for line in unchecked:
-            print(line)
-        return EXIT_OK
+        from trainer.storage import store_errors
+
+        with store_errors(args.root, "list checkpoints in"):  # an unreachable store: one line, exit 1
+            return _list_checkpoints(args, CheckpointReader(args.root, args.storage_options))
 
     if args.action == "export":
         from trainer.models.export import check_export_target  # torch-heavy (see the module doc)
@@ -537,7 +617,10 @@ def cmd_checkpoints(args: argparse.Namespace) -> int:
         from trainer.storage import check_output_folder  # fsspec (see the module doc)
 
         check_output_folder(args.out, f"OUT {args.out!r}", "give a checkpoint root folder (it is made if missing)")
-    store, info = resolve_checkpoint(args.url, args.storage_options)
+    from trainer.storage import store_errors
+
+    with store_errors(args.url, "read checkpoints from"):  # an unreachable store: one line, exit 1
+        store, info = resolve_checkpoint(args.url, args.storage_options)
     if info is None:
         print(f"INVALID: no valid checkpoint under {args.url}")
         return EXIT_INVALID_CHECKPOINT
@@ -647,6 +730,11 @@ def cmd_data_encode(args: argparse.Namespace) -> int:
     _setup_logging(rank, world)
     cfg = load_config(*split_preset([a for a in [args.config, *args.overrides] if a]))
     _REDACT.add_secrets({**cfg.to_dict(), "storage_options": args.storage_options})
+    from trainer.storage import check_output_folder  # fsspec (see the module doc)
+
+    # Before the autoencoder is loaded or an image encoded: a file, a path under a file or a folder this
+    # user cannot write in is a usage error, not a traceback at the first shard.
+    check_output_folder(args.out, f"--out {args.out!r}", "give a folder for the latent shards (it is made if missing)")
     from trainer.data.encode import encode_dataset  # torch-heavy (see the module doc)
 
     summary = encode_dataset(

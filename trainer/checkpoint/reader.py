@@ -29,6 +29,7 @@ from __future__ import annotations
 import logging
 import os
 import posixpath
+from collections import Counter
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -386,14 +387,51 @@ def _cross_check(info: CheckpointInfo, parsed: Mapping[str, Any]) -> list[str]:
     for name, header in parsed.items():
         g = parse_group_file(name)
         if g is not None and g.kind == "ema" and g.whole:
-            model = parsed.get(whole_file(group_name(g.part, "model")))
-            if model is None:
-                continue
-            for key, h in header.items():
-                if key not in model or model[key]["shape"] != h["shape"]:
-                    problems.append(f"{info.url}/{name}: {key} has no weight of shape {h['shape']} in the model")
-                    break
+            model_name = whole_file(group_name(g.part, "model"))
+            if (model := parsed.get(model_name)) is not None:
+                problem = _ema_mismatch(
+                    info, name, header, model_name, model, parsed.get(whole_file(group_name(g.part, "optimizer")))
+                )
+                if problem:
+                    problems.append(problem)
     return problems
+
+
+def _ema_mismatch(
+    info: CheckpointInfo,
+    ema_name: str,
+    ema: Mapping[str, Any],
+    model_name: str,
+    model: Mapping[str, Any],
+    optimizer: Mapping[str, Any] | None,
+) -> str | None:
+    """EMA weights that do not match the online weights, naming the file that is wrong where the checkpoint
+    tells: the optimizer's per-parameter tensors (AdamW's exp_avg) are shaped like the parameters, so the
+    file whose shapes they agree with is the sound one. Otherwise both files are named (the model that
+    `checkpoints verify` builds from the config tells which one is wrong)."""
+    key = next((k for k, h in ema.items() if k not in model or model[k]["shape"] != h["shape"]), None)
+    if key is None:
+        return None
+    if key not in model:
+        return f"{info.url}/{ema_name}: {key} has no weight in {model_name}"
+    moments = Counter(tuple(h["shape"]) for k, h in (optimizer or {}).items() if k.endswith(".exp_avg"))
+    in_ema = Counter(tuple(h["shape"]) for h in ema.values())
+    in_model = Counter(tuple(model[k]["shape"]) for k in ema if k in model)
+    in_model_file, in_ema_file = model[key]["shape"], ema[key]["shape"]
+    if moments and moments == in_ema != in_model:
+        return (
+            f"{info.url}/{model_name}: {key} has shape {in_model_file}, "
+            f"its EMA weights and optimizer state {in_ema_file}"
+        )
+    if moments and moments == in_model != in_ema:
+        return (
+            f"{info.url}/{ema_name}: {key} has shape {in_ema_file}, "
+            f"its model weights and optimizer state {in_model_file}"
+        )
+    return (
+        f"{info.url}: {model_name} and {ema_name} disagree on {key} "
+        f"({in_model_file} in {model_name}, {in_ema_file} in {ema_name})"
+    )
 
 
 def resolve_checkpoint(

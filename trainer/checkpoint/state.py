@@ -239,7 +239,9 @@ def check_fits(part: Any, state: Mapping[str, Any], what: str) -> None:
         raise CheckpointCorrupt(f"{what}: weights do not match the model (missing {missing[:3]}, extra {extra[:3]})")
     for key, t in state["model"].items():
         if tuple(t.shape) != tuple(live[key].shape):
-            raise CheckpointCorrupt(f"{what}: {key} has shape {list(t.shape)}, the model's is {list(live[key].shape)}")
+            raise CheckpointCorrupt(
+                f"{what}: model weight {key} has shape {list(t.shape)}, the model's is {list(live[key].shape)}"
+            )
     if part.ema is not None and state.get("ema") is not None and state.get("ema_meta"):
         for key, p in part.module.named_parameters():
             t = state["ema"].get(key)

@@ -271,19 +271,19 @@ class CheckpointManager:
         and checked like a durable checkpoint. A step that fails any of that is dropped, the next tried."""
         tier = self.memory
         assert tier is not None
-        durable, owner = None, None
+        durable, belongs = None, None
         if self.env.is_main:
             newest = self.store.latest_valid()
             durable = newest.step if newest is not None else None
-            owner = self._root_owner(newest)
+            belongs = self._root_owner(newest)
         report = (
             tier.inventory() if tier.is_leader else None,
             tier.reached() if tier.is_leader else None,
             self.env.rank,
         )
-        gathered = gather_objects((report, durable, owner))
-        durable, owner = gathered[0][1], gathered[0][2]
-        if owner == ("none", ""):  # the root holds no run: whatever the memory tier holds is another's
+        gathered = gather_objects((report, durable, belongs))
+        durable, belongs = gathered[0][1], gathered[0][2]
+        if belongs == ("none", ""):  # the root holds no run: whatever the memory tier holds is another's
             if any(r[0] for r, _, _ in gathered):
                 self._stale_memory("the checkpoint root holds no run (a new root, or one deleted to start over)")
             return None
@@ -305,9 +305,10 @@ class CheckpointManager:
             problems = [p for ps in gather_objects(problems) for p in ps]
             if not problems:
                 meta = tier.read_piece(step, 0)["meta"]
-                if owner is not None and meta.get(owner[0]) != owner[1]:  # every rank reads the same piece
+                if belongs is not None and meta.get(belongs[0]) != belongs[1]:  # every rank reads the same piece
                     self.steps_reached = None
-                    self._stale_memory(f"its step {step} is of {owner[0]} {meta.get(owner[0])}, the root's {owner[1]}")
+                    field, want = belongs
+                    self._stale_memory(f"its step {step} is of {field} {meta.get(field)}, the root's {want}")
                     return None
                 inputs = meta.get("inputs") or {}
                 check_pinned_inputs(inputs, self.inputs, f"the memory tier at {tier.root}")
