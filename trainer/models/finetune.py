@@ -93,7 +93,10 @@ class FinetuneFields(BaseModel):
     """`pretrained` and `lora`, shared by the DDPM UNet (`model.*`) and each cascade stage (`model.stages[i].*`)."""
 
     pretrained: str | None = Field(
-        None, description="diffusers-format folder (config.json + diffusion_pytorch_model.safetensors), path or URL"
+        None,
+        description="diffusers-format folder (config.json + diffusion_pytorch_model.safetensors), path or URL; "
+        "ddpm: or a released pipeline's folder (model_index.json: Stable Diffusion 1.x/2.x), whose unet, vae, "
+        "text encoder, tokenizer and scheduler then set the run's keys (docs/tasks/pipelines.md)",
     )
     lora: LoraSettings | None = Field(None, description="train LoRA adapters on the frozen pretrained UNet")
 
@@ -314,13 +317,17 @@ def prepare_unet(
     storage_options: Mapping[str, Any] | None,
     load: bool,
     lora_targets: Sequence[str],
+    within: str | None = None,
 ) -> PretrainedFolder | None:
     """Load `c.pretrained` into `unet` (when `load`: a training start; inference and resumes overwrite the
-    weights anyway) and put LoRA adapters on it (`c.lora.targets`, else the backbone's `lora_targets`). Returns the folder read (its `extras` are the caller's)."""
+    weights anyway) and put LoRA adapters on it (`c.lora.targets`, else the backbone's `lora_targets`). Returns
+    the folder read (its `extras` are the caller's). `within`: the subfolder of a pipeline folder holding the
+    denoiser (`unet`)."""
     folder = None
     if c.pretrained is not None and load:
-        folder = read_folder(c.pretrained, f"{key}.pretrained", storage_options)
-        where = f"{key}.pretrained={c.pretrained!r}"
+        url = f"{c.pretrained.rstrip('/')}/{within}" if within else c.pretrained
+        folder = read_folder(url, f"{key}.pretrained", storage_options)
+        where = f"{key}.pretrained={url!r}"
         check_architecture(unet, folder.config, where, hints)
         load_weights(unet, folder.tensors, where, f"the weights of {WEIGHTS_NAME}")
         log.info("%s: weights from %s (%s)", key, c.pretrained, folder.record["digest"])

@@ -29,6 +29,7 @@ everything from a store: JSON and safetensors only, nothing imported by a name t
 
 from __future__ import annotations
 
+import copy
 import json
 import posixpath
 from collections.abc import Mapping
@@ -396,9 +397,12 @@ def _objective(scheduler: Component, key: str) -> Objective:
     )
 
 
-def inspect_pipeline(url: str, key: str = "model.pretrained", storage_options: Mapping[str, Any] | None = None):
+def inspect_pipeline(
+    url: str, key: str = "model.pretrained", storage_options: Mapping[str, Any] | None = None, digests: bool = True
+):
     """The pipeline folder at `url` recognized, checked and pinned (see the module doc); ConfigError (exit 2)
-    naming everything wrong with it."""
+    naming everything wrong with it. `digests=False` skips hashing the files (the record then has none): what
+    reading the config needs, before the run pins them."""
     folder = _Folder(url, key, storage_options)
     top = folder.names()
     if not top:
@@ -446,6 +450,8 @@ def inspect_pipeline(url: str, key: str = "model.pretrained", storage_options: M
             + "\n  ".join(problems)
         )
     objective = _objective(components["scheduler"], key)
+    if not digests:
+        return PipelineFolder(url, family, components, objective, {"url": url, "family": family.name})
     files: dict[str, dict[str, Any]] = {MODEL_INDEX: folder.digest(MODEL_INDEX)}
     for component in components.values():
         for rel in component.files:
@@ -462,3 +468,128 @@ def changed_files(pinned: Mapping[str, Any], now: Mapping[str, Any]) -> list[str
     folder as it is `now` (another record): what a resume against a changed base names."""
     before, after = pinned.get("files", {}), now.get("files", {})
     return sorted(rel for rel in before if after.get(rel) != before[rel]) + sorted(set(after) - set(before))
+
+
+def is_pipeline_folder(url: str, storage_options: Mapping[str, Any] | None = None) -> bool:
+    """Whether `url` holds a model_index.json (a pipeline folder, not a single model's); False when unreadable
+    (whoever reads it next says why)."""
+    import fsspec
+
+    try:
+        fs, root = fsspec.core.url_to_fs(url, **dict(storage_options or {}))
+        return fs.isfile(posixpath.join(root.rstrip("/"), MODEL_INDEX))
+    except (OSError, ValueError, ImportError, TypeError):
+        return False
+
+
+def subfolder(url: str, slot: str) -> str:
+    """The URL of one component's folder in the pipeline folder `url` (local path or fsspec URL)."""
+    return f"{url.rstrip('/')}/{slot}"
+
+
+# ---------------------------------------------------------------- a pipeline folder as the ddpm task's keys
+# The families the ddpm task trains from a pipeline folder today; the others are read (inspect_pipeline) but
+# their denoisers, encoders and conditions are not wired yet (issue 48).
+DDPM_FAMILIES = ("sd",)
+
+
+def _flat(tree: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for k, v in tree.items():
+        if isinstance(v, Mapping) and k != "unet_config":
+            out.update(_flat(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = v
+    return out
+
+
+def _same(a: Any, b: Any) -> bool:
+    if isinstance(a, int | float) and isinstance(b, int | float) and not isinstance(a, bool | str):
+        return float(a) == float(b)
+    if isinstance(a, tuple | list) and isinstance(b, tuple | list):
+        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b, strict=True))
+    return a == b
+
+
+def _merge(into: dict[str, Any], implied: Mapping[str, Any]) -> None:
+    for k, v in implied.items():
+        if isinstance(v, Mapping) and k != "unet_config" and isinstance(into.get(k), Mapping):
+            into[k] = dict(into[k])
+            _merge(into[k], v)
+        elif k not in into or into[k] is None:
+            into[k] = copy.deepcopy(v)
+
+
+def ddpm_keys(p: PipelineFolder, storage_options: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """The ddpm task's `model.*` keys a pipeline folder implies: the denoiser (its own config), the frozen VAE,
+    the frozen text encoder and tokenizer, and the objective from the scheduler."""
+    if p.family.name not in DDPM_FAMILIES:
+        raise ConfigError(
+            f"model.pretrained={p.url!r} is a {p.family.pipelines[0]} folder ({p.family.name}): gentrain reads it, "
+            f"but trains only {', '.join(DDPM_FAMILIES)} pipeline folders so far (SD 1.x/2.x); the {p.family.name} "
+            "denoiser, encoders and conditions are not wired yet (issue 48)"
+        )
+    unet = dict(p.components["unet"].config or {})
+    text_cfg = p.components["text_encoder"].config or {}
+    text_cfg = text_cfg.get("text_config", text_cfg)  # a full CLIPConfig holds the text model's under text_config
+    positions = int(text_cfg.get("max_position_embeddings", 77))
+    tokens = min(_model_max_length(p, storage_options), positions, 77)
+    o = p.objective
+    objective = {
+        "prediction_type": {"epsilon": "epsilon", "v": "v_prediction"}[o.prediction_type],
+        "num_train_timesteps": o.num_train_timesteps,
+        "beta_schedule": o.beta_schedule,
+        "beta_start": o.beta_start,
+        "beta_end": o.beta_end,
+    }
+    return {
+        "backbone": {"kind": "unet", "caption_channels": unet.get("cross_attention_dim"), "unet_config": unet},
+        "autoencoder": {"url": subfolder(p.url, "vae")},
+        "text": {
+            "kind": "sd",
+            "encoder": subfolder(p.url, "text_encoder"),
+            "tokenizer": subfolder(p.url, "tokenizer"),
+            "width": text_cfg.get("hidden_size"),
+            "max_tokens": tokens,
+        },
+        **objective,
+    }
+
+
+def _model_max_length(p: PipelineFolder, storage_options: Mapping[str, Any] | None) -> int:
+    """The tokenizer's model_max_length (what encode_prompt pads to), 77 when it names none or a huge one."""
+    folder = _Folder(p.url, "model.pretrained", storage_options)
+    try:
+        value = folder.json("tokenizer/tokenizer_config.json").get("model_max_length")
+    except ConfigError:
+        return 77
+    return int(value) if isinstance(value, int) and 0 < value <= 77 else 77
+
+
+def expand_ddpm_model(model: Mapping[str, Any], storage_options: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """`model.*` with what a pipeline folder at `model.pretrained` implies filled in (`ddpm_keys`), so the run's
+    saved config says explicitly what it trains; a key the user set to another value than the folder's is a
+    ConfigError naming both. Any other `model.pretrained` (a single UNet's folder, or none) is left alone."""
+    url = model.get("pretrained")
+    if not isinstance(url, str) or not is_pipeline_folder(url, storage_options):
+        return dict(model)
+    p = inspect_pipeline(url, "model.pretrained", storage_options, digests=False)
+    implied = ddpm_keys(p, storage_options)
+    given = _flat(model)
+    clashes = [
+        f"model.{k}={given[k]!r} (the folder's: {v!r})"
+        for k, v in _flat(implied).items()
+        if given.get(k) is not None and not _same(given[k], v) and k != "text.max_tokens"
+    ]
+    backbone = model.get("backbone")
+    if isinstance(backbone, Mapping):
+        shape = sorted(k for k in backbone if k not in ("kind", "caption_channels", "unet_config"))
+        clashes += [f"model.backbone.{k} (the folder's unet/config.json shapes the UNet)" for k in shape]
+    if clashes:
+        raise ConfigError(
+            f"model.pretrained={url!r} is a {p.family.pipelines[0]} folder, which sets these keys itself; remove "
+            "them (or point them at the same values): " + "; ".join(clashes)
+        )
+    out = dict(model)
+    _merge(out, implied)
+    return out

@@ -42,6 +42,7 @@ from trainer.diffusion.config import LatentAutoencoderConfig, NoiseConfig, froze
 from trainer.errors import ConfigError
 from trainer.models.export import DIT_PIPELINE_NULL_CLASS, dit_for_pipeline
 from trainer.models.finetune import prepare_unet
+from trainer.models.pipelines import expand_ddpm_model, inspect_pipeline, is_pipeline_folder
 from trainer.randomness import sample_draws
 from trainer.tasks.base import Batch, Export, FrozenSource, Loss, Phase, PreviewContext, StepInfo, Task, TaskContext
 from trainer.tasks.sampling import SampleRequest
@@ -174,6 +175,13 @@ class DDPMTask(Task):
         return True
 
     @classmethod
+    def expand_model(cls, model: dict, storage_options: Mapping | None) -> dict:
+        """`model.*` of a user's config with what a released pipeline folder at `model.pretrained` implies
+        filled in (trainer/models/pipelines.py `expand_ddpm_model`): the backbone's unet_config, the frozen
+        autoencoder and text encoder, the objective."""
+        return expand_ddpm_model(model, storage_options)
+
+    @classmethod
     def trainable_part_names(cls, model_cfg: DiffusionModelConfig) -> list[str]:
         return [part_name(model_cfg)]
 
@@ -209,6 +217,14 @@ class DDPMTask(Task):
         # The part is the bare diffusers module: its state-dict keys are those of checkpoints written before
         # the backbone section existed.
         net = self.backbone.model
+        within = None
+        if c.pretrained is not None and is_pipeline_folder(c.pretrained, self.ctx.storage_options):
+            # A released pipeline: every file it gives the run (the UNet's, the VAE's, the text encoder's and
+            # tokenizer's, the scheduler's) is pinned by digest, first in the inputs, so a resume or a sample
+            # against a changed folder is refused naming the file (check_pinned_inputs).
+            pipeline = inspect_pipeline(c.pretrained, "model.pretrained", self.ctx.storage_options)
+            self._inputs = {"pipeline": {**pipeline.record, "pin": True}, **self._inputs}
+            within = pipeline.family.denoiser
         folder = prepare_unet(
             net,
             c,
@@ -217,6 +233,7 @@ class DDPMTask(Task):
             self.ctx.storage_options,
             self.ctx.load_pretrained,
             c.denoiser_class.lora_targets,
+            within=within,
         )
         if folder is not None:
             self._inputs[f"{self.part}.pretrained"] = folder.record

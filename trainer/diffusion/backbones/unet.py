@@ -1,5 +1,7 @@
 """`kind: unet`: UNet2DModel (class labels by `num_class_embeds`, one extra row for the null class, as the ddpm
-task builds it) or, with `caption_channels`, UNet2DConditionModel (captions by cross-attention).
+task builds it) or, with `caption_channels`, UNet2DConditionModel (captions by cross-attention); with
+`unet_config`, the UNet2DConditionModel that diffusers config describes (a released pipeline's
+`unet/config.json`, filled from `model.pretrained`: trainer/models/pipelines.py), whatever its shape.
 
 `UNetShape` is the one UNet schema: the ddpm task reads it at `model.*` (when `model.backbone` is not set),
 every cascade stage at `model.stages[i].*` (its StageNet's UNet), and `kind: unet` adds its keys to it.
@@ -7,7 +9,8 @@ every cascade stage at `model.stages[i].*` (its StageNet's UNet), and `kind: une
 
 from __future__ import annotations
 
-from typing import ClassVar, Literal
+from collections.abc import Mapping
+from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -89,6 +92,38 @@ class UNetBackboneConfig(UNetShape):
         None, ge=1, description="width of caption token embeddings: UNet2DConditionModel with cross-attention"
     )
     attention_head_dim: int = Field(8, ge=1, description="cross-attention head width (with caption_channels)")
+    unet_config: dict[str, Any] | None = Field(
+        None,
+        description="a UNet2DConditionModel's diffusers config (a pipeline folder's unet/config.json, filled from "
+        "model.pretrained): the UNet is built from it, not from the shape keys; needs caption_channels = its "
+        "cross_attention_dim",
+    )
+
+    @model_validator(mode="after")
+    def _unet_config_is_a_conditional_unet(self) -> UNetBackboneConfig:
+        if self.unet_config is None:
+            return self
+        cls = self.unet_config.get("_class_name", "UNet2DConditionModel")
+        if cls != "UNet2DConditionModel":
+            raise ValueError(f"model.backbone.unet_config describes a {cls}; it must be a UNet2DConditionModel")
+        width = self.unet_config.get("cross_attention_dim")
+        if self.caption_channels != width:
+            raise ValueError(
+                f"model.backbone.caption_channels={self.caption_channels} but model.backbone.unet_config's "
+                f"cross_attention_dim is {width!r}: set caption_channels={width}"
+            )
+        if self.unet_config.get("addition_embed_type") or self.unet_config.get("class_embed_type"):
+            raise ValueError(
+                "model.backbone.unet_config: a UNet with added conditions (addition_embed_type, e.g. SDXL's "
+                "text_time, or class_embed_type) is not wired yet; gentrain fine-tunes SD 1.x/2.x UNets"
+            )
+        return self
+
+    @property
+    def downsample(self) -> int:
+        if self.unet_config is not None:
+            return 2 ** (len(self.unet_config.get("block_out_channels", (0,))) - 1)
+        return super().downsample
 
 
 class UNetBackbone(Backbone):
@@ -108,6 +143,22 @@ class UNetBackbone(Backbone):
         return architecture_hints(prefix)
 
     @classmethod
+    def from_diffusers_config(cls, config: Mapping[str, Any], channels: int) -> UNetBackbone:
+        """The UNet2DConditionModel a diffusers config describes (a released pipeline's unet/config.json), its
+        captions read by cross-attention as `encoder_hidden_states` with no mask (as the pipeline calls it)."""
+        from diffusers.models.unets.unet_2d_condition import UNet2DConditionModel
+
+        given = {k: v for k, v in config.items() if not k.startswith("_")}
+        for key in ("in_channels", "out_channels"):
+            if given.get(key, 4) != channels:
+                raise ConfigError(
+                    f"model.backbone.unet_config {key}={given.get(key)!r}, but its inputs have {channels} channels "
+                    "(the autoencoder's latent channels)"
+                )
+        model = UNet2DConditionModel.from_config(given)
+        return cls(model, {"captions"}, {"captions"})
+
+    @classmethod
     def check_input_side(cls, c: UNetBackboneConfig, side: int, what: str) -> None:
         if side % c.downsample:
             raise ConfigError(
@@ -124,6 +175,10 @@ class UNetBackbone(Backbone):
         num_classes: int | None = None,
         in_channels: int | None = None,
     ) -> UNetBackbone:
+        if c.unet_config is not None:
+            if num_classes:
+                raise ConfigError("model.backbone.unet_config: a released pipeline's UNet takes no class labels")
+            return cls.from_diffusers_config(c.unet_config, channels)
         # One extra embedding row is the "no label" class used for guidance.
         class_rows = (num_classes + 1) if num_classes else None
         shape = dict(

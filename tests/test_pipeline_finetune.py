@@ -1,0 +1,229 @@
+"""Fine-tuning a released pipeline (issue 48): a StableDiffusionPipeline folder at `model.pretrained` sets the
+ddpm run's keys (its UNet's own config and weights, VAE, CLIP text encoder and tokenizer, scheduler), the caption
+tokens and the UNet's prediction are diffusers' own, LoRA and full fine-tunes train through the CLI, a SIGKILLed
+LoRA run resumes bit-identically, a changed file in the folder is exit 2 naming it, and `gentrain sample` draws
+from the run. The pipelines are tiny random ones saved by diffusers' own classes (tests/tiny_pipelines.py)."""
+
+from __future__ import annotations
+
+import shutil
+
+import numpy as np
+import pytest
+import torch
+from conftest import REPO, clean_env, run_cli
+from PIL import Image
+from safetensors.torch import load_file, save_file
+from test_text_encoders import WORDS
+from tiny_pipelines import BUILDERS
+
+from trainer.checkpoint import CheckpointStore
+from trainer.errors import ConfigError
+from trainer.registry import load_config, task_class
+from trainer.runs import load_frozen
+from trainer.tasks.base import TaskContext
+
+CPU = torch.device("cpu")
+ENV = clean_env(PYTHONPATH=str(REPO / "tests"))  # probe_tasks: KillableDDPM dies where PROBE_TASK_KILL says
+
+
+@pytest.fixture(scope="module")
+def sd(tmp_path_factory):
+    return BUILDERS["sd"](tmp_path_factory.mktemp("pipelines"))
+
+
+@pytest.fixture(scope="module")
+def images(tmp_path_factory):
+    """Six 16x16 RGB images, a caption in a .txt beside each."""
+    folder = tmp_path_factory.mktemp("images")
+    rng = np.random.default_rng(0)
+    for i in range(6):
+        Image.fromarray(rng.integers(0, 255, (16, 16, 3), dtype=np.uint8)).save(folder / f"{i}.png")
+        (folder / f"{i}.txt").write_text(" ".join(WORDS[i : i + 3]))
+    return folder
+
+
+def _config(sd, tmp_path, *overrides: str):
+    return load_config(
+        "sd15-lora",
+        [f"model.pretrained={sd}", "data.path=/unused", "data.image_size=16", f"model.text.cache_dir={tmp_path}/t"]
+        + list(overrides),
+        {},
+    )
+
+
+def test_a_pipeline_folder_sets_the_model_keys_and_refuses_contradicting_ones(sd, tmp_path):
+    import json
+
+    m = _config(sd, tmp_path).model_cfg
+    unet = json.loads((sd / "unet" / "config.json").read_text())
+    assert m.backbone.kind == "unet" and m.backbone.unet_config == unet
+    assert m.backbone.caption_channels == unet["cross_attention_dim"]
+    assert (m.text.kind, m.text.encoder, m.text.tokenizer) == ("sd", f"{sd}/text_encoder", f"{sd}/tokenizer")
+    assert (m.text.width, m.text.max_tokens) == (8, 16)  # the CLIP's width, the tokenizer's model_max_length
+    assert m.autoencoder.url == f"{sd}/vae"
+    # The objective from scheduler/scheduler_config.json (StableDiffusion's betas, not DDPMScheduler's).
+    assert (m.prediction_type, m.num_train_timesteps) == ("epsilon", 1000)
+    assert (m.beta_schedule, m.beta_start, m.beta_end) == ("scaled_linear", 0.00085, 0.012)
+    # The same values stated again are fine; another value is exit 2 naming the key and the folder's value.
+    _config(sd, tmp_path, "model.beta_schedule=scaled_linear", f"model.autoencoder.url={sd}/vae")
+    with pytest.raises(ConfigError, match=r"model.prediction_type='v_prediction' \(the folder's: 'epsilon'\)"):
+        _config(sd, tmp_path, "model.prediction_type=v_prediction")
+    with pytest.raises(ConfigError, match=r"model.backbone.block_out_channels \(the folder's unet/config.json"):
+        _config(sd, tmp_path, "model.backbone={kind: unet, block_out_channels: [8, 16]}")
+    with pytest.raises(ConfigError, match="model.text.encoder="):
+        _config(sd, tmp_path, f"model.text.encoder={sd}/unet")
+
+
+def test_families_not_wired_yet_are_refused_by_name(tmp_path):
+    folder = BUILDERS["sdxl"](tmp_path)
+    with pytest.raises(ConfigError, match="StableDiffusionXLPipeline folder \\(sdxl\\).*not wired yet"):
+        _config(folder, tmp_path)
+
+
+def test_caption_tokens_are_diffusers_encode_prompt(sd, tmp_path):
+    from diffusers import StableDiffusionPipeline
+
+    from trainer.conditioning.text import TextEncoder
+
+    text = _config(sd, tmp_path, "model.text.batch_size=1").model_cfg.text
+    encoder = TextEncoder(text)
+    pipe = StableDiffusionPipeline.from_pretrained(sd, safety_checker=None)
+    assert type(encoder.backend.parts[0].model).__name__ == "CLIPTextModel"
+    for prompt in ("", "the red photo of a handwritten", " ".join(WORDS * 3)):  # empty, short, truncated
+        ours = encoder.encode([prompt], CPU)
+        theirs, _ = pipe.encode_prompt(prompt, "cpu", 1, False)
+        assert torch.equal(ours.tokens, theirs), prompt
+        assert torch.equal(ours.mask, torch.ones(1, 16))
+
+
+@pytest.mark.parametrize("lora", [True, False])
+def test_the_unet_predicts_what_diffusers_unet_predicts(sd, tmp_path, lora):
+    """The run's UNet is the folder's: architecture and weights (LoRA starts at B = 0: the same function)."""
+    from diffusers import UNet2DConditionModel
+
+    cfg = _config(sd, tmp_path, *([] if lora else ["model.lora=null"]))
+    task = task_class("ddpm")(cfg.model_cfg, TaskContext(16, 3, 0))
+    frozen = {n: load_frozen(n, s, {}) for n, s in task.frozen_sources().items()}
+    modules = task.build(frozen)
+    assert task.latent.shape == (4, 8, 8)  # the folder's VAE: 4 latent channels, downsampling 2
+    trainable = [n for n, p in modules["unet"].named_parameters() if p.requires_grad]
+    assert trainable and all((".lora_" in n) == lora for n in trainable)
+    reference = UNet2DConditionModel.from_pretrained(sd / "unet").eval()
+    x, t = torch.randn(2, 4, 8, 8, generator=torch.Generator().manual_seed(0)), torch.tensor([3, 700])
+    cond = task.conditions(2, CPU, torch.zeros(2, dtype=torch.bool), captions=["the red photo", "a blue"])
+    assert set(cond) == {"captions"}  # SD's UNet reads the tokens alone, no mask, as the pipeline calls it
+    with torch.no_grad():
+        ours = task._net(modules["unet"].eval())(x, t, cond)
+        theirs = reference(x, t, encoder_hidden_states=cond["captions"]).sample
+    assert torch.equal(ours, theirs)
+    assert (
+        task.inputs()["pipeline"]["pin"]
+        and "unet/diffusion_pytorch_model.safetensors" in task.inputs()["pipeline"]["files"]
+    )
+
+
+def _train(sd, images, root, *extra: str, steps: int = 4, env=None):
+    args = [
+        "train",
+        "sd15-lora",
+        f"model.pretrained={sd}",
+        f"data.path={images}",
+        "data.image_size=16",
+        "data.val_fraction=0",
+        f"train.max_steps={steps}",
+        "train.batch_size=2",
+        "train.lr=1e-2",
+        "train.num_workers=0",
+        "train.val_every_steps=0",
+        "checkpoint.every_steps=2",
+        "sample.every_steps=0",
+        f"run.dir={root}",
+        f"model.text.cache_dir={root}-text",
+        "task=probe_tasks:KillableDDPM",
+        *extra,
+    ]
+    return run_cli(*args, env=env or ENV)
+
+
+def _files(root, step: int) -> dict[str, dict[str, torch.Tensor]]:
+    store = CheckpointStore(str(root / "checkpoints"), {})
+    info = store.check(step)
+    assert info.valid, info.reason
+    return {n: store.read_tensors(info, n) for n in info.manifest["files"] if n.endswith(".safetensors")}
+
+
+@pytest.fixture(scope="module")
+def runs(sd, images, tmp_path_factory):
+    """LoRA (bf16 base) straight, LoRA SIGKILLed at step 3 and resumed, and a full fine-tune."""
+    root = tmp_path_factory.mktemp("runs")
+    out = {}
+    r = _train(sd, images, root / "lora")
+    assert r.returncode == 0, r.stderr[-3000:]
+    out["lora"] = root / "lora"
+    r = _train(sd, images, root / "killed", env=clean_env(PYTHONPATH=str(REPO / "tests"), PROBE_TASK_KILL="0:3"))
+    assert r.returncode == -9, r.stderr[-3000:]
+    r = _train(sd, images, root / "killed")
+    assert r.returncode == 0 and "resumed_from=" in r.stderr and "step-000000002" in r.stderr, r.stderr[-3000:]
+    out["killed"] = root / "killed"
+    r = _train(sd, images, root / "full", "model.lora=null", "train.precision=no", steps=2)
+    assert r.returncode == 0, r.stderr[-3000:]
+    out["full"] = root / "full"
+    return out
+
+
+@pytest.mark.slow
+def test_lora_trains_the_adapters_on_the_folders_frozen_unet(sd, runs):
+    unet = _files(runs["lora"], 4)["unet.model.safetensors"]
+    folder = load_file(sd / "unet" / "diffusion_pytorch_model.safetensors")
+    lora = {k for k in unet if ".lora_" in k}
+    base = {k.replace(".base_layer.", "."): k for k in unet if k not in lora}
+    assert base.keys() == folder.keys()
+    # The frozen base is the folder's (held in bf16, train.precision's dtype), the adapters moved off B = 0.
+    assert all(torch.equal(unet[base[k]], folder[k].to(unet[base[k]].dtype)) for k in folder)
+    assert {unet[base[k]].dtype for k in folder} == {torch.bfloat16}
+    assert {unet[k].dtype for k in lora} == {torch.float32}
+    assert any(unet[k].abs().max() > 0 for k in lora if ".lora_B." in k)
+
+
+@pytest.mark.slow
+def test_a_full_fine_tune_trains_every_unet_weight(sd, runs):
+    unet = _files(runs["full"], 2)["unet.model.safetensors"]
+    folder = load_file(sd / "unet" / "diffusion_pytorch_model.safetensors")
+    assert unet.keys() == folder.keys()
+    assert not all(torch.equal(unet[k], folder[k]) for k in folder)
+
+
+@pytest.mark.slow
+def test_a_sigkilled_lora_run_resumes_bit_identically(runs):
+    a, b = _files(runs["lora"], 4), _files(runs["killed"], 4)
+    assert a.keys() == b.keys() and "unet.optimizer.safetensors" in a
+    for name in a:  # weights (base + adapters), EMA, optimizer, RNG
+        assert a[name].keys() == b[name].keys(), name
+        for k in a[name]:
+            assert torch.equal(a[name][k], b[name][k]), f"{name}: {k}"
+
+
+@pytest.mark.slow
+def test_gentrain_sample_draws_from_the_run(runs, tmp_path):
+    out = tmp_path / "grid.png"
+    args = ["sample", str(runs["lora"] / "checkpoints"), "--num", "2", "--steps", "3", "--prompt", "the red photo"]
+    r = run_cli(*args, "--out", str(out), "--task", "probe_tasks:KillableDDPM", env=ENV)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "wrote" in r.stdout + r.stderr and Image.open(out).size[0] >= 16
+
+
+@pytest.mark.slow
+def test_a_changed_file_in_the_pipeline_folder_is_refused_on_resume_naming_it(sd, images, tmp_path):
+    copy = tmp_path / "sd"
+    shutil.copytree(sd, copy)
+    r = _train(copy, images, tmp_path / "run", steps=2)
+    assert r.returncode == 0, r.stderr[-3000:]
+    weights = copy / "unet" / "diffusion_pytorch_model.safetensors"
+    tensors = load_file(weights)
+    name = sorted(tensors)[0]
+    tensors[name] = tensors[name] + 1
+    save_file(tensors, weights)
+    r = _train(copy, images, tmp_path / "run", steps=4)
+    assert r.returncode == 2, r.stderr[-3000:]
+    assert "unet/diffusion_pytorch_model.safetensors" in r.stderr and "Traceback" not in r.stderr
