@@ -112,7 +112,9 @@ def at_scale(c: Costs, gpus: int) -> Costs:
     if not math.isfinite(c.store_gbps):
         return c
     through_store = gpus * c.state_gb_per_gpu / c.store_gbps
-    return replace(c, save_write_s=max(c.save_write_s, through_store), restore_store_s=max(c.restore_store_s, through_store))
+    return replace(
+        c, save_write_s=max(c.save_write_s, through_store), restore_store_s=max(c.restore_store_s, through_store)
+    )
 
 
 SOURCES = {
@@ -287,7 +289,13 @@ def simulate(c: Costs, p: Policy, failures: list[Failure], horizon_s: float) -> 
             sec["checkpoint_stall"] -= stalls(back_to, p0)
             sec["redone"] += moved + stalls(back_to, p0)
         out.replayed.append(
-            {**asdict(f), "phase": "train", "reached": reached, "resumed_from": back_to, "steps_redone": reached - back_to}
+            {
+                **asdict(f),
+                "phase": "train",
+                "reached": reached,
+                "resumed_from": back_to,
+                "steps_redone": reached - back_to,
+            }
         )
         t = until
         replaced = f.kind in ("node", "job")
@@ -347,7 +355,9 @@ def policy(
     write = c.save_write_s
     durable_every = steps(durable_every_s, c.save_stall_s, durable_mtbf, "durable")
     write = c.snapshot_write_s
-    memory_every = steps(memory_every_s, c.snapshot_stall_s, mtbf_s / max(1e-12, 1 - share_job), "memory") if memory else 0
+    memory_every = (
+        steps(memory_every_s, c.snapshot_stall_s, mtbf_s / max(1e-12, 1 - share_job), "memory") if memory else 0
+    )
     p = Policy(memory, lever == "memory+compile_cache", durable_every, memory_every)
     how.update(durable_every_steps=durable_every, memory_every_steps=memory_every or None)
     return p, how
@@ -365,7 +375,9 @@ def read_trace(path: str, nodes: int | None = None) -> tuple[list[Failure], floa
         try:
             doc = json.loads(text)
         except json.JSONDecodeError as e:
-            raise TraceError(f"{path} is not JSON ({e}); write {{\"failures\": [{{\"time_s\": 3600, \"node\": 0, \"kind\": \"node\"}}]}}") from None
+            raise TraceError(
+                f'{path} is not JSON ({e}); write {{"failures": [{{"time_s": 3600, "node": 0, "kind": "node"}}]}}'
+            ) from None
         if not isinstance(doc, dict) or not isinstance(doc.get("failures"), list):
             raise TraceError(f'{path}: expected an object with a "failures" list, got {type(doc).__name__}')
         rows, duration = doc["failures"], doc.get("duration_s")
@@ -379,7 +391,9 @@ def read_trace(path: str, nodes: int | None = None) -> tuple[list[Failure], floa
         try:
             time_s, node, kind = float(row["time_s"]), int(row["node"]), str(row["kind"]).strip()
         except (KeyError, TypeError, ValueError) as e:
-            raise TraceError(f"{path}: failure {n} ({row!r}) needs time_s (seconds), node (integer), kind: {e}") from None
+            raise TraceError(
+                f"{path}: failure {n} ({row!r}) needs time_s (seconds), node (integer), kind: {e}"
+            ) from None
         if not math.isfinite(time_s) or time_s < 0:
             raise TraceError(f"{path}: failure {n} has time_s={row['time_s']!r}; a time is seconds >= 0 since launch")
         if kind not in KINDS:
@@ -402,7 +416,6 @@ def _calibration_run(memory: bool, every: int, schedule: tuple[float, float, flo
     its memory folder deleted, a fresh agent started) at the second (or 5 s after the job trains again), and the
     end at the third (or 15 s after it trains again). Step lines are timed as they arrive (polled every 20 ms)."""
     import os
-    import re
     import shutil
     import signal
     import tempfile
@@ -412,7 +425,9 @@ def _calibration_run(memory: bool, every: int, schedule: tuple[float, float, flo
     import memory_tier as mt  # noqa: PLC0415 (the two-agent job and its kill helpers)
 
     with tempfile.TemporaryDirectory(prefix="gentrain-goodput-") as tmp:
-        job = mt.Job(Path(tmp), memory, every, ["checkpoint.memory_every_steps=1", "elastic.collective_timeout_seconds=120"])
+        job = mt.Job(
+            Path(tmp), memory, every, ["checkpoint.memory_every_steps=1", "elastic.collective_timeout_seconds=120"]
+        )
         offsets: dict[Path, int] = {}
         lines: list[tuple[float, int]] = []  # (arrival, step) of rank 0's step lines, in arrival order
         starts: list[tuple[float, int]] = []  # (arrival, resumed step) of each start at world size 2
@@ -442,7 +457,9 @@ def _calibration_run(memory: bool, every: int, schedule: tuple[float, float, flo
                     if proc.poll() is not None and node not in job.lost:
                         raise RuntimeError(f"agent {node} exited {proc.returncode}:\n{job.texts()[-1][-3000:]}")
                 if time.time() > end:
-                    raise TimeoutError(f"{what} not seen within {deadline_s} s:\n" + "\n".join(t[-2000:] for t in job.texts()))
+                    raise TimeoutError(
+                        f"{what} not seen within {deadline_s} s:\n" + "\n".join(t[-2000:] for t in job.texts())
+                    )
                 time.sleep(0.02)
                 poll()
 
@@ -467,9 +484,17 @@ def _calibration_run(memory: bool, every: int, schedule: tuple[float, float, flo
                 job.start("b2")
             wait(f"training after the {kind} failure", trains_again(n))
             first = next(a for a, _ in lines if a > starts[n][0])
-            kills.append({"time_s": round(t, 3), "node": 0 if kind == "process" else 1, "kind": kind,
-                          "reached": reached, "resumed_from": starts[n][1], "steps_redone": reached - starts[n][1],
-                          "recovery_s": round(first - t, 3)})
+            kills.append(
+                {
+                    "time_s": round(t, 3),
+                    "node": 0 if kind == "process" else 1,
+                    "kind": kind,
+                    "reached": reached,
+                    "resumed_from": starts[n][1],
+                    "steps_redone": reached - starts[n][1],
+                    "recovery_s": round(first - t, 3),
+                }
+            )
 
         launched = time.time()
         try:
@@ -498,7 +523,9 @@ def _calibration_run(memory: bool, every: int, schedule: tuple[float, float, flo
     ordered = sorted(timings, key=lambda t: t["first_step_unix"])
     cold = ordered[0]
     startup = cold["first_step_unix"] - cold["process_start_unix"] - cold.get("resume", 0.0) - step_s
-    after = sorted((json.loads(t) for text in texts for t in mt.TIMINGS.findall(text)), key=lambda t: t["first_step_unix"])
+    after = sorted(
+        (json.loads(t) for text in texts for t in mt.TIMINGS.findall(text)), key=lambda t: t["first_step_unix"]
+    )
     for k, t in zip(kills, after[1:], strict=False):  # kill -> the restarted rank 0's process (about 1 s high: /proc)
         k["restart_s"] = round(t["process_start_unix"] - launched - k["time_s"], 3)
     return {
@@ -532,16 +559,25 @@ def calibrate(args) -> dict:
         runs[name] = {**r, "predicted": {}}
         row = {"lever": name, "duration_s": r["duration_s"], "lost_measured_s": round(measured, 2)}
         in_run = {k["kind"]: k.get("restart_s") for k in r["failures"]}
-        for way, detect in (("docs", (args.detect_process_s, args.detect_node_s)),
-                            ("in_run", (in_run["process"], in_run["node"]))):
+        for way, detect in (
+            ("docs", (args.detect_process_s, args.detect_node_s)),
+            ("in_run", (in_run["process"], in_run["node"])),
+        ):
             c = Costs(
                 step_s=r["step_s"],  # saves and snapshots included: their stall is inside the pace
                 first_start_s=r["first_step_s"] - r["step_s"],
                 startup_s=r["worker_startup_s"],
-                compile_cold_s=0.0, compile_cached_s=0.0, compile_warm_s=0.0,  # train.compile is off here
-                restore_store_s=0.25, restore_memory_s=0.25,
-                save_stall_s=0.0, save_write_s=r["step_s"], snapshot_stall_s=0.0, snapshot_write_s=r["step_s"],
-                detect_process_s=detect[0], detect_node_s=detect[1],
+                compile_cold_s=0.0,
+                compile_cached_s=0.0,
+                compile_warm_s=0.0,  # train.compile is off here
+                restore_store_s=0.25,
+                restore_memory_s=0.25,
+                save_stall_s=0.0,
+                save_write_s=r["step_s"],
+                snapshot_stall_s=0.0,
+                snapshot_write_s=r["step_s"],
+                detect_process_s=detect[0],
+                detect_node_s=detect[1],
             )
             o = simulate(c, Policy(memory, False, every, 1 if memory else 0), trace, r["duration_s"])
             predicted = r["duration_s"] - o.seconds["train"]
@@ -558,8 +594,11 @@ def calibrate(args) -> dict:
         "setup": "2 torchrun agents on 127.0.0.1 as 2 nodes (bench/memory_tier.py Job: FSDP, c10d, digits-ddpm small "
         "UNet, 1 thread), durable every 20 steps, memory tier every step when on; failures: a worker SIGKILLed "
         "(process), then agent b with its worker SIGKILLed and its memory folder deleted, a fresh agent joining (node)",
-        "detection_inputs_s": {"process": args.detect_process_s, "node": args.detect_node_s,
-                               "source": [SOURCES["detect_process_s"], SOURCES["detect_node_s"]]},
+        "detection_inputs_s": {
+            "process": args.detect_process_s,
+            "node": args.detect_node_s,
+            "source": [SOURCES["detect_process_s"], SOURCES["detect_node_s"]],
+        },
         "calibration": rows,
         "within_20_percent": {
             way: all(abs(r[f"predicted_{way}_over_measured"] - 1) <= 0.2 for r in rows) for way in ("docs", "in_run")
@@ -574,7 +613,11 @@ def calibrate(args) -> dict:
 def inputs(c: Costs, mix: dict[str, float], max_interval_s: float) -> dict:
     units = {"state_gb_per_gpu": "GB", "store_gbps": "GB/s"}
     out = {
-        name: {"value": value if value is None or math.isfinite(value) else None, "unit": units.get(name, "s"), "source": SOURCES[name]}
+        name: {
+            "value": value if value is None or math.isfinite(value) else None,
+            "unit": units.get(name, "s"),
+            "source": SOURCES[name],
+        }
         for name, value in asdict(c).items()
     }
     out["failure_mix"] = {
@@ -583,7 +626,11 @@ def inputs(c: Costs, mix: dict[str, float], max_interval_s: float) -> dict:
         "(63/419); job = network switch/cable 35/419, assumed to take a node with its memory-tier buddy; node = the rest "
         "(hardware: GPU, HBM3, host)",
     }
-    out["max_interval_s"] = {"value": max_interval_s, "unit": "s", "source": "assumed bound (checkpoint.max_interval_minutes)"}
+    out["max_interval_s"] = {
+        "value": max_interval_s,
+        "unit": "s",
+        "source": "assumed bound (checkpoint.max_interval_minutes)",
+    }
     return out
 
 
@@ -609,14 +656,18 @@ def model_row(c: Costs, lever: str, gpus: int, rate: float, args, mix: dict[str,
 
 
 def table(c: Costs, args, mix: dict[str, float]) -> dict:
-    rates = {args.rate: RATES[args.rate]} if args.rate_per_gpu_hour is None else {
-        "given": {"per_gpu_hour": args.rate_per_gpu_hour, "source": "--rate-per-gpu-hour"}}
+    rates = (
+        {args.rate: RATES[args.rate]}
+        if args.rate_per_gpu_hour is None
+        else {"given": {"per_gpu_hour": args.rate_per_gpu_hour, "source": "--rate-per-gpu-hour"}}
+    )
     if args.rate_per_gpu_hour is None and args.all_rates:
         rates = {args.rate: RATES[args.rate], **{k: v for k, v in RATES.items() if k != args.rate}}
     results: dict = {}
     for name, r in rates.items():
         results[name] = {
-            str(g): {lever: model_row(c, lever, g, r["per_gpu_hour"], args, mix) for lever in LEVERS} for g in args.scales
+            str(g): {lever: model_row(c, lever, g, r["per_gpu_hour"], args, mix) for lever in LEVERS}
+            for g in args.scales
         }
     default = next(iter(rates))
     met = {
@@ -630,7 +681,10 @@ def table(c: Costs, args, mix: dict[str, float]) -> dict:
         "bench": "goodput",
         "model": "bench/goodput.py: event-by-event failure replay, Young/Daly intervals unless fixed",
         "levers": LEVERS,
-        "rates": {k: {**v, "mtbf_hours": {str(g): round(1 / (v["per_gpu_hour"] * g), 2) for g in SCALES}} for k, v in rates.items()},
+        "rates": {
+            k: {**v, "mtbf_hours": {str(g): round(1 / (v["per_gpu_hour"] * g), 2) for g in SCALES}}
+            for k, v in rates.items()
+        },
         "default_rate": default,
         "seed": args.seed,
         "gpus_per_node": args.gpus_per_node,
@@ -650,8 +704,13 @@ def replay(c: Costs, args, mix: dict[str, float]) -> dict:
     results = {}
     for lever in LEVERS:
         p, how = policy(
-            lever, c, mtbf_s if math.isfinite(mtbf_s) else 1e12, mix, args.max_interval_minutes * 60,
-            args.durable_every_s, args.memory_every_s,
+            lever,
+            c,
+            mtbf_s if math.isfinite(mtbf_s) else 1e12,
+            mix,
+            args.max_interval_minutes * 60,
+            args.durable_every_s,
+            args.memory_every_s,
         )
         o = simulate(c, p, failures, horizon)
         results[lever] = {
@@ -677,7 +736,9 @@ def parse_mix(text: str) -> dict[str, float]:
     for part in text.split(","):
         kind, _, share = part.partition("=")
         if kind.strip() not in KINDS:
-            raise SystemExit(f"goodput: --mix: unknown kind {kind.strip()!r}; use {', '.join(KINDS)} (e.g. process=0.15,node=0.77,job=0.08)")
+            raise SystemExit(
+                f"goodput: --mix: unknown kind {kind.strip()!r}; use {', '.join(KINDS)} (e.g. process=0.15,node=0.77,job=0.08)"
+            )
         try:
             mix[kind.strip()] = float(share)
         except ValueError:

@@ -12,9 +12,21 @@ from conftest import REPO
 sys.path.insert(0, str(REPO / "bench"))
 import goodput as g  # noqa: E402
 
-COSTS = g.Costs(step_s=1.0, startup_s=5.0, compile_cold_s=20.0, compile_cached_s=3.0, compile_warm_s=2.0,
-                restore_store_s=4.0, restore_memory_s=1.0, save_stall_s=2.0, save_write_s=5.0,
-                snapshot_stall_s=0.5, snapshot_write_s=1.5, detect_process_s=2.0, detect_node_s=15.0)
+COSTS = g.Costs(
+    step_s=1.0,
+    startup_s=5.0,
+    compile_cold_s=20.0,
+    compile_cached_s=3.0,
+    compile_warm_s=2.0,
+    restore_store_s=4.0,
+    restore_memory_s=1.0,
+    save_stall_s=2.0,
+    save_write_s=5.0,
+    snapshot_stall_s=0.5,
+    snapshot_write_s=1.5,
+    detect_process_s=2.0,
+    detect_node_s=15.0,
+)
 MIX = {"process": 0.2, "node": 0.7, "job": 0.1}
 HOUR = 3600.0
 
@@ -76,11 +88,21 @@ def test_a_trace_file_replays_exactly_its_failures(tmp_path):
     result = json.loads(out.read_text())
     for lever in g.LEVERS:
         replayed = result["results"][lever]["failures"]
-        assert [(f["time_s"], f["node"], f["kind"]) for f in replayed] == [(500, 3, "node"), (1200.5, 0, "process"), (4000, 7, "job")]
+        assert [(f["time_s"], f["node"], f["kind"]) for f in replayed] == [
+            (500, 3, "node"),
+            (1200.5, 0, "process"),
+            (4000, 7, "job"),
+        ]
         assert sum(result["results"][lever]["seconds"].values()) == pytest.approx(7200, abs=0.01)
     # the same failures as JSON give the same result
-    doc = {"failures": [{"time_s": 500, "node": 3, "kind": "node"}, {"time_s": 1200.5, "node": 0, "kind": "process"},
-                        {"time_s": 4000, "node": 7, "kind": "job"}], "duration_s": 7200}
+    doc = {
+        "failures": [
+            {"time_s": 500, "node": 3, "kind": "node"},
+            {"time_s": 1200.5, "node": 0, "kind": "process"},
+            {"time_s": 4000, "node": 7, "kind": "job"},
+        ],
+        "duration_s": 7200,
+    }
     (tmp_path / "f.json").write_text(json.dumps(doc))
     assert g.main(["--trace", str(tmp_path / "f.json"), "--gpus", "64", "--json", str(tmp_path / "o2.json")]) == 0
     assert json.loads((tmp_path / "o2.json").read_text())["results"] == result["results"]
