@@ -160,7 +160,7 @@ class Job:
             f"checkpoint.url={self.tmp}/checkpoints",
             f"checkpoint.every_steps={self.every}",
             f"checkpoint.memory={'true' if self.memory else 'false'}",
-            "elastic.collective_timeout_seconds=60",
+            "elastic.collective_timeout_seconds=120",  # a hang bound only (at least 2 x lease + 60: the lease check)
             *self.extra,
         ]
         cmd = [sys.executable, "-m", "torch.distributed.run", *self.torchrun, "-m", "trainer", "train", *args]
