@@ -257,6 +257,12 @@ class DDPMTask(Task):
         """Why no diffusers pipeline samples this model as `gentrain sample` does; None when one does."""
         c, kind, objective = self.cfg, self.cfg.denoiser.kind, self.objective.name
         offered = c.denoiser_class.pipeline  # the pipeline its backbone declares, if the rest allows
+        if self.text is not None and c.pretrained is not None and c.text.kind == "sd":
+            return (
+                "gentrain does not write StableDiffusionPipeline folders yet: load the exported unet/ into the "
+                f"base pipeline, StableDiffusionPipeline.from_pretrained({c.pretrained!r}, "
+                "unet=UNet2DConditionModel.from_pretrained('OUT/unet'))"
+            )
         if self.text is not None:
             pooled = ", plus the pooled embedding" if c.denoiser_class.pooled_width(c.denoiser) else ""
             return (
