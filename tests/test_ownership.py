@@ -380,6 +380,7 @@ def _foreign(root: Path, kind: str) -> None:
         path.mkdir()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("kind", "named"), [("fifo", "a named pipe (FIFO)"), ("link", "a symbolic link"), ("dir", "a directory")]
 )

@@ -71,6 +71,7 @@ print(type(fs).__name__, os.environ.get("GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT"))
 """
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("setting", "first", "want"),
     [

@@ -289,7 +289,7 @@ def _open(args: argparse.Namespace, url: str, doing: str):
     telling the user why there is none to `doing` (the caller exits 1: EXIT_INVALID_CHECKPOINT)."""
     # Imports torch: only commands that read a checkpoint get here.
     from trainer.checkpoint import CheckpointView, resolve_checkpoint
-    from trainer.storage import store_errors
+    from trainer.storage import store_errors  # fsspec (see the module doc)
 
     with store_errors(url, "read checkpoints from"):  # an unreachable store: one line, exit 1
         reader, info = resolve_checkpoint(url, args.storage_options)
@@ -604,7 +604,7 @@ def cmd_checkpoints(args: argparse.Namespace) -> int:
     from trainer.checkpoint import CheckpointReader, CheckpointView, resolve_checkpoint
 
     if args.action == "list":
-        from trainer.storage import store_errors
+        from trainer.storage import store_errors  # fsspec (see the module doc)
 
         with store_errors(args.root, "list checkpoints in"):  # an unreachable store: one line, exit 1
             return _list_checkpoints(args, CheckpointReader(args.root, args.storage_options))
@@ -617,7 +617,7 @@ def cmd_checkpoints(args: argparse.Namespace) -> int:
         from trainer.storage import check_output_folder  # fsspec (see the module doc)
 
         check_output_folder(args.out, f"OUT {args.out!r}", "give a checkpoint root folder (it is made if missing)")
-    from trainer.storage import store_errors
+    from trainer.storage import store_errors  # fsspec (see the module doc)
 
     with store_errors(args.url, "read checkpoints from"):  # an unreachable store: one line, exit 1
         store, info = resolve_checkpoint(args.url, args.storage_options)
