@@ -76,8 +76,8 @@ def test_a_pipeline_folder_sets_the_model_keys_and_refuses_contradicting_ones(sd
 
 
 def test_families_not_wired_yet_are_refused_by_name(tmp_path):
-    folder = BUILDERS["sdxl"](tmp_path)
-    with pytest.raises(ConfigError, match="StableDiffusionXLPipeline folder \\(sdxl\\).*not wired yet"):
+    folder = BUILDERS["sd3"](tmp_path)
+    with pytest.raises(ConfigError, match="StableDiffusion3Pipeline folder \\(sd3\\).*not wired yet"):
         _config(folder, tmp_path)
 
 
@@ -123,10 +123,56 @@ def test_the_unet_predicts_what_diffusers_unet_predicts(sd, tmp_path, lora):
     )
 
 
-def _train(sd, images, root, *extra: str, steps: int = 4, env=None):
+@pytest.fixture(scope="module")
+def sdxl(tmp_path_factory):
+    return BUILDERS["sdxl"](tmp_path_factory.mktemp("pipelines-xl"))
+
+
+def test_an_sdxl_folder_trains_on_both_clips_pooled_caption_and_size_conditions(sdxl, tmp_path):
+    """SDXL: the caption tokens and the pooled embedding are StableDiffusionXLPipeline.encode_prompt's, and the
+    UNet's prediction with the size micro-conditions is diffusers' UNet2DConditionModel's."""
+    from diffusers import StableDiffusionXLPipeline, UNet2DConditionModel
+
+    cfg = _config(sdxl, tmp_path, "model.text.batch_size=1")
+    m = cfg.model_cfg
+    assert (m.text.kind, m.text.encoder_2, m.text.tokenizer_2) == (
+        "sdxl",
+        f"{sdxl}/text_encoder_2",
+        f"{sdxl}/tokenizer_2",
+    )
+    assert (m.text.width, m.text.pooled_width) == (8 + 12, 10)  # CLIP-L + CLIP-G wide; CLIP-G's projection
+    task = task_class("ddpm")(m, TaskContext(16, 3, 0))
+    modules = task.build({n: load_frozen(n, s, {}) for n, s in task.frozen_sources().items()})
+    pipe = StableDiffusionXLPipeline.from_pretrained(sdxl)
+    for prompt in ("", "the red photo"):
+        ours = task.text.encode([prompt], CPU)
+        tokens, _, pooled, _ = pipe.encode_prompt(prompt, device="cpu", do_classifier_free_guidance=False)
+        assert torch.equal(ours.tokens, tokens) and torch.equal(ours.pooled, pooled), prompt
+    cond = task.conditions(2, CPU, torch.zeros(2, dtype=torch.bool), captions=["the red photo", "a blue"])
+    assert set(cond) == {"captions", "pooled", "time_ids"}
+    time_ids = pipe._get_add_time_ids((16, 16), (0, 0), (16, 16), torch.float32, text_encoder_projection_dim=10)
+    reference = UNet2DConditionModel.from_pretrained(sdxl / "unet").eval()
+    x, t = torch.randn(2, 4, 8, 8, generator=torch.Generator().manual_seed(0)), torch.tensor([3, 700])
+    with torch.no_grad():
+        ours = task._net(modules["unet"].eval())(x, t, cond)
+        added = {"text_embeds": cond["pooled"], "time_ids": time_ids.repeat(2, 1)}
+        theirs = reference(x, t, encoder_hidden_states=cond["captions"], added_cond_kwargs=added).sample
+    assert torch.equal(ours, theirs)
+
+
+@pytest.mark.slow
+def test_the_sdxl_preset_trains_and_samples_from_an_sdxl_folder(sdxl, images, tmp_path):
+    r = _train(sdxl, images, tmp_path / "run", "sample.every_steps=2", steps=2, preset="sdxl-lora")
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert (tmp_path / "run" / "samples" / "step-000000002.png").is_file()
+    unet = _files(tmp_path / "run", 2)["unet.model.safetensors"]
+    assert any(unet[k].abs().max() > 0 for k in unet if ".lora_B." in k)
+
+
+def _train(sd, images, root, *extra: str, steps: int = 4, env=None, preset: str = "sd15-lora"):
     args = [
         "train",
-        "sd15-lora",
+        preset,
         f"model.pretrained={sd}",
         f"data.path={images}",
         "data.image_size=16",

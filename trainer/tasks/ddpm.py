@@ -437,6 +437,11 @@ class DDPMTask(Task):
             every = {"captions": emb.tokens, "caption_mask": emb.mask, "pooled": emb.pooled}
             assert self.backbone is not None, "build() first"
             cond.update({k: v for k, v in every.items() if k in self.backbone.accepts})
+            if "time_ids" in self.backbone.accepts:
+                # SDXL's micro-conditions: original size, crop top-left, target size, in pixels. Every image is
+                # read at data.image_size, uncropped (no per-image original size or crop is recorded yet).
+                s = float(self.image_size)
+                cond["time_ids"] = torch.tensor([[s, s, 0.0, 0.0, s, s]], device=device).expand(n, 6)
         return cond
 
     def loss(self, phase: Phase, modules: Mapping[str, nn.Module], batch: Batch, outputs, info: StepInfo) -> Loss:

@@ -7,7 +7,8 @@ tensors:
 - `labels` (N,) int64, class labels; the null class for guidance is `num_classes`;
 - `captions` (N, L, D) caption token embeddings, `caption_mask` (N, L) 1 = keep;
 - `pooled` (N, P) a pooled caption embedding;
-- `resolution` (N, 2) and `aspect_ratio` (N, 1): PixArt's micro-conditions (default: the input's size).
+- `resolution` (N, 2) and `aspect_ratio` (N, 1): PixArt's micro-conditions (default: the input's size);
+- `time_ids` (N, 6): SDXL's micro-conditions (original size, crop top-left, target size, in pixels).
 
 A backbone takes only the conditions in its `accepts` and needs those in `requires`; anything else is
 a ConfigError, so a flag or data field the model cannot use is refused rather than silently ignored.

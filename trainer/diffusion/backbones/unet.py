@@ -112,12 +112,18 @@ class UNetBackboneConfig(UNetShape):
                 f"model.backbone.caption_channels={self.caption_channels} but model.backbone.unet_config's "
                 f"cross_attention_dim is {width!r}: set caption_channels={width}"
             )
-        if self.unet_config.get("addition_embed_type") or self.unet_config.get("class_embed_type"):
+        added = self.unet_config.get("addition_embed_type")
+        if added not in (None, "text_time") or self.unet_config.get("class_embed_type"):
             raise ValueError(
-                "model.backbone.unet_config: a UNet with added conditions (addition_embed_type, e.g. SDXL's "
-                "text_time, or class_embed_type) is not wired yet; gentrain fine-tunes SD 1.x/2.x UNets"
+                f"model.backbone.unet_config: a UNet with added conditions other than SDXL's (addition_embed_type="
+                f"{added!r}, class_embed_type={self.unet_config.get('class_embed_type')!r}) is not wired yet"
             )
         return self
+
+    @property
+    def micro_conditioned(self) -> bool:
+        """SDXL's UNet: the pooled caption embedding and six size micro-conditions (`text_time`)."""
+        return self.unet_config is not None and self.unet_config.get("addition_embed_type") == "text_time"
 
     @property
     def downsample(self) -> int:
@@ -143,6 +149,15 @@ class UNetBackbone(Backbone):
         return architecture_hints(prefix)
 
     @classmethod
+    def pooled_width(cls, c: UNetBackboneConfig) -> int | None:
+        """SDXL's UNet reads the pooled caption embedding beside six micro-conditions of addition_time_embed_dim
+        each: its add_embedding takes projection_class_embeddings_input_dim = pooled + 6 x that."""
+        if not c.micro_conditioned:
+            return None
+        u = c.unet_config
+        return int(u.get("projection_class_embeddings_input_dim") or 0) - 6 * int(u.get("addition_time_embed_dim") or 0)
+
+    @classmethod
     def from_diffusers_config(cls, config: Mapping[str, Any], channels: int) -> UNetBackbone:
         """The UNet2DConditionModel a diffusers config describes (a released pipeline's unet/config.json), its
         captions read by cross-attention as `encoder_hidden_states` with no mask (as the pipeline calls it)."""
@@ -156,6 +171,9 @@ class UNetBackbone(Backbone):
                     "(the autoencoder's latent channels)"
                 )
         model = UNet2DConditionModel.from_config(given)
+        if given.get("addition_embed_type") == "text_time":  # SDXL: pooled caption + size micro-conditions
+            takes = {"captions", "pooled", "time_ids"}
+            return cls(model, takes, takes)
         return cls(model, {"captions"}, {"captions"})
 
     @classmethod
@@ -215,7 +233,10 @@ class UNetBackbone(Backbone):
         # What was built decides (`model` may be a DDP wrapper around it): captions = UNet2DConditionModel.
         if "captions" in self.accepts:
             mask = cond.get("caption_mask")
-            return model(x, t, cond["captions"], class_labels=labels, encoder_attention_mask=mask).sample
+            added = {"text_embeds": cond["pooled"], "time_ids": cond["time_ids"]} if "time_ids" in cond else None
+            return model(
+                x, t, cond["captions"], class_labels=labels, encoder_attention_mask=mask, added_cond_kwargs=added
+            ).sample
         return model(x, t, class_labels=labels).sample
 
 
