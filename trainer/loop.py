@@ -386,6 +386,7 @@ class Trainer:
         order: dict = {"seed": self.cfg.seed}
         if data.source == "shards":
             order |= {"data.shard_window": data.shard_window, "data.shuffle_block": data.shuffle_block}
+        order |= getattr(self.train_set, "order_keys", dict)()  # aspect-ratio buckets: their assignment's digest
         return order
 
     def _compile_cache(self) -> RunCompileCache | None:

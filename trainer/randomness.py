@@ -65,6 +65,9 @@ class Stream(enum.Enum):
     # keys (epoch,): the per-epoch permutations
     DATA_ORDER = (1, 1)  # of the training set
     SHARD_ORDER = (3, 1)  # of the shards
+    BUCKET_BATCHES = (8, 1)  # of an epoch's batches of aspect-ratio buckets (trainer.data.sampler.BucketStream)
+    # keys (bucket,): the seed of one aspect-ratio bucket's own per-epoch permutations
+    BUCKET_MEMBERS = (7, 1)
     # keys (chunk,): the generated images of FID chunk k
     FID_CHUNK = (0xE7A1, 1)
     # keys (step, rank, chunk): the global torch/numpy/random RNGs, reseeded per forward chunk

@@ -319,6 +319,25 @@ class DataConfig(_Section):
     )
     image_source: Literal["digits", "folder"] = Field("digits", description="image_ratio > 0: where images come from")
     image_path: str | None = Field(None, description="image_source=folder: a folder of images")
+    buckets: Literal["auto"] | list[tuple[Annotated[int, Field(ge=1)], Annotated[int, Field(ge=1)]]] | None = Field(
+        None,
+        description="folder: aspect-ratio buckets, a list of [height, width] or auto (image_size^2 pixels, sides "
+        "multiples of bucket_step, ratio <= bucket_max_ratio; docs/data.md); null = square image_size crops",
+    )
+    bucket_step: int = Field(64, ge=1, description="buckets: every side a multiple of this (the model's factor)")
+    bucket_max_ratio: float = Field(
+        4.0, ge=1, le=64, description="buckets: auto's widest bucket, and images more extreme are skipped (counted)"
+    )
+    bucket_min_fraction: float = Field(
+        0.0,
+        ge=0,
+        le=1,
+        description="buckets: skip (and count) an image smaller than this fraction of its bucket's side (it would be "
+        "upscaled more than 1/fraction); 0 = keep all",
+    )
+    crop: Literal["center", "random"] = Field(
+        "center", description="folder: the crop to data.image_size or the bucket; random: from the sample's seed"
+    )
 
     @model_validator(mode="after")
     def _folder_needs_path(self) -> DataConfig:
@@ -352,6 +371,11 @@ class DataConfig(_Section):
                 raise ValueError("data.image_source=folder needs data.image_path (a folder of images)")
         if self.source == "video" and not self.path:
             raise ValueError("data.source=video needs data.path (a folder of .gif/.mp4/.webm/.mkv/.mov clips)")
+        if self.buckets is not None and self.source != "folder":
+            raise ValueError(
+                f"data.buckets is set but data.source={self.source}: aspect-ratio buckets are read from image "
+                "folders so far (data.source=folder); unset data.buckets"
+            )
         if self.source == "shards" and not self.urls:
             raise ValueError(
                 "data.source=shards needs data.urls (e.g. s3://bucket/data/{000000..000099}.tar or .../shards.json)"

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import logging
+
 import numpy as np
 import torch
 from torch.utils.data import DataLoader
@@ -68,7 +70,12 @@ def build_dataset(cfg: Config):
             check_readable=d.max_skipped_fraction < 1,
         )
     return ImageFolderDataset(
-        d.path, d.image_size, d.channels, caption_column=d.caption_column, storage_options=d.storage_options
+        d.path,
+        d.image_size,
+        d.channels,
+        caption_column=d.caption_column,
+        storage_options=d.storage_options,
+        crop=d.crop,
     )
 
 
@@ -78,6 +85,8 @@ def build_splits(cfg: Config) -> tuple[Subset, Subset | None, int | None]:
         train, val, num_classes = build_shard_splits(cfg)
     else:
         train, val, num_classes = split(build_dataset(cfg), cfg.data.val_fraction, cfg.data.flip, sample_shape(cfg))
+        if cfg.data.buckets is not None:
+            train = bucketed(cfg, train)
     if cfg.data.image_ratio > 0:
         train, num_classes = joint_split(cfg, train, num_classes)
     return train, val, num_classes
@@ -92,6 +101,21 @@ def split(ds, val_fraction: float, flip: bool, shape: tuple[int, ...]) -> tuple[
     train = Subset(ds, train_idx, flip, shape)
     val = Subset(ds, val_idx, False, shape) if n_val else None
     return train, val, getattr(ds, "num_classes", None)
+
+
+def bucketed(cfg: Config, train: Subset):
+    """The training split in aspect-ratio buckets (trainer.data.buckets): each image's size from the run's
+    size manifest or its header, its bucket, the skipped ones counted and logged."""
+    from trainer.data.buckets import BucketedSubset, BucketPlan, bucket_list, image_sizes, plan_digest
+
+    d, ds = cfg.data, train.dataset
+    buckets = bucket_list(d)
+    sizes, listing = image_sizes(ds.store, ds.files, cfg.run_dir)
+    plan = BucketPlan(sizes, buckets, d.bucket_max_ratio, d.bucket_min_fraction)
+    digest = plan_digest(listing, buckets, d.bucket_max_ratio, d.bucket_min_fraction)
+    out = BucketedSubset(ds, train.indices, train.flip, d.channels, plan, digest, cfg.train.batch_size)
+    logging.getLogger(__name__).info("data.buckets: %s (assignment %s)", out.summary(), digest)
+    return out
 
 
 def _image_dataset(cfg: Config):

@@ -295,8 +295,10 @@ class ImageFolderDataset:
         key: str = "data.path",
         caption_column: str = "text",
         storage_options: Mapping[str, Any] | None = None,
+        crop: str = "center",
     ):
         self.store = FolderStore(root, storage_options)  # `root` may be a URL on any fsspec store
+        self.crop = crop  # "center" or "random" (data.crop; the offset from the sample's augmentation seed)
         scan = scan_folder(root, IMAGE_EXTENSIONS, key, self.store)
         self.files, self.class_index, self.labels = scan.files, scan.class_index, scan.labels
         self.num_classes = len(self.class_index) or None
@@ -347,11 +349,22 @@ class ImageFolderDataset:
             self._skips[str(path)] = f"{what}: {short_reason(why, path)}"
             log.warning("skipping %s %s (pid %d): %s", what, path, os.getpid(), why)
 
-    def load(self, index: int, aug_seed: int, flip: bool) -> tuple[torch.Tensor, int] | None:
+    def load(
+        self, index: int, aug_seed: int, flip: bool, size: tuple[int, int] | None = None
+    ) -> tuple[torch.Tensor, int] | None:
+        """The image at (height, width) `size` (default: the data.image_size square), resized to cover it and
+        cropped (`self.crop`), its label and extras; None when it cannot be used."""
         path = self.files[index]
         try:
             with Image.open(path if not self.store.remote else self.store.open(path)) as im:
-                x = image_to_tensor(im, self.image_size, self.channels)
+                if size is None and self.crop == "center":
+                    x = image_to_tensor(im, self.image_size, self.channels)
+                else:
+                    from trainer.data.buckets import cover_crop, to_tensor
+
+                    height, width = size or (self.image_size, self.image_size)
+                    im = im.convert("L" if self.channels == 1 else "RGB")
+                    x = to_tensor(cover_crop(im, height, width, self.crop, aug_seed)[0], self.channels)
         except (*_READ_ERRORS, UnidentifiedImageError, Image.DecompressionBombError) as e:
             self._skip(path, "unreadable image", str(e))
             return None

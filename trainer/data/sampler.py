@@ -94,3 +94,84 @@ class StepBatchSampler:
         while True:
             yield self.stream.rank_slice(cursor, self.global_batch, self.rank, self.world_size)
             cursor += self.global_batch
+
+
+class BucketStream:
+    """The global stream of an aspect-ratio bucketed set: every global batch is `global_batch` samples of one
+    bucket, and the order is a function of (seed, epoch) alone.
+
+    Each bucket k (its `members`, local indices) has its own `SampleStream` (seeded from (seed, k)): one
+    permutation of its members per pass, passes concatenated, cut into consecutive chunks of `global_batch`.
+    A chunk may hold the end of pass e and the start of pass e + 1: that is the bucket's tail carried to
+    the next epoch, so no sample is ever dropped and every sample of pass e is used exactly once (in epoch
+    e, or in epoch e + 1 when it is in the tail). Epoch e's batches are the chunks of every bucket that end
+    in pass e: bucket k's chunks floor(e n_k / B) .. floor((e + 1) n_k / B) - 1, shuffled together by a
+    permutation seeded from (seed, epoch). The number of batches before epoch e is sum_k floor(e n_k / B),
+    a closed form, so the batch at any cursor is found by a binary search over epochs at O(buckets) a
+    probe: a resume replays nothing. The cursor counts samples (global batches x `global_batch`) as the
+    plain stream's does, and rank r of W takes its contiguous slice of the global batch, so the stream is
+    the same at any world size, accumulation and micro-batching, and a world-size change mid-epoch still
+    uses every sample once (the global batches do not depend on W). A bucket of fewer samples than a
+    batch repeats samples within a batch (its chunks span passes); docs/data.md says so."""
+
+    def __init__(self, members: list[np.ndarray], seed: int, global_batch: int):
+        self.members = [np.asarray(m, dtype=np.int64) for m in members]
+        self.sizes = [len(m) for m in self.members]
+        if not any(self.sizes):
+            raise ValueError("the training set is empty")
+        self.seed = seed
+        self.global_batch = global_batch
+        self.num_samples = sum(self.sizes)
+        self._streams = [
+            SampleStream(n, stream_seed(seed, Stream.BUCKET_MEMBERS, k)) if n else None
+            for k, n in enumerate(self.sizes)
+        ]
+        self._epoch = -1
+        self._batches: np.ndarray | None = None  # (bucket, chunk) rows of the cached epoch, in its order
+
+    def batches_before(self, epoch: int) -> int:
+        """Global batches in epochs 0 .. epoch - 1."""
+        return sum(epoch * n // self.global_batch for n in self.sizes)
+
+    def epoch_of(self, batch: int) -> int:
+        """The epoch that global batch number `batch` belongs to."""
+        lo, hi = 0, (batch + 1) * self.global_batch + 1  # batches_before(hi) > batch: some bucket has n >= 1
+        while hi - lo > 1:  # invariant: batches_before(lo) <= batch < batches_before(hi)
+            mid = (lo + hi) // 2
+            if self.batches_before(mid) <= batch:
+                lo = mid
+            else:
+                hi = mid
+        return lo
+
+    def epoch_batches(self, epoch: int) -> np.ndarray:
+        """Epoch `epoch`'s batches as (bucket, chunk) rows, in their order."""
+        if epoch != self._epoch:
+            B = self.global_batch
+            rows = [(k, j) for k, n in enumerate(self.sizes) for j in range(epoch * n // B, (epoch + 1) * n // B)]
+            table = np.asarray(rows, dtype=np.int64).reshape(-1, 2)
+            rng = np.random.default_rng(stream_seed(self.seed, Stream.BUCKET_BATCHES, epoch))
+            self._batches = table[rng.permutation(len(table))]
+            self._epoch = epoch
+        assert self._batches is not None
+        return self._batches
+
+    def batch(self, number: int) -> tuple[int, list[tuple[int, int]]]:
+        """(bucket, [(pass, local index)] * global_batch) of global batch `number`."""
+        epoch = self.epoch_of(number)
+        k, chunk = (int(v) for v in self.epoch_batches(epoch)[number - self.batches_before(epoch)])
+        stream = self._streams[k]
+        assert stream is not None
+        members = self.members[k]
+        entries = stream.take(chunk * self.global_batch, self.global_batch)
+        return k, [(p, int(members[i])) for p, i in entries]
+
+    def rank_slice(self, cursor: int, global_batch: int, rank: int, world_size: int) -> list[SampleRef]:
+        """This rank's refs of the step at `cursor` (a multiple of the global batch)."""
+        if global_batch != self.global_batch or cursor % global_batch:
+            raise ValueError(f"cursor {cursor} is not a multiple of the bucketed global batch {self.global_batch}")
+        _, entries = self.batch(cursor // global_batch)
+        per_rank = global_batch // world_size
+        start = rank * per_rank
+        mine = entries[start : start + per_rank]
+        return [SampleRef(index, start + k, epoch, self.seed) for k, (epoch, index) in enumerate(mine)]
