@@ -173,6 +173,8 @@ IDS = {  # every run so far drew with these ids: they never change (see trainer.
     Stream.STEP_GLOBAL: 3,
     Stream.JOINT_IMAGES: 5,
     Stream.AUTOENCODER: 6,
+    Stream.BUCKET_MEMBERS: 7,
+    Stream.BUCKET_BATCHES: 8,
 }
 
 
