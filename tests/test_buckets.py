@@ -23,12 +23,14 @@ from trainer.registry import load_config
 # SDXL's buckets at 1024^2 as (height, width): Podell et al. 2023, "SDXL: Improving Latent Diffusion Models for
 # High-Resolution Image Synthesis", appendix I (multi-aspect training), the table of the 40 buckets.
 SDXL = [
-    (512, 2048), (512, 1984), (512, 1920), (512, 1856), (576, 1792), (576, 1728), (576, 1664), (640, 1600),
-    (640, 1536), (704, 1472), (704, 1408), (704, 1344), (768, 1344), (768, 1280), (832, 1216), (832, 1152),
-    (896, 1152), (896, 1088), (960, 1088), (960, 1024), (1024, 1024), (1024, 960), (1088, 960), (1088, 896),
-    (1152, 896), (1152, 832), (1216, 832), (1280, 768), (1344, 768), (1408, 704), (1472, 704), (1536, 640),
-    (1600, 640), (1664, 576), (1728, 576), (1792, 576), (1856, 512), (1920, 512), (1984, 512), (2048, 512),
-]  # fmt: skip
+    tuple(int(side) for side in shape.split("x"))
+    for shape in """
+    512x2048 512x1984 512x1920 512x1856 576x1792 576x1728 576x1664 640x1600 640x1536 704x1472 704x1408
+    704x1344 768x1344 768x1280 832x1216 832x1152 896x1152 896x1088 960x1088 960x1024 1024x1024 1024x960
+    1088x960 1088x896 1152x896 1152x832 1216x832 1280x768 1344x768 1408x704 1472x704 1536x640 1600x640
+    1664x576 1728x576 1792x576 1856x512 1920x512 1984x512 2048x512
+""".split()
+]
 
 
 def test_generated_buckets_are_sdxl_and_pixart_lists():
@@ -89,8 +91,9 @@ def refs(stream: BucketStream, cursor: int, rank: int = 0, world: int = 1) -> li
     return [(r.index, r.position, r.epoch) for r in stream.rank_slice(cursor, stream.global_batch, rank, world)]
 
 
-SETTINGS = settings(max_examples=60, derandomize=True, database=None, deadline=None,
-                    suppress_health_check=list(HealthCheck))  # fmt: skip
+SETTINGS = settings(
+    max_examples=60, derandomize=True, database=None, deadline=None, suppress_health_check=list(HealthCheck)
+)
 
 
 @SETTINGS

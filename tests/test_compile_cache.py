@@ -127,7 +127,12 @@ def test_a_signed_archive_still_unpacks_only_regular_files_inside_the_folder(tmp
     base = f"{root}/{cc.FOLDER}/{cc.archive_name(IDENT)}"
     fs.makedirs(f"{root}/{cc.FOLDER}", exist_ok=True)
     fs.pipe_file(base + ".tar", data)
-    meta = {"identity": IDENT, "sha256": digest, "bytes": len(data), "hmac": cc._signature(KEY, IDENT, digest, len(data))}
+    meta = {
+        "identity": IDENT,
+        "sha256": digest,
+        "bytes": len(data),
+        "hmac": cc._signature(KEY, IDENT, digest, len(data)),
+    }
     fs.pipe_file(base + ".json", json.dumps(meta).encode())
     target = tmp_path / "cache" / "inner"
     with pytest.raises(tarfile.TarError):  # the `data` filter refuses the member outside the folder
@@ -150,9 +155,12 @@ def test_a_replacement_worker_restores_the_runs_compiled_kernels_and_trains_bit_
     dit = "{kind: dit, num_layers: 2, num_attention_heads: 2, attention_head_dim: 8}"
     base = [f"model.backbone={dit}", "train.compile=true", "checkpoint.every_steps=2", "checkpoint.keep=10"]
     args = tiny(tmp_path, *base, max_steps=2)
-    first = run_cli("train", "digits-ddpm", *args, env=clean_env(
-        GENTRAIN_COMPILE_CACHE_KEY="k1", TORCHINDUCTOR_CACHE_DIR=str(tmp_path / "inductor-1")
-    ))
+    first = run_cli(
+        "train",
+        "digits-ddpm",
+        *args,
+        env=clean_env(GENTRAIN_COMPILE_CACHE_KEY="k1", TORCHINDUCTOR_CACHE_DIR=str(tmp_path / "inductor-1")),
+    )
     assert first.returncode == 0, first.stderr[-3000:]
     assert "compile cache: saved" in first.stderr, first.stderr[-3000:]
     root = tmp_path / "run" / "checkpoints"
@@ -162,18 +170,24 @@ def test_a_replacement_worker_restores_the_runs_compiled_kernels_and_trains_bit_
 
     shutil.copytree(root, tmp_path / "copy")
     resumed = tiny(tmp_path, *base, max_steps=4)
-    second = run_cli("train", "digits-ddpm", *resumed, env=clean_env(
-        GENTRAIN_COMPILE_CACHE_KEY="k1", TORCHINDUCTOR_CACHE_DIR=str(tmp_path / "inductor-2")
-    ))
+    second = run_cli(
+        "train",
+        "digits-ddpm",
+        *resumed,
+        env=clean_env(GENTRAIN_COMPILE_CACHE_KEY="k1", TORCHINDUCTOR_CACHE_DIR=str(tmp_path / "inductor-2")),
+    )
     assert second.returncode == 0, second.stderr[-3000:]
     assert "compile cache: restored" in second.stderr, second.stderr[-3000:]
     with_cache = load_file(next(root.glob("step-*4")) / "transformer.model.safetensors")
 
     shutil.rmtree(root)
     shutil.copytree(tmp_path / "copy", root)
-    third = run_cli("train", "digits-ddpm", *resumed, env=clean_env(
-        GENTRAIN_COMPILE_CACHE_KEY="wrong key", TORCHINDUCTOR_CACHE_DIR=str(tmp_path / "inductor-3")
-    ))
+    third = run_cli(
+        "train",
+        "digits-ddpm",
+        *resumed,
+        env=clean_env(GENTRAIN_COMPILE_CACHE_KEY="wrong key", TORCHINDUCTOR_CACHE_DIR=str(tmp_path / "inductor-3")),
+    )
     assert third.returncode == 0, third.stderr[-3000:]
     assert "compile cache: ignored the store's copy: its signature does not match" in third.stderr
     without = load_file(next(root.glob("step-*4")) / "transformer.model.safetensors")

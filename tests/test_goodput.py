@@ -184,7 +184,7 @@ def test_every_second_is_accounted_for_summed_across_a_restart_exported_and_prin
     root = tmp_path / "run" / "checkpoints"
     port = free_port()
     text, scraped, outside = _train(tmp_path, "first", 4, port)
-    first = _check_adds_up(text, outside)
+    _check_adds_up(text, outside)
     stored = _stored(root, 4)
     assert stored["processes"] == 1 and stored["failures"] == 0 and stored["clean_stop"] is True
     assert set(stored["seconds"]) == set(KINDS)

@@ -196,6 +196,7 @@ def _digest(cfg) -> str:
     return load_frozen(PART, frozen_source(cfg.model_cfg.autoencoder), {}).record["digest"]
 
 
+@pytest.mark.slow
 def test_a_rerun_into_another_autoencoders_shards_without_their_encode_json_exits_2_naming_the_mismatch(
     tmp_path, vae, other_vae
 ):
@@ -221,6 +222,7 @@ def test_a_rerun_into_another_autoencoders_shards_without_their_encode_json_exit
     assert r.returncode == 2 and "records no encode settings" in r.stderr, r.stderr[-3000:]
 
 
+@pytest.mark.slow
 def test_a_shard_swapped_for_one_of_another_encode_of_the_same_size_is_never_trained_on(tmp_path, vae, other_vae):
     """Found 1 of issue 47: a shard copied in from another encode (same size, so the same offsets) was read
     without complaint. shards.json pins each shard's index by digest, the index each sample's bytes."""

@@ -100,8 +100,8 @@ _TABLE = {
     "services storage tasks",
     "loop": "checkpoint config data elastic engine hostmem metrics randomness registry runs tasks",
     "launch": "accelerate_env config registry",
-    "cli": "checkpoint conditioning config data elastic eval launch loop media metrics models registry runs storage "
-    "tasks",
+    "cli": "checkpoint conditioning config data elastic engine eval launch loop media metrics models registry runs "
+    "storage tasks",
     "__main__": "cli",
 }
 MAY_IMPORT: dict[str, set[str]] = {name: set(allowed.split()) for name, allowed in _TABLE.items()}

@@ -29,7 +29,13 @@ def _copy(pipelines, name: str, tmp_path: Path) -> Path:
 # family -> (variant, denoiser slot and class, text encoder slots, objective fields)
 EXPECTED = {
     "sd": ("sd", "unet", "UNet2DConditionModel", ["text_encoder"], {"prediction_type": "epsilon"}),
-    "sdxl": ("sdxl", "unet", "UNet2DConditionModel", ["text_encoder", "text_encoder_2"], {"prediction_type": "epsilon"}),
+    "sdxl": (
+        "sdxl",
+        "unet",
+        "UNet2DConditionModel",
+        ["text_encoder", "text_encoder_2"],
+        {"prediction_type": "epsilon"},
+    ),
     "sd3": (
         "sd3",
         "transformer",
@@ -144,7 +150,9 @@ def test_a_folder_naming_code_of_its_own_is_refused(pipelines, tmp_path):
     index = json.loads((folder / MODEL_INDEX).read_text())
     index["unet"] = ["my_pipeline_code", "MyUNet"]
     (folder / MODEL_INDEX).write_text(json.dumps(index))
-    with pytest.raises(ConfigError, match=r"unet is my_pipeline_code.MyUNet; .*gentrain imports no class a folder names"):
+    with pytest.raises(
+        ConfigError, match=r"unet is my_pipeline_code.MyUNet; .*gentrain imports no class a folder names"
+    ):
         inspect_pipeline(str(folder))
 
 

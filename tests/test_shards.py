@@ -313,6 +313,7 @@ def test_shards_without_index_are_a_config_error_naming_the_fix(tmp_path):
     assert "000000.tar has no readable index" in r.stderr and "gentrain data index" in r.stderr
 
 
+@pytest.mark.slow
 def test_a_shard_list_naming_shards_outside_its_folder_exits_2_naming_the_entry(tmp_path):
     """Found 1 of issue 47: an entry `"url": "../other/000000.tar"` (or an absolute path, another store) was
     read from wherever it pointed. A shard list names shards in its own folder only."""

@@ -63,7 +63,6 @@ from datetime import datetime, timezone
 from typing import Any
 from urllib.parse import quote
 
-from annotated_types import Ge, Le
 from fsspec import AbstractFileSystem
 from fsspec.implementations.local import LocalFileSystem
 
@@ -78,8 +77,8 @@ STALE_FRACTION = 0.75  # a holder not renewed for this share of lease_seconds co
 MAX_LEASE_BYTES = 64 << 10  # a lease gentrain writes is ~400 bytes; more is not read
 # A lease's own lease_seconds is held to checkpoint.lease_seconds' bounds (one source: the schema).
 _BOUNDS = CheckpointConfig.model_fields["lease_seconds"].metadata
-MIN_LEASE_SECONDS = float(next(m.ge for m in _BOUNDS if isinstance(m, Ge)))
-MAX_LEASE_SECONDS = float(next(m.le for m in _BOUNDS if isinstance(m, Le)))
+MIN_LEASE_SECONDS = float(next(m.ge for m in _BOUNDS if getattr(m, "ge", None) is not None))
+MAX_LEASE_SECONDS = float(next(m.le for m in _BOUNDS if getattr(m, "le", None) is not None))
 
 
 def _exists(fs: AbstractFileSystem, path: str) -> bool:

@@ -106,6 +106,7 @@ def split(ds, val_fraction: float, flip: bool, shape: tuple[int, ...]) -> tuple[
 def bucketed(cfg: Config, train: Subset):
     """The training split in aspect-ratio buckets (trainer.data.buckets): each image's size from the run's
     size manifest or its header, its bucket, the skipped ones counted and logged."""
+    # Imported here: only a run with data.buckets needs it (it reads image headers once per dataset version).
     from trainer.data.buckets import BucketedSubset, BucketPlan, bucket_list, image_sizes, plan_digest
 
     d, ds = cfg.data, train.dataset

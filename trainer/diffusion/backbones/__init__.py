@@ -28,7 +28,6 @@ from trainer.diffusion.backbones.unet import (
     unet_block_types,
 )
 
-
 _REGISTERED: tuple[type[Backbone], ...] = (UNetBackbone, DiTBackbone, PixArtBackbone, MMDiTBackbone)
 
 BACKBONES: dict[str, type[Backbone]] = {
