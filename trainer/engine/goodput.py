@@ -274,8 +274,10 @@ class SaveSchedule:
         self.auto_durable = every_steps == "auto"
         self.auto_memory = memory and memory_every_steps == "auto"
         self.every_steps = DEFAULT_AUTO_EVERY_STEPS if self.auto_durable else int(every_steps)
-        self.memory_every_steps = DEFAULT_AUTO_MEMORY_EVERY_STEPS if self.auto_memory else int(
-            memory_every_steps if memory_every_steps != "auto" else 1
+        self.memory_every_steps = (
+            DEFAULT_AUTO_MEMORY_EVERY_STEPS
+            if self.auto_memory
+            else int(memory_every_steps if memory_every_steps != "auto" else 1)
         )
         self.memory = memory
         self.max_interval_minutes = max_interval_minutes
