@@ -196,7 +196,9 @@ class TrainingMetrics:
             ["kind"],
         )
         self.goodput = Gauge(
-            "gentrain_goodput", "Share of the run's wall time spent training new steps (rank 0)", multiprocess_mode="max"
+            "gentrain_goodput",
+            "Share of the run's wall time spent training new steps (rank 0)",
+            multiprocess_mode="max",
         )
         self.nonfinite_steps = Counter(
             "gentrain_nonfinite_steps",
