@@ -302,7 +302,7 @@ class BucketedSubset:
         """A training ref (it carries the run's seed) loads at its bucket's shape; a held-out ref (no seed:
         previews, calibration or validation batches drawn from the training split) at the square
         `data.image_size`, so those batches, made of any images, stack."""
-        from trainer.data.datasets import skipped_item
+        from trainer.data.datasets import skipped_item  # here: datasets.py imports this module's crop in its loader
 
         index = int(self.indices[ref.index])
         if ref.seed is None:

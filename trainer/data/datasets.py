@@ -360,7 +360,7 @@ class ImageFolderDataset:
                 if size is None and self.crop == "center":
                     x = image_to_tensor(im, self.image_size, self.channels)
                 else:
-                    from trainer.data.buckets import cover_crop, to_tensor
+                    from trainer.data.buckets import cover_crop, to_tensor  # here: buckets.py imports this module
 
                     height, width = size or (self.image_size, self.image_size)
                     im = im.convert("L" if self.channels == 1 else "RGB")
