@@ -273,3 +273,63 @@ def test_a_changed_file_in_the_pipeline_folder_is_refused_on_resume_naming_it(sd
     r = _train(copy, images, tmp_path / "run", steps=4)
     assert r.returncode == 2, r.stderr[-3000:]
     assert "unet/diffusion_pytorch_model.safetensors" in r.stderr and "Traceback" not in r.stderr
+
+
+@pytest.mark.slow
+def test_the_exported_lora_loads_into_the_base_pipeline_and_draws_what_gentrain_samples(sd, images, tmp_path):
+    """`checkpoints export` writes the adapters as `unet.`-prefixed keys (diffusers' pipeline LoRA layout): the
+    base StableDiffusionPipeline plus `load_lora_weights(OUT/unet-lora)`, with the run's DDIM schedule, draws
+    the images gentrain draws within 1/255 (same seed, steps, guidance, prompt)."""
+    from diffusers import DDIMScheduler, StableDiffusionPipeline
+
+    from trainer.checkpoint import CheckpointView
+    from trainer.runs import load_for_inference
+    from trainer.tasks.sampling import SampleRequest
+
+    r = _train(sd, images, tmp_path / "run", "train.precision=no", steps=2)
+    assert r.returncode == 0, r.stderr[-3000:]
+    out = tmp_path / "export"
+    task_flag = ["--task", "probe_tasks:KillableDDPM"]
+    r = run_cli("checkpoints", "export", str(tmp_path / "run" / "checkpoints"), str(out), *task_flag, env=ENV)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert all(k.startswith("unet.") for k in load_file(out / "unet-lora" / "pytorch_lora_weights.safetensors"))
+
+    store = CheckpointStore(str(tmp_path / "run" / "checkpoints"), {})
+    view = CheckpointView(store, store.check(2))
+    _, task, modules = load_for_inference(view, use_ema=True, device=CPU, task_name="probe_tasks:KillableDDPM")
+    prompt, steps, scale = "the red photo", 4, 3.0
+    request = SampleRequest(num=2, seed=7, prompts=[prompt], inference_steps=steps, guidance_scale=scale)
+    ours = task.sample(modules, request, CPU)
+
+    scheduler = task.objective.inference_scheduler("ddim")
+    assert isinstance(scheduler, DDIMScheduler)
+    pipe = StableDiffusionPipeline.from_pretrained(sd, safety_checker=None)
+    # Set after construction: StableDiffusionPipeline's constructor rewrites a scheduler's steps_offset to 1,
+    # and the comparison is on the run's own schedule (gentrain's DDIM: steps_offset 0).
+    pipe.scheduler = scheduler
+    pipe.load_lora_weights(str(out / "unet-lora"))
+    assert pipe.unet.peft_config, "diffusers loaded no adapter"
+    theirs = pipe(
+        [prompt] * 2,
+        height=16,
+        width=16,
+        num_inference_steps=steps,
+        guidance_scale=scale,
+        eta=0.0,
+        generator=torch.Generator().manual_seed(7),
+        output_type="pt",
+    ).images
+    assert ours.shape == theirs.shape
+    assert (ours - theirs).abs().max() <= 1 / 255
+    # The adapters matter: without them diffusers draws something else.
+    pipe.unload_lora_weights()
+    without = pipe(
+        [prompt] * 2,
+        height=16,
+        width=16,
+        num_inference_steps=steps,
+        guidance_scale=scale,
+        generator=torch.Generator().manual_seed(7),
+        output_type="pt",
+    ).images
+    assert (without - ours).abs().max() > 1 / 255

@@ -274,10 +274,13 @@ def merged_state_dict(unet: nn.Module) -> dict[str, torch.Tensor]:
     }
 
 
-def lora_metadata(unet: nn.Module) -> dict[str, str]:
-    """The safetensors metadata diffusers writes beside adapters: the LoraConfig as JSON."""
+def lora_metadata(unet: nn.Module, prefix: str | None = None) -> dict[str, str]:
+    """The safetensors metadata diffusers writes beside adapters: the LoraConfig as JSON (with `prefix`, each
+    field under `<prefix>.`, as a pipeline's `save_lora_weights` packs it)."""
     cfg = unet.peft_config["default"].to_dict()
     cfg = {k: sorted(v) if isinstance(v, set) else v for k, v in cfg.items()}
+    if prefix:
+        cfg = {f"{prefix}.{k}": v for k, v in cfg.items()}
     return {"format": "pt", LORA_METADATA_KEY: json.dumps(cfg, indent=2, sort_keys=True, default=str)}
 
 
@@ -286,9 +289,12 @@ def write_folder(
     out_url: str,
     extras: Mapping[str, torch.Tensor] | None = None,
     storage_options: Mapping[str, Any] | None = None,
+    lora_prefix: str | None = None,
 ) -> list[str]:
     """A diffusers-format folder of the merged UNet (plus gentrain's conditioning layers), and for a LoRA
-    model `<out_url>-lora/pytorch_lora_weights.safetensors`; returns the URLs written."""
+    model `<out_url>-lora/pytorch_lora_weights.safetensors`; returns the URLs written. `lora_prefix` (a
+    released pipeline's denoiser slot, `unet`): the adapters' keys and metadata under `<prefix>.`, the layout
+    a pipeline's `load_lora_weights(folder)` reads (unprefixed, it silently loads nothing)."""
     import fsspec
     from safetensors.torch import save as save_safetensors
 
@@ -305,7 +311,11 @@ def write_folder(
     if extras:
         put(root, EXTRAS_NAME, save_safetensors({k: v.detach().contiguous() for k, v in extras.items()}))
     if has_lora(unet):
-        put(f"{root}-lora", LORA_WEIGHTS_NAME, save_safetensors(lora_state_dict(unet), metadata=lora_metadata(unet)))
+        adapters = lora_state_dict(unet)
+        if lora_prefix:
+            adapters = {f"{lora_prefix}.{k}": v for k, v in adapters.items()}
+        metadata = lora_metadata(unet, lora_prefix)
+        put(f"{root}-lora", LORA_WEIGHTS_NAME, save_safetensors(adapters, metadata=metadata))
     return written
 
 

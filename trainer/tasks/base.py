@@ -119,6 +119,9 @@ class Export:
     index_extra: dict[str, Any] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)  # more lines for the model card
     parts: dict[str, str] = field(default_factory=dict)  # folder -> checkpoint part, where they differ
+    # folder -> the key prefix its `-lora` adapters are written under (a released pipeline's denoiser slot,
+    # `unet`: the layout the pipeline's `load_lora_weights` reads); unset: peft's own names
+    lora_prefixes: dict[str, str] = field(default_factory=dict)
 
 
 @dataclass

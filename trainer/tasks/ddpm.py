@@ -257,11 +257,13 @@ class DDPMTask(Task):
         """Why no diffusers pipeline samples this model as `gentrain sample` does; None when one does."""
         c, kind, objective = self.cfg, self.cfg.denoiser.kind, self.objective.name
         offered = c.denoiser_class.pipeline  # the pipeline its backbone declares, if the rest allows
-        if self.text is not None and c.pretrained is not None and c.text.kind == "sd":
+        if self._from_pipeline:
+            pipe = "StableDiffusionXLPipeline" if c.text.kind == "sdxl" else "StableDiffusionPipeline"
+            lora = ", or the adapters alone onto it: pipe.load_lora_weights('OUT/unet-lora')" if c.lora else ""
             return (
-                "gentrain does not write StableDiffusionPipeline folders yet: load the exported unet/ into the "
-                f"base pipeline, StableDiffusionPipeline.from_pretrained({c.pretrained!r}, "
-                "unet=UNet2DConditionModel.from_pretrained('OUT/unet'))"
+                f"gentrain does not write {pipe} folders yet: load the exported unet/ into the base pipeline, "
+                f"{pipe}.from_pretrained({c.pretrained!r}, unet=UNet2DConditionModel.from_pretrained('OUT/unet'))"
+                f"{lora}"
             )
         if self.text is not None:
             pooled = ", plus the pooled embedding" if c.denoiser_class.pooled_width(c.denoiser) else ""
@@ -398,6 +400,18 @@ class DDPMTask(Task):
             usage="\n".join(load),
             index_extra=extra,
             notes=notes,
+            # A released pipeline's fine-tune: its adapters in the layout the pipeline's load_lora_weights reads.
+            lora_prefixes={"unet": "unet"} if self._from_pipeline else {},
+        )
+
+    @property
+    def _from_pipeline(self) -> bool:
+        """Whether the denoiser is a released pipeline's UNet (model.pretrained a pipeline folder, its
+        keys filled in: the UNet's diffusers config and a Stable Diffusion text encoder)."""
+        c = self.cfg
+        built_from = getattr(c.denoiser, "unet_config", None)
+        return (
+            c.pretrained is not None and built_from is not None and c.text is not None and c.text.kind in ("sd", "sdxl")
         )
 
     def _net(self, module: nn.Module):
