@@ -333,3 +333,26 @@ def test_the_exported_lora_loads_into_the_base_pipeline_and_draws_what_gentrain_
         output_type="pt",
     ).images
     assert (without - ours).abs().max() > 1 / 255
+
+
+@pytest.mark.slow
+def test_a_pipeline_folder_on_object_storage_trains_like_a_local_one(s3_server, sd, images, tmp_path):
+    """`model.pretrained` an fsspec URL (S3): the folder's keys are filled from it and every part loads from it."""
+    import json
+
+    import fsspec
+
+    bucket, options = f"s3://{s3_server.make_bucket()}", s3_server.storage_options()
+    fs, _ = fsspec.core.url_to_fs(bucket, **options)
+    fs.put(str(sd) + "/", f"{bucket}/sd", recursive=True)
+    env = clean_env(PYTHONPATH=str(REPO / "tests"))  # built here: the S3 fixture put its credentials in os.environ
+    extra = [f"checkpoint.storage_options={json.dumps(options)}", "train.precision=no"]
+    r = _train(f"{bucket}/sd", images, tmp_path / "run", *extra, steps=2, env=env)
+    assert r.returncode == 0, r.stderr[-3000:]
+    manifest = CheckpointStore(str(tmp_path / "run" / "checkpoints"), {}).check(2).manifest
+    assert manifest["inputs"]["pipeline"]["url"] == f"{bucket}/sd"
+    assert manifest["config"]["model"]["autoencoder"]["url"] == f"{bucket}/sd/vae"
+    # The weights it started from are the folder's: the frozen base equals the local copy's tensors.
+    unet = _files(tmp_path / "run", 2)["unet.model.safetensors"]
+    folder = load_file(sd / "unet" / "diffusion_pytorch_model.safetensors")
+    assert all(torch.equal(unet[k.replace("to_q.", "to_q.base_layer.")], v) for k, v in folder.items() if "to_q." in k)
