@@ -6,7 +6,8 @@ node holds a copy of what existed only on the lost one. Per node:
 
     <checkpoint.memory_dir>/<run key>/          run key: the durable root's name and a hash of its URL
         origin.json                             that durable root (credentials redacted), for people
-        reached.json                            the newest step whose snapshot this node stored
+        reached.json                            {"step": the newest step this node's workers completed,
+                                                "stored": the newest step whose snapshot it stored}
         step-000001200/                         the durable layout's file names (trainer.checkpoint.layout)
             <payload files>                     written by this node's ranks, or received from a peer
             piece-rNNNNN.json                   commit point of rank N's piece: its files' sizes and digests
@@ -198,6 +199,8 @@ class MemoryTier:
         self.topology = Topology(tuple(gather_objects(self.node)))
         self.group = new_gloo_group(timeout_seconds)  # pieces travel here, never on the training group
         self.is_leader = self.topology.leader(env.rank) == env.rank
+        self._reached: dict[str, int] = {}  # reached.json as this process last wrote it (mark_reached)
+        self._reached_lock = threading.Lock()  # the training thread marks steps, the writer thread snapshots
         if self.is_leader:
             _put(os.path.join(root, "origin.json"), json.dumps({"durable": redact(origin)}).encode())
 
@@ -217,13 +220,18 @@ class MemoryTier:
 
     # ------------------------------------------------------------------ save (writer thread)
 
-    def mark_reached(self, step: int) -> None:
-        """Note the newest step whose snapshot this node stored (steps lost on a resume are counted from
-        it). Called once the leader's piece is stored, never before: after a snapshot that failed (a full
-        /dev/shm) it must not claim a step the tier does not hold."""
-        if self.is_leader:
+    def mark_reached(self, step: int, stored: bool = False) -> None:
+        """Note the newest step this node's workers completed (every step, from the training thread: steps lost
+        on a resume are counted from it) or, with `stored`, whose snapshot it stored (from the writer thread,
+        once the leader's piece is stored, never before). Two fields, so that after snapshots that failed (a
+        full /dev/shm) the file never claims a step the tier does not hold: {"step": 5, "stored": 1}."""
+        if not self.is_leader:
+            return
+        with self._reached_lock:
+            key = "stored" if stored else "step"
+            self._reached[key] = max(step, self._reached.get(key, step))
             try:
-                _put(os.path.join(self.root, "reached.json"), json.dumps({"step": step}).encode())
+                _put(os.path.join(self.root, "reached.json"), json.dumps(self._reached).encode())
             except OSError as e:
                 log.debug("memory tier: cannot note the step reached: %s", e)
 
@@ -251,7 +259,7 @@ class MemoryTier:
                     "meta": meta if owner == 0 else None,
                 }
                 self._put_piece(step, owner, doc)
-                self.mark_reached(step)
+                self.mark_reached(step, stored=True)
             except Exception as e:
                 error = f"{type(e).__name__}: {e}"
                 self._remove_files(step, [*files, piece_file(owner)])
@@ -385,7 +393,7 @@ class MemoryTier:
         return read_piece(self.root, step, owner)
 
     def reached(self) -> int | None:
-        """The newest step whose snapshot this node stored: reached.json, or a newer step holding a piece here
+        """The newest step this node's workers completed: reached.json's, or a newer step holding a piece here
         (a process killed between storing a piece and noting it)."""
         try:
             step = parse_json(_read(os.path.join(self.root, "reached.json")), "reached.json").get("step")
@@ -434,6 +442,8 @@ class MemoryTier:
         """Forget every step, and the step reached (a run that does not resume, or another run's snapshots)."""
         self.forget_after(None)
         if self.is_leader:
+            with self._reached_lock:
+                self._reached.clear()
             try:
                 os.unlink(os.path.join(self.root, "reached.json"))
             except FileNotFoundError:

@@ -402,6 +402,8 @@ class CheckpointManager:
         return self.schedule.memory_due(step) or self.schedule.durable_due(step)
 
     def maybe_save(self, step: int) -> None:
+        if self.memory is not None:
+            self.memory.mark_reached(step)  # every step: the steps a restart loses are counted from it
         if self.memory is not None and self.schedule.memory_due(step):
             self.save_to_memory(step)
             self.schedule.saved(step, "memory")
