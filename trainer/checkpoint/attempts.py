@@ -17,12 +17,11 @@ to the bucket can put anything at that name.
 from __future__ import annotations
 
 import json
-import os
-import stat
 from typing import Any
 
 from trainer.checkpoint.layout import ATTEMPTS_FILE
 from trainer.checkpoint.store import CheckpointStore
+from trainer.checkpoint.untrusted import NotRegularFile, read_regular
 from trainer.checkpoint.validity import MAX_ATTEMPTS_BYTES, parse_attempts
 from trainer.errors import CheckpointCorrupt
 
@@ -51,30 +50,9 @@ def write_attempts(store: CheckpointStore, doc: dict[str, Any]) -> None:
 
 def _read_local(path: str) -> bytes | None:
     try:
-        st = os.lstat(path)
-    except FileNotFoundError:
-        return None
-    if not stat.S_ISREG(st.st_mode):
-        raise UnusableRecord(f"{path} is not a regular file (mode {stat.filemode(st.st_mode)}): not read")
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
-    except FileNotFoundError:
-        return None
-    except OSError as e:  # ELOOP: a link swapped in since the lstat
-        raise UnusableRecord(f"{path} cannot be opened as a regular file ({e.strerror}): not read") from None
-    try:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            raise UnusableRecord(f"{path} is not a regular file: not read")
-        chunks, n = [], 0
-        while n <= MAX_ATTEMPTS_BYTES:
-            chunk = os.read(fd, MAX_ATTEMPTS_BYTES + 1 - n)
-            if not chunk:
-                break
-            chunks.append(chunk)
-            n += len(chunk)
-        return b"".join(chunks)
-    finally:
-        os.close(fd)
+        return read_regular(path, MAX_ATTEMPTS_BYTES)
+    except NotRegularFile as e:
+        raise UnusableRecord(f"{e.path} is {e.kind}: not read") from None
 
 
 def _read_object(store: CheckpointStore, path: str) -> bytes | None:

@@ -55,7 +55,6 @@ import os
 import posixpath
 import secrets
 import socket
-import stat
 import threading
 import time
 from dataclasses import dataclass
@@ -67,6 +66,7 @@ from fsspec import AbstractFileSystem
 from fsspec.implementations.local import LocalFileSystem
 
 from trainer.checkpoint.layout import LEASE_FILE
+from trainer.checkpoint.untrusted import NotRegularFile, read_regular
 from trainer.config.schema import CheckpointConfig
 from trainer.errors import CheckpointError, ConfigError
 
@@ -107,23 +107,6 @@ class ForeignLease(LeaseError):
             "and never follows or opens anything else there, so it cannot tell who holds this checkpoint root. "
             f"If no trainer is using the root, remove it (rm -r '{path}') and run again; nothing else was changed"
         )
-
-
-def _kind(mode: int, path: str) -> str:
-    if stat.S_ISLNK(mode):
-        try:
-            return f"a symbolic link (to {os.readlink(path)!r})"
-        except OSError:
-            return "a symbolic link"
-    if stat.S_ISDIR(mode):
-        return "a directory"
-    if stat.S_ISFIFO(mode):
-        return "a named pipe (FIFO)"
-    if stat.S_ISSOCK(mode):
-        return "a socket"
-    if stat.S_ISCHR(mode) or stat.S_ISBLK(mode):
-        return "a device file"
-    return "not a regular file"
 
 
 class _Conflict(Exception):
@@ -299,35 +282,12 @@ class _LocalLeaseFile(_LeaseFile):
     lock_seconds = 30.0  # how long a change waits for the folder's lock (the Lease sets its lease_seconds)
 
     def read(self) -> tuple[bytes, str] | None:
-        # lstat first: a FIFO, device or link is never opened; the open then neither follows a link nor
-        # blocks (O_NONBLOCK: a FIFO swapped in between), and fstat checks what was opened.
+        # As data only (trainer.checkpoint.untrusted): a FIFO, device or link is never opened or waited on.
         try:
-            st = os.lstat(self.path)
-        except FileNotFoundError:
-            return None
-        if not stat.S_ISREG(st.st_mode):
-            raise ForeignLease(self.path, _kind(st.st_mode, self.path))
-        try:
-            fd = os.open(self.path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
-        except FileNotFoundError:
-            return None  # released in between
-        except OSError as e:  # ELOOP: a link swapped in between
-            raise ForeignLease(self.path, f"not a regular file ({e.strerror})") from None
-        try:
-            st = os.fstat(fd)
-            if not stat.S_ISREG(st.st_mode):
-                raise ForeignLease(self.path, _kind(st.st_mode, self.path))
-            chunks, n = [], 0
-            while n <= MAX_LEASE_BYTES:
-                chunk = os.read(fd, MAX_LEASE_BYTES + 1 - n)
-                if not chunk:
-                    break
-                chunks.append(chunk)
-                n += len(chunk)
-        finally:
-            os.close(fd)
-        data = b"".join(chunks)
-        return data, hashlib.sha256(data).hexdigest()
+            data = read_regular(self.path, MAX_LEASE_BYTES)
+        except NotRegularFile as e:
+            raise ForeignLease(self.path, e.kind) from None
+        return None if data is None else (data, hashlib.sha256(data).hexdigest())
 
     def _tmp(self, data: bytes) -> str:
         # Written and synced before the lock is taken: the locked section is a read, a compare and a rename.
