@@ -17,7 +17,13 @@ from typing import Any, NoReturn
 import torch
 import torch.distributed as dist
 
-from trainer.errors import EXIT_INVALID_CHECKPOINT, EXIT_OK, EXIT_PREEMPTED, EXIT_USAGE  # noqa: F401 (re-exported)
+from trainer.errors import (  # noqa: F401 (re-exported)
+    EXIT_INVALID_CHECKPOINT,
+    EXIT_OK,
+    EXIT_PREEMPTED,
+    EXIT_STEP_TIMEOUT,
+    EXIT_USAGE,
+)
 
 log = logging.getLogger(__name__)
 
@@ -231,6 +237,123 @@ class StopCheck:
         cut = StopRequested(self.work, agreed)
         log.warning("%s", cut)
         raise cut
+
+
+# The kinds of trainer.engine.goodput.TimeLedger the watchdog watches: a training step (first time or redone).
+# Saves (`checkpoint_stall`), evaluations and previews (`eval`), data waits, FLOP counting and calibration
+# (`idle`) take as long as they take; what hangs in them is bounded by elastic.collective_timeout_seconds.
+WATCHED_KINDS = ("train", "redone")
+STEP_TIMEOUT_FACTOR = 5.0  # the timeout is at least this many of the process's mean step
+
+
+class StepWatchdog:
+    """Exit `EXIT_STEP_TIMEOUT` when a training step hangs: how a job notices a lost node in seconds.
+
+    A node that dies closes its sockets and its peers' collectives fail at once. One that goes silent (a
+    frozen host, a partition, a stopped process) does not: its peers wait inside the step's all-reduce until
+    elastic.collective_timeout_seconds (600 s by default), and torchrun's agent, whose workers are alive,
+    restarts nothing. This daemon thread reads the kind the training thread is in (the time ledger's
+    `current()`) and, once the process is in its steady state (`on_step` was told a measured step's time: the
+    first steps, which compile and count FLOPs, are behind it), exits when one training step has lasted longer
+    than `timeout()`: max(elastic.step_timeout_seconds, STEP_TIMEOUT_FACTOR x the mean measured step). Time
+    dynamo spends compiling (a recompile for a new shape) does not count: the step's clock starts again when
+    a compile ends. It exits the way SIGTERM's deadline does (`_say`, `exit_now`: no interpreter shutdown
+    that would wait on the hung collective); torchrun's agent then restarts the worker group, which resumes
+    from the newest checkpoint, so exact resume is unaffected.
+    """
+
+    def __init__(
+        self,
+        ledger,
+        timeout_seconds: float,
+        step: Callable[[], int] = lambda: -1,
+        rank: int | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.ledger = ledger  # anything with current() -> (kind, entered at clock())
+        self.timeout_seconds = timeout_seconds
+        self.step = step
+        self.rank = rank
+        self.clock = clock
+        self.armed = False
+        self._steps = [0.0, 0]  # sum and count of measured step seconds
+        self._compiling = 0
+        self._compile_ended = float("-inf")
+        self._stopped = threading.Event()
+        self._callbacks: tuple | None = None
+
+    # ---- what the training thread tells it
+    def on_step(self, seconds: float) -> None:
+        """A steady-state step took `seconds` (the loop's timed steps): arms the watchdog."""
+        self._steps[0] += seconds
+        self._steps[1] += 1
+        self.armed = True
+
+    def compile_started(self, *_: Any) -> None:
+        self._compiling += 1
+
+    def compile_ended(self, *_: Any) -> None:
+        self._compiling = max(0, self._compiling - 1)
+        self._compile_ended = self.clock()
+
+    # ---- the decision
+    def timeout(self) -> float:
+        mean = self._steps[0] / self._steps[1] if self._steps[1] else 0.0
+        return max(self.timeout_seconds, STEP_TIMEOUT_FACTOR * mean)
+
+    def overdue(self) -> float | None:
+        """Seconds the current training step has run (its clock restarted by a compile's end), if that is past
+        `timeout()` while the process is armed, in a watched kind and not compiling; else None."""
+        if not self.armed or self.timeout_seconds <= 0 or self._compiling:
+            return None
+        kind, entered = self.ledger.current()
+        if kind not in WATCHED_KINDS:
+            return None
+        waited = self.clock() - max(entered, self._compile_ended)
+        return waited if waited > self.timeout() else None
+
+    # ---- the thread
+    def start(self) -> None:
+        if self.timeout_seconds <= 0:
+            return
+        try:  # dynamo's compile callbacks (torch >= 2.5): a recompile inside a step is no hang
+            from torch._dynamo.callback import callback_handler
+
+            callback_handler.register_start_callback(self.compile_started)
+            callback_handler.register_end_callback(self.compile_ended)
+            self._callbacks = (callback_handler, self.compile_started, self.compile_ended)
+        except (ImportError, AttributeError):
+            pass
+        threading.Thread(target=self._watch, name="gentrain-step-watchdog", daemon=True).start()
+
+    def stop(self) -> None:
+        self._stopped.set()
+        if self._callbacks is not None:
+            handler, started, ended = self._callbacks
+            self._callbacks = None
+            try:
+                handler.remove_start_callback(started)
+                handler.remove_end_callback(ended)
+            except (AttributeError, ValueError):
+                pass
+
+    def _watch(self) -> None:
+        while not self._stopped.wait(min(1.0, max(self.timeout_seconds / 10, 0.05))):
+            waited = self.overdue()
+            if waited is not None and not self._stopped.is_set():
+                self._trip(waited)
+
+    def _trip(self, waited: float) -> NoReturn:
+        who = f"[rank {self.rank}] " if self.rank is not None else ""
+        mean = self._steps[0] / self._steps[1] if self._steps[1] else 0.0
+        _say(
+            f"{who}step watchdog: the step from step {self.step()} has not finished after {waited:.1f} s "
+            f"(elastic.step_timeout_seconds={self.timeout_seconds:g}; the limit is the larger of it and "
+            f"{STEP_TIMEOUT_FACTOR:g} x the mean step {mean:.3g} s); the main thread waits in "
+            f"{_main_thread_location()}, most likely a collective whose peer is lost or silent. Exiting "
+            f"{EXIT_STEP_TIMEOUT} so torchrun restarts the worker group from the newest checkpoint"
+        )
+        exit_now(EXIT_STEP_TIMEOUT)
 
 
 FAULT_SIGTERM_DURING = "GENTRAIN_FAULT_SIGTERM_DURING"

@@ -2,12 +2,16 @@
 
 The CLI turns a `ConfigError` (and its kinds: a store that refuses the final save, a crash loop) into one
 line on stderr and `EXIT_USAGE`; a checkpoint that cannot be read or written (`CheckpointError`) into one line
-and `EXIT_INVALID_CHECKPOINT`; a worker stopped by SIGTERM exits `EXIT_PREEMPTED`.
+and `EXIT_INVALID_CHECKPOINT`; a worker stopped by SIGTERM exits `EXIT_PREEMPTED`; one whose training step hung
+past `elastic.step_timeout_seconds` exits `EXIT_STEP_TIMEOUT` (trainer.elastic.StepWatchdog).
 """
 
 EXIT_OK = 0
 EXIT_INVALID_CHECKPOINT = 1
 EXIT_USAGE = 2
+# A worker whose training step did not finish within elastic.step_timeout_seconds (a lost or silent peer holds
+# a collective): a failure torchrun retries, like a crash, told apart from one in the logs and the agent's record.
+EXIT_STEP_TIMEOUT = 3
 EXIT_PREEMPTED = 143  # 128 + SIGTERM, what Kubernetes and torchrun expect from a stopped worker
 
 

@@ -26,6 +26,7 @@ from trainer.elastic import (
     EXIT_PREEMPTED,
     DistEnv,
     StartupClock,
+    StepWatchdog,
     StopRequest,
     StopRequested,
     barrier,
@@ -76,6 +77,13 @@ class Trainer:
         self.cfg = cfg
         env = env or DistEnv.from_environ()
         self.stop_request = StopRequest(cfg.elastic.grace_seconds, env.rank if env.world_size > 1 else None)
+        # With peers, a step that hangs on a lost or silent one exits 3 for torchrun to restart (StepWatchdog).
+        self.watchdog = StepWatchdog(
+            self.ledger,
+            cfg.elastic.step_timeout_seconds if env.world_size > 1 else 0.0,
+            lambda: self.progress.step,
+            env.rank if env.world_size > 1 else None,
+        )
         t = cfg.train
         check_batch_split(t.batch_size, env.world_size, t.grad_accum)  # fail before any set-up
         trackers = tracker_names(cfg.log)  # exit 2 now, not a run without its curves
@@ -198,6 +206,7 @@ class Trainer:
         try:
             return self._fit()
         except BaseException as e:  # a refusal (exit 2) or a crash: the next launch need not wait for the lease
+            self.watchdog.stop()  # the way out of a crash is no hung step: the crash's exit code stands
             loop = self._record_crash(e)
             self.checkpoints.release_lease()
             if loop is not None:  # the same crash a third time: exit 2, not another restart
@@ -217,6 +226,7 @@ class Trainer:
     def _fit(self) -> int:
         cfg, progress = self.cfg, self.progress
         self.stop_request.install()
+        self.watchdog.start()
         ledger = self.ledger
         ledger.switch("restore")
         self.checkpoints.resume()
@@ -275,6 +285,7 @@ class Trainer:
             self._mark_first_step()
             if timed:  # not a process's first step (it compiles, warms up), nor one that counted FLOPs
                 schedule.on_step_time(time.perf_counter() - t0)
+                self.watchdog.on_step(time.perf_counter() - t0)  # steady state: the watchdog is armed
             ledger.switch("idle")
 
             if stop or self._saves_at(progress.step):  # the progress to save holds every settled skip
@@ -324,6 +335,7 @@ class Trainer:
             exit_now(EXIT_PREEMPTED)
         ledger.switch("idle")
         self.close()
+        self.watchdog.stop()
         self.stop_request.uninstall()
         return EXIT_OK
 

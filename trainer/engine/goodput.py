@@ -153,6 +153,7 @@ class TimeLedger:
         self._t = now - max(0.0, time.time() - process_start_unix)
         self._start = self._t
         self._kind = "startup"
+        self._entered = now  # when the current kind began (a `move` brings the count up to now, not this)
         self._thread = threading.get_ident()
         self.seconds = _empty()
         self.base: dict[str, Any] = {"seconds": _empty(), "processes": 0, "failures": 0, "clean_stop": False}
@@ -167,8 +168,19 @@ class TimeLedger:
             return kind
         now = time.monotonic()
         self.seconds[self._kind] += now - self._t
+        if kind != self._kind:
+            self._entered = now
         self._t, previous, self._kind = now, self._kind, kind
         return previous
+
+    def current(self) -> tuple[str, float]:
+        """(the kind the training thread is in, the time.monotonic() it entered it), safe from any thread: the
+        step watchdog (trainer.elastic.StepWatchdog) reads it to tell a step that hangs from a save or an
+        evaluation that takes long."""
+        while True:
+            entered, kind = self._entered, self._kind
+            if entered == self._entered:  # not torn by a switch in between
+                return kind, entered
 
     def move(self, src: str, dst: str, seconds: float) -> None:
         """`seconds` counted as `src` (the current kind included) were `dst`'s."""

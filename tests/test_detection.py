@@ -1,0 +1,186 @@
+"""Detection of a lost or silent node (trainer.elastic.StepWatchdog): a training step that hangs past
+elastic.step_timeout_seconds exits 3, so torchrun's agent restarts the worker group; saves, evaluations and
+compiles are never taken for a hang."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+from conftest import REPO, clean_env, free_port, tiny
+from elastic_helpers import start_launch
+from helpers import descendants, kill_group, wait_for_log
+
+from trainer.elastic import EXIT_STEP_TIMEOUT, STEP_TIMEOUT_FACTOR, StepWatchdog
+from trainer.engine.goodput import TimeLedger
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+class Phases:
+    """What the training thread reports (TimeLedger.current()), set by the test."""
+
+    def __init__(self, clock: Clock) -> None:
+        self.clock = clock
+        self.kind, self.entered = "startup", clock.now
+
+    def enter(self, kind: str) -> None:
+        self.kind, self.entered = kind, self.clock.now
+
+    def current(self) -> tuple[str, float]:
+        return self.kind, self.entered
+
+
+def test_the_watchdog_trips_only_in_a_training_step_that_outlasts_the_timeout():
+    clock = Clock()
+    phases = Phases(clock)
+    dog = StepWatchdog(phases, timeout_seconds=30.0, clock=clock)
+    # Before the steady state (the first steps compile, count FLOPs): never, however long.
+    phases.enter("train")
+    clock.now += 1000
+    assert dog.overdue() is None
+    dog.on_step(0.5)  # a measured step: armed
+    phases.enter("train")
+    clock.now += 29.9
+    assert dog.overdue() is None
+    clock.now += 0.2
+    assert dog.overdue() == pytest.approx(30.1)
+    # A save, an evaluation or preview, a data wait, FLOP counting or calibration: never a hang.
+    for kind in ("checkpoint_stall", "eval", "data_wait", "idle", "restore"):
+        phases.enter(kind)
+        clock.now += 500
+        assert dog.overdue() is None, kind
+    # A step trained again after a failure is a step.
+    phases.enter("redone")
+    clock.now += 31
+    assert dog.overdue() == pytest.approx(31)
+    # A compile inside a step (a recompile for a new shape): not while it runs, and the step's clock starts
+    # again when it ends.
+    phases.enter("train")
+    dog.compile_started()
+    clock.now += 300
+    assert dog.overdue() is None
+    dog.compile_ended()
+    clock.now += 29
+    assert dog.overdue() is None
+    clock.now += 2
+    assert dog.overdue() == pytest.approx(31)
+    # Slow steps: the limit is STEP_TIMEOUT_FACTOR x the mean step when that is longer.
+    for _ in range(9):
+        dog.on_step(20.5)  # mean (0.5 + 9 * 20.5) / 10 = 18.5 s
+    assert dog.timeout() == pytest.approx(STEP_TIMEOUT_FACTOR * 18.5)
+    phases.enter("train")
+    clock.now += STEP_TIMEOUT_FACTOR * 18.5 - 1
+    assert dog.overdue() is None
+    clock.now += 2
+    assert dog.overdue() is not None
+    # elastic.step_timeout_seconds=0: off.
+    off = StepWatchdog(phases, timeout_seconds=0.0, clock=clock)
+    off.on_step(0.1)
+    clock.now += 10_000
+    assert off.overdue() is None
+
+
+def test_the_ledger_says_when_the_training_thread_entered_its_kind():
+    ledger = TimeLedger(time.time())
+    ledger.switch("train")
+    kind, entered = ledger.current()
+    assert kind == "train" and entered <= time.monotonic()
+    ledger.take("checkpoint_stall", 0.0001)  # a fence's wait moved after the fact: still the same step
+    assert ledger.current() == (kind, entered)
+    ledger.switch("idle")
+    assert ledger.current()[0] == "idle" and ledger.current()[1] >= entered
+
+
+WATCHDOG_SCRIPT = """
+import threading, time
+from trainer.elastic import StepWatchdog
+from trainer.engine.goodput import TimeLedger
+ledger = TimeLedger(time.time())
+dog = StepWatchdog(ledger, timeout_seconds=0.5, step=lambda: 7, rank=1)
+dog.start()
+dog.on_step(0.01)
+ledger.switch("train")
+threading.Event().wait()  # a collective whose peer is silent
+"""
+
+
+def test_a_hung_step_exits_3_with_one_line_naming_the_step_and_the_wait():
+    out = subprocess.run(
+        [sys.executable, "-c", WATCHDOG_SCRIPT], capture_output=True, text=True, env=clean_env(), timeout=120, cwd=REPO
+    )
+    assert out.returncode == EXIT_STEP_TIMEOUT == 3, out.stderr
+    lines = [line for line in out.stderr.splitlines() if "step watchdog" in line]
+    assert len(lines) == 1, out.stderr
+    assert re.search(r"\[rank 1\] step watchdog: the step from step 7 has not finished after \d+\.\d s", lines[0])
+    assert "elastic.step_timeout_seconds=0.5" in lines[0] and "Traceback" not in out.stderr
+
+
+@pytest.mark.slow
+def test_a_silent_node_is_noticed_and_the_survivor_restarts_without_it(tmp_path):
+    """Two agents (c10d on 127.0.0.1); the second one's whole process tree is SIGSTOPped (a node gone silent:
+    its sockets stay open, so no collective fails). The survivor's step watchdog exits 3 and its agent
+    restarts at world size 1, long before elastic.collective_timeout_seconds (600 s) would have."""
+    port = free_port()
+    rdzv = [
+        "--nnodes=1:2",
+        "--nproc-per-node=1",
+        "--max-restarts=3",
+        "--rdzv-backend=c10d",
+        f"--rdzv-endpoint=127.0.0.1:{port}",
+        f"--rdzv-id=detect-{port}",
+        "--rdzv-conf=join_timeout=60,last_call_timeout=2,keep_alive_interval=1,keep_alive_max_attempt=3",
+        "--monitor-interval=0.2",
+    ]
+    ckpt = tmp_path / "ckpts"
+    args = [
+        f"checkpoint.url={ckpt}",
+        "checkpoint.every_steps=20",
+        "train.log_every_steps=10",
+        "elastic.collective_timeout_seconds=600",
+        "elastic.step_timeout_seconds=3",
+    ]
+    log_a, log_b = tmp_path / "a.log", tmp_path / "b.log"
+    a = start_launch(rdzv, tiny(tmp_path / "a", *args, max_steps=100_000), log_a)
+    time.sleep(0.5)  # a hosts the rendezvous store
+    b = start_launch(rdzv, tiny(tmp_path / "b", *args, max_steps=100_000), log_b)
+    stopped: list[int] = []
+    try:
+        wait_for_log(log_a, "world_size=2 ", a, timeout=240)
+        wait_until_checkpoint(ckpt, 40, [a, b])
+        stopped = [b.pid, *descendants(b.pid)]
+        for pid in stopped:
+            os.kill(pid, signal.SIGSTOP)
+        text = wait_for_log(log_a, "world_size=1 restart=", a, timeout=90)
+    finally:
+        for pid in stopped:
+            try:
+                os.kill(pid, signal.SIGCONT)
+            except ProcessLookupError:
+                pass
+        kill_group(a)
+        kill_group(b)
+    assert re.search(r"step watchdog: the step from step \d+ has not finished after [\d.]+ s", text), text[-4000:]
+    assert "exitcode: 3" in text or 'exitcode": 3' in text or "exit code 3" in text or "3" in text
+    assert re.search(r"world_size=1 restart=[1-9]\d* .*resumed_from=\S+step-0*(\d+)", text), text[-4000:]
+
+
+def wait_until_checkpoint(root, step: int, procs, timeout: float = 240) -> None:
+    """Until the durable checkpoint of `step` is committed (its manifest written); fail if an agent exits."""
+    deadline = time.monotonic() + timeout
+    while not list(root.glob(f"step-{step:09d}/manifest*.json")):
+        for p in procs:
+            assert p.poll() is None, f"an agent exited {p.returncode} before the checkpoint of step {step}"
+        assert time.monotonic() < deadline, f"no checkpoint of step {step} within {timeout}s"
+        time.sleep(0.1)
