@@ -22,6 +22,7 @@ import tomllib
 from conftest import REPO
 from pydantic import BaseModel
 from test_image_install import DOCKERFILE, dockerfile_install, extras_of
+from test_presets import USER_DATA, USER_MODEL
 
 from trainer.conditioning.text import TextEncoderConfig
 from trainer.config.load import load_base, preset_names
@@ -116,9 +117,10 @@ def named_in_trainer() -> set[str]:
 
 
 def _load(preset: str, *overrides: str):
-    # The keys a preset's first comment line tells users to add (its data), as tests/test_presets.py does.
-    user_data = {"folder": ["data.path=/data/images"], "shards": ["data.urls=s3://bucket/set/shards.json"]}
-    return load_config(preset, [*user_data.get(load_base(preset)["data"]["source"], []), *overrides], environ={})
+    # The keys a preset's first comment line tells users to add (its data, a released pipeline's folder), as
+    # tests/test_presets.py does.
+    user = USER_DATA.get(load_base(preset)["data"]["source"], []) + USER_MODEL.get(preset, [])
+    return load_config(preset, [*user, *overrides], environ={})
 
 
 def test_every_extra_trainer_names_is_decided_from_the_config_or_is_a_flag():
