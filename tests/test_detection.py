@@ -116,6 +116,7 @@ threading.Event().wait()  # a collective whose peer is silent
 """
 
 
+@pytest.mark.slow
 def test_a_hung_step_exits_3_with_one_line_naming_the_step_and_the_wait():
     out = subprocess.run(
         [sys.executable, "-c", WATCHDOG_SCRIPT], capture_output=True, text=True, env=clean_env(), timeout=120, cwd=REPO
@@ -149,7 +150,7 @@ def test_a_silent_node_is_noticed_and_the_survivor_restarts_without_it(tmp_path)
         "checkpoint.every_steps=20",
         "train.log_every_steps=10",
         "elastic.collective_timeout_seconds=600",
-        "elastic.step_timeout_seconds=3",
+        "elastic.step_timeout_seconds=5",
     ]
     log_a, log_b = tmp_path / "a.log", tmp_path / "b.log"
     a = start_launch(rdzv, tiny(tmp_path / "a", *args, max_steps=100_000), log_a)
@@ -172,7 +173,7 @@ def test_a_silent_node_is_noticed_and_the_survivor_restarts_without_it(tmp_path)
         kill_group(a)
         kill_group(b)
     assert re.search(r"step watchdog: the step from step \d+ has not finished after [\d.]+ s", text), text[-4000:]
-    assert "exitcode: 3" in text or 'exitcode": 3' in text or "exit code 3" in text or "3" in text
+    assert re.search(r"exitcode\s*:\s*3\b", text), text[-4000:]  # the agent's record of the worker's failure
     assert re.search(r"world_size=1 restart=[1-9]\d* .*resumed_from=\S+step-0*(\d+)", text), text[-4000:]
 
 
