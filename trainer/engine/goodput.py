@@ -303,6 +303,7 @@ class SaveSchedule:
         self._step = [0.0, 0]
         self._cost = {"durable": [0.0, 0], "memory": [0.0, 0]}
         self.decision: dict[str, Any] | None = None
+        self._measured_logged: set[str] = set()  # tiers whose first decision from a measured cost was logged
 
     @property
     def auto(self) -> bool:
@@ -387,7 +388,8 @@ class SaveSchedule:
         return out
 
     def apply(self, decision: dict[str, Any] | None) -> None:
-        """Every rank: take rank 0's decision (broadcast); logged by rank 0 when an interval changes."""
+        """Every rank: take rank 0's decision (broadcast); logged by rank 0 when an interval changes, and the
+        first time a tier's is computed from a measured cost."""
         if decision is None:
             return
         changed = []
@@ -399,7 +401,11 @@ class SaveSchedule:
             changed.append("memory")
         first = self.decision is None
         self.decision = decision
-        if self.is_main and (changed or first):
+        # The first decision from a measured cost is logged even when the interval stays (its inputs are news).
+        measured = {t for t in ("durable", "memory") if (decision.get(t) or {}).get("cost_seconds") is not None}
+        newly = measured - self._measured_logged
+        self._measured_logged |= measured
+        if self.is_main and (changed or first or newly):
             log.info("checkpoint interval (auto): %s", describe(decision, self.max_interval_minutes))
 
 
