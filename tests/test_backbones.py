@@ -36,6 +36,15 @@ TINY = {
         "caption_channels": 16,
         "pooled_channels": 12,
     },
+    "flux": {
+        "num_layers": 1,
+        "num_single_layers": 1,
+        "num_attention_heads": 2,
+        "attention_head_dim": 16,
+        "caption_channels": 16,
+        "pooled_channels": 12,
+        "guidance_embeds": True,
+    },
 }
 
 

@@ -75,12 +75,6 @@ def test_a_pipeline_folder_sets_the_model_keys_and_refuses_contradicting_ones(sd
         _config(sd, tmp_path, f"model.text.encoder={sd}/unet")
 
 
-def test_families_not_wired_yet_are_refused_by_name(tmp_path):
-    folder = BUILDERS["sd3"](tmp_path)
-    with pytest.raises(ConfigError, match="StableDiffusion3Pipeline folder \\(sd3\\).*not wired yet"):
-        _config(folder, tmp_path)
-
-
 def test_caption_tokens_are_diffusers_encode_prompt(sd, tmp_path):
     from diffusers import StableDiffusionPipeline
 

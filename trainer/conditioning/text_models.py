@@ -22,6 +22,9 @@
   (768 + 1280), zero-padded to T5's width (4096), then T5's tokens (`max_tokens`: 77 in the training script,
   256 in the pipeline; no mask, as SD3 runs it) appended along the sequence axis; pooled = the two CLIP
   projections concatenated (768 + 1280 = 2048). The MMDiT attends to every token (mask all ones).
+- `flux`: Flux.1's `encode_prompt` (pipeline_flux.py, train_dreambooth_lora_flux.py): tokens = T5's last hidden
+  states (`max_tokens`: 512 for dev, 256 for schnell; no mask, as Flux runs it), pooled = CLIP-L's
+  (`CLIPTextModel`) `pooler_output` for the prompt padded to `clip_max_tokens` (77); mask all ones.
 
 Loading runs nothing a folder names: the models are the classes above (never an auto class or remote
 code), weights only from safetensors (`use_safetensors=True`), tokenizers with `trust_remote_code=False`,
@@ -69,6 +72,8 @@ def encoder_widths(kind: str, configs: list[Any]) -> tuple[int, int]:
         return configs[0].hidden_size, configs[0].hidden_size
     if kind == "sdxl":
         return configs[0].hidden_size + configs[1].hidden_size, configs[1].projection_dim
+    if kind == "flux":
+        return configs[1].d_model, configs[0].hidden_size
     clip_l, clip_g, t5 = configs
     clip = clip_l.hidden_size + clip_g.hidden_size
     if clip > t5.d_model:
@@ -197,6 +202,13 @@ class TransformersTextEncoder:
                     "t5", folders["encoder_3"], folders["tokenizer_3"], "model.text.encoder_3", cfg.max_tokens, *d
                 ),
             ]
+        elif cfg.kind == "flux":
+            self.parts = [
+                _Encoder("sd", folders["encoder"], folders["tokenizer"], "model.text.encoder", cfg.clip_max_tokens, *d),
+                _Encoder(
+                    "t5", folders["encoder_2"], folders["tokenizer_2"], "model.text.encoder_2", cfg.max_tokens, *d
+                ),
+            ]
         elif cfg.kind == "sdxl":
             L = cfg.max_tokens
             self.parts = [
@@ -227,6 +239,10 @@ class TransformersTextEncoder:
             return tokens, mask, pooled
         if kind in ("clip", "sd"):
             tokens, pooled = (self.parts[0].clip if kind == "clip" else self.parts[0].last_hidden)(captions)
+            return tokens, torch.ones(tokens.shape[:2], device=tokens.device), pooled
+        if kind == "flux":
+            _, pooled = self.parts[0].last_hidden(captions)
+            tokens, _ = self.parts[1].t5(captions, masked=False)  # Flux runs T5 without the mask
             return tokens, torch.ones(tokens.shape[:2], device=tokens.device), pooled
         if kind == "sdxl":
             clip_g, pooled = self.parts[1].clip(captions)

@@ -89,6 +89,10 @@ class ObjectiveConfig(BaseModel):
     logit_mean: float = 0.0
     logit_std: float = Field(1.0, gt=0)
     mode_scale: float = 1.29
+    # The flow-matching scheduler's `shift` (SD3/3.5: 3.0, filled from a pipeline folder's scheduler_config.json):
+    # sigma' = shift * sigma / (1 + (shift - 1) * sigma), which moves the training draws and the sampler's steps
+    # toward more noise, as diffusers' train_dreambooth_lora_sd3.py draws from the shifted scheduler's sigmas.
+    flow_shift: float = Field(1.0, gt=0, le=100, description="flow: the scheduler's timestep shift (SD3: 3.0)")
 
     @model_validator(mode="after")
     def _dream_needs_epsilon(self) -> ObjectiveConfig:
@@ -344,7 +348,9 @@ class RectifiedFlow(Objective):
     def _train_scheduler(self) -> FlowMatchEulerDiscreteScheduler:
         from diffusers.schedulers.scheduling_flow_match_euler_discrete import FlowMatchEulerDiscreteScheduler
 
-        return FlowMatchEulerDiscreteScheduler(num_train_timesteps=self._field("num_train_timesteps"))
+        return FlowMatchEulerDiscreteScheduler(
+            num_train_timesteps=self._field("num_train_timesteps"), shift=float(self._field("flow_shift"))
+        )
 
     def _inference_scheduler(self, kind: str):
         from diffusers.schedulers.scheduling_flow_match_euler_discrete import FlowMatchEulerDiscreteScheduler

@@ -490,13 +490,25 @@ def subfolder(url: str, slot: str) -> str:
 # ---------------------------------------------------------------- a pipeline folder as the ddpm task's keys
 # The families the ddpm task trains from a pipeline folder today; the others are read (inspect_pipeline) but
 # their denoisers, encoders and conditions are not wired yet (issue 48).
-DDPM_FAMILIES = ("sd", "sdxl")
+DDPM_FAMILIES = ("sd", "sdxl", "sd3", "pixart-sigma", "flux")
+# A denoiser's whole diffusers config, one value: compared and filled as a unit, never key by key.
+_OPAQUE = ("unet_config", "transformer_config")
+# The backbone keys a pipeline folder's config sets beside its denoiser's config (the rest are shape keys).
+_FOLDER_BACKBONE_KEYS = (
+    "kind",
+    "caption_channels",
+    "pooled_channels",
+    "pixel_scale",
+    "guidance_embeds",
+    "guidance_scale",
+    *_OPAQUE,
+)
 
 
 def _flat(tree: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
     out: dict[str, Any] = {}
     for k, v in tree.items():
-        if isinstance(v, Mapping) and k != "unet_config":
+        if isinstance(v, Mapping) and k not in _OPAQUE:
             out.update(_flat(v, f"{prefix}{k}."))
         else:
             out[f"{prefix}{k}"] = v
@@ -513,7 +525,7 @@ def _same(a: Any, b: Any) -> bool:
 
 def _merge(into: dict[str, Any], implied: Mapping[str, Any]) -> None:
     for k, v in implied.items():
-        if isinstance(v, Mapping) and k != "unet_config" and isinstance(into.get(k), Mapping):
+        if isinstance(v, Mapping) and k not in _OPAQUE and isinstance(into.get(k), Mapping):
             into[k] = dict(into[k])
             _merge(into[k], v)
         elif k not in into or into[k] is None:
@@ -526,18 +538,18 @@ def ddpm_keys(p: PipelineFolder, storage_options: Mapping[str, Any] | None = Non
     if p.family.name not in DDPM_FAMILIES:
         raise ConfigError(
             f"model.pretrained={p.url!r} is a {p.family.pipelines[0]} folder ({p.family.name}): gentrain reads it, "
-            f"but trains only {', '.join(DDPM_FAMILIES)} pipeline folders so far (SD 1.x/2.x, SDXL); the {p.family.name} "
+            f"but trains only {', '.join(DDPM_FAMILIES)} pipeline folders so far (SD 1.x/2.x, SDXL, SD3/3.5, PixArt-Sigma, Flux.1); the {p.family.name} "
             "denoiser, encoders and conditions are not wired yet (issue 48)"
         )
+    if p.family.name == "sd3":
+        return _sd3_keys(p, storage_options)
+    if p.family.name == "pixart-sigma":
+        return _pixart_keys(p)
+    if p.family.name == "flux":
+        return _flux_keys(p, storage_options)
     unet = dict(p.components["unet"].config or {})
-
-    def text_config(slot: str) -> dict[str, Any]:
-        c = p.components[slot].config or {}
-        return c.get("text_config", c)  # a full CLIPConfig holds the text model's under text_config
-
-    text_cfg = text_config("text_encoder")
-    positions = int(text_cfg.get("max_position_embeddings", 77))
-    tokens = min(_model_max_length(p, storage_options), positions, 77)
+    text_cfg = _text_config(p, "text_encoder")
+    tokens = _clip_tokens(p, "tokenizer", text_cfg, storage_options)
     text = {
         "kind": "sd",
         "encoder": subfolder(p.url, "text_encoder"),
@@ -547,7 +559,7 @@ def ddpm_keys(p: PipelineFolder, storage_options: Mapping[str, Any] | None = Non
     }
     if p.family.name == "sdxl":
         # CLIP-L's and CLIP-G's penultimate states side by side; pooled: CLIP-G's projection.
-        g = text_config("text_encoder_2")
+        g = _text_config(p, "text_encoder_2")
         text.update(
             kind="sdxl",
             encoder_2=subfolder(p.url, "text_encoder_2"),
@@ -572,11 +584,164 @@ def ddpm_keys(p: PipelineFolder, storage_options: Mapping[str, Any] | None = Non
     }
 
 
-def _model_max_length(p: PipelineFolder, storage_options: Mapping[str, Any] | None) -> int:
+def _text_config(p: PipelineFolder, slot: str) -> dict[str, Any]:
+    c = p.components[slot].config or {}
+    return c.get("text_config", c)  # a full CLIPConfig holds the text model's under text_config
+
+
+def _clip_tokens(p: PipelineFolder, tokenizer: str, text_cfg: Mapping[str, Any], storage_options) -> int:
+    """The tokens a pipeline's encode_prompt gives a CLIP: its tokenizer's model_max_length, at most the model's
+    positions and 77."""
+    positions = int(text_cfg.get("max_position_embeddings", 77))
+    return min(_model_max_length(p, storage_options, tokenizer), positions, 77)
+
+
+# T5's tokens for SD3: diffusers' train_dreambooth_lora_sd3.py's --max_sequence_length default (the pipeline's
+# encode_prompt pads to 256 unless told otherwise); model.text.max_tokens changes it.
+SD3_T5_TOKENS = 77
+
+
+def _sd3_keys(p: PipelineFolder, storage_options: Mapping[str, Any] | None) -> dict[str, Any]:
+    """An SD3/3.5 folder's keys: the SD3Transformer2DModel from its own config (kind mmdit), CLIP-L + CLIP-G +
+    T5 as StableDiffusion3Pipeline.encode_prompt combines them (kind sd3), rectified flow with the scheduler's
+    shift."""
+    if "text_encoder_3" not in p.components:
+        raise ConfigError(
+            f"model.pretrained={p.url!r} is an SD3 folder without T5 (text_encoder_3 null): gentrain trains SD3 "
+            "with its three text encoders only; use a folder that holds text_encoder_3 and tokenizer_3"
+        )
+    transformer = dict(p.denoiser.config or {})
+    clip_l, clip_g = _text_config(p, "text_encoder"), _text_config(p, "text_encoder_2")
+    t5 = p.components["text_encoder_3"].config or {}
+    clip_tokens = min(
+        _clip_tokens(p, "tokenizer", clip_l, storage_options), _clip_tokens(p, "tokenizer_2", clip_g, storage_options)
+    )
+    text = {
+        "kind": "sd3",
+        **{
+            f"{role}{n}": subfolder(p.url, f"{slot}{n}")
+            for n in ("", "_2", "_3")
+            for role, slot in (("encoder", "text_encoder"), ("tokenizer", "tokenizer"))
+        },
+        "width": t5.get("d_model"),
+        "pooled_width": (clip_l.get("projection_dim") or 0) + (clip_g.get("projection_dim") or 0),
+        "clip_max_tokens": clip_tokens,
+        "max_tokens": SD3_T5_TOKENS,
+    }
+    o = p.objective
+    if o.prediction_type != "flow" or o.dynamic_shift:
+        raise ConfigError(
+            f"model.pretrained={p.url!r}: an SD3 folder's scheduler must be FlowMatchEulerDiscreteScheduler with a "
+            f"fixed shift (this one: {p.components['scheduler'].cls}, dynamic shifting {o.dynamic_shift})"
+        )
+    backbone = {
+        "kind": "mmdit",
+        "caption_channels": transformer.get("joint_attention_dim"),
+        "pooled_channels": transformer.get("pooled_projection_dim"),
+        "transformer_config": transformer,
+    }
+    return {
+        "backbone": backbone,
+        "autoencoder": {"url": subfolder(p.url, "vae")},
+        "text": text,
+        "prediction_type": "flow",
+        "num_train_timesteps": o.num_train_timesteps,
+        "flow_shift": o.shift,
+    }
+
+
+# T5's tokens for PixArt-Sigma: PixArtSigmaPipeline.encode_prompt's max_sequence_length (PixArt-alpha: 120).
+PIXART_SIGMA_T5_TOKENS = 300
+
+
+def _pixart_keys(p: PipelineFolder) -> dict[str, Any]:
+    """A PixArt-Sigma folder's keys: the PixArtTransformer2DModel from its own config (kind pixart; a learned
+    variance's half of the output is left out, as the pipeline does), T5 with its mask as PixArtSigmaPipeline
+    runs it (kind t5, 300 tokens), epsilon or v with the scheduler's betas."""
+    transformer = dict(p.denoiser.config or {})
+    t5 = p.components["text_encoder"].config or {}
+    vae = p.components["vae"].config or {}
+    o = p.objective
+    if o.prediction_type == "flow":
+        raise ConfigError(
+            f"model.pretrained={p.url!r}: a PixArt-Sigma folder with a flow-matching scheduler is not wired"
+        )
+    text = {
+        "kind": "t5",
+        "encoder": subfolder(p.url, "text_encoder"),
+        "tokenizer": subfolder(p.url, "tokenizer"),
+        "width": t5.get("d_model"),
+        "max_tokens": PIXART_SIGMA_T5_TOKENS,
+    }
+    backbone = {
+        "kind": "pixart",
+        "caption_channels": transformer.get("caption_channels"),
+        # the VAE's downsampling: PixArt's resolution micro-conditions are in pixels
+        "pixel_scale": 2 ** (len(vae.get("block_out_channels") or (0,)) - 1),
+        "transformer_config": transformer,
+    }
+    return {
+        "backbone": backbone,
+        "autoencoder": {"url": subfolder(p.url, "vae")},
+        "text": text,
+        "prediction_type": {"epsilon": "epsilon", "v": "v_prediction"}[o.prediction_type],
+        "num_train_timesteps": o.num_train_timesteps,
+        "beta_schedule": o.beta_schedule,
+        "beta_start": o.beta_start,
+        "beta_end": o.beta_end,
+    }
+
+
+# T5's tokens for Flux.1 (FluxPipeline's max_sequence_length: dev 512; schnell reads at most 256).
+FLUX_T5_TOKENS = {"dev": 512, "schnell": 256}
+
+
+def _flux_keys(p: PipelineFolder, storage_options: Mapping[str, Any] | None) -> dict[str, Any]:
+    """A Flux.1 folder's keys: the FluxTransformer2DModel from its own config (kind flux; dev's guidance
+    embedding told `model.backbone.guidance_scale`), CLIP-L's pooled output + T5's tokens as FluxPipeline's
+    encode_prompt (kind flux), rectified flow on the training sigmas diffusers' train_dreambooth_lora_flux.py
+    draws from: the scheduler's, shifted by `shift` unless it shifts dynamically (dev: unshifted)."""
+    transformer = dict(p.denoiser.config or {})
+    clip_l, t5 = _text_config(p, "text_encoder"), p.components["text_encoder_2"].config or {}
+    o = p.objective
+    if o.prediction_type != "flow":
+        raise ConfigError(
+            f"model.pretrained={p.url!r}: a Flux.1 folder's scheduler must be FlowMatchEulerDiscreteScheduler "
+            f"(this one: {p.components['scheduler'].cls})"
+        )
+    text = {
+        "kind": "flux",
+        "encoder": subfolder(p.url, "text_encoder"),
+        "tokenizer": subfolder(p.url, "tokenizer"),
+        "encoder_2": subfolder(p.url, "text_encoder_2"),
+        "tokenizer_2": subfolder(p.url, "tokenizer_2"),
+        "width": t5.get("d_model"),
+        "pooled_width": clip_l.get("hidden_size"),
+        "clip_max_tokens": _clip_tokens(p, "tokenizer", clip_l, storage_options),
+        "max_tokens": FLUX_T5_TOKENS[p.variant],
+    }
+    backbone = {
+        "kind": "flux",
+        "caption_channels": transformer.get("joint_attention_dim"),
+        "pooled_channels": transformer.get("pooled_projection_dim"),
+        "guidance_embeds": bool(transformer.get("guidance_embeds", False)),
+        "transformer_config": transformer,
+    }
+    return {
+        "backbone": backbone,
+        "autoencoder": {"url": subfolder(p.url, "vae")},
+        "text": text,
+        "prediction_type": "flow",
+        "num_train_timesteps": o.num_train_timesteps,
+        "flow_shift": 1.0 if o.dynamic_shift else o.shift,
+    }
+
+
+def _model_max_length(p: PipelineFolder, storage_options: Mapping[str, Any] | None, slot: str = "tokenizer") -> int:
     """The tokenizer's model_max_length (what encode_prompt pads to), 77 when it names none or a huge one."""
     folder = _Folder(p.url, "model.pretrained", storage_options)
     try:
-        value = folder.json("tokenizer/tokenizer_config.json").get("model_max_length")
+        value = folder.json(f"{slot}/tokenizer_config.json").get("model_max_length")
     except ConfigError:
         return 77
     return int(value) if isinstance(value, int) and 0 < value <= 77 else 77
@@ -599,8 +764,9 @@ def expand_ddpm_model(model: Mapping[str, Any], storage_options: Mapping[str, An
     ]
     backbone = model.get("backbone")
     if isinstance(backbone, Mapping):
-        shape = sorted(k for k in backbone if k not in ("kind", "caption_channels", "unet_config"))
-        clashes += [f"model.backbone.{k} (the folder's unet/config.json shapes the UNet)" for k in shape]
+        shape = sorted(k for k in backbone if k not in _FOLDER_BACKBONE_KEYS)
+        where = f"{p.family.denoiser}/config.json shapes the {p.family.denoiser}"
+        clashes += [f"model.backbone.{k} (the folder's {where})" for k in shape]
     if clashes:
         raise ConfigError(
             f"model.pretrained={url!r} is a {p.family.pipelines[0]} folder, which sets these keys itself; remove "

@@ -258,11 +258,12 @@ class DDPMTask(Task):
         c, kind, objective = self.cfg, self.cfg.denoiser.kind, self.objective.name
         offered = c.denoiser_class.pipeline  # the pipeline its backbone declares, if the rest allows
         if self._from_pipeline:
-            pipe = "StableDiffusionXLPipeline" if c.text.kind == "sdxl" else "StableDiffusionPipeline"
-            lora = ", or the adapters alone onto it: pipe.load_lora_weights('OUT/unet-lora')" if c.lora else ""
+            pipe = _PIPELINES[c.text.kind]
+            part, cls = self.part, type(self.backbone.model).__name__ if self.backbone else "UNet2DConditionModel"
+            lora = f", or the adapters alone onto it: pipe.load_lora_weights('OUT/{part}-lora')" if c.lora else ""
             return (
-                f"gentrain does not write {pipe} folders yet: load the exported unet/ into the base pipeline, "
-                f"{pipe}.from_pretrained({c.pretrained!r}, unet=UNet2DConditionModel.from_pretrained('OUT/unet'))"
+                f"gentrain does not write {pipe} folders yet: load the exported {part}/ into the base pipeline, "
+                f"{pipe}.from_pretrained({c.pretrained!r}, {part}={cls}.from_pretrained('OUT/{part}'))"
                 f"{lora}"
             )
         if self.text is not None:
@@ -401,18 +402,16 @@ class DDPMTask(Task):
             index_extra=extra,
             notes=notes,
             # A released pipeline's fine-tune: its adapters in the layout the pipeline's load_lora_weights reads.
-            lora_prefixes={"unet": "unet"} if self._from_pipeline else {},
+            lora_prefixes={self.part: self.part} if self._from_pipeline else {},
         )
 
     @property
     def _from_pipeline(self) -> bool:
-        """Whether the denoiser is a released pipeline's UNet (model.pretrained a pipeline folder, its
-        keys filled in: the UNet's diffusers config and a Stable Diffusion text encoder)."""
+        """Whether the denoiser is a released pipeline's (model.pretrained a pipeline folder, its keys filled
+        in: the denoiser's diffusers config and the pipeline's text encoders)."""
         c = self.cfg
-        built_from = getattr(c.denoiser, "unet_config", None)
-        return (
-            c.pretrained is not None and built_from is not None and c.text is not None and c.text.kind in ("sd", "sdxl")
-        )
+        built_from = getattr(c.denoiser, "unet_config", None) or getattr(c.denoiser, "transformer_config", None)
+        return c.pretrained is not None and built_from is not None and c.text is not None and c.text.kind in _PIPELINES
 
     def _net(self, module: nn.Module):
         """The part as the core calls a network: (x, t, conditions) -> output."""
@@ -521,6 +520,16 @@ class DDPMTask(Task):
         if self.latent is not None:
             x = self.latent.decode(modules[AUTOENCODER], x)
         return ((x.float().clamp(-1, 1) + 1) / 2).cpu()
+
+
+# The diffusers pipeline a released pipeline's fine-tune loads back into, by its text kind.
+_PIPELINES = {
+    "sd": "StableDiffusionPipeline",
+    "sdxl": "StableDiffusionXLPipeline",
+    "sd3": "StableDiffusion3Pipeline",
+    "t5": "PixArtSigmaPipeline",
+    "flux": "FluxPipeline",
+}
 
 
 def _with_empty_caption(stored: TextEmbeddings, empty: TextEmbeddings, drop: torch.Tensor) -> TextEmbeddings:

@@ -17,6 +17,7 @@ from pydantic import BaseModel, Field, TypeAdapter
 
 from trainer.diffusion.backbones.base import Backbone, TransformerConfig
 from trainer.diffusion.backbones.dit import DiTBackbone, DiTBackboneConfig
+from trainer.diffusion.backbones.flux import FluxBackbone, FluxBackboneConfig
 from trainer.diffusion.backbones.mmdit import MMDiTBackbone, MMDiTBackboneConfig
 from trainer.diffusion.backbones.pixart import PixArtBackbone, PixArtBackboneConfig
 from trainer.diffusion.backbones.unet import (
@@ -28,7 +29,7 @@ from trainer.diffusion.backbones.unet import (
     unet_block_types,
 )
 
-_REGISTERED: tuple[type[Backbone], ...] = (UNetBackbone, DiTBackbone, PixArtBackbone, MMDiTBackbone)
+_REGISTERED: tuple[type[Backbone], ...] = (UNetBackbone, DiTBackbone, PixArtBackbone, MMDiTBackbone, FluxBackbone)
 
 BACKBONES: dict[str, type[Backbone]] = {
     cls.kind: cls for cls in sorted(_REGISTERED, key=lambda cls: (cls.order, cls.kind))
@@ -80,6 +81,8 @@ __all__ = [
     "BackboneConfig",
     "DiTBackbone",
     "DiTBackboneConfig",
+    "FluxBackbone",
+    "FluxBackboneConfig",
     "MMDiTBackbone",
     "MMDiTBackboneConfig",
     "PixArtBackbone",

@@ -1,13 +1,21 @@
-"""`kind: pixart`: PixArtTransformer2DModel, adaLN-single, captions by cross-attention (Chen et al. 2023)."""
+"""`kind: pixart`: PixArtTransformer2DModel, adaLN-single, captions by cross-attention (Chen et al. 2023); with
+`transformer_config`, the PixArtTransformer2DModel that diffusers config describes (a released PixArt-Sigma
+pipeline's `transformer/config.json`, filled from `model.pretrained`: trainer/models/pipelines.py).
+
+Learned sigma: a released PixArt predicts the noise and a variance (out_channels = 2 x the latent channels). As
+diffusers' PixArt pipelines sample and its PixArt training scripts train it, the noise half is the prediction
+(`noise_pred.chunk(2, dim=1)[0]`) and the variance half is left as it is: it gets no gradient and no sampler
+reads it."""
 
 from __future__ import annotations
 
-from typing import Literal
+from collections.abc import Mapping
+from typing import Any, Literal
 
 import torch
-from pydantic import Field
+from pydantic import Field, model_validator
 
-from trainer.diffusion.backbones.base import Backbone, TransformerConfig, per_sample
+from trainer.diffusion.backbones.base import Backbone, TransformerConfig, check_patches, per_sample
 from trainer.errors import ConfigError
 
 
@@ -23,6 +31,33 @@ class PixArtBackboneConfig(TransformerConfig):
     pixel_scale: int = Field(
         1, ge=1, description="pixels per input pixel (a latent space's downsampling factor), for the default resolution"
     )
+    transformer_config: dict[str, Any] | None = Field(
+        None,
+        description="a PixArtTransformer2DModel's diffusers config (a PixArt-Sigma folder's transformer/config.json, "
+        "filled from model.pretrained): the transformer is built from it, not from the shape keys; needs "
+        "caption_channels = its caption_channels",
+    )
+
+    @model_validator(mode="after")
+    def _transformer_config_is_pixarts(self) -> PixArtBackboneConfig:
+        t = self.transformer_config
+        if t is None:
+            return self
+        cls = t.get("_class_name", "PixArtTransformer2DModel")
+        if cls != "PixArtTransformer2DModel":
+            raise ValueError(
+                f"model.backbone.transformer_config describes a {cls}; it must be a PixArtTransformer2DModel"
+            )
+        if self.caption_channels != t.get("caption_channels"):
+            raise ValueError(
+                f"model.backbone.caption_channels={self.caption_channels} but model.backbone.transformer_config's "
+                f"caption_channels is {t.get('caption_channels')!r}: set caption_channels={t.get('caption_channels')}"
+            )
+        return self
+
+    @property
+    def patch(self) -> int:
+        return int(self.transformer_config.get("patch_size", 2)) if self.transformer_config else self.patch_size
 
 
 class PixArtBackbone(Backbone):
@@ -35,9 +70,39 @@ class PixArtBackbone(Backbone):
     # on the caption tokens before the blocks: a small share of the FLOPs) and the output layer.
     float8_per_sample = ("adaln_single", "caption_projection", "proj_out")
 
-    def __init__(self, model, accepts, requires, pixel_scale: int = 1):
+    def __init__(self, model, accepts, requires, pixel_scale: int = 1, learned_sigma: bool = False):
         super().__init__(model, accepts, requires)
         self.pixel_scale = pixel_scale
+        self.learned_sigma = learned_sigma  # the output's second half is a variance: the noise is the first
+
+    @classmethod
+    def check_input_side(cls, c: PixArtBackboneConfig, side: int, what: str) -> None:
+        check_patches(cls.kind, side, c.patch)
+
+    @classmethod
+    def from_diffusers_config(cls, config: Mapping[str, Any], channels: int, pixel_scale: int) -> PixArtBackbone:
+        """The PixArtTransformer2DModel a diffusers config describes (a released pipeline's
+        transformer/config.json), called as PixArtSigmaPipeline calls it (captions and their mask)."""
+        from diffusers.models.transformers.pixart_transformer_2d import PixArtTransformer2DModel
+
+        given = {k: v for k, v in config.items() if not k.startswith("_")}
+        inputs = given.get("in_channels", 4)
+        outputs = given.get("out_channels") or inputs
+        if inputs != channels or outputs not in (channels, 2 * channels):
+            raise ConfigError(
+                f"model.backbone.transformer_config in_channels={inputs!r}, out_channels={outputs!r}, but its inputs "
+                f"have {channels} channels (the autoencoder's latent channels): it must read {channels} and predict "
+                f"{channels} (or {2 * channels}: the noise and a learned variance)"
+            )
+        if given.get("norm_type", "ada_norm_single") != "ada_norm_single":
+            raise ConfigError(
+                f"model.backbone.transformer_config norm_type={given.get('norm_type')!r}: PixArt's is ada_norm_single"
+            )
+        model = PixArtTransformer2DModel.from_config(given)
+        accepts = {"captions", "caption_mask"}
+        if model.use_additional_conditions:
+            accepts |= {"resolution", "aspect_ratio"}
+        return cls(model, accepts, {"captions"}, pixel_scale, learned_sigma=outputs == 2 * channels)
 
     @classmethod
     def build(
@@ -50,6 +115,17 @@ class PixArtBackbone(Backbone):
     ):
         from diffusers.models.transformers.pixart_transformer_2d import PixArtTransformer2DModel
 
+        if c.transformer_config is not None:
+            if num_classes:
+                raise ConfigError(
+                    "model.backbone.transformer_config: a released pipeline's transformer takes no labels"
+                )
+            if in_channels not in (None, channels):
+                raise ConfigError(
+                    "backbone.transformer_config: a released pipeline's transformer reads its latents alone, not "
+                    f"{in_channels} input channels (a super-resolution stage's): remove transformer_config"
+                )
+            return cls.from_diffusers_config(c.transformer_config, channels, c.pixel_scale)
         cls.check_build(c, sample_size, num_classes)
         model = PixArtTransformer2DModel(
             num_attention_heads=c.num_attention_heads,
@@ -88,13 +164,14 @@ class PixArtBackbone(Backbone):
             if ratio is None:
                 ratio = torch.tensor([float(h / w)]).repeat(n, 1)
             added = {"resolution": res.to(x.device, x.dtype), "aspect_ratio": ratio.to(x.device, x.dtype)}
-        return model(
+        out = model(
             x,
             encoder_hidden_states=cond["captions"],
             timestep=per_sample(t, x),
             added_cond_kwargs=added,
             encoder_attention_mask=cond.get("caption_mask"),
         ).sample
+        return out.chunk(2, dim=1)[0] if self.learned_sigma else out
 
 
 BACKBONE = PixArtBackbone

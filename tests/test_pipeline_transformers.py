@@ -1,0 +1,363 @@
+"""Fine-tuning a released transformer pipeline (issue 48): an SD3/3.5 folder at `model.pretrained` sets the ddpm
+run's keys (its SD3Transformer2DModel's own config and weights as the mmdit backbone, the VAE, CLIP-L + CLIP-G + T5
+as kind sd3, rectified flow with the scheduler's shift); the caption tokens and pooled embedding are
+StableDiffusion3Pipeline.encode_prompt's, the run's first prediction is diffusers' own transformer's, and the
+sd3-lora preset trains LoRA on both streams' attention through the CLI. A PixArt-Sigma folder likewise (its
+PixArtTransformer2DModel as the pixart backbone, the noise half of its learned-sigma output; T5 with its mask;
+epsilon with the scheduler's betas), with the pixart-sigma-lora preset; and Flux.1 dev and schnell folders (the
+flux backbone: packed latents, position ids, dev's guidance; CLIP-L pooled + T5 as FluxPipeline.encode_prompt),
+with the flux-lora preset. The pipelines are tiny random ones saved
+by diffusers' own classes (tests/tiny_pipelines.py)."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+from conftest import REPO, clean_env, run_cli
+from PIL import Image
+from safetensors.torch import load_file
+from test_text_encoders import WORDS
+from tiny_pipelines import BUILDERS
+
+from trainer.checkpoint import CheckpointStore
+from trainer.diffusion.backbones import MMDiTBackbone
+from trainer.errors import ConfigError
+from trainer.registry import load_config, task_class
+from trainer.runs import load_frozen
+from trainer.tasks.base import TaskContext
+
+CPU = torch.device("cpu")
+ENV = clean_env(PYTHONPATH=str(REPO / "tests"))
+
+
+@pytest.fixture(scope="module")
+def sd3(tmp_path_factory):
+    return BUILDERS["sd3"](tmp_path_factory.mktemp("pipelines-sd3"))
+
+
+def _config(folder, tmp_path, *overrides: str, preset: str = "sd3-lora"):
+    return load_config(
+        preset,
+        [f"model.pretrained={folder}", "data.path=/unused", "data.image_size=16", f"model.text.cache_dir={tmp_path}/t"]
+        + list(overrides),
+        {},
+    )
+
+
+def test_an_sd3_folder_sets_the_model_keys(sd3, tmp_path):
+    m = _config(sd3, tmp_path).model_cfg
+    transformer = json.loads((sd3 / "transformer" / "config.json").read_text())
+    assert m.backbone.kind == "mmdit" and m.backbone.transformer_config == transformer
+    assert (m.backbone.caption_channels, m.backbone.pooled_channels) == (24, 6 + 10)  # T5's width; both projections
+    assert m.text.kind == "sd3" and m.autoencoder.url == f"{sd3}/vae"
+    assert [m.text.encoder, m.text.encoder_2, m.text.encoder_3] == [f"{sd3}/text_encoder{n}" for n in ("", "_2", "_3")]
+    assert [m.text.tokenizer, m.text.tokenizer_2, m.text.tokenizer_3] == [
+        f"{sd3}/tokenizer{n}" for n in ("", "_2", "_3")
+    ]
+    assert (m.text.width, m.text.pooled_width, m.text.clip_max_tokens, m.text.max_tokens) == (24, 16, 16, 77)
+    # Rectified flow with the folder's scheduler's shift (3.0): the training draws come from its sigmas.
+    assert (m.prediction_type, m.flow_shift, m.num_train_timesteps) == ("flow", 3.0, 1000)
+    with pytest.raises(ConfigError, match=r"model.flow_shift=1.0 \(the folder's: 3.0\)"):
+        _config(sd3, tmp_path, "model.flow_shift=1.0")
+    with pytest.raises(ConfigError, match=r"model.backbone.num_layers \(the folder's transformer/config.json"):
+        _config(sd3, tmp_path, "model.backbone={kind: mmdit, num_layers: 3}")
+
+
+def test_an_sd3_folder_without_t5_is_refused_by_name(sd3, tmp_path):
+    import shutil
+
+    copy = tmp_path / "sd3"
+    shutil.copytree(sd3, copy)
+    index = json.loads((copy / "model_index.json").read_text())
+    index.update(text_encoder_3=[None, None], tokenizer_3=[None, None])
+    (copy / "model_index.json").write_text(json.dumps(index))
+    with pytest.raises(ConfigError, match="SD3 folder without T5 .*text_encoder_3"):
+        _config(copy, tmp_path)
+
+
+def _task(folder, tmp_path, *overrides, preset: str = "sd3-lora"):
+    cfg = _config(folder, tmp_path, "model.text.batch_size=1", "model.text.max_tokens=8", *overrides, preset=preset)
+    task = task_class("ddpm")(cfg.model_cfg, TaskContext(16, 3, 0))
+    modules = task.build({n: load_frozen(n, s, {}) for n, s in task.frozen_sources().items()})
+    return task, modules
+
+
+def test_sd3_caption_tokens_and_pooled_are_encode_prompts(sd3, tmp_path):
+    from diffusers import StableDiffusion3Pipeline
+
+    task, _ = _task(sd3, tmp_path)
+    pipe = StableDiffusion3Pipeline.from_pretrained(sd3)
+    for prompt in ("", "the red photo", " ".join(WORDS * 2)):  # empty, short, truncated (CLIP's 16, T5's 8)
+        ours = task.text.encode([prompt], CPU)
+        with torch.no_grad():  # as the pipeline's __call__ runs it (with grad on, T5's attention takes another kernel)
+            tokens, _, pooled, _ = pipe.encode_prompt(
+                prompt, prompt, prompt, device="cpu", do_classifier_free_guidance=False, max_sequence_length=8
+            )
+        assert ours.tokens.shape == tokens.shape == (1, 16 + 8, 24), prompt
+        assert torch.equal(ours.tokens, tokens) and torch.equal(ours.pooled, pooled), prompt
+
+
+@pytest.mark.parametrize("lora", [True, False])
+def test_the_first_prediction_is_diffusers_sd3_transformers(sd3, tmp_path, lora):
+    """The run's transformer is the folder's (architecture and weights; LoRA starts at B = 0), called on the
+    noisy latents and timesteps the flow objective draws from the folder's shifted schedule."""
+    from diffusers import FlowMatchEulerDiscreteScheduler, SD3Transformer2DModel
+
+    task, modules = _task(sd3, tmp_path, *([] if lora else ["model.lora=null"]))
+    assert task.part == "transformer" and task.latent.shape == (4, 8, 8)
+    net = modules["transformer"]
+    trainable = [n for n, p in net.named_parameters() if p.requires_grad]
+    assert trainable and all((".lora_" in n) == lora for n in trainable)
+    if lora:  # the mmdit backbone's targets: both streams' attention projections
+        names = {n.split(".lora_")[0].rsplit(".", 1)[-1] for n in trainable}
+        assert names == {t.rsplit(".", 1)[-1] for t in MMDiTBackbone.lora_targets}
+    scheduler = FlowMatchEulerDiscreteScheduler.from_pretrained(sd3 / "scheduler")
+    assert torch.equal(task.objective.train_scheduler.sigmas, scheduler.sigmas)  # shift 3.0
+    reference = SD3Transformer2DModel.from_pretrained(sd3 / "transformer").eval()
+    x, t = torch.randn(2, 4, 8, 8, generator=torch.Generator().manual_seed(0)), scheduler.timesteps[[3, 700]]
+    cond = task.conditions(2, CPU, torch.zeros(2, dtype=torch.bool), captions=["the red photo", "a blue"])
+    assert set(cond) == {"captions", "pooled"}
+    with torch.no_grad():
+        ours = task._net(net.eval())(x, t, cond)
+        theirs = reference(
+            x, encoder_hidden_states=cond["captions"], pooled_projections=cond["pooled"], timestep=t
+        ).sample
+    assert torch.equal(ours, theirs)
+    pinned = task.inputs()["pipeline"]
+    assert pinned["pin"] and "transformer/diffusion_pytorch_model.safetensors" in pinned["files"]
+    assert "text_encoder_3/model.safetensors" in pinned["files"]
+
+
+@pytest.fixture(scope="module")
+def images(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("images")
+    rng = np.random.default_rng(0)
+    for i in range(4):
+        Image.fromarray(rng.integers(0, 255, (16, 16, 3), dtype=np.uint8)).save(folder / f"{i}.png")
+        (folder / f"{i}.txt").write_text(" ".join(WORDS[i : i + 3]))
+    return folder
+
+
+@pytest.mark.slow
+def test_the_sd3_preset_trains_lora_and_samples_from_an_sd3_folder(sd3, images, tmp_path):
+    root = tmp_path / "run"
+    r = run_cli(
+        "train",
+        "sd3-lora",
+        f"model.pretrained={sd3}",
+        f"data.path={images}",
+        "data.image_size=16",
+        "data.val_fraction=0",
+        "model.text.max_tokens=8",
+        "train.max_steps=2",
+        "train.batch_size=2",
+        "train.lr=1e-2",
+        "train.num_workers=0",
+        "train.val_every_steps=0",
+        "checkpoint.every_steps=2",
+        "sample.every_steps=2",
+        "sample.inference_steps=2",
+        f"run.dir={root}",
+        f"model.text.cache_dir={root}-text",
+        env=ENV,
+    )
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert (root / "samples" / "step-000000002.png").is_file()
+    store = CheckpointStore(str(root / "checkpoints"), {})
+    info = store.check(2)
+    assert info.valid, info.reason
+    assert info.manifest["config"]["model"]["flow_shift"] == 3.0
+    weights = store.read_tensors(info, "transformer.model.safetensors")
+    folder = load_file(sd3 / "transformer" / "diffusion_pytorch_model.safetensors")
+    # Whatever of the frozen base a checkpoint holds is the folder's (bf16, train.precision's dtype); the
+    # adapters on both streams moved off B = 0.
+    base = {k.replace(".base_layer.", "."): k for k in weights if ".lora_" not in k}
+    assert set(base) <= set(folder)
+    assert all(torch.equal(weights[base[k]], folder[k].to(weights[base[k]].dtype)) for k in base)
+    moved = {
+        k.split(".lora_B.")[0].rsplit(".", 1)[-1] for k in weights if ".lora_B." in k and weights[k].abs().max() > 0
+    }
+    assert {"to_q", "add_q_proj"} <= moved
+
+
+# ---------------------------------------------------------------- PixArt-Sigma
+
+
+@pytest.fixture(scope="module")
+def pixart(tmp_path_factory):
+    return BUILDERS["pixart-sigma"](tmp_path_factory.mktemp("pipelines-pixart"))
+
+
+def test_a_pixart_sigma_folder_sets_the_model_keys(pixart, tmp_path):
+    m = _config(pixart, tmp_path, preset="pixart-sigma-lora").model_cfg
+    transformer = json.loads((pixart / "transformer" / "config.json").read_text())
+    assert m.backbone.kind == "pixart" and m.backbone.transformer_config == transformer
+    assert (m.backbone.caption_channels, m.backbone.pixel_scale) == (16, 2)  # T5's width; the VAE's downsampling
+    assert (m.text.kind, m.text.encoder, m.text.tokenizer) == ("t5", f"{pixart}/text_encoder", f"{pixart}/tokenizer")
+    assert (m.text.width, m.text.max_tokens) == (16, 300)  # PixArt-Sigma's 300 T5 tokens
+    # DPMSolverMultistepScheduler's defaults: epsilon on the linear betas.
+    assert (m.prediction_type, m.beta_schedule, m.beta_start, m.beta_end) == ("epsilon", "linear", 0.0001, 0.02)
+    with pytest.raises(ConfigError, match=r"model.backbone.num_layers \(the folder's transformer/config.json"):
+        _config(pixart, tmp_path, "model.backbone={kind: pixart, caption_channels: 16, num_layers: 3}")
+
+
+def test_pixart_captions_are_encode_prompts_and_the_prediction_is_the_transformers_noise_half(pixart, tmp_path):
+    """T5's states and mask are PixArtSigmaPipeline.encode_prompt's; the run's prediction is the first half (the
+    noise) of diffusers' PixArtTransformer2DModel's learned-sigma output, as the pipeline reads it."""
+    from diffusers import PixArtSigmaPipeline, PixArtTransformer2DModel
+
+    task, modules = _task(pixart, tmp_path, preset="pixart-sigma-lora")
+    assert task.part == "transformer" and task.latent.shape == (4, 8, 8)
+    pipe = PixArtSigmaPipeline.from_pretrained(pixart)
+    for prompt in ("", "the red photo", " ".join(WORDS * 2)):
+        ours = task.text.encode([prompt], CPU)
+        with torch.no_grad():
+            tokens, mask, _, _ = pipe.encode_prompt(
+                prompt, do_classifier_free_guidance=False, device="cpu", clean_caption=False, max_sequence_length=8
+            )
+        assert torch.equal(ours.tokens, tokens) and torch.equal(ours.mask, mask.float()), prompt
+    reference = PixArtTransformer2DModel.from_pretrained(pixart / "transformer").eval()
+    assert reference.config.out_channels == 8  # learned sigma: noise and variance
+    x, t = torch.randn(2, 4, 8, 8, generator=torch.Generator().manual_seed(0)), torch.tensor([3, 700])
+    cond = task.conditions(2, CPU, torch.zeros(2, dtype=torch.bool), captions=["the red photo", "a blue"])
+    assert set(cond) == {"captions", "caption_mask"}
+    with torch.no_grad():
+        ours = task._net(modules["transformer"].eval())(x, t, cond)
+        theirs = reference(
+            x,
+            encoder_hidden_states=cond["captions"],
+            encoder_attention_mask=cond["caption_mask"],
+            timestep=t,
+            added_cond_kwargs={"resolution": None, "aspect_ratio": None},
+        ).sample
+    assert ours.shape == (2, 4, 8, 8)
+    assert torch.equal(ours, theirs.chunk(2, dim=1)[0])
+
+
+@pytest.mark.slow
+def test_the_pixart_sigma_preset_trains_lora_from_a_pixart_folder(pixart, images, tmp_path):
+    root = tmp_path / "run"
+    r = run_cli(
+        "train",
+        "pixart-sigma-lora",
+        f"model.pretrained={pixart}",
+        f"data.path={images}",
+        "data.image_size=16",
+        "data.val_fraction=0",
+        "model.text.max_tokens=8",
+        "train.max_steps=2",
+        "train.batch_size=2",
+        "train.lr=1e-2",
+        "train.num_workers=0",
+        "train.val_every_steps=0",
+        "checkpoint.every_steps=2",
+        "sample.every_steps=2",
+        "sample.inference_steps=2",
+        f"run.dir={root}",
+        f"model.text.cache_dir={root}-text",
+        env=ENV,
+    )
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert (root / "samples" / "step-000000002.png").is_file()
+    store = CheckpointStore(str(root / "checkpoints"), {})
+    info = store.check(2)
+    assert info.valid, info.reason
+    weights = store.read_tensors(info, "transformer.model.safetensors")
+    assert any(weights[k].abs().max() > 0 for k in weights if ".lora_B." in k)
+
+
+# ---------------------------------------------------------------- Flux.1
+
+
+@pytest.fixture(scope="module", params=["dev", "schnell"])
+def flux(request, tmp_path_factory):
+    return BUILDERS["flux"](tmp_path_factory.mktemp(f"pipelines-flux-{request.param}"), dev=request.param == "dev")
+
+
+def test_a_flux_folder_sets_the_model_keys(flux, tmp_path):
+    m = _config(flux, tmp_path, preset="flux-lora").model_cfg
+    transformer = json.loads((flux / "transformer" / "config.json").read_text())
+    dev = transformer["guidance_embeds"]
+    assert m.backbone.kind == "flux" and m.backbone.transformer_config == transformer
+    assert (m.backbone.caption_channels, m.backbone.pooled_channels, m.backbone.guidance_embeds) == (16, 8, dev)
+    assert (m.text.kind, m.text.encoder_2, m.text.tokenizer_2) == (
+        "flux",
+        f"{flux}/text_encoder_2",
+        f"{flux}/tokenizer_2",
+    )
+    assert (m.text.width, m.text.pooled_width, m.text.clip_max_tokens) == (16, 8, 16)  # T5's; CLIP-L's hidden size
+    assert m.text.max_tokens == (512 if dev else 256)
+    # dev's scheduler shifts dynamically, by resolution, at sampling only: the training sigmas are unshifted.
+    assert (m.prediction_type, m.flow_shift, m.weighting_scheme) == ("flow", 1.0, "none")
+
+
+def test_flux_captions_are_encode_prompts_and_the_first_prediction_is_diffusers_transformers(flux, tmp_path):
+    """CLIP-L's pooled output and T5's tokens are FluxPipeline.encode_prompt's; the run's prediction on latents
+    (N, C, H, W) is the transformer's on FluxPipeline's packed latents, position ids, sigma = t / 1000 and, for
+    dev, the guidance 3.5, unpacked as the pipeline unpacks it."""
+    from diffusers import FlowMatchEulerDiscreteScheduler, FluxPipeline, FluxTransformer2DModel
+
+    task, modules = _task(flux, tmp_path, preset="flux-lora")
+    pipe = FluxPipeline.from_pretrained(flux)
+    for prompt in ("", "the red photo", " ".join(WORDS * 2)):
+        ours = task.text.encode([prompt], CPU)
+        with torch.no_grad():
+            tokens, pooled, _ = pipe.encode_prompt(prompt, None, device="cpu", max_sequence_length=8)
+        assert torch.equal(ours.tokens, tokens) and torch.equal(ours.pooled, pooled), prompt
+    reference = FluxTransformer2DModel.from_pretrained(flux / "transformer").eval()
+    scheduler = FlowMatchEulerDiscreteScheduler.from_pretrained(flux / "scheduler")
+    x, t = torch.randn(2, 4, 8, 8, generator=torch.Generator().manual_seed(0)), scheduler.timesteps[[3, 700]]
+    cond = task.conditions(2, CPU, torch.zeros(2, dtype=torch.bool), captions=["the red photo", "a blue"])
+    assert set(cond) == {"captions", "pooled"}
+    dev = reference.config.guidance_embeds
+    with torch.no_grad():
+        ours = task._net(modules["transformer"].eval())(x, t, cond)
+        theirs = reference(
+            FluxPipeline._pack_latents(x, 2, 4, 8, 8),
+            encoder_hidden_states=cond["captions"],
+            pooled_projections=cond["pooled"],
+            timestep=t / 1000,
+            img_ids=FluxPipeline._prepare_latent_image_ids(2, 4, 4, "cpu", torch.float32),
+            txt_ids=torch.zeros(cond["captions"].shape[1], 3),
+            guidance=torch.full((2,), 3.5) if dev else None,
+        ).sample
+    assert torch.equal(ours, FluxPipeline._unpack_latents(theirs, 16, 16, 2))
+    lora = {n.split(".lora_")[0] for n, p in modules["transformer"].named_parameters() if p.requires_grad}
+    assert any(n.startswith("single_transformer_blocks.") for n in lora) and any(
+        n.endswith("ff_context.net.2") for n in lora
+    )
+
+
+@pytest.mark.slow
+def test_the_flux_preset_trains_lora_from_a_flux_folder(flux, images, tmp_path):
+    root = tmp_path / "run"
+    r = run_cli(
+        "train",
+        "flux-lora",
+        f"model.pretrained={flux}",
+        f"data.path={images}",
+        "data.image_size=16",
+        "data.val_fraction=0",
+        "model.text.max_tokens=8",
+        "train.max_steps=2",
+        "train.batch_size=2",
+        "train.lr=1e-2",
+        "train.num_workers=0",
+        "train.val_every_steps=0",
+        "checkpoint.every_steps=2",
+        "sample.every_steps=2",
+        "sample.inference_steps=2",
+        f"run.dir={root}",
+        f"model.text.cache_dir={root}-text",
+        env=ENV,
+    )
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert (root / "samples" / "step-000000002.png").is_file()
+    store = CheckpointStore(str(root / "checkpoints"), {})
+    info = store.check(2)
+    assert info.valid, info.reason
+    weights = store.read_tensors(info, "transformer.model.safetensors")
+    assert any(weights[k].abs().max() > 0 for k in weights if ".lora_B." in k)
