@@ -3,7 +3,7 @@
 Two torchrun agents (`gentrain launch --nnodes=1:2 --nproc-per-node=1`) are two nodes training the digits-ddpm
 preset with a small UNet, durable checkpoints every 50 steps into one shared root; agent a is the survivor,
 agent b is lost once the checkpoint of step 50 is committed. The rendezvous settings are torch's defaults
-(`--rdzv-conf` only raises join_timeout): what a user gets without tuning. Rendezvous:
+(`--rdzv-conf` only raises join_timeout) unless `--rdzv-conf` says otherwise. Rendezvous:
 
   c10d      agent a hosts the rendezvous store (so b is the one lost: losing the host ends a c10d job);
   etcd-v2   a one-member etcd (Debian's etcd-server, v2 API) on a free port of 127.0.0.1, started here.
@@ -18,7 +18,7 @@ Failures of agent b:
              b's processes keep running but nothing reaches them. Skipped where network namespaces cannot
              be made (not root).
 
-Each with the step watchdog at its default (`elastic.step_timeout_seconds=30`) and, for the silent failures,
+Each with the step watchdog at its default (`elastic.step_timeout_seconds=25`) and, for the silent failures,
 without it (`elastic.step_timeout_seconds=0`, `elastic.collective_timeout_seconds=--collective-timeout`, 120 by
 default: the lowest the lease check allows; the job's default is 600). Measured (time.time() on this machine):
 
@@ -30,7 +30,7 @@ Every process is started here and killed by its PID (the agent and the PIDs foun
 beyond 127.0.0.1 but the veth pair of a partition run. Prints one JSON object.
 
 Usage: python bench/detection.py [--rendezvous c10d,etcd-v2] [--failures kill,stop,partition]
-                                 [--watchdog on,off] [--out FILE] [--logs DIR]
+                                 [--watchdog on,off] [--rdzv-conf CONF] [--out FILE] [--logs DIR]
 """
 
 from __future__ import annotations
@@ -226,7 +226,7 @@ def netns_works() -> str | None:
     return None
 
 
-def one(rendezvous: str, failure: str, watchdog: bool, collective_timeout: float, tmp: Path) -> dict:
+def one(rendezvous: str, failure: str, watchdog: bool, collective_timeout: float, tmp: Path, conf: str) -> dict:
     """One job, one loss of agent b; the figures of `one`'s doc."""
     ns = Netns() if failure == "partition" else None
     host = NS_HOST if ns else "127.0.0.1"
@@ -241,10 +241,10 @@ def one(rendezvous: str, failure: str, watchdog: bool, collective_timeout: float
             f"--rdzv-backend={rendezvous}",
             f"--rdzv-endpoint={host}:{port}",
             f"--rdzv-id=detect-{port}",
-            "--rdzv-conf=join_timeout=300",
+            f"--rdzv-conf={conf}",
         ]
         timeouts = (
-            ["elastic.step_timeout_seconds=30", "elastic.collective_timeout_seconds=600"]
+            []  # the defaults: elastic.step_timeout_seconds=25, elastic.collective_timeout_seconds=600
             if watchdog
             else ["elastic.step_timeout_seconds=0", f"elastic.collective_timeout_seconds={collective_timeout:g}"]
         )
@@ -267,7 +267,7 @@ def one(rendezvous: str, failure: str, watchdog: bool, collective_timeout: float
             # In a namespace the store host cannot be told from the address: say which agent hosts it.
             local = [f"--local-addr={NS_PEER if node == 'b' else NS_HOST}"] if ns else []
             if ns and rendezvous == "c10d":
-                local.append(f"--rdzv-conf=join_timeout=300,is_host={'true' if node == 'a' else 'false'}")
+                local.append(f"--rdzv-conf={conf},is_host={'true' if node == 'a' else 'false'}")
             base = [t for t in torchrun if not (local and t.startswith("--rdzv-conf"))]
             cmd = [sys.executable, "-m", "trainer", "launch", *base, *local, "--", *args]
             extra = {"GLOO_SOCKET_IFNAME": ns.peer_if if node == "b" else ns.host_if} if ns else {}
@@ -313,7 +313,7 @@ def one(rendezvous: str, failure: str, watchdog: bool, collective_timeout: float
         else:
             ns.cut()
         t_loss = time.time()
-        bound = (30 if watchdog else collective_timeout) + 240
+        bound = (25 if watchdog else collective_timeout) + 240
         t_exit = wait("the survivor's worker exit", lambda: (not (old & workers(a))) and time.time(), bound, [a])
 
         def new_worker():
@@ -335,6 +335,7 @@ def one(rendezvous: str, failure: str, watchdog: bool, collective_timeout: float
             "failure": failure,
             "watchdog": watchdog,
             "settings": timeouts,
+            "rdzv_conf": conf,
             "exit_s": round(t_exit - t_loss, 2),
             "new_worker_s": round(t_new - t_loss, 2),
             "first_step_s": round(timing["first_step_unix"] - t_loss, 2),
@@ -357,6 +358,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--failures", default="kill,stop,partition")
     ap.add_argument("--watchdog", default="on,off", help="on, off or both; off is run for the silent failures only")
     ap.add_argument("--collective-timeout", type=float, default=120.0)
+    ap.add_argument(
+        "--rdzv-conf",
+        default="join_timeout=300",
+        help="torchrun's --rdzv-conf (torch's defaults otherwise: last_call_timeout=30, keep_alive 5 s x 3)",
+    )
     ap.add_argument("--out", help="also write the JSON here")
     ap.add_argument("--logs", help="keep every run's agent logs under this folder")
     args = ap.parse_args(argv)
@@ -374,7 +380,7 @@ def main(argv: list[str] | None = None) -> int:
                 name = f"{rdzv}-{failure}-{dog}"
                 tmp = Path(tempfile.mkdtemp(prefix=f"detect-{name}-"))
                 try:
-                    row = one(rdzv, failure, on, args.collective_timeout, tmp)
+                    row = one(rdzv, failure, on, args.collective_timeout, tmp, args.rdzv_conf)
                 except Exception as e:  # noqa: BLE001 - one scenario's failure is a row, not the end of the bench
                     row = {"rendezvous": rdzv, "failure": failure, "watchdog": on, "error": str(e)[-3000:]}
                 finally:
@@ -389,7 +395,8 @@ def main(argv: list[str] | None = None) -> int:
     out = {
         "bench": "detection",
         "what": "seconds from agent b's loss to the survivor's worker exit, new worker, first step",
-        "torch_rdzv_conf": "defaults (join_timeout=300 only): c10d/etcd-v2 last_call_timeout 30 s, keep-alive 5 s x 3",
+        "rdzv_conf": args.rdzv_conf,
+        "torch_defaults": "last_call_timeout 30 s, keep-alive 5 s x 3 (a lost node leaves the round after 15 s)",
         "runs": runs,
         "skipped": skipped,
     }

@@ -338,7 +338,7 @@ class StepWatchdog:
                 pass
 
     def _watch(self) -> None:
-        while not self._stopped.wait(min(1.0, max(self.timeout_seconds / 10, 0.05))):
+        while not self._stopped.wait(min(0.25, max(self.timeout_seconds / 10, 0.05))):
             waited = self.overdue()
             if waited is not None and not self._stopped.is_set():
                 self._trip(waited)

@@ -208,7 +208,7 @@ class ElasticConfig(_Section):
         600.0, ge=30, description="a hung collective (lost peer, stuck init) fails after this; torchrun restarts"
     )
     step_timeout_seconds: float = Field(
-        30.0,
+        25.0,
         ge=0,
         description="a training step that runs longer than this (or 5 x the mean step, if larger; saves, "
         "evaluations and compiles excluded) exits 3 so torchrun restarts: how a silent or lost peer is noticed "
