@@ -14,7 +14,7 @@ CLIP_L, CLIP_G, T5 = 8, 12, 16  # text widths; the CLIPs' projections are 6 and 
 SD3_T5 = 24
 
 
-def _vae(latent_channels: int = 4):
+def _vae(latent_channels: int = 4, **factors):
     from diffusers import AutoencoderKL
 
     torch.manual_seed(0)
@@ -27,6 +27,7 @@ def _vae(latent_channels: int = 4):
         latent_channels=latent_channels,
         norm_num_groups=4,
         sample_size=16,
+        **factors,  # SD3's and Flux's VAEs shift their latents too (shift_factor); their pipelines read it
     )
 
 
@@ -131,7 +132,7 @@ def sd3(root: Path) -> Path:
     pipe = StableDiffusion3Pipeline(
         transformer=transformer,
         scheduler=FlowMatchEulerDiscreteScheduler(shift=3.0),
-        vae=_vae(),
+        vae=_vae(scaling_factor=1.5305, shift_factor=0.0609),
         text_encoder=text_encoder,
         tokenizer=tokenizer,
         text_encoder_2=text_encoder_2,
@@ -168,7 +169,7 @@ def flux(root: Path, dev: bool = True) -> Path:
     )
     pipe = FluxPipeline(
         scheduler=scheduler,
-        vae=_vae(),
+        vae=_vae(scaling_factor=0.3611, shift_factor=0.1159),
         text_encoder=text_encoder,
         tokenizer=tokenizer,
         text_encoder_2=text_encoder_2,
