@@ -429,3 +429,48 @@ def test_the_flux_preset_trains_lora_from_a_flux_folder(flux, images, tmp_path):
     assert info.valid, info.reason
     weights = store.read_tensors(info, "transformer.model.safetensors")
     assert any(weights[k].abs().max() > 0 for k in weights if ".lora_B." in k)
+
+
+def _flux_run(flux, images, root, env):
+    return run_cli(
+        "train",
+        "flux-lora",
+        f"model.pretrained={flux}",
+        f"data.path={images}",
+        "data.image_size=16",
+        "data.val_fraction=0",
+        "model.text.max_tokens=8",
+        "train.max_steps=4",
+        "train.batch_size=2",
+        "train.lr=1e-2",
+        "train.num_workers=0",
+        "train.val_every_steps=0",
+        "checkpoint.every_steps=2",
+        "sample.every_steps=0",
+        f"run.dir={root}",
+        f"model.text.cache_dir={root}-text",
+        "task=probe_tasks:KillableDDPM",
+        env=env,
+    )
+
+
+@pytest.mark.slow
+def test_a_sigkilled_flux_lora_run_resumes_bit_identically(flux, images, tmp_path):
+    """A Flux LoRA run SIGKILLed in step 3 and restarted ends at step 4 with the weights, EMA, optimizer state
+    and RNG of a run never interrupted (bf16 base, fp32 adapters)."""
+    r = _flux_run(flux, images, tmp_path / "straight", ENV)
+    assert r.returncode == 0, r.stderr[-3000:]
+    killed = tmp_path / "killed"
+    r = _flux_run(flux, images, killed, clean_env(PYTHONPATH=str(REPO / "tests"), PROBE_TASK_KILL="0:3"))
+    assert r.returncode == -9, r.stderr[-3000:]
+    r = _flux_run(flux, images, killed, ENV)
+    assert r.returncode == 0 and "resumed_from=" in r.stderr, r.stderr[-3000:]
+    a, b = (CheckpointStore(str(root / "checkpoints"), {}) for root in (tmp_path / "straight", killed))
+    ia, ib = a.check(4), b.check(4)
+    assert ia.valid and ib.valid
+    names = [n for n in ia.manifest["files"] if n.endswith(".safetensors")]
+    assert "transformer.optimizer.safetensors" in names
+    for name in names:
+        ta, tb = a.read_tensors(ia, name), b.read_tensors(ib, name)
+        assert ta.keys() == tb.keys(), name
+        assert all(torch.equal(ta[k], tb[k]) for k in ta), name
