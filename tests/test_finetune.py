@@ -107,13 +107,25 @@ def test_pretrained_folders_on_s3_start_the_run_and_lora_trains_only_the_adapter
     stage1, want1 = files["stage1.model.safetensors"], folder("stage1")
     assert stage1.keys() == want1.keys()
     assert all(torch.equal(stage1[k], want1[k]) for k in want1)
-    # Stage 2: the frozen base is exactly the folder's, the adapters moved away from B = 0.
-    stage2, want2 = files["stage2.model.safetensors"], folder("stage2")
+    # Stage 2: its checkpoint holds the adapters alone (and their EMA), moved away from B = 0; the frozen base
+    # (UNet and conditioning layers) is the folder's, pinned: every load rebuilds it from there.
+    stage2 = files["stage2.model.safetensors"]
     lora = {k for k in stage2 if ".lora_" in k}
-    base = {k.replace(".base_layer.", "."): k for k in stage2 if k not in lora}
-    assert base.keys() == want2.keys()
-    assert all(torch.equal(stage2[base[k]], want2[k]) for k in want2)
+    assert lora and lora == set(stage2) == set(files["stage2.ema.safetensors"])
     assert any(stage2[k].abs().max() > 0 for k in lora if ".lora_B." in k)
+    assert manifest["adapter_only"] == {"stage2": "stage2.pretrained"}
+    assert manifest["inputs"]["stage2.pretrained"]["pin"] is True
+    _, _, modules = load_for_inference(
+        CheckpointView(CheckpointStore(url, options), CheckpointStore(url, options).check(6)),
+        use_ema=False,
+        device=CPU,
+        task_name="cascade_probe:KillableCascadeTask",
+    )
+    built = modules["stage2"].state_dict()
+    base = {k.replace(".base_layer.", "."): v for k, v in built.items() if ".lora_" not in k}
+    assert base.keys() == folder("stage2").keys()
+    assert all(torch.equal(base[k], v) for k, v in folder("stage2").items())
+    assert all(torch.equal(built[k], v) for k, v in stage2.items())
     # The optimizer holds the adapters and nothing else.
     opt = json.loads(CheckpointStore(url, options).read_file(CheckpointStore(url, options).check(6), "trainer.json"))
     n_opt = sum(len(g["params"]) for g in opt["parts"]["stage2"]["optimizer"]["param_groups"])
@@ -131,7 +143,7 @@ def test_lora_run_resumes_bit_identically_after_sigkill(s3, lora_runs):
     a, _ = read_all(a_url, options, 6)
     b, _ = read_all(b_url, options, 6)
     assert a.keys() == b.keys() and "stage2.optimizer.safetensors" in a
-    for name in a:  # weights (base + adapters), EMA, optimizer, RNG
+    for name in a:  # weights (stage 1 whole, stage 2's adapters), EMA, optimizer, RNG
         assert a[name].keys() == b[name].keys(), name
         for k in a[name]:
             assert torch.equal(a[name][k], b[name][k]), f"{name}: {k}"

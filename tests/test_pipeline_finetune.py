@@ -212,18 +212,94 @@ def runs(sd, images, tmp_path_factory):
     return out
 
 
+def _header(path) -> dict[str, tuple[str, int]]:
+    """{tensor: (dtype, data bytes)} from a safetensors file's header alone (no tensor is read)."""
+    import json
+    import struct
+
+    with open(path, "rb") as f:
+        (n,) = struct.unpack("<Q", f.read(8))
+        header = json.loads(f.read(n))
+    header.pop("__metadata__", None)
+    return {k: (e["dtype"], e["data_offsets"][1] - e["data_offsets"][0]) for k, e in header.items()}
+
+
 @pytest.mark.slow
-def test_lora_trains_the_adapters_on_the_folders_frozen_unet(sd, runs):
-    unet = _files(runs["lora"], 4)["unet.model.safetensors"]
+def test_a_lora_checkpoint_holds_the_adapters_only_and_resumes_on_the_folders_base(sd, runs, tmp_path):
+    """Adapter-only checkpoints (#48 deliver 3): the files hold the adapters, their EMA and optimizer state, no
+    tensor of the frozen base; trainer.json and the manifest say so and pin the base; `sample` and export
+    rebuild the base from the folder (in the dtype it trained in) and load the adapters over it."""
+    import json
+
+    from trainer.checkpoint import CheckpointView
+    from trainer.runs import load_for_inference
+
+    store = CheckpointStore(str(runs["lora"] / "checkpoints"), {})
+    info = store.check(4)
+    step_dir = runs["lora"] / "checkpoints" / "step-000000004"
     folder = load_file(sd / "unet" / "diffusion_pytorch_model.safetensors")
-    lora = {k for k in unet if ".lora_" in k}
-    base = {k.replace(".base_layer.", "."): k for k in unet if k not in lora}
-    assert base.keys() == folder.keys()
-    # The frozen base is the folder's (held in bf16, train.precision's dtype), the adapters moved off B = 0.
-    assert all(torch.equal(unet[base[k]], folder[k].to(unet[base[k]].dtype)) for k in folder)
-    assert {unet[base[k]].dtype for k in folder} == {torch.bfloat16}
-    assert {unet[k].dtype for k in lora} == {torch.float32}
-    assert any(unet[k].abs().max() > 0 for k in lora if ".lora_B." in k)
+    base_names = set(folder) | {k.replace("to_q.", "to_q.base_layer.") for k in folder}
+    cfg = _config(sd, tmp_path)
+    task = task_class("ddpm")(cfg.model_cfg, TaskContext(16, 3, 0))
+    unet = task.build({n: load_frozen(n, s, {}) for n, s in task.frozen_sources().items()})["unet"]
+    adapters = {k: p for k, p in unet.named_parameters() if p.requires_grad}
+    for name in ("unet.model.safetensors", "unet.ema.safetensors"):
+        header = _header(step_dir / name)
+        assert set(header) == set(adapters) and not base_names & set(header), name
+        # Sizes as computed: each adapter in fp32.
+        assert sum(b for _, b in header.values()) == 4 * sum(p.numel() for p in adapters.values()), name
+    opt = _header(step_dir / "unet.optimizer.safetensors")
+    assert sum(b for _, b in opt.values()) == 2 * 4 * sum(p.numel() for p in adapters.values()) + 4 * len(adapters)
+    doc = json.loads(store.read_file(info, "trainer.json"))
+    assert doc["parts"]["unet"]["weights"] == "trainable"
+    assert info.manifest["adapter_only"] == {"unet": "unet.pretrained"}
+    assert info.manifest["inputs"]["unet.pretrained"]["pin"] is True
+    full = CheckpointStore(str(runs["full"] / "checkpoints"), {}).check(2)
+    print(
+        f"\ntiny SD pipeline: LoRA checkpoint {info.total_bytes} bytes, full fine-tune's {full.total_bytes} "
+        f"(unet.model: {sum(b for _, b in _header(step_dir / 'unet.model.safetensors').values())} vs "
+        f"{sum(t.numel() * t.element_size() for t in folder.values())} bytes of tensors)"
+    )
+    # The base is rebuilt from the folder, in bf16 as it trained; the adapters moved off B = 0.
+    view = CheckpointView(store, info)
+    _, _, modules = load_for_inference(view, use_ema=False, device=CPU, task_name="probe_tasks:KillableDDPM")
+    state = modules["unet"].state_dict()
+    assert all(
+        torch.equal(state[k.replace("to_q.", "to_q.base_layer.")], folder[k].bfloat16().float())
+        for k in folder
+        if "to_q." in k
+    )
+    saved = load_file(step_dir / "unet.model.safetensors")
+    assert all(torch.equal(state[k], v) for k, v in saved.items())
+    assert any(v.abs().max() > 0 for k, v in saved.items() if ".lora_B." in k)
+
+
+@pytest.mark.slow
+def test_sample_verify_and_export_need_the_pinned_base_folder(sd, images, tmp_path):
+    """An adapter-only checkpoint plus its pinned folder verifies; a changed file in the folder is exit 2
+    naming it; a folder that is gone is one line, exit 2, naming it, for sample, verify and export alike."""
+    copy = tmp_path / "sd"
+    shutil.copytree(sd, copy)
+    r = _train(copy, images, tmp_path / "run", steps=2)
+    assert r.returncode == 0, r.stderr[-3000:]
+    ckpt = str(tmp_path / "run" / "checkpoints")
+    task_flag = ["--task", "probe_tasks:KillableDDPM"]
+    r = run_cli("checkpoints", "verify", ckpt, *task_flag, env=ENV)
+    assert r.returncode == 0 and f"base: {copy}" in r.stdout and "valid:" in r.stdout, r.stdout + r.stderr
+    config = copy / "unet" / "config.json"
+    kept = config.read_text()
+    config.write_text(kept.replace("{", '{"_note": "edited", ', 1))
+    r = run_cli("checkpoints", "verify", ckpt, *task_flag, env=ENV)
+    assert r.returncode == 2 and "unet/config.json" in r.stderr and "Traceback" not in r.stderr, r.stderr[-3000:]
+    config.write_text(kept)
+    shutil.move(copy, tmp_path / "moved")
+    sample = ["sample", ckpt, "--num", "1", "--steps", "2", "--out", str(tmp_path / "x.png")]
+    export = ["checkpoints", "export", ckpt, str(tmp_path / "out")]
+    for args in (sample, ["checkpoints", "verify", ckpt], export):
+        r = run_cli(*args, *task_flag, env=ENV)
+        lines = r.stderr.strip().splitlines()
+        assert r.returncode == 2 and "Traceback" not in r.stderr, (args, r.stderr[-3000:])
+        assert "holds only the LoRA adapters" in lines[-1] and f"{copy}/unet" in lines[-1], (args, r.stderr[-3000:])
 
 
 @pytest.mark.slow
@@ -238,7 +314,8 @@ def test_a_full_fine_tune_trains_every_unet_weight(sd, runs):
 def test_a_sigkilled_lora_run_resumes_bit_identically(runs):
     a, b = _files(runs["lora"], 4), _files(runs["killed"], 4)
     assert a.keys() == b.keys() and "unet.optimizer.safetensors" in a
-    for name in a:  # weights (base + adapters), EMA, optimizer, RNG
+    assert all(".lora_" in k for k in a["unet.model.safetensors"])  # adapter-only: the base is the folder's
+    for name in a:  # adapters, their EMA, optimizer, RNG
         assert a[name].keys() == b[name].keys(), name
         for k in a[name]:
             assert torch.equal(a[name][k], b[name][k]), f"{name}: {k}"
@@ -346,7 +423,7 @@ def test_a_pipeline_folder_on_object_storage_trains_like_a_local_one(s3_server, 
     manifest = CheckpointStore(str(tmp_path / "run" / "checkpoints"), {}).check(2).manifest
     assert manifest["inputs"]["pipeline"]["url"] == f"{bucket}/sd"
     assert manifest["config"]["model"]["autoencoder"]["url"] == f"{bucket}/sd/vae"
-    # The weights it started from are the folder's: the frozen base equals the local copy's tensors.
-    unet = _files(tmp_path / "run", 2)["unet.model.safetensors"]
-    folder = load_file(sd / "unet" / "diffusion_pytorch_model.safetensors")
-    assert all(torch.equal(unet[k.replace("to_q.", "to_q.base_layer.")], v) for k, v in folder.items() if "to_q." in k)
+    # The checkpoint holds the adapters; the base it needs is the folder on S3, pinned by digest.
+    assert manifest["inputs"]["unet.pretrained"]["url"] == f"{bucket}/sd/unet"
+    assert manifest["inputs"]["unet.pretrained"]["pin"] is True
+    assert all(".lora_" in k for k in _files(tmp_path / "run", 2)["unet.model.safetensors"])

@@ -543,6 +543,12 @@ def _check(store, info, args: argparse.Namespace, cache: dict | None = None) -> 
     problems = [info.reason] if not info.valid else store.verify(info)
     if problems:
         return problems, None
+    if getattr(args, "action", None) == "verify":
+        from trainer.runs import verify_bases  # torch-heavy (see the module doc)
+
+        # LoRA adapters alone: their pinned base folder must be there, unchanged (exit 2 naming it otherwise).
+        for base in verify_bases(CheckpointView(store, info)):
+            print(f"base: {base} as pinned")
     try:
         return fit_problems(CheckpointView(store, info), args.task, args.text_encoder, cache), None
     except ConfigError as e:  # no model to compare with (an import-path task without --task, no config, ...)

@@ -34,7 +34,7 @@ from trainer.config import Config
 from trainer.config.redact import redact
 from trainer.data import is_video
 from trainer.errors import CheckpointCorrupt, CheckpointError, ConfigError
-from trainer.models.finetune import CONFIG_NAME, WEIGHTS_NAME, read_folder
+from trainer.models.finetune import CONFIG_NAME, WEIGHTS_NAME, cast_frozen_base, read_folder
 from trainer.registry import check_stored_task, config_from_dict, task_class
 from trainer.tasks.base import FrozenSource, FrozenWeights, TaskContext
 
@@ -172,10 +172,19 @@ def load_for_inference(
     options = dict(view.storage_options)
     cfg.checkpoint.storage_options = options
     cfg.data.storage_options = dict(options)
-    # The checkpoint holds every weight: pretrained folders are not read again.
+    # A checkpoint of whole parts holds every weight: pretrained folders are not read again. One holding
+    # LoRA adapters only needs its frozen base: built from the pinned folder (digest-checked below).
+    adapters = view.adapter_only
+    check_bases(view)
     frames = cfg.data.num_frames if is_video(cfg) else 1
     ctx = TaskContext(
-        cfg.data.image_size, cfg.data.channels, cfg.seed, None, options, num_frames=frames, load_pretrained=False
+        cfg.data.image_size,
+        cfg.data.channels,
+        cfg.seed,
+        None,
+        options,
+        num_frames=frames,
+        load_pretrained=bool(adapters),
     )
     task = task_class(cfg.task)(cfg.model_cfg, ctx)
     records = view.frozen_records
@@ -187,12 +196,74 @@ def load_for_inference(
     for name, module in modules.items():
         tensors = frozen[name].tensors if name in frozen else view.part_weights(name, use_ema)
         try:
-            module.load_state_dict(tensors)
+            if name in adapters:
+                # The base as it trained: in train.precision's dtype (cast_frozen_base), then fp32 again, the
+                # values a checkpoint holding the whole part gives.
+                cast_frozen_base(module, cfg.train.precision)
+                module.float()
+                _load_adapters(module, tensors)
+            else:
+                module.load_state_dict(tensors)
         except RuntimeError as e:  # names and shapes that do not fit the model the config builds
             what = "its recorded source" if name in frozen else view.weights_name(name, use_ema)
             raise CheckpointCorrupt(f"{view.url}: the weights of {name!r} ({what}) do not fit its model: {e}") from e
         module.to(device).eval().requires_grad_(False)
     return cfg, task, modules
+
+
+def check_bases(view: CheckpointView) -> None:
+    """A checkpoint that holds LoRA adapters only (`view.adapter_only`) needs the folder its frozen base was
+    pinned from: ConfigError (exit 2), one line naming the folder, when it cannot be read any more. Whether it
+    still holds the same files is `check_pinned_inputs`' (after the model is built from it)."""
+    inputs = view.inputs
+    for part, entry in sorted(view.adapter_only.items()):
+        record = inputs.get(entry) or {}
+        url = record.get("url")
+        if not isinstance(url, str):
+            raise CheckpointCorrupt(f"{view.url}: part {part!r} holds adapters only, but its manifest pins no base")
+        if not _is_folder(url, view.storage_options):
+            raise ConfigError(
+                f"checkpoint {view.url} holds only the LoRA adapters of {part!r}; their frozen base, the folder "
+                f"{url} ({record.get('digest')}), is gone or unreadable: restore that folder (model.pretrained) "
+                "and run this again"
+            )
+
+
+def verify_bases(view: CheckpointView) -> list[str]:
+    """`checkpoints verify` of an adapter-only checkpoint: its base folders are there (`check_bases`) and hold
+    the files it pinned: ConfigError (exit 2) naming the changed file otherwise, as a resume would say. Reads
+    and hashes each base (a pipeline folder: every file the run read). Returns a line per base checked."""
+    check_bases(view)
+    inputs, checked = view.inputs, []
+    pipeline = inputs.get("pipeline")
+    if (
+        view.adapter_only
+        and isinstance(pipeline, dict)
+        and pipeline.get("pin")
+        and isinstance(pipeline.get("url"), str)
+    ):
+        from trainer.models.pipelines import inspect_pipeline  # imports diffusers' configs: only here
+
+        now = {**inspect_pipeline(pipeline["url"], "model.pretrained", view.storage_options).record, "pin": True}
+        check_pinned_inputs({"pipeline": pipeline}, {"pipeline": now}, f"checkpoint {view.url}")
+        checked.append(f"{pipeline['url']} ({pipeline.get('digest')})")
+    for entry in sorted(set(view.adapter_only.values())):
+        record = inputs[entry]
+        now = {**read_folder(record["url"], entry, view.storage_options).record, "pin": True}
+        check_pinned_inputs({entry: record}, {entry: now}, f"checkpoint {view.url}")
+        checked.append(f"{record['url']} ({record.get('digest')})")
+    return checked
+
+
+def _load_adapters(module: Any, tensors: Mapping[str, Any]) -> None:
+    """Adapters (and the other weights that trained) over the base built from the pinned folder: every saved
+    tensor must be one of the module's, and every adapter of the module must be saved."""
+    own = module.state_dict()
+    extra = sorted(set(tensors) - set(own))
+    missing = sorted(k for k in own if ".lora_" in k and k not in tensors)
+    if extra or missing:
+        raise RuntimeError(f"adapter-only weights do not fit (missing {missing[:3]}, unexpected {extra[:3]})")
+    module.load_state_dict(tensors, strict=False)
 
 
 def _frozen_for_shapes(view: CheckpointView, name: str) -> FrozenWeights:
@@ -294,6 +365,7 @@ def fit_problems(
     checkpoint that `CheckpointReader.verify` passed.
     """
     models, group_sizes = _model_facts(view, task_name, text_encoder, cache)
+    adapters = view.adapter_only
     problems = []
     for part, want in models.items():
         if view.saved_shapes(part, "model") is None:
@@ -305,7 +377,9 @@ def fit_problems(
             if found is None:
                 continue
             what, saved = found
-            missing, extra = sorted(set(want) - set(saved)), sorted(set(saved) - set(want))
+            # Adapter-only: the frozen base is the pinned folder's, not the checkpoint's; its adapters must all be.
+            needed = {k for k in want if k in saved or ".lora_" in k} if part in adapters else set(want)
+            missing, extra = sorted(needed - set(saved)), sorted(set(saved) - set(want))
             if missing or extra:
                 problems.append(f"{what}: its names do not fit the model's (missing {missing[:3]}, extra {extra[:3]})")
             for key in sorted(set(want) & set(saved)):

@@ -14,7 +14,11 @@ needs, at any world size and into DDP or FSDP parts alike.
 
 Every object handed in here has `state_dict()` / `load_state_dict()`; this
 module only decides the files. Frozen parts are not saved: their source
-(URL, step, file, digest) is recorded instead.
+(URL, step, file, digest) is recorded instead. Nor is a LoRA part's frozen base
+(`Part.saved_keys`): its files hold the adapters, their optimizer state and EMA,
+trainer.json says `"weights": "trainable"` for the part, and the base is the
+pretrained folder the manifest's inputs pin (`<part>.pretrained`, a pipeline's
+`pipeline`), rebuilt from it by every resume, sample and export.
 """
 
 from __future__ import annotations
@@ -51,7 +55,10 @@ def capture_rank_state() -> dict[str, Any]:
 
 
 def _part_meta(state: Mapping[str, Any], opt_skeleton: Any) -> dict[str, Any]:
+    # "weights": "trainable" only when the base is left out: a whole part's entry is as it always was.
+    adapters = {"weights": "trainable"} if state.get("weights") == "trainable" else {}
     return {
+        **adapters,
         "step": state["step"],
         "optimizer": opt_skeleton,
         "optimizer_name": state["optimizer_name"],
@@ -234,8 +241,13 @@ def check_fits(part: Any, state: Mapping[str, Any], what: str) -> None:
     tensor, before anything is applied. torch checks a module's weights on load, but an EMA or optimizer
     tensor of the wrong shape would load and fail only at the next update."""
     live = dict(part.module.state_dict())
-    if set(state["model"]) != set(live):
-        extra, missing = sorted(set(state["model"]) - set(live)), sorted(set(live) - set(state["model"]))
+    saved = set(state["model"])
+    # A LoRA part loads its adapters alone (`Part.saved_keys`) or, from a checkpoint written before
+    # adapter-only checkpoints, the whole module; nothing in between.
+    adapters = getattr(part, "saved_keys", None)
+    if saved != set(live) and saved != adapters:
+        want = set(live) if adapters is None else adapters
+        extra, missing = sorted(saved - want), sorted(want - saved)
         raise CheckpointCorrupt(f"{what}: weights do not match the model (missing {missing[:3]}, extra {extra[:3]})")
     for key, t in state["model"].items():
         if tuple(t.shape) != tuple(live[key].shape):
@@ -244,6 +256,8 @@ def check_fits(part: Any, state: Mapping[str, Any], what: str) -> None:
             )
     if part.ema is not None and state.get("ema") is not None and state.get("ema_meta"):
         for key, p in part.module.named_parameters():
+            if key not in saved:  # a frozen base parameter of an adapter-only state: its EMA is itself
+                continue
             t = state["ema"].get(key)
             if t is None or tuple(t.shape) != tuple(p.shape):
                 found = "missing" if t is None else f"shape {list(t.shape)}"
@@ -320,10 +334,15 @@ def _check_like(saved: Any, live: Mapping[str, Any], what: str) -> None:
 def _read_part_slices(index: ShardIndex, name: str, part: Any, meta: Mapping[str, Any]) -> dict[str, Any]:
     """A part's state from either layout, shaped like the live part: DTensor slices for a sharded part."""
     model_targets = dict(part.module.state_dict())
-    model = load_group(index, group_name(name, "model"), model_targets)
+    adapters = getattr(part, "saved_keys", None)
+    group = group_name(name, "model")
+    if adapters is not None and not (index.has(group) and set(model_targets) <= set(index.group(group))):
+        model_targets = {k: v for k, v in model_targets.items() if k in adapters}  # adapter-only (Part.saved_keys)
+    model = load_group(index, group, model_targets)
     ema = None
     if part.ema is not None and meta["ema"] and index.has(group_name(name, "ema")):
-        ema = load_group(index, group_name(name, "ema"), part.ema_weights())
+        ema_targets = {k: v for k, v in part.ema_weights().items() if k in model_targets}
+        ema = load_group(index, group_name(name, "ema"), ema_targets)
     # Optimizer state is keyed by parameter index; each tensor is shaped like its parameter (and sharded
     # like it) or is a small replicated value (a step count).
     params = part.optimizer_params()

@@ -27,7 +27,7 @@ import math
 import re
 import types
 from collections.abc import Callable, Mapping
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 import torch
 from pydantic import (
@@ -134,6 +134,9 @@ class PartState(_Open):
     lr_schedule: dict[StrictStr, Any] | None = None
     scaler: dict[StrictStr, Any] | None = None
     ema: dict[StrictStr, Any] | None = None
+    # "trainable": a LoRA part's files hold its adapters only; its frozen base is the pinned pretrained folder
+    # (trainer.checkpoint.state). Absent: the whole part.
+    weights: Literal["all", "trainable"] | None = None
 
 
 class TrainerState(_Open):

@@ -169,6 +169,17 @@ class CheckpointView:
         URL or source and digest; `"pin": True` ones must match on resume and sampling."""
         return copy.deepcopy(self._manifest.get("inputs") or {})
 
+    @property
+    def adapter_only(self) -> dict[str, str]:
+        """{part: the `inputs` entry that pins its frozen base} of the parts whose files hold only what trained
+        (a LoRA part's adapters, their optimizer state and EMA): a resume, `sample` and `export` rebuild the
+        base from that pinned folder and load the adapters over it. Empty for checkpoints of whole parts
+        (full fine-tunes, runs from scratch, every checkpoint written before adapter-only ones)."""
+        found = self._manifest.get("adapter_only")
+        if not isinstance(found, dict):
+            return {}
+        return {k: v for k, v in found.items() if isinstance(k, str) and isinstance(v, str)}
+
     def metadata(self) -> dict[str, Any]:
         """What the run recorded about itself (config, inputs, frozen sources, world size, owner, ...):
         the manifest without the store's own bookkeeping. Not redacted: redact before writing it anywhere."""

@@ -459,6 +459,11 @@ class CheckpointManager:
             "inputs": dict(self.inputs),
             **(self.store.timeline.fields() if self.store.timeline is not None else {}),
         }
+        # LoRA parts whose files hold the adapters only (Part.saved_keys), each with the `inputs` entry that
+        # pins its frozen base (the pretrained folder every start rebuilds it from; see CheckpointView.adapter_only).
+        adapters = {n: f"{n}.pretrained" for n, p in self.parts.items() if getattr(p, "saved_keys", None) is not None}
+        if adapters:
+            meta["adapter_only"] = adapters
         return redact(meta)
 
     def save(self, step: int, sync: bool = False, final: bool = False) -> bool:

@@ -18,7 +18,7 @@ from trainer.ema import EMAModel
 from trainer.engine.shard import full_value, is_fsdp, reshard
 from trainer.engine.wrap import Wrapping
 from trainer.errors import ConfigError
-from trainer.models.finetune import cast_frozen_base
+from trainer.models.finetune import cast_frozen_base, saved_keys
 from trainer.optim import OptimSettings, build_ema, build_lr_schedule, build_optimizer, step_unless
 from trainer.tasks.base import FrozenWeights
 
@@ -72,6 +72,10 @@ class Part:
         # The parameters the task left trainable (all of them, or only the LoRA adapters); the
         # engine toggles exactly these, never the frozen base weights of an adapted model.
         self.params = [p for p in module.parameters() if p.requires_grad]
+        # What its checkpoints hold: None, the whole module; for a LoRA-adapted module, the trainable
+        # parameters (and buffers) only: the frozen base is rebuilt from the pinned pretrained folder by
+        # every start, so checkpoints and memory-tier snapshots are the adapters' size, not the base's.
+        self.saved_keys = saved_keys(module)
         self.step = 0
         # The checkpoint manager's: returns once a background save has copied this part's weights,
         # optimizer state and EMA (see trainer.checkpoint.writer); called before changing them.
@@ -155,14 +159,20 @@ class Part:
                 state[name] = shadow
         return state
 
+    def _saved(self, state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        keys = self.saved_keys
+        return dict(state) if keys is None else {k: v for k, v in state.items() if k in keys}
+
     def state_dict(self) -> dict[str, Any]:
         ema_meta = None
         if self.ema is not None:
             ema_meta = self.ema.state_dict()
             ema_meta.pop("shadow_params")
         return {
-            "model": dict(self.module.state_dict()),
-            "ema": self.ema_weights() if self.ema is not None else None,
+            "model": self._saved(self.module.state_dict()),
+            "ema": self._saved(self.ema_weights()) if self.ema is not None else None,
+            # "trainable": the frozen base is not in the checkpoint (see `saved_keys`), trainer.json says so.
+            "weights": "all" if self.saved_keys is None else "trainable",
             # Plain tensors only: 8-bit state subclasses become their parts plus a JSON description.
             "optimizer": quantized.flatten(self.optimizer.state_dict()),
             "optimizer_name": self.settings.optimizer,
@@ -174,7 +184,11 @@ class Part:
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         self.fence()
-        self.module.load_state_dict(state["model"])
+        # An adapter-only state (`saved_keys`, checked by trainer.checkpoint.state.check_fits) goes over the
+        # base this start built from the pinned folder; a whole one (written before adapter-only
+        # checkpoints, or a full fine-tune) replaces everything.
+        whole = set(state["model"]) == set(self.module.state_dict())
+        self.module.load_state_dict(state["model"], strict=whole)
         # fused/foreach say how this process steps, not what was learned: keep the ones built here
         # (a checkpoint written by an older version would otherwise switch the fused kernel off).
         impl = [{k: g[k] for k in ("fused", "foreach") if k in g} for g in self.optimizer.param_groups]
@@ -185,7 +199,8 @@ class Part:
         if state.get("scaler"):
             self.scaler.load_state_dict(state["scaler"])
         if self.ema is not None and state.get("ema") is not None and state.get("ema_meta"):
-            params = [state["ema"][name] for name, _ in self.module.named_parameters()]
+            # A frozen base parameter's EMA is the parameter itself (EMAModel.step copies it every step).
+            params = [state["ema"].get(name, p.detach()) for name, p in self.module.named_parameters()]
             self.ema.load_state_dict({**state["ema_meta"], "shadow_params": params})
             self.ema.to(next(self.module.parameters()).device)
         self.step = int(state["step"])

@@ -4,15 +4,17 @@ A *diffusers-format folder* is what `ModelMixin.save_pretrained` writes:
 `config.json` + `diffusion_pytorch_model.safetensors`, at a local path or any
 fsspec URL (read with `checkpoint.storage_options`). gentrain keeps building
 the UNet from its own `model.*` keys (so a checkpoint always describes its
-architecture, and sampling or resuming never needs the folder again), compares
+architecture, and sampling or resuming a full fine-tune never needs the folder
+again; a LoRA run's does, see below), compares
 that build with the folder's `config.json`, and refuses a mismatch naming the
 key to change (exit 2).
 
 With `lora`, peft's `inject_adapter_in_model` wraps the UNet's attention and
 convolution layers (`lora.targets`); the pretrained weights are frozen and only
 the adapters train, so only they reach the optimizer (the engine optimizes a
-part's `requires_grad` parameters). Checkpoints hold the whole module (base
-plus adapters): exact resume needs nothing else. `gentrain checkpoints export`
+part's `requires_grad` parameters). Checkpoints hold the adapters only (`saved_keys`:
+their weights, optimizer state and EMA); the frozen base is pinned by the folder's
+digest and rebuilt from it by every resume, sample and export. `gentrain checkpoints export`
 writes the merged model (W + scale * B @ A, merged by peft) as a diffusers
 folder and the adapters alone as `pytorch_lora_weights.safetensors` in the
 layout `PeftAdapterMixin.save_lora_adapter` writes (peft key names, the
@@ -223,6 +225,18 @@ def has_lora(module: nn.Module) -> bool:
     adapters on a module and it imports peft first, so while peft is not imported no module has any."""
     tuners = sys.modules.get("peft.tuners.tuners_utils")
     return tuners is not None and any(isinstance(m, tuners.BaseTunerLayer) for m in module.modules())
+
+
+def saved_keys(module: nn.Module) -> set[str] | None:
+    """The state-dict keys a checkpoint of `module` holds: for a LoRA-adapted module, its trainable parameters
+    (the adapters, and any layer the task left trainable) and its buffers, never the frozen base, which every
+    start rebuilds from the pinned `pretrained` folder (the run's `inputs`); None (everything) otherwise.
+    Called on a freshly built module, before the engine toggles `requires_grad` (a part not learning now)."""
+    if not has_lora(module):
+        return None
+    persistent = set(module.state_dict())  # non-persistent buffers are never saved
+    keys = {n for n, p in module.named_parameters() if p.requires_grad}
+    return keys | {n for n, _ in module.named_buffers() if n in persistent}
 
 
 def cast_frozen_base(module: nn.Module, precision: str) -> None:

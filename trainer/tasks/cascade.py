@@ -153,7 +153,8 @@ class CascadeTask(Task):
             )
             if folder is None:
                 continue
-            self._inputs[f"stage{k}.pretrained"] = folder.record
+            # LoRA: checkpoints hold the adapters only, the base is this folder's: pinned (a changed one is exit 2).
+            self._inputs[f"stage{k}.pretrained"] = {**folder.record, **({"pin": True} if s.lora else {})}
             if folder.extras is not None:
                 load_weights(
                     net,

@@ -236,7 +236,8 @@ class DDPMTask(Task):
             within=within,
         )
         if folder is not None:
-            self._inputs[f"{self.part}.pretrained"] = folder.record
+            # LoRA: checkpoints hold the adapters only, the base is this folder's: pinned (a changed one is exit 2).
+            self._inputs[f"{self.part}.pretrained"] = {**folder.record, **({"pin": True} if c.lora else {})}
         return {self.part: net, **extra}
 
     def inputs(self) -> dict[str, dict]:
