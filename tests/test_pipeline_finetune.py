@@ -212,14 +212,18 @@ def runs(sd, images, tmp_path_factory):
     return out
 
 
-def _header(path) -> dict[str, tuple[str, int]]:
-    """{tensor: (dtype, data bytes)} from a safetensors file's header alone (no tensor is read)."""
+def _raw_header(path) -> dict:
     import json
     import struct
 
     with open(path, "rb") as f:
         (n,) = struct.unpack("<Q", f.read(8))
-        header = json.loads(f.read(n))
+        return json.loads(f.read(n))
+
+
+def _header(path) -> dict[str, tuple[str, int]]:
+    """{tensor: (dtype, data bytes)} from a safetensors file's header alone (no tensor is read)."""
+    header = _raw_header(path)
     header.pop("__metadata__", None)
     return {k: (e["dtype"], e["data_offsets"][1] - e["data_offsets"][0]) for k, e in header.items()}
 
@@ -280,8 +284,12 @@ def test_sample_verify_and_export_need_the_pinned_base_folder(sd, images, tmp_pa
     naming it; a folder that is gone is one line, exit 2, naming it, for sample, verify and export alike."""
     copy = tmp_path / "sd"
     shutil.copytree(sd, copy)
-    r = _train(copy, images, tmp_path / "run", steps=2)
+    shm = tmp_path / "shm"
+    r = _train(copy, images, tmp_path / "run", "checkpoint.memory=true", f"checkpoint.memory_dir={shm}", steps=2)
     assert r.returncode == 0, r.stderr[-3000:]
+    # The memory tier's snapshots hold the adapters alone too.
+    snapshots = sorted(shm.rglob("unet.model.safetensors"))
+    assert snapshots and all(k == "__metadata__" or ".lora_" in k for f in snapshots for k in _raw_header(f))
     ckpt = str(tmp_path / "run" / "checkpoints")
     task_flag = ["--task", "probe_tasks:KillableDDPM"]
     r = run_cli("checkpoints", "verify", ckpt, *task_flag, env=ENV)
