@@ -61,6 +61,29 @@ class TransformerConfig(BaseModel):
     def width(self) -> int:
         return self.num_attention_heads * self.attention_head_dim
 
+    @property
+    def patch(self) -> int:
+        """The patch side: a released transformer's own config's (`transformer_config`, where a kind has one)."""
+        t = getattr(self, "transformer_config", None)
+        return int(t.get("patch_size", 2)) if t else self.patch_size
+
+
+def check_transformer_config(c: BaseModel, class_name: str, widths: tuple[tuple[str, str], ...]) -> None:
+    """A transformer kind's `transformer_config` (a released pipeline's transformer/config.json, filled from
+    model.pretrained) describes `class_name`, and each (key, field) of `widths` agrees: `model.backbone.<key>` is
+    the config's `<field>`. ValueError naming the fix (pydantic makes it the config error)."""
+    t = getattr(c, "transformer_config", None)
+    if t is None:
+        return
+    if t.get("_class_name", class_name) != class_name:
+        raise ValueError(f"model.backbone.transformer_config describes a {t['_class_name']}; it must be a {class_name}")
+    for key, field in widths:
+        if getattr(c, key) != t.get(field):
+            raise ValueError(
+                f"model.backbone.{key}={getattr(c, key)} but model.backbone.transformer_config's {field} is "
+                f"{t.get(field)!r}: set {key}={t.get(field)}"
+            )
+
 
 def per_sample(t: Tensor | float, x: Tensor) -> Tensor:
     """`t` with one entry per sample (samplers hand a scalar; the transformers' embeddings want (N,))."""

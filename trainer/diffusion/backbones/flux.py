@@ -17,7 +17,13 @@ from typing import Any, Literal
 import torch
 from pydantic import Field, model_validator
 
-from trainer.diffusion.backbones.base import Backbone, TransformerConfig, check_patches, per_sample
+from trainer.diffusion.backbones.base import (
+    Backbone,
+    TransformerConfig,
+    check_patches,
+    check_transformer_config,
+    per_sample,
+)
 from trainer.errors import ConfigError
 
 
@@ -63,21 +69,22 @@ class FluxBackboneConfig(TransformerConfig):
             )
         t = self.transformer_config
         if t is not None:
-            if t.get("_class_name", "FluxTransformer2DModel") != "FluxTransformer2DModel":
-                raise ValueError(
-                    f"model.backbone.transformer_config describes a {t.get('_class_name')}; it must be a "
-                    "FluxTransformer2DModel"
-                )
             if t.get("patch_size", 1) != 1:
                 raise ValueError("model.backbone.transformer_config: gentrain packs latents 2 x 2 for patch_size 1")
-            pairs = (("caption_channels", "joint_attention_dim"), ("pooled_channels", "pooled_projection_dim"))
-            for key, field in (*pairs, ("guidance_embeds", "guidance_embeds")):
-                if getattr(self, key) != t.get(field, False if key == "guidance_embeds" else None):
-                    raise ValueError(
-                        f"model.backbone.{key}={getattr(self, key)} but model.backbone.transformer_config's {field} "
-                        f"is {t.get(field)!r}: set {key}={t.get(field)}"
-                    )
+            widths = (("caption_channels", "joint_attention_dim"), ("pooled_channels", "pooled_projection_dim"))
+            check_transformer_config(self, "FluxTransformer2DModel", widths)
+            guidance = t.get("guidance_embeds", False)  # diffusers' default: none (schnell)
+            if self.guidance_embeds != guidance:
+                raise ValueError(
+                    f"model.backbone.guidance_embeds={self.guidance_embeds} but model.backbone.transformer_config's "
+                    f"guidance_embeds is {guidance!r}: set guidance_embeds={guidance}"
+                )
         return self
+
+    @property
+    def patch(self) -> int:
+        """2: gentrain packs latents 2 x 2 into a token (the config's patch_size 1 is the packed tokens')."""
+        return 2
 
     @property
     def head_dim(self) -> int:

@@ -10,7 +10,13 @@ from typing import Any, Literal
 
 from pydantic import Field, model_validator
 
-from trainer.diffusion.backbones.base import Backbone, TransformerConfig, check_patches, per_sample
+from trainer.diffusion.backbones.base import (
+    Backbone,
+    TransformerConfig,
+    check_patches,
+    check_transformer_config,
+    per_sample,
+)
 from trainer.errors import ConfigError
 
 
@@ -31,25 +37,9 @@ class MMDiTBackboneConfig(TransformerConfig):
 
     @model_validator(mode="after")
     def _transformer_config_is_sd3s(self) -> MMDiTBackboneConfig:
-        t = self.transformer_config
-        if t is None:
-            return self
-        cls = t.get("_class_name", "SD3Transformer2DModel")
-        if cls != "SD3Transformer2DModel":
-            raise ValueError(
-                f"model.backbone.transformer_config describes a {cls}; it must be an SD3Transformer2DModel"
-            )
-        for key, field in (("caption_channels", "joint_attention_dim"), ("pooled_channels", "pooled_projection_dim")):
-            if getattr(self, key) != t.get(field):
-                raise ValueError(
-                    f"model.backbone.{key}={getattr(self, key)} but model.backbone.transformer_config's {field} is "
-                    f"{t.get(field)!r}: set {key}={t.get(field)}"
-                )
+        widths = (("caption_channels", "joint_attention_dim"), ("pooled_channels", "pooled_projection_dim"))
+        check_transformer_config(self, "SD3Transformer2DModel", widths)
         return self
-
-    @property
-    def patch(self) -> int:
-        return int(self.transformer_config.get("patch_size", 2)) if self.transformer_config else self.patch_size
 
 
 class MMDiTBackbone(Backbone):

@@ -15,7 +15,13 @@ from typing import Any, Literal
 import torch
 from pydantic import Field, model_validator
 
-from trainer.diffusion.backbones.base import Backbone, TransformerConfig, check_patches, per_sample
+from trainer.diffusion.backbones.base import (
+    Backbone,
+    TransformerConfig,
+    check_patches,
+    check_transformer_config,
+    per_sample,
+)
 from trainer.errors import ConfigError
 
 
@@ -40,24 +46,8 @@ class PixArtBackboneConfig(TransformerConfig):
 
     @model_validator(mode="after")
     def _transformer_config_is_pixarts(self) -> PixArtBackboneConfig:
-        t = self.transformer_config
-        if t is None:
-            return self
-        cls = t.get("_class_name", "PixArtTransformer2DModel")
-        if cls != "PixArtTransformer2DModel":
-            raise ValueError(
-                f"model.backbone.transformer_config describes a {cls}; it must be a PixArtTransformer2DModel"
-            )
-        if self.caption_channels != t.get("caption_channels"):
-            raise ValueError(
-                f"model.backbone.caption_channels={self.caption_channels} but model.backbone.transformer_config's "
-                f"caption_channels is {t.get('caption_channels')!r}: set caption_channels={t.get('caption_channels')}"
-            )
+        check_transformer_config(self, "PixArtTransformer2DModel", (("caption_channels", "caption_channels"),))
         return self
-
-    @property
-    def patch(self) -> int:
-        return int(self.transformer_config.get("patch_size", 2)) if self.transformer_config else self.patch_size
 
 
 class PixArtBackbone(Backbone):
