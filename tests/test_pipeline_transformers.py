@@ -141,18 +141,18 @@ def images(tmp_path_factory):
     return folder
 
 
-@pytest.mark.slow
-def test_the_sd3_preset_trains_lora_and_samples_from_an_sd3_folder(sd3, images, tmp_path):
-    root = tmp_path / "run"
-    r = run_cli(
+def _train(preset: str, folder, images, root, *extra: str, max_steps: int = 2, env=None):
+    """`gentrain train PRESET` on a tiny pipeline folder and captioned images: a few steps, a checkpoint and a
+    preview grid at step 2 (unless `extra` says otherwise)."""
+    return run_cli(
         "train",
-        "sd3-lora",
-        f"model.pretrained={sd3}",
+        preset,
+        f"model.pretrained={folder}",
         f"data.path={images}",
         "data.image_size=16",
         "data.val_fraction=0",
         "model.text.max_tokens=8",
-        "train.max_steps=2",
+        f"train.max_steps={max_steps}",
         "train.batch_size=2",
         "train.lr=1e-2",
         "train.num_workers=0",
@@ -162,15 +162,27 @@ def test_the_sd3_preset_trains_lora_and_samples_from_an_sd3_folder(sd3, images, 
         "sample.inference_steps=2",
         f"run.dir={root}",
         f"model.text.cache_dir={root}-text",
-        env=ENV,
+        *extra,
+        env=env or ENV,
     )
-    assert r.returncode == 0, r.stderr[-3000:]
+
+
+def _trained_lora(root) -> tuple:
+    """(info, transformer weights) of the step-2 checkpoint, after checking the preview grid and its validity."""
     assert (root / "samples" / "step-000000002.png").is_file()
     store = CheckpointStore(str(root / "checkpoints"), {})
     info = store.check(2)
     assert info.valid, info.reason
+    return info, store.read_tensors(info, "transformer.model.safetensors")
+
+
+@pytest.mark.slow
+def test_the_sd3_preset_trains_lora_and_samples_from_an_sd3_folder(sd3, images, tmp_path):
+    root = tmp_path / "run"
+    r = _train("sd3-lora", sd3, images, root)
+    assert r.returncode == 0, r.stderr[-3000:]
+    info, weights = _trained_lora(root)
     assert info.manifest["config"]["model"]["flow_shift"] == 3.0
-    weights = store.read_tensors(info, "transformer.model.safetensors")
     folder = load_file(sd3 / "transformer" / "diffusion_pytorch_model.safetensors")
     # Whatever of the frozen base a checkpoint holds is the folder's (bf16, train.precision's dtype); the
     # adapters on both streams moved off B = 0.
@@ -308,32 +320,9 @@ def test_pixart_captions_are_encode_prompts_and_the_prediction_is_the_transforme
 @pytest.mark.slow
 def test_the_pixart_sigma_preset_trains_lora_from_a_pixart_folder(pixart, images, tmp_path):
     root = tmp_path / "run"
-    r = run_cli(
-        "train",
-        "pixart-sigma-lora",
-        f"model.pretrained={pixart}",
-        f"data.path={images}",
-        "data.image_size=16",
-        "data.val_fraction=0",
-        "model.text.max_tokens=8",
-        "train.max_steps=2",
-        "train.batch_size=2",
-        "train.lr=1e-2",
-        "train.num_workers=0",
-        "train.val_every_steps=0",
-        "checkpoint.every_steps=2",
-        "sample.every_steps=2",
-        "sample.inference_steps=2",
-        f"run.dir={root}",
-        f"model.text.cache_dir={root}-text",
-        env=ENV,
-    )
+    r = _train("pixart-sigma-lora", pixart, images, root)
     assert r.returncode == 0, r.stderr[-3000:]
-    assert (root / "samples" / "step-000000002.png").is_file()
-    store = CheckpointStore(str(root / "checkpoints"), {})
-    info = store.check(2)
-    assert info.valid, info.reason
-    weights = store.read_tensors(info, "transformer.model.safetensors")
+    info, weights = _trained_lora(root)
     assert any(weights[k].abs().max() > 0 for k in weights if ".lora_B." in k)
 
 
@@ -402,55 +391,15 @@ def test_flux_captions_are_encode_prompts_and_the_first_prediction_is_diffusers_
 @pytest.mark.slow
 def test_the_flux_preset_trains_lora_from_a_flux_folder(flux, images, tmp_path):
     root = tmp_path / "run"
-    r = run_cli(
-        "train",
-        "flux-lora",
-        f"model.pretrained={flux}",
-        f"data.path={images}",
-        "data.image_size=16",
-        "data.val_fraction=0",
-        "model.text.max_tokens=8",
-        "train.max_steps=2",
-        "train.batch_size=2",
-        "train.lr=1e-2",
-        "train.num_workers=0",
-        "train.val_every_steps=0",
-        "checkpoint.every_steps=2",
-        "sample.every_steps=2",
-        "sample.inference_steps=2",
-        f"run.dir={root}",
-        f"model.text.cache_dir={root}-text",
-        env=ENV,
-    )
+    r = _train("flux-lora", flux, images, root)
     assert r.returncode == 0, r.stderr[-3000:]
-    assert (root / "samples" / "step-000000002.png").is_file()
-    store = CheckpointStore(str(root / "checkpoints"), {})
-    info = store.check(2)
-    assert info.valid, info.reason
-    weights = store.read_tensors(info, "transformer.model.safetensors")
+    info, weights = _trained_lora(root)
     assert any(weights[k].abs().max() > 0 for k in weights if ".lora_B." in k)
 
 
 def _flux_run(flux, images, root, env):
-    return run_cli(
-        "train",
-        "flux-lora",
-        f"model.pretrained={flux}",
-        f"data.path={images}",
-        "data.image_size=16",
-        "data.val_fraction=0",
-        "model.text.max_tokens=8",
-        "train.max_steps=4",
-        "train.batch_size=2",
-        "train.lr=1e-2",
-        "train.num_workers=0",
-        "train.val_every_steps=0",
-        "checkpoint.every_steps=2",
-        "sample.every_steps=0",
-        f"run.dir={root}",
-        f"model.text.cache_dir={root}-text",
-        "task=probe_tasks:KillableDDPM",
-        env=env,
+    return _train(
+        "flux-lora", flux, images, root, "sample.every_steps=0", "task=probe_tasks:KillableDDPM", max_steps=4, env=env
     )
 
 
