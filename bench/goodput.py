@@ -100,7 +100,7 @@ class Costs:
     snapshot_stall_s: float = 0.17
     snapshot_write_s: float = 0.55
     detect_process_s: float = 1.13
-    detect_node_s: float = 13.5
+    detect_node_s: float = 56.5
     first_start_s: float | None = None  # the very first start's start-up (default: startup_s)
     state_gb_per_gpu: float = 1.2
     store_gbps: float = math.inf  # the durable store's aggregate bandwidth, GB/s
@@ -136,8 +136,10 @@ SOURCES = {
     "snapshot_stall_s": f"{BENCH} 'Memory tier': one overlapped 1.2 GB snapshot costs 0.17 s",
     "snapshot_write_s": f"{BENCH} 'Memory tier': copy to written 0.55 s (1.2 GB)",
     "detect_process_s": f"{BENCH} 'Recovery after a worker is SIGKILLed': kill -> new worker process 1.13 s (c10d)",
-    "detect_node_s": f"{BENCH} 'Memory tier': node loss, kill -> rank 0's new process 13-14 s (c10d, a fresh agent "
-    "joining included); etcd-v2 not measured yet (issue 49 deliver 5): the c10d figure is used",
+    "detect_node_s": "bench/results/detection-2026-11-28.json (bench/detection.py, docs/goodput.md 'Detection'): a "
+    "silent node (SIGSTOPped or partitioned) to the survivor's new worker, 56.2-56.7 s under c10d and etcd-v2 at the "
+    "defaults (step watchdog 25 s + torch's rendezvous: keep-alive 3 x 5 s, last call 30 s); a killed node 43-44 s. "
+    f"A fixed-size job whose fresh agent joins at once: 13.5 s ({BENCH} 'Memory tier')",
     "first_start_s": "startup_s unless given",
     "state_gb_per_gpu": f"the state the save figures were measured with ({BENCH} 'Checkpoints': 100M parameters + "
     "AdamW, 1.21 GB; about DiT-XL/2 with AdamW sharded over one 8-GPU node)",
