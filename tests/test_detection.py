@@ -141,9 +141,11 @@ def test_a_silent_node_is_noticed_and_the_survivor_restarts_without_it(tmp_path)
         "--rdzv-backend=c10d",
         f"--rdzv-endpoint=127.0.0.1:{port}",
         f"--rdzv-id=detect-{port}",
-        "--rdzv-conf=join_timeout=60,last_call_timeout=2,keep_alive_interval=1,keep_alive_max_attempt=3",
         "--monitor-interval=0.2",
     ]
+    # Agent a hosts the rendezvous store, said outright (is_host): both agents run on 127.0.0.1, where c10d
+    # lets whichever binds the port first host it, and a store in the stopped agent would stop a too.
+    conf = "--rdzv-conf=join_timeout=60,last_call_timeout=2,keep_alive_interval=1,keep_alive_max_attempt=3"
     ckpt = tmp_path / "ckpts"
     args = [
         f"checkpoint.url={ckpt}",
@@ -153,9 +155,8 @@ def test_a_silent_node_is_noticed_and_the_survivor_restarts_without_it(tmp_path)
         "elastic.step_timeout_seconds=5",
     ]
     log_a, log_b = tmp_path / "a.log", tmp_path / "b.log"
-    a = start_launch(rdzv, tiny(tmp_path / "a", *args, max_steps=100_000), log_a)
-    time.sleep(0.5)  # a hosts the rendezvous store
-    b = start_launch(rdzv, tiny(tmp_path / "b", *args, max_steps=100_000), log_b)
+    a = start_launch([*rdzv, f"{conf},is_host=true"], tiny(tmp_path / "a", *args, max_steps=100_000), log_a)
+    b = start_launch([*rdzv, f"{conf},is_host=false"], tiny(tmp_path / "b", *args, max_steps=100_000), log_b)
     stopped: list[int] = []
     try:
         wait_for_log(log_a, "world_size=2 ", a, timeout=240)
@@ -163,7 +164,7 @@ def test_a_silent_node_is_noticed_and_the_survivor_restarts_without_it(tmp_path)
         stopped = [b.pid, *descendants(b.pid)]
         for pid in stopped:
             os.kill(pid, signal.SIGSTOP)
-        text = wait_for_log(log_a, "world_size=1 restart=", a, timeout=90)
+        text = wait_for_log(log_a, "world_size=1 restart=", a, timeout=240)  # a hang bound only
     finally:
         for pid in stopped:
             try:
