@@ -15,11 +15,11 @@ from conftest import REPO, clean_env, run_cli
 from PIL import Image
 from safetensors.torch import load_file, save_file
 from test_text_encoders import WORDS
-from tiny_pipelines import BUILDERS
+from tiny_pipelines import BUILDERS, pipeline_config
 
 from trainer.checkpoint import CheckpointStore
 from trainer.errors import ConfigError
-from trainer.registry import load_config, task_class
+from trainer.registry import task_class
 from trainer.runs import load_frozen
 from trainer.tasks.base import TaskContext
 
@@ -44,12 +44,7 @@ def images(tmp_path_factory):
 
 
 def _config(sd, tmp_path, *overrides: str):
-    return load_config(
-        "sd15-lora",
-        [f"model.pretrained={sd}", "data.path=/unused", "data.image_size=16", f"model.text.cache_dir={tmp_path}/t"]
-        + list(overrides),
-        {},
-    )
+    return pipeline_config("sd15-lora", sd, tmp_path, *overrides)
 
 
 def test_a_pipeline_folder_sets_the_model_keys_and_refuses_contradicting_ones(sd, tmp_path):

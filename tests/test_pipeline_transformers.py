@@ -20,12 +20,12 @@ from conftest import REPO, clean_env, run_cli
 from PIL import Image
 from safetensors.torch import load_file
 from test_text_encoders import WORDS
-from tiny_pipelines import BUILDERS
+from tiny_pipelines import BUILDERS, pipeline_config
 
 from trainer.checkpoint import CheckpointStore
 from trainer.diffusion.backbones import MMDiTBackbone
 from trainer.errors import ConfigError
-from trainer.registry import load_config, task_class
+from trainer.registry import task_class
 from trainer.runs import load_frozen
 from trainer.tasks.base import TaskContext
 
@@ -39,12 +39,7 @@ def sd3(tmp_path_factory):
 
 
 def _config(folder, tmp_path, *overrides: str, preset: str = "sd3-lora"):
-    return load_config(
-        preset,
-        [f"model.pretrained={folder}", "data.path=/unused", "data.image_size=16", f"model.text.cache_dir={tmp_path}/t"]
-        + list(overrides),
-        {},
-    )
+    return pipeline_config(preset, folder, tmp_path, *overrides)
 
 
 def test_an_sd3_folder_sets_the_model_keys(sd3, tmp_path):

@@ -209,6 +209,20 @@ def pixart_sigma(root: Path) -> Path:
     return root / "pixart-sigma"
 
 
+def pipeline_config(preset: str, folder: Path, tmp_path: Path, *overrides: str):
+    """The config `gentrain train PRESET model.pretrained=FOLDER` reads (keys filled from the folder), with no
+    data read: what the tests of each family's config expansion load."""
+    from trainer.registry import load_config
+
+    keys = [
+        f"model.pretrained={folder}",
+        "data.path=/unused",
+        "data.image_size=16",
+        f"model.text.cache_dir={tmp_path}/t",
+    ]
+    return load_config(preset, [*keys, *overrides], {})
+
+
 BUILDERS = {"sd": sd, "sdxl": sdxl, "sd3": sd3, "flux": flux, "pixart-sigma": pixart_sigma}
 
-__all__ = ["BUILDERS", "_tokenizer"]
+__all__ = ["BUILDERS", "_tokenizer", "pipeline_config"]
