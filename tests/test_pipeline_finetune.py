@@ -8,14 +8,13 @@ from __future__ import annotations
 
 import shutil
 
-import numpy as np
 import pytest
 import torch
 from conftest import REPO, clean_env, run_cli
 from PIL import Image
 from safetensors.torch import load_file, save_file
 from test_text_encoders import WORDS
-from tiny_pipelines import BUILDERS, pipeline_config
+from tiny_pipelines import BUILDERS, captioned_images, pipeline_config
 
 from trainer.checkpoint import CheckpointStore
 from trainer.errors import ConfigError
@@ -34,13 +33,7 @@ def sd(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def images(tmp_path_factory):
-    """Six 16x16 RGB images, a caption in a .txt beside each."""
-    folder = tmp_path_factory.mktemp("images")
-    rng = np.random.default_rng(0)
-    for i in range(6):
-        Image.fromarray(rng.integers(0, 255, (16, 16, 3), dtype=np.uint8)).save(folder / f"{i}.png")
-        (folder / f"{i}.txt").write_text(" ".join(WORDS[i : i + 3]))
-    return folder
+    return captioned_images(tmp_path_factory.mktemp("images"), 6)
 
 
 def _config(sd, tmp_path, *overrides: str):

@@ -13,14 +13,12 @@ from __future__ import annotations
 
 import json
 
-import numpy as np
 import pytest
 import torch
 from conftest import REPO, clean_env, run_cli
-from PIL import Image
 from safetensors.torch import load_file
 from test_text_encoders import WORDS
-from tiny_pipelines import BUILDERS, pipeline_config
+from tiny_pipelines import BUILDERS, captioned_images, pipeline_config
 
 from trainer.checkpoint import CheckpointStore
 from trainer.diffusion.backbones import MMDiTBackbone
@@ -128,12 +126,7 @@ def test_the_first_prediction_is_diffusers_sd3_transformers(sd3, tmp_path, lora)
 
 @pytest.fixture(scope="module")
 def images(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("images")
-    rng = np.random.default_rng(0)
-    for i in range(4):
-        Image.fromarray(rng.integers(0, 255, (16, 16, 3), dtype=np.uint8)).save(folder / f"{i}.png")
-        (folder / f"{i}.txt").write_text(" ".join(WORDS[i : i + 3]))
-    return folder
+    return captioned_images(tmp_path_factory.mktemp("images"), 4)
 
 
 def _train(preset: str, folder, images, root, *extra: str, max_steps: int = 2, env=None):

@@ -209,6 +209,19 @@ def pixart_sigma(root: Path) -> Path:
     return root / "pixart-sigma"
 
 
+def captioned_images(folder: Path, n: int) -> Path:
+    """`n` random 16x16 RGB images in `folder`, a caption of three known words in a .txt beside each."""
+    import numpy as np
+    from PIL import Image
+    from test_text_encoders import WORDS
+
+    rng = np.random.default_rng(0)
+    for i in range(n):
+        Image.fromarray(rng.integers(0, 255, (16, 16, 3), dtype=np.uint8)).save(folder / f"{i}.png")
+        (folder / f"{i}.txt").write_text(" ".join(WORDS[i : i + 3]))
+    return folder
+
+
 def pipeline_config(preset: str, folder: Path, tmp_path: Path, *overrides: str):
     """The config `gentrain train PRESET model.pretrained=FOLDER` reads (keys filled from the folder), with no
     data read: what the tests of each family's config expansion load."""
@@ -225,4 +238,4 @@ def pipeline_config(preset: str, folder: Path, tmp_path: Path, *overrides: str):
 
 BUILDERS = {"sd": sd, "sdxl": sdxl, "sd3": sd3, "flux": flux, "pixart-sigma": pixart_sigma}
 
-__all__ = ["BUILDERS", "_tokenizer", "pipeline_config"]
+__all__ = ["BUILDERS", "_tokenizer", "captioned_images", "pipeline_config"]

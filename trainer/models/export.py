@@ -253,7 +253,7 @@ def write_export(
     fs.pipe_file(marker_path, (json.dumps(marker, indent=2, sort_keys=True) + "\n").encode())
     fault = os.environ.get(FAULT_EXPORT_AFTER_FOLDER)
     for name, (module, extras) in export.models.items():
-        prefix = getattr(export, "lora_prefixes", {}).get(name)
+        prefix = export.lora_prefixes.get(name)
         written += write_folder(module, f"{out}/{name}", extras, storage_options, lora_prefix=prefix)
         if fault == name:
             raise OSError(errno.EIO, f"failpoint {FAULT_EXPORT_AFTER_FOLDER}={name}: failing after {name}/")

@@ -64,7 +64,6 @@ class Family:
     required: Mapping[str, Any]  # slot -> (library, classes) | _TOKENIZER | _SCHEDULER
     optional: Mapping[str, Any] = field(default_factory=dict)  # slots a folder may hold or set to null
     ignored: tuple[str, ...] = ()  # slots gentrain never reads (a safety checker, an image processor)
-    lora_prefix: str = "unet"  # the key prefix diffusers' `load_lora_weights` expects for the denoiser
 
 
 _SD_IGNORED = ("safety_checker", "feature_extractor", "image_encoder")
@@ -109,7 +108,6 @@ FAMILIES: tuple[Family, ...] = (
         # SD3 runs without T5 (its slot null): diffusers' encode_prompt then pads with zeros.
         optional={"text_encoder_3": _T5, "tokenizer_3": _TOKENIZER},
         ignored=("image_encoder", "feature_extractor"),
-        lora_prefix="transformer",
     ),
     Family(
         "flux",
@@ -125,7 +123,6 @@ FAMILIES: tuple[Family, ...] = (
             "scheduler": _SCHEDULER,
         },
         ignored=("image_encoder", "feature_extractor"),
-        lora_prefix="transformer",
     ),
     Family(
         "pixart-sigma",
@@ -133,7 +130,6 @@ FAMILIES: tuple[Family, ...] = (
         "transformer",
         "PixArtTransformer2DModel",
         {"vae": _VAE, "text_encoder": _T5, "tokenizer": _TOKENIZER, "scheduler": _SCHEDULER},
-        lora_prefix="transformer",
     ),
 )
 
