@@ -411,3 +411,99 @@ def test_a_sigkilled_flux_lora_run_resumes_bit_identically(flux, images, tmp_pat
         ta, tb = a.read_tensors(ia, name), b.read_tensors(ib, name)
         assert ta.keys() == tb.keys(), name
         assert all(torch.equal(ta[k], tb[k]) for k in ta), name
+
+
+# ---------------------------------------------------------------- LoRA files out, drawn by diffusers
+
+
+def _exported(preset: str, folder, images, tmp_path, steps: int = 2, scale: float = 3.0):
+    """A 2-step fp32 LoRA run of `preset` on `folder`, exported: (export folder, the run's objective, gentrain's
+    images for "the red photo" x 2 at seed 7, `steps` steps and guidance `scale`)."""
+    from trainer.checkpoint import CheckpointView
+    from trainer.runs import load_for_inference
+    from trainer.tasks.sampling import SampleRequest
+
+    root = tmp_path / "run"
+    r = _train(preset, folder, images, root, "train.precision=no", "sample.every_steps=0")
+    assert r.returncode == 0, r.stderr[-3000:]
+    out = tmp_path / "export"
+    r = run_cli("checkpoints", "export", str(root / "checkpoints"), str(out), env=ENV)
+    assert r.returncode == 0, r.stderr[-3000:]
+    adapters = load_file(out / "transformer-lora" / "pytorch_lora_weights.safetensors")
+    assert adapters and all(k.startswith("transformer.") for k in adapters)
+    store = CheckpointStore(str(root / "checkpoints"), {})
+    _, task, modules = load_for_inference(CheckpointView(store, store.check(2)), use_ema=True, device=CPU)
+    request = SampleRequest(num=2, seed=7, prompts=["the red photo"], inference_steps=steps, guidance_scale=scale)
+    return out, task.objective, task.sample(modules, request, CPU)
+
+
+@pytest.mark.slow
+def test_the_exported_flux_lora_loads_into_the_base_pipeline_and_draws_what_gentrain_samples(flux, images, tmp_path):
+    """Flux.1 (dev: guidance embedding; schnell: none): the base FluxPipeline plus `load_lora_weights(OUT/
+    transformer-lora)` draws gentrain's images within 1/255: the same packed noise, ids and embedded guidance
+    (dev: the run's 3.5), gentrain's classifier-free guidance as the pipeline's `true_cfg_scale` with the empty
+    negative prompt, on the run's flow schedule (its scheduler and sigmas: FluxPipeline's own are other ones)."""
+    from diffusers import FluxPipeline
+
+    steps, scale = 2, 3.0
+    out, objective, ours = _exported("flux-lora", flux, images, tmp_path, steps, scale)
+    pipe = FluxPipeline.from_pretrained(flux)
+    pipe.load_lora_weights(str(out / "transformer-lora"))
+    assert pipe.transformer.peft_config, "diffusers loaded no adapter"
+    pipe.scheduler = objective.inference_scheduler("ddim")
+    probe = objective.inference_scheduler("ddim")
+    probe.set_timesteps(steps)
+
+    def draw():
+        return pipe(
+            ["the red photo"] * 2,
+            negative_prompt="",
+            true_cfg_scale=scale,
+            guidance_scale=3.5,  # dev's embedded guidance (model.backbone.guidance_scale); schnell ignores it
+            height=16,
+            width=16,
+            num_inference_steps=steps,
+            sigmas=probe.sigmas[:-1].tolist(),
+            max_sequence_length=8,
+            generator=torch.Generator().manual_seed(7),
+            output_type="pt",
+        ).images
+
+    theirs = draw()
+    assert ours.shape == theirs.shape
+    assert (ours - theirs).abs().max() <= 1 / 255
+    pipe.unload_lora_weights()
+    assert (draw() - ours).abs().max() > 1 / 255
+
+
+@pytest.mark.slow
+def test_the_exported_pixart_sigma_transformer_draws_what_gentrain_samples(pixart, images, tmp_path):
+    """PixArt-Sigma (diffusers has no LoRA loader for its pipeline or transformer): the base PixArtSigmaPipeline
+    with the exported transformer (adapters merged) draws gentrain's images within 1/255 on the run's DDIM
+    schedule (the noise half of the learned-sigma output, the masked T5 tokens, no resolution binning at 16 px)."""
+    from diffusers import PixArtSigmaPipeline, PixArtTransformer2DModel
+
+    steps, scale = 2, 3.0
+    out, objective, ours = _exported("pixart-sigma-lora", pixart, images, tmp_path, steps, scale)
+
+    def draw(pipe):
+        pipe.scheduler = objective.inference_scheduler("ddim")
+        return pipe(
+            ["the red photo"] * 2,
+            height=16,
+            width=16,
+            num_inference_steps=steps,
+            guidance_scale=scale,
+            eta=0.0,
+            use_resolution_binning=False,
+            clean_caption=False,
+            max_sequence_length=8,
+            generator=torch.Generator().manual_seed(7),
+            output_type="pt",
+        ).images
+
+    merged = PixArtTransformer2DModel.from_pretrained(out / "transformer")
+    theirs = draw(PixArtSigmaPipeline.from_pretrained(pixart, transformer=merged))
+    assert ours.shape == theirs.shape
+    assert (ours - theirs).abs().max() <= 1 / 255
+    assert (draw(PixArtSigmaPipeline.from_pretrained(pixart)) - ours).abs().max() > 1 / 255  # the base alone
