@@ -103,6 +103,104 @@ def test_the_ledger_says_when_the_training_thread_entered_its_kind():
     assert ledger.current()[0] == "idle" and ledger.current()[1] >= entered
 
 
+def test_outside_a_step_the_watchdog_trips_only_on_one_collective_call_that_outlasts_the_phase_timeout():
+    clock = Clock()
+    phases = Phases(clock)
+    calls: list = [None]  # the main thread's collective call now (what _main_thread_collective returns)
+    dog = StepWatchdog(phases, 25.0, clock=clock, wait_timeout_seconds=60.0, collective=lambda: calls[0])
+    # Armed from the start (a resume's agreement comes before any step), in every kind but a step's.
+    for kind in ("restore", "checkpoint_stall", "eval", "idle", "data_wait"):
+        phases.enter(kind)
+        clock.now += 500  # a long phase outside any collective: never a hang
+        assert dog.waiting_too_long() is None, kind
+        calls[0] = object()  # one collective call begins
+        assert dog.waiting_too_long() is None
+        clock.now += 59
+        assert dog.waiting_too_long() is None
+        clock.now += 2
+        assert dog.waiting_too_long() == pytest.approx(61), kind
+        calls[0] = object()  # many short calls in a row (a loop of all-reduces): each its own clock
+        assert dog.waiting_too_long() is None
+        clock.now += 30
+        calls[0] = None
+        assert dog.waiting_too_long() is None
+    # In a step the step's own limit decides (the collective is the step's); a compile waits as long as it takes.
+    phases.enter("train")
+    calls[0] = object()
+    dog.waiting_too_long()
+    clock.now += 100
+    assert dog.waiting_too_long() is None
+    phases.enter("eval")
+    dog.compile_started()
+    assert dog.waiting_too_long() is None
+    dog.compile_ended()
+    assert dog.waiting_too_long() == pytest.approx(100)
+    # elastic.phase_timeout_seconds=0: off.
+    off = StepWatchdog(phases, 25.0, clock=clock, wait_timeout_seconds=0.0, collective=lambda: calls[0])
+    off.waiting_too_long()
+    clock.now += 10_000
+    assert off.waiting_too_long() is None
+
+
+# Two processes in one gloo group (a 600 s collective timeout). Both agree once (a save's gather), spend longer
+# than the phase timeout outside any collective (an evaluation), then rank 1 stops itself (SIGSTOP: a node gone
+# silent, its socket open) and rank 0 enters the next gather, which never returns.
+PHASE_SCRIPT = """
+import datetime, os, signal, sys, time
+import torch.distributed as dist
+from trainer.elastic import StepWatchdog, gather_objects
+from trainer.engine.goodput import TimeLedger
+rank = int(sys.argv[1])
+dist.init_process_group("gloo", rank=rank, world_size=2, timeout=datetime.timedelta(seconds=600))
+ledger = TimeLedger(time.time())
+dog = StepWatchdog(ledger, 25.0, step=lambda: 40, rank=rank, wait_timeout_seconds=1.0)
+dog.start()
+ledger.switch("checkpoint_stall")
+gather_objects(rank)
+ledger.switch("eval")
+time.sleep(2.5)
+print("evaluated", flush=True)
+ledger.switch("checkpoint_stall")
+if rank == 1:
+    os.kill(os.getpid(), signal.SIGSTOP)
+gather_objects(rank)
+print("gathered", flush=True)
+"""
+
+
+@pytest.mark.slow
+def test_a_peer_silent_outside_a_step_is_noticed_within_the_phase_timeout(tmp_path):
+    env = clean_env(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", PHASE_SCRIPT, str(rank)],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=env,
+            cwd=REPO,
+            start_new_session=True,
+        )
+        for rank in (0, 1)
+    ]
+    try:
+        out, err = procs[0].communicate(timeout=240)  # a hang bound only: without the bound, 600 s
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
+            p.communicate()
+    assert procs[0].returncode == EXIT_STEP_TIMEOUT, err
+    assert "evaluated" in out and "gathered" not in out, out  # the long evaluation passed; the hung gather did not
+    lines = [line for line in err.splitlines() if "step watchdog" in line]
+    assert len(lines) == 1 and "Traceback" not in err, err
+    assert re.search(
+        r"\[rank 0\] step watchdog: one collective call outside a training step \(checkpoint_stall, step 40\) "
+        r"has not returned after \d+\.\d s \(elastic.phase_timeout_seconds=1\)",
+        lines[0],
+    ), lines[0]
+
+
 WATCHDOG_SCRIPT = """
 import threading, time
 from trainer.elastic import StepWatchdog

@@ -241,9 +241,26 @@ class StopCheck:
 
 # The kinds of trainer.engine.goodput.TimeLedger the watchdog watches: a training step (first time or redone).
 # Saves (`checkpoint_stall`), evaluations and previews (`eval`), data waits, FLOP counting and calibration
-# (`idle`) take as long as they take; what hangs in them is bounded by elastic.collective_timeout_seconds.
+# (`idle`), the resume (`restore`) take as long as they take; what hangs in them is one collective call that
+# does not return, bounded by elastic.phase_timeout_seconds (the wait in that one call, not the phase).
 WATCHED_KINDS = ("train", "redone")
 STEP_TIMEOUT_FACTOR = 5.0  # the timeout is at least this many of the process's mean step
+# Where torch.distributed's Python-level collectives run (the calls and their logging wrappers): a main thread
+# with one of these files on its stack is waiting in a collective (gloo always; NCCL in barriers and object
+# collectives, whose results are copied to the host inside the call).
+_COLLECTIVE_FILES = ("distributed_c10d.py", "c10d_logger.py")
+
+
+def _main_thread_collective() -> Any:
+    """The outermost torch.distributed collective frame on the main thread's stack, or None: the same object
+    for as long as that one call lasts, a new one for the next call."""
+    frame = sys._current_frames().get(threading.main_thread().ident or -1)
+    found = None
+    while frame is not None:
+        if os.path.basename(frame.f_code.co_filename) in _COLLECTIVE_FILES:
+            found = frame
+        frame = frame.f_back
+    return found
 
 
 class StepWatchdog:
@@ -260,6 +277,12 @@ class StepWatchdog:
     a compile ends. It exits the way SIGTERM's deadline does (`_say`, `exit_now`: no interpreter shutdown
     that would wait on the hung collective); torchrun's agent then restarts the worker group, which resumes
     from the newest checkpoint, so exact resume is unaffected.
+
+    Outside a training step (the resume's agreement, a save's gather, an evaluation's all-reduce, the data
+    agreement) a phase may rightly take minutes, so its length says nothing; what hangs there is one
+    collective call that never returns. The thread samples the main thread's stack (`collective`) and exits
+    the same way once one such call has lasted `wait_timeout_seconds` (elastic.phase_timeout_seconds), armed
+    from the start: a silent peer is noticed there too, not after elastic.collective_timeout_seconds.
     """
 
     def __init__(
@@ -269,9 +292,14 @@ class StepWatchdog:
         step: Callable[[], int] = lambda: -1,
         rank: int | None = None,
         clock: Callable[[], float] = time.monotonic,
+        wait_timeout_seconds: float = 0.0,
+        collective: Callable[[], Any] = _main_thread_collective,
     ) -> None:
         self.ledger = ledger  # anything with current() -> (kind, entered at clock())
         self.timeout_seconds = timeout_seconds
+        self.wait_timeout_seconds = wait_timeout_seconds
+        self.collective = collective  # the main thread's collective call now (any object), or None
+        self._wait: tuple[Any, float] = (None, 0.0)  # that call, and when it was first seen
         self.step = step
         self.rank = rank
         self.clock = clock
@@ -312,9 +340,24 @@ class StepWatchdog:
         waited = self.clock() - max(entered, self._compile_ended)
         return waited if waited > self.timeout() else None
 
+    def waiting_too_long(self) -> float | None:
+        """Seconds the main thread has been in one collective call outside a training step, if that is past
+        `wait_timeout_seconds` and no compile runs; else None. Call it once per poll: it notes the call."""
+        call = self.collective() if self.wait_timeout_seconds > 0 else None
+        if call is None:
+            self._wait = (None, 0.0)
+            return None
+        if call is not self._wait[0]:  # a new call: its clock starts now
+            self._wait = (call, self.clock())
+            return None
+        if self._compiling or self.ledger.current()[0] in WATCHED_KINDS:  # a step's wait is the step's
+            return None
+        waited = self.clock() - self._wait[1]
+        return waited if waited > self.wait_timeout_seconds else None
+
     # ---- the thread
     def start(self) -> None:
-        if self.timeout_seconds <= 0:
+        if self.timeout_seconds <= 0 and self.wait_timeout_seconds <= 0:
             return
         try:  # dynamo's compile callbacks (torch >= 2.5): a recompile inside a step is no hang
             from torch._dynamo.callback import callback_handler
@@ -338,10 +381,14 @@ class StepWatchdog:
                 pass
 
     def _watch(self) -> None:
-        while not self._stopped.wait(min(0.25, max(self.timeout_seconds / 10, 0.05))):
+        shortest = min(t for t in (self.timeout_seconds, self.wait_timeout_seconds) if t > 0)
+        while not self._stopped.wait(min(0.25, max(shortest / 10, 0.05))):
             waited = self.overdue()
             if waited is not None and not self._stopped.is_set():
                 self._trip(waited)
+            waited = self.waiting_too_long()
+            if waited is not None and not self._stopped.is_set():
+                self._trip_waiting(waited)
 
     def _trip(self, waited: float) -> NoReturn:
         who = f"[rank {self.rank}] " if self.rank is not None else ""
@@ -352,6 +399,17 @@ class StepWatchdog:
             f"{STEP_TIMEOUT_FACTOR:g} x the mean step {mean:.3g} s); the main thread waits in "
             f"{_main_thread_location()}, most likely a collective whose peer is lost or silent. Exiting "
             f"{EXIT_STEP_TIMEOUT} so torchrun restarts the worker group from the newest checkpoint"
+        )
+        exit_now(EXIT_STEP_TIMEOUT)
+
+    def _trip_waiting(self, waited: float) -> NoReturn:
+        who = f"[rank {self.rank}] " if self.rank is not None else ""
+        _say(
+            f"{who}step watchdog: one collective call outside a training step ({self.ledger.current()[0]}, step "
+            f"{self.step()}) has not returned after {waited:.1f} s (elastic.phase_timeout_seconds="
+            f"{self.wait_timeout_seconds:g}); the main thread waits in {_main_thread_location()}, most likely for "
+            f"a peer that is lost or silent. Exiting {EXIT_STEP_TIMEOUT} so torchrun restarts the worker group "
+            "from the newest checkpoint"
         )
         exit_now(EXIT_STEP_TIMEOUT)
 

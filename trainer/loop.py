@@ -83,6 +83,7 @@ class Trainer:
             cfg.elastic.step_timeout_seconds if env.world_size > 1 else 0.0,
             lambda: self.progress.step,
             env.rank if env.world_size > 1 else None,
+            wait_timeout_seconds=cfg.elastic.phase_timeout_seconds if env.world_size > 1 else 0.0,
         )
         t = cfg.train
         check_batch_split(t.batch_size, env.world_size, t.grad_accum)  # fail before any set-up

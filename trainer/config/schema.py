@@ -214,6 +214,13 @@ class ElasticConfig(_Section):
         "evaluations and compiles excluded) exits 3 so torchrun restarts: how a silent or lost peer is noticed "
         "with several processes; 0 = off",
     )
+    phase_timeout_seconds: float = Field(
+        300.0,
+        ge=0,
+        description="outside a training step (resume, saves, evaluations, the data agreement), one collective "
+        "call that waits longer than this exits 3 so torchrun restarts: a silent peer noticed there too; above "
+        "the longest wait a resume's verification or a synchronous save makes the other ranks do; 0 = off",
+    )
     mtbf_hours: float | None = Field(
         None,
         gt=0,
