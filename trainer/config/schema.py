@@ -335,8 +335,9 @@ class DataConfig(_Section):
     image_path: str | None = Field(None, description="image_source=folder: a folder of images")
     buckets: Literal["auto"] | list[tuple[Annotated[int, Field(ge=1)], Annotated[int, Field(ge=1)]]] | None = Field(
         None,
-        description="folder: aspect-ratio buckets, a list of [height, width] or auto (image_size^2 pixels, sides "
-        "multiples of bucket_step, ratio <= bucket_max_ratio; docs/data.md); null = square image_size crops",
+        description="folder, hf, shards: aspect-ratio buckets, a list of [height, width] or auto (image_size^2 "
+        "pixels, sides multiples of bucket_step, ratio <= bucket_max_ratio; docs/data.md); null = square "
+        "image_size crops",
     )
     bucket_step: int = Field(64, ge=1, description="buckets: every side a multiple of this (the model's factor)")
     bucket_max_ratio: float = Field(
@@ -385,10 +386,11 @@ class DataConfig(_Section):
                 raise ValueError("data.image_source=folder needs data.image_path (a folder of images)")
         if self.source == "video" and not self.path:
             raise ValueError("data.source=video needs data.path (a folder of .gif/.mp4/.webm/.mkv/.mov clips)")
-        if self.buckets is not None and self.source != "folder":
+        if self.buckets is not None and (self.source not in ("folder", "hf", "shards") or self.num_frames > 1):
             raise ValueError(
-                f"data.buckets is set but data.source={self.source}: aspect-ratio buckets are read from image "
-                "folders so far (data.source=folder); unset data.buckets"
+                f"data.buckets is set but data.source={self.source}"
+                f"{f' with data.num_frames={self.num_frames}' if self.num_frames > 1 else ''}: aspect-ratio buckets "
+                "are for images (data.source=folder, hf or shards); unset data.buckets"
             )
         if self.source == "shards" and not self.urls:
             raise ValueError(

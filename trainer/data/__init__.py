@@ -68,6 +68,7 @@ def build_dataset(cfg: Config):
             label_column=d.label_column,
             storage_options=d.storage_options,
             check_readable=d.max_skipped_fraction < 1,
+            crop=d.crop,
         )
     return ImageFolderDataset(
         d.path,
@@ -83,6 +84,11 @@ def build_splits(cfg: Config) -> tuple[Subset, Subset | None, int | None]:
     """(train, validation or None, number of classes or None)."""
     if cfg.data.source == "shards":
         train, val, num_classes = build_shard_splits(cfg)
+        if cfg.data.buckets is not None or (train.encoding or {}).get("buckets") is not None:
+            # Imported here: only a run in buckets needs it (it reads each sample's size once per data version).
+            from trainer.data.bucket_sources import bucketed_shards
+
+            train, val = bucketed_shards(cfg, train, val)
     else:
         train, val, num_classes = split(build_dataset(cfg), cfg.data.val_fraction, cfg.data.flip, sample_shape(cfg))
         if cfg.data.buckets is not None:
@@ -111,7 +117,12 @@ def bucketed(cfg: Config, train: Subset):
 
     d, ds = cfg.data, train.dataset
     buckets = bucket_list(d)
-    sizes, listing = image_sizes(ds.store, ds.files, cfg.run_dir)
+    if isinstance(ds, HFDataset):
+        from trainer.data.bucket_sources import hf_sizes  # here: only a bucketed HF run reads its rows' sizes
+
+        sizes, listing = hf_sizes(ds, cfg.run_dir)
+    else:
+        sizes, listing = image_sizes(ds.store, ds.files, cfg.run_dir)
     plan = BucketPlan(sizes, buckets, d.bucket_max_ratio, d.bucket_min_fraction)
     digest = plan_digest(listing, buckets, d.bucket_max_ratio, d.bucket_min_fraction)
     out = BucketedSubset(ds, train.indices, train.flip, d.channels, plan, digest, cfg.train.batch_size)
@@ -164,6 +175,7 @@ def build_shard_splits(cfg: Config):
             num_frames=frames,
             frame_stride=d.frame_stride,
             merge_gap=d.read_merge_gap,
+            crop=d.crop,
         )
 
     train_set = shard_set(d.urls, "data.urls")

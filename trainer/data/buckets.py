@@ -135,6 +135,15 @@ class BucketPlan:
             else:
                 self.assign[i] = int(nearest[row])
 
+    @classmethod
+    def from_assignment(cls, assign: Sequence[int], buckets: Sequence[Bucket]) -> BucketPlan:
+        """A plan whose buckets were decided before (`gentrain data encode`'s, recorded per sample; -1:
+        unreadable, its index lost or refused)."""
+        plan = cls([], buckets, 64.0, 0.0)
+        plan.assign = np.asarray(assign, dtype=np.int64)
+        plan.reasons = {int(i): "unreadable" for i in np.flatnonzero(plan.assign < 0)}
+        return plan
+
     def counts(self, indices: Sequence[int] | None = None) -> dict[str, int]:
         """Skipped images by reason (of `indices` only, when given)."""
         chosen = self.reasons if indices is None else {i: self.reasons[i] for i in indices if i in self.reasons}
@@ -186,19 +195,28 @@ def image_sizes(store, files: Sequence[PurePath], cache_dir: str | None) -> tupl
     when one of this listing is there, else from the headers (and written there for the next process:
     atomically, so processes that race write the same file)."""
     digest = listing_digest(store, files)
+    sizes = cached_sizes(digest, len(files), cache_dir, lambda: [read_size(store, p) for p in files])
+    return [tuple(s) if s else None for s in sizes], digest
+
+
+def cached_sizes(digest: str, count: int, cache_dir: str | None, read, what: str = "images") -> list:
+    """`count` per-sample values (JSON: a size, a bucket number, None) of the dataset version `digest`: from
+    the manifest `cache_dir/data/buckets-<digest>.json` when it holds them, else `read()` (one pass over the
+    data), written there for the next process (atomically: processes that race write the same file). Every
+    source's sizes are kept this way (trainer.data.bucket_sources: HF datasets, shards, latent shards)."""
     path = Path(cache_dir, "data", f"buckets-{digest[:32]}.json") if cache_dir else None
     if path is not None and path.exists():
         try:
             saved = json.loads(path.read_text())
             if saved.get("format") == MANIFEST_FORMAT and saved.get("listing") == digest:
                 sizes = saved["sizes"]
-                if isinstance(sizes, list) and len(sizes) == len(files):
-                    log.info("image sizes of %d images from %s", len(files), path)
-                    return [tuple(s) if s else None for s in sizes], digest
+                if isinstance(sizes, list) and len(sizes) == count:
+                    log.info("sizes of %d %s from %s", count, what, path)
+                    return sizes
         except (OSError, ValueError, KeyError, TypeError):
-            pass  # a damaged manifest is read again from the images
-    sizes = [read_size(store, p) for p in files]
-    log.info("read the sizes of %d images from their headers", len(files))
+            pass  # a damaged manifest is read again from the data
+    sizes = [list(s) if isinstance(s, tuple) else s for s in read()]
+    log.info("read the sizes of %d %s from the data", count, what)
     if path is not None:
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
@@ -206,8 +224,8 @@ def image_sizes(store, files: Sequence[PurePath], cache_dir: str | None) -> tupl
             tmp.write_text(json.dumps({"format": MANIFEST_FORMAT, "listing": digest, "sizes": sizes}))
             os.replace(tmp, path)
         except OSError as e:
-            log.warning("could not write the image-size manifest %s (%s): sizes are read again next time", path, e)
-    return sizes, digest
+            log.warning("could not write the size manifest %s (%s): sizes are read again next time", path, e)
+    return sizes
 
 
 def plan_digest(listing: str, buckets: Sequence[Bucket], max_ratio: float, min_fraction: float) -> str:

@@ -27,6 +27,14 @@ name, moving it in place, then writing its index the same way: a shard without i
 (re-encoded on resume), a finished one is kept. `shards.json`, with the `encoded` settings a training run
 checks, is written last, by whichever rank finds every shard finished.
 
+With `data.buckets` (aspect-ratio buckets, trainer/data/buckets.py) each sample is loaded at its bucket's
+shape (resized to cover it, cropped by `data.crop`: a random crop is drawn once, from the sample's seed) and
+its posterior is that bucket's latent shape; samples without a bucket (too extreme, too small, unreadable)
+are skipped and counted. The settings record the buckets and each one's latent shape (`buckets`), each
+shard's index every sample's bucket number (`buckets`, in sample order), which a training run reads to
+put each sample in its bucket (trainer/data/bucket_sources.py); a run whose `data.buckets` are not these
+exits 2 naming both.
+
 Pinned by content (issue 47): each shard's index records the settings it was encoded with (the
 autoencoder's digest among them), the tar's blake3 and each sample's (see `trainer.data.shards.index`),
 and `shards.json` every shard's tar and index digests. A rerun checks every index already in the folder
@@ -110,7 +118,7 @@ def _source(cfg) -> _Source:
         shards = load_shard_list(d.urls, d.storage_options, "data.urls")
         if shards.encoded is not None:
             raise ConfigError(f"data encode: data.urls={d.urls!r} are already encoded shards, not images")
-        ss = ShardSet(shards, d.storage_options, d.image_size, d.channels, retries=d.read_retries)
+        ss = ShardSet(shards, d.storage_options, d.image_size, d.channels, retries=d.read_retries, crop=d.crop)
         split = ShardSplit(ss, "all", 0.0, False, shape)
 
         def shard_key(i: int) -> str:
@@ -291,6 +299,9 @@ def encode_dataset(
 
         encoder = TextEncoder(text_cfg, options, run_on=device)
     src = _source(cfg)
+    bucketing = None
+    if cfg.data.buckets is not None:
+        src, bucketing, unplaced = _bucketed_source(cfg, src, latent)
     n = len(src)
     order = np.random.default_rng(shuffle_seed).permutation(n) if shuffle_seed is not None else np.arange(n)
     settings = _settings(
@@ -303,6 +314,7 @@ def encode_dataset(
         samples=n,
         samples_per_shard=samples_per_shard,
         shuffle_seed=shuffle_seed,
+        **({"buckets": bucketing.settings} if bucketing is not None else {}),
     )
     fs = filesystem(out_url, storage_options)
     out = out_url.rstrip("/")
@@ -314,6 +326,8 @@ def encode_dataset(
     num_shards = -(-n // samples_per_shard)
     mine = list(range(rank, num_shards, world_size))
     summary = PackSummary()
+    if bucketing is not None:
+        summary.skipped = sum(unplaced.values())  # the samples without a bucket: never encoded
     np_dtype = np.float16 if dtype == "float16" else np.float32
     done_here = 0
 
@@ -328,9 +342,12 @@ def encode_dataset(
             continue
         positions = list(range(j * samples_per_shard, min((j + 1) * samples_per_shard, n)))
         samples: list[dict[str, bytes]] = []
+        sample_buckets: list[int] = []  # each written sample's bucket number (a bucketed encode)
         for b in range(0, len(positions), batch_size):
             chunk = positions[b : b + batch_size]
-            refs = [SampleRef(index=int(order[p]), position=k) for k, p in enumerate(chunk)]
+            # A bucketed source loads a ref with a seed at its bucket's shape (its random crop drawn from it).
+            seed = cfg.seed if bucketing is not None else None
+            refs = [SampleRef(index=int(order[p]), position=k, seed=seed) for k, p in enumerate(chunk)]
             got = src.items.__getitems__(refs) if hasattr(src.items, "__getitems__") else [src.items[r] for r in refs]
             ok = [k for k, item in enumerate(got) if item[4]]
             summary.skipped += len(chunk) - len(ok)
@@ -339,10 +356,7 @@ def encode_dataset(
                     log.warning("data encode: skipping %s", item[5].get("skip_reason", f"sample {refs[k].index}"))
             if not ok:
                 continue
-            images = torch.stack([got[k][0] for k in ok])
-            members = {"": posterior(images)}
-            if flip:
-                members["flip."] = posterior(images.flip(-1))
+            members = _posteriors(posterior, [got[k][0] for k in ok], flip)
             captions = [str(got[k][5].get("caption", "")) for k in ok]
             emb = encoder.encode(captions, device) if encoder is not None else None
             for i, k in enumerate(ok):
@@ -359,6 +373,8 @@ def encode_dataset(
                     for name, t in (("tokens", emb.tokens), ("mask", emb.mask), ("pooled", emb.pooled)):
                         sample[f"text.{name}.npy"] = _npy(t[i].float().cpu().numpy().astype(np_dtype))
                 samples.append(sample)
+                if bucketing is not None:
+                    sample_buckets.append(int(bucketing.bucket[refs[k].index]))
         with tempfile.NamedTemporaryFile(suffix=".tar") as tmp:
             with TarWriter(tmp.name, encoder=False, mtime=0) as writer:
                 for sample in samples:
@@ -371,6 +387,7 @@ def encode_dataset(
                 "digest": digest(data),
                 "sample_digests": [sample_digest(view[a:b]).hex() for a, b in zip(offsets, offsets[1:], strict=False)],
                 "encoded": settings,
+                **({"buckets": sample_buckets} if bucketing is not None else {}),
             }
             size = len(data)
             del view, data
@@ -384,6 +401,79 @@ def encode_dataset(
             return summary
     _maybe_write_shard_list(fs, out, num_shards, settings, src.classes, src.num_classes)
     return summary
+
+
+def _posteriors(posterior, images: list[torch.Tensor], flip: bool) -> dict[str, tuple[list, list]]:
+    """{"": (means, stds)} of `images` (and "flip.": their mirrors'), one entry an image, in order; the images
+    of one shape go through the autoencoder together (a chunk of a bucketed encode holds several shapes, a
+    square encode's is one batch as before)."""
+    groups: dict[tuple[int, ...], list[int]] = {}
+    for i, x in enumerate(images):
+        groups.setdefault(tuple(x.shape), []).append(i)
+    prefixes = ("", "flip.") if flip else ("",)
+    out: dict[str, tuple[list, list]] = {p: ([None] * len(images), [None] * len(images)) for p in prefixes}
+    for idx in groups.values():
+        batch = torch.stack([images[i] for i in idx])
+        for prefix, (means, stds) in out.items():
+            mean, std = posterior(batch.flip(-1) if prefix else batch)
+            for j, i in enumerate(idx):
+                means[i], stds[i] = mean[j], std[j]
+    return out
+
+
+@dataclass
+class _Bucketing:
+    """A bucketed encode: each sample's bucket number (by the bucketed source's index) and the settings."""
+
+    bucket: np.ndarray
+    settings: dict
+
+
+def _bucketed_source(cfg, src: _Source, latent) -> tuple[_Source, _Bucketing, dict[str, int]]:
+    """The source's samples that have a bucket (data.buckets' rules), each loaded at its bucket's shape; the
+    buckets' settings (the list, each one's latent shape, the rules); the skipped ones counted by reason."""
+    # Imported here: trainer.data imports this package's modules, and only a bucketed encode needs these.
+    from trainer.data.bucket_sources import BucketedShardSplit, hf_sizes, shard_sizes
+    from trainer.data.buckets import BucketedSubset, BucketPlan, bucket_list, image_sizes, plan_digest
+    from trainer.data.hf import HFDataset
+
+    d = cfg.data
+    buckets = bucket_list(d)
+    factor = latent.geometry.downsample
+    bad = [f"{h}x{w}" for h, w in buckets if h % factor or w % factor]
+    if bad:
+        raise ConfigError(
+            f"data encode: data.buckets {', '.join(bad)} are not multiples of the autoencoder's downsampling factor "
+            f"{factor}: set data.bucket_step to a multiple of {factor}"
+        )
+    items = src.items
+    if d.source == "shards":
+        sizes, listing = shard_sizes(items.shardset, None)
+    elif isinstance(items.dataset, HFDataset):
+        sizes, listing = hf_sizes(items.dataset, None)
+    else:
+        sizes, listing = image_sizes(items.dataset.store, items.dataset.files, None)
+    plan = BucketPlan(sizes, buckets, d.bucket_max_ratio, d.bucket_min_fraction)
+    digest = plan_digest(listing, buckets, d.bucket_max_ratio, d.bucket_min_fraction)
+    if d.source == "shards":
+        shapes = [(d.channels, h, w) for h, w in buckets]
+        placed = BucketedShardSplit(items, plan, digest, 1, shapes, square=True)
+        keys, bucket = (lambda i: src.keys(int(placed.local[i]))), placed.bucket
+    else:
+        placed = BucketedSubset(items.dataset, items.indices, False, d.channels, plan, digest, 1)
+        keys, bucket = (lambda i: src.keys(int(placed.indices[i]))), plan.assign[placed.indices]
+    settings = {
+        "list": [list(b) for b in buckets],
+        "latent_shapes": [[latent.shape[0], h // factor, w // factor] for h, w in buckets],
+        "step": d.bucket_step,
+        "max_ratio": d.bucket_max_ratio,
+        "min_fraction": d.bucket_min_fraction,
+        "crop": d.crop,
+        "crop_seed": cfg.seed if d.crop == "random" else None,  # a random crop is drawn from (seed, sample)
+        "assignment": digest,
+    }
+    log.info("data encode: data.buckets: %s", placed.summary())
+    return _Source(placed, keys, src.classes, src.num_classes), _Bucketing(bucket, settings), placed.skipped
 
 
 def _check_settings(fs, out: str, settings: dict) -> bool:

@@ -21,6 +21,7 @@ import fsspec
 import torch
 from PIL import Image, UnidentifiedImageError
 
+from trainer.data.buckets import cover_crop, to_tensor
 from trainer.data.datasets import _READ_ERRORS, IMAGE_EXTENSIONS, image_to_tensor, short_reason
 from trainer.errors import ConfigError
 from trainer.storage import filesystem
@@ -231,10 +232,13 @@ class HFDataset:
         key: str = "data.path",
         cache_dir: str | None = None,
         check_readable: bool = True,
+        crop: str = "center",
     ):
         datasets = import_datasets()
         ds = open_split(path, split, storage_options, key, cache_dir)
         self.path, self.split = path, split
+        self.storage_options = dict(storage_options or {})
+        self.crop = crop  # data.crop: how an image is cropped to its aspect-ratio bucket (data.buckets)
         columns = list(ds.column_names)
 
         def missing(column: str, what: str, config_key: str) -> ConfigError:
@@ -366,7 +370,11 @@ class HFDataset:
             return Image.open(cell)
         raise ValueError(f"{type(cell).__name__} is not an image (bytes, a path or a datasets Image)")
 
-    def load(self, index: int, aug_seed: int, flip: bool) -> tuple[torch.Tensor, int] | tuple | None:
+    def load(
+        self, index: int, aug_seed: int, flip: bool, size: tuple[int, int] | None = None
+    ) -> tuple[torch.Tensor, int] | tuple | None:
+        """Row `index`'s image (at its (height, width) aspect-ratio bucket `size`, resized to cover it and
+        cropped by `self.crop`; None: the data.image_size square), label and caption; None when unusable."""
         row = self.rows[index]
         cell = row[self.image_column]
         if cell is None:
@@ -374,7 +382,11 @@ class HFDataset:
             return None
         try:
             with self._open_image(cell) as im:
-                x = image_to_tensor(im, self.image_size, self.channels)
+                if size is None:
+                    x = image_to_tensor(im, self.image_size, self.channels)
+                else:
+                    im = im.convert("L" if self.channels == 1 else "RGB")
+                    x = to_tensor(cover_crop(im, size[0], size[1], self.crop, aug_seed)[0], self.channels)
         except (*_READ_ERRORS, UnidentifiedImageError, Image.DecompressionBombError) as e:
             self._skip(index, "unreadable image", str(e))
             return None

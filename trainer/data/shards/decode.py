@@ -7,6 +7,7 @@ import io
 import torch
 from PIL import Image
 
+from trainer.data.buckets import cover_crop, to_tensor
 from trainer.data.datasets import IMAGE_EXTENSIONS, image_to_tensor, read_embedding
 from trainer.data.video import VIDEO_EXTENSIONS, decode_clip, frames_extra
 
@@ -30,11 +31,14 @@ def decode_sample(
     aug_seed: int,
     num_frames: int = 1,
     frame_stride: int = 1,
+    size: tuple[int, int] | None = None,
+    crop: str = "center",
 ):
     """(image, label, extras) from a sample's members; ValueError/OSError when it cannot be used.
 
     With `num_frames` > 1 the sample is a clip: its mp4/gif/webm/mkv/mov member is decoded with PyAV
-    into (num_frames, C, H, W) (`extras["frames"]` = num_frames); a too-short clip is a ValueError."""
+    into (num_frames, C, H, W) (`extras["frames"]` = num_frames); a too-short clip is a ValueError. An image
+    with a (height, width) `size` (its aspect-ratio bucket) is resized to cover it and cropped (`crop`)."""
     if num_frames > 1:
         ext = next((e for e in _VIDEO_EXTS if e in members), None)
         if ext is None:
@@ -45,7 +49,11 @@ def decode_sample(
         if ext is None:
             raise ValueError(f"no image member (have {sorted(members)})")
         with Image.open(io.BytesIO(members[ext])) as im:
-            x = image_to_tensor(im, image_size, channels)
+            if size is None:
+                x = image_to_tensor(im, image_size, channels)
+            else:
+                im = im.convert("L" if channels == 1 else "RGB")
+                x = to_tensor(cover_crop(im, size[0], size[1], crop, aug_seed)[0], channels)
     if flip and aug_seed & 1:
         x = x.flip(-1)
     label = int(members["cls"].decode().strip()) if "cls" in members else -1

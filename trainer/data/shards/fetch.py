@@ -89,8 +89,10 @@ class ShardSet:
         num_frames: int = 1,
         frame_stride: int = 1,
         merge_gap: int = 0,
+        crop: str = "center",
     ):
         self.shards = shards
+        self.crop = crop  # data.crop: how an image is cropped to its aspect-ratio bucket
         self.num_frames = num_frames  # > 1: samples are clips
         self.frame_stride = frame_stride
         self.storage_options = dict(storage_options or {})
@@ -227,12 +229,13 @@ class ShardSet:
             self._indexes.popitem(last=False)
         return offsets, digests
 
-    def load_many(self, wanted: list[tuple[int, int, int, bool]], stats: FetchStats) -> list:
-        """(shard, member, aug_seed, flip) -> (image, label, extras) or None, fetching all ranges at once."""
+    def load_many(self, wanted: list[tuple], stats: FetchStats) -> list:
+        """(shard, member, aug_seed, flip[, (height, width) bucket or None]) -> (image, label, extras) or None,
+        fetching all ranges at once."""
         out: list = [None] * len(wanted)
         ranges: list[tuple[int, int, int, int]] = []  # (slot, shard, start, end)
         indexes = self.indexes([w[0] for w in wanted], stats)
-        for slot, (shard, member, _, _) in enumerate(wanted):
+        for slot, (shard, member, *_) in enumerate(wanted):
             index = indexes[shard]
             if index is not None:
                 ranges.append((slot, shard, int(index[0][member]), int(index[0][member + 1])))
@@ -254,7 +257,8 @@ class ShardSet:
             if blob is None:
                 continue
             stats.used_bytes += end - start
-            _, member, aug_seed, flip = wanted[slot]
+            _, member, aug_seed, flip, *bucket = wanted[slot]
+            size = bucket[0] if bucket else None
             try:
                 if len(blob) != end - start:
                     raise ValueError(f"short read: {len(blob)} of {end - start} bytes")
@@ -267,7 +271,7 @@ class ShardSet:
                 if isinstance(members, Exception):
                     raise members
                 if self.shards.encoded is not None:  # `gentrain data encode`'s shards: posteriors, not images
-                    out[slot] = decode_encoded_sample(members, self.shards.encoded, flip, aug_seed)
+                    out[slot] = decode_encoded_sample(members, self.shards.encoded, flip, aug_seed, size)
                     continue
                 out[slot] = decode_sample(
                     members,
@@ -277,6 +281,8 @@ class ShardSet:
                     aug_seed,
                     self.num_frames,
                     self.frame_stride,
+                    size,
+                    self.crop,
                 )
             except (
                 OSError,

@@ -67,14 +67,15 @@ def _read_npy(raw: bytes, name: str) -> np.ndarray:
     return _npy_view(raw, name).astype(np.float32, order="C")
 
 
-def decode_encoded_sample(members: dict[str, bytes], encoded: dict, flip: bool, aug_seed: int):
+def decode_encoded_sample(members: dict[str, bytes], encoded: dict, flip: bool, aug_seed: int, size=None):
     """(posterior, label, extras) of an encoded sample: posterior = cat(mean, std) on the channel axis,
     float32 (the loader moves it like an image; the task splits it). The mirrored image's posterior when
     `flip` and the sample's augmentation draw says so (the draw an image source flips by). ValueError (the
-    loader skips and counts the sample) for a member that is malformed or holds inf or NaN."""
+    loader skips and counts the sample) for a member that is malformed or holds inf or NaN. `size`: the
+    (height, width) aspect-ratio bucket the sample was encoded at (its posterior has that bucket's shape)."""
     names = _POSTERIOR_MEMBERS[bool(flip and aug_seed & 1)]
     mean, std = (_npy_view(members[name], name) for name in names)
-    want = tuple(encoded["latent_shape"])
+    want = tuple(encoded["latent_shape"]) if size is None else bucket_latent_shape(encoded, size)
     if mean.shape != want or std.shape != want:
         raise ValueError(f"posterior of shape {list(mean.shape)}, the set's is {list(want)}")
     posterior = np.empty((2 * want[0], *want[1:]), np.float32)  # both halves converted straight into it
@@ -94,6 +95,12 @@ def decode_encoded_sample(members: dict[str, bytes], encoded: dict, flip: bool, 
                 raise ValueError(f"member text.{k}.npy holds inf or NaN values")
             extras[f"text_{k}"] = torch.from_numpy(values)
     return x, label, extras
+
+
+def bucket_latent_shape(encoded: dict, size) -> tuple[int, ...]:
+    """The latent shape of bucket (height, width) of a set encoded in aspect-ratio buckets."""
+    made = encoded["buckets"]
+    return tuple(made["latent_shapes"][[tuple(b) for b in made["list"]].index(tuple(size))])
 
 
 def posterior_shape(encoded: dict) -> tuple[int, ...]:

@@ -86,18 +86,30 @@ class ShardSplit:
         return self.__getitems__([ref])[0]
 
     def __getitems__(self, refs: list[SampleRef]) -> FetchedItems:
+        return self.load_refs(refs)
+
+    def load_refs(self, refs: list[SampleRef], sizes: list | None = None, shapes: list | None = None) -> FetchedItems:
+        """The refs' samples; `sizes`: each one's (height, width) bucket (None: the square data.image_size;
+        trainer.data.bucket_sources), `shapes`: each one's slot shape when it cannot be read."""
         where = self.locate_many([r.index for r in refs])
+        sizes = sizes or [None] * len(refs)
         stats = FetchStats()
-        # A shard sample's augmentation draw only says whether to mirror it: not derived when nothing is.
+        # A shard sample's augmentation draw only says whether to mirror it (and, in a bucket, where to crop):
+        # not derived when nothing is.
         loaded = self.shardset.load_many(
-            [(s, m, r.aug_seed if self.flip else 0, self.flip) for (s, m), r in zip(where, refs, strict=True)], stats
+            [
+                (s, m, r.aug_seed if self.flip or size is not None else 0, self.flip, size)
+                for (s, m), r, size in zip(where, refs, sizes, strict=True)
+            ],
+            stats,
         )
         items = FetchedItems()
-        for (shard, member), ref, item in zip(where, refs, loaded, strict=True):
+        for slot, ((shard, member), ref, item) in enumerate(zip(where, refs, loaded, strict=True)):
             gid = self.shardset.global_id(shard, member)
             if item is None:
                 reason = self.shardset.skip_reason(shard, member)
-                items.append(skipped_item(self.image_shape, gid, ref.position, reason))
+                shape = shapes[slot] if shapes is not None else self.image_shape
+                items.append(skipped_item(shape, gid, ref.position, reason))
             else:
                 items.append((item[0], item[1], gid, ref.position, True, item[2]))
         items.stats = stats
