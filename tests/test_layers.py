@@ -114,6 +114,8 @@ JUSTIFIED = {
     ("trainer/data/encode.py", "conditioning"),
     ("trainer/data/encode.py", "engine"),
     ("trainer/data/encode.py", "diffusion"),
+    # `gentrain data class-images` reads the pipeline folder through the models' family table before diffusers.
+    ("trainer/data/class_images.py", "models"),
 }
 
 

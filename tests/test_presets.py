@@ -31,6 +31,13 @@ USER_MODEL = {
     "sd3-lora": ["model.pretrained=/models/stable-diffusion-3-medium-diffusers"],
     "pixart-sigma-lora": ["model.pretrained=/models/PixArt-Sigma-XL-2-1024-MS"],
     "flux-lora": ["model.pretrained=/models/FLUX.1-dev"],
+    "sd15-dreambooth": [
+        "model.pretrained=/models/stable-diffusion-v1-5",
+        "data.instance=/data/images",  # the folder USER_DATA names
+        "data.instance_prompt=a photo of sks dog",
+        "data.class_images=/data/dogs",
+        "data.class_prompt=a photo of dog",
+    ],
 }
 
 

@@ -175,6 +175,8 @@ IDS = {  # every run so far drew with these ids: they never change (see trainer.
     Stream.AUTOENCODER: 6,
     Stream.BUCKET_MEMBERS: 7,
     Stream.BUCKET_BATCHES: 8,
+    Stream.DREAMBOOTH_CLASS: 0xDB,
+    Stream.CLASS_IMAGE: 0xC1A5,
 }
 
 

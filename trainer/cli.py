@@ -243,6 +243,15 @@ def _parser() -> argparse.ArgumentParser:
 
     sub.add_parser("presets", help="list the built-in presets")
     sub.add_parser(
+    dc = dsub.add_parser(
+        "class-images",
+        help="DreamBooth: draw data.class_prompt N times from model.pretrained into data.class_images, once; "
+        "exact (seeds from (seed, index)), rerun to resume",
+    )
+    dc.add_argument("config", nargs="?", help="preset name or YAML file (e.g. sd15-dreambooth)")
+    dc.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides, e.g. data.class_images=...")
+    dc.add_argument("--num", type=_int_in(1, 10**7), default=100, help="class images wanted (diffusers' default 100)")
+    dc.add_argument("--batch-size", type=_int_in(1, 4096), default=4, help="images per pipeline call (fixed blocks)")
         "launch",
         help="torchrun with gentrain's exit codes (for containers): launch TORCHRUN_ARGS -- [PRESET] [key=value ...]",
         add_help=False,
@@ -743,6 +752,8 @@ def cmd_data_encode(args: argparse.Namespace) -> int:
     check_output_folder(args.out, f"--out {args.out!r}", "give a folder for the latent shards (it is made if missing)")
     from trainer.data.encode import encode_dataset  # torch-heavy (see the module doc)
 
+    if args.action == "class-images":
+        return cmd_data_class_images(args)
     summary = encode_dataset(
         cfg,
         args.out,
@@ -793,6 +804,18 @@ def cmd_runs(args: argparse.Namespace) -> int:
     print(f"run {view.run or '-'} at step {info.step} ({info.url}; time up to that checkpoint's save):")
     print(table(record["seconds"], record["processes"], record["failures"]))
     return EXIT_OK
+def cmd_data_class_images(args: argparse.Namespace) -> int:
+    """`gentrain data class-images`: DreamBooth's class images from the base pipeline (trainer.data.class_images)."""
+    _setup_logging()
+    cfg = load_config(*split_preset([a for a in [args.config, *args.overrides] if a]))
+    _REDACT.add_secrets(cfg.to_dict())
+    from trainer.data.class_images import generate_class_images  # torch and diffusers (see the module doc)
+
+    summary = generate_class_images(cfg, args.num, args.batch_size)
+    print(f"class images: {summary.line()}")
+    return EXIT_OK
+
+
 
 
 def cmd_launch(argv: list[str]) -> int:

@@ -72,10 +72,12 @@ def slugify(text: str, max_length: int = 80) -> str:
     return slug or "untitled"
 
 
-def save_media(media: torch.Tensor, stem: str) -> list[str]:
-    """Images (N, C, H, W) -> `stem.png`; videos (N, T, C, H, W) -> `stem.gif` + contact sheet `stem.png`."""
+def save_media(media: torch.Tensor, stem: str, nrow: int | None = None) -> list[str]:
+    """Images (N, C, H, W) -> `stem.png`; videos (N, T, C, H, W) -> `stem.gif` + contact sheet `stem.png`.
+    `nrow`: images (the GIF's videos) per row; default about square."""
     if media.ndim == 4:
-        return [save_grid(media, f"{stem}.png")]
+        return [save_grid(media, f"{stem}.png", nrow=nrow)]
     if media.ndim == 5:
-        return [save_gif(media, f"{stem}.gif"), save_grid(contact_sheet(media), f"{stem}.png", nrow=media.shape[1])]
+        sheet = save_grid(contact_sheet(media), f"{stem}.png", nrow=media.shape[1])
+        return [save_gif(media, f"{stem}.gif", nrow=nrow), sheet]
     raise ValueError(f"a preview must be (N, C, H, W) images or (N, T, C, H, W) videos, got shape {tuple(media.shape)}")

@@ -74,6 +74,10 @@ class Stream(enum.Enum):
     STEP_GLOBAL = (3, 3)
     # no keys: the seed of the image stream of a joint image+clip set
     JOINT_IMAGES = (5, 0)
+    # no keys: the seed of the class images' stream of a DreamBooth set (trainer.data.dreambooth)
+    DREAMBOOTH_CLASS = (0xDB, 0)
+    # keys (image index,): the initial noise of class image i (`gentrain data class-images`)
+    CLASS_IMAGE = (0xC1A5, 1)
 
     def __init__(self, id_: int, nkeys: int, span: int = 1):
         self.id = id_

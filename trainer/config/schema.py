@@ -194,6 +194,12 @@ class SampleConfig(_Section):
     scheduler: Literal["ddim", "dpm"] = "ddim"
     guidance_scale: float = Field(1.0, ge=0)
     use_ema: bool = True
+    prompts: list[str] | None = Field(
+        None,
+        min_length=1,
+        description="validation prompts: each a row of `num` previews at every_steps (fixed seed: column k draws "
+        "the same noise in every row), sent to the trackers with the prompts as captions; null = held-out captions",
+    )
 
 
 class MetricsConfig(_Section):
@@ -353,6 +359,22 @@ class DataConfig(_Section):
     crop: Literal["center", "random"] = Field(
         "center", description="folder: the crop to data.image_size or the bucket; random: from the sample's seed"
     )
+    instance: str | None = Field(
+        None,
+        description="DreamBooth: the instance images folder (local or an fsspec URL; data.source=folder, it sets "
+        "data.path); docs/tasks/pipelines.md",
+    )
+    instance_prompt: str | None = Field(
+        None, description="DreamBooth: every instance image's caption (null: each image's own .txt/metadata)"
+    )
+    class_images: str | None = Field(
+        None,
+        description="DreamBooth prior preservation: the class images folder (`gentrain data class-images` fills "
+        "it); each step's batch is half instance, half class images",
+    )
+    class_prompt: str | None = Field(
+        None, description="DreamBooth: the class images' caption (and what generates them)"
+    )
 
     @model_validator(mode="after")
     def _folder_needs_path(self) -> DataConfig:
@@ -369,6 +391,7 @@ class DataConfig(_Section):
                     "data.flip=true with data.source=moving-digits would mirror the motion the caption and "
                     "label name (left/right); set data.flip=false"
                 )
+        self._dreambooth()
         if self.source == "folder" and not self.path:
             raise ValueError("data.source=folder needs data.path (a folder of images)")
         if self.source == "hf" and not self.path:
@@ -397,6 +420,34 @@ class DataConfig(_Section):
                 "data.source=shards needs data.urls (e.g. s3://bucket/data/{000000..000099}.tar or .../shards.json)"
             )
         return self
+
+    def _dreambooth(self) -> None:
+        """data.instance is DreamBooth's name for data.path (one folder, never two); the class side needs its
+        prompt and the instance folder; buckets and mixed clip batches are not DreamBooth's (yet)."""
+        if self.instance is not None:
+            if self.source != "folder":
+                raise ValueError(
+                    f"data.instance is an image folder but data.source={self.source}; set data.source=folder"
+                )
+            if self.path is not None and self.path != self.instance:
+                raise ValueError(
+                    f"data.instance={self.instance!r} and data.path={self.path!r}: data.instance is the run's image "
+                    "folder (it sets data.path); set one of them"
+                )
+            self.__dict__["path"] = self.instance
+        if self.class_images is not None:
+            if self.instance is None:
+                raise ValueError(
+                    "data.class_images (prior preservation) needs data.instance (the instance images folder)"
+                )
+            if not self.class_prompt:
+                raise ValueError(
+                    "data.class_images needs data.class_prompt (the class images' caption, e.g. 'a photo of a dog')"
+                )
+        if self.instance_prompt is not None and self.instance is None:
+            raise ValueError("data.instance_prompt needs data.instance (the instance images folder)")
+        if self.instance is not None and self.buckets is not None:
+            raise ValueError("data.instance (DreamBooth) with data.buckets is not supported yet: unset data.buckets")
 
 
 class EvalConfig(_Section):

@@ -77,6 +77,7 @@ def build_dataset(cfg: Config):
         caption_column=d.caption_column,
         storage_options=d.storage_options,
         crop=d.crop,
+        sizes=True,  # each sample's size and crop: SDXL's and PixArt's micro-conditions (DDPMTask.conditions)
     )
 
 
@@ -93,6 +94,11 @@ def build_splits(cfg: Config) -> tuple[Subset, Subset | None, int | None]:
         train, val, num_classes = split(build_dataset(cfg), cfg.data.val_fraction, cfg.data.flip, sample_shape(cfg))
         if cfg.data.buckets is not None:
             train = bucketed(cfg, train)
+        if cfg.data.instance is not None:
+            # Imported here: only a DreamBooth run (data.instance) needs it.
+            from trainer.data.dreambooth import dreambooth_splits
+
+            train, val = dreambooth_splits(cfg, train, val)
     if cfg.data.image_ratio > 0:
         train, num_classes = joint_split(cfg, train, num_classes)
     return train, val, num_classes

@@ -15,6 +15,7 @@ from trainer.data import collate, validation_refs
 from trainer.elastic import StopRequest
 from trainer.engine.parts import FrozenPart, Part, bare_modules, ema_swapped, eval_mode
 from trainer.engine.step import to_device
+from trainer.errors import ConfigError
 from trainer.media import save_media
 from trainer.models.finetune import half_weights_autocast
 from trainer.tasks.base import Batch, PreviewContext, Task
@@ -37,6 +38,11 @@ class Previewer:
     steps and a stop cuts the preview short (`StopRequested`, nothing written):
     agreed by every rank under FSDP (each check is collective there), rank 0's
     alone otherwise (the others meet it in the next step's agreement).
+
+    With `sample.prompts` (validation prompts, diffusers' --validation_prompt) each prompt is one row of
+    `sample.num` previews: the task draws once per prompt with the same seed, so column k starts from the same
+    noise in every row and the rows differ by their prompt alone, and at every step alike. The trackers get the
+    prompts as the rows' captions (`report(..., captions)`).
     """
 
     def __init__(
@@ -49,7 +55,7 @@ class Previewer:
         runtime: Runtime,
         cfg: SampleConfig,
         run_dir: str,
-        report: Callable[[int, dict[str, torch.Tensor], dict[str, list[str]]], None],
+        report: Callable[..., None],
         stop: StopRequest | None = None,
     ):
         self.task = task
@@ -67,6 +73,11 @@ class Previewer:
         self.collective = runtime.sharded
         self.stop = stop
         self._batch: Batch | None = None
+        if cfg.prompts and "prompts" not in task.sample_accepts():
+            raise ConfigError(
+                f"sample.prompts={cfg.prompts!r}: this {type(task).__name__} model is not conditioned on captions "
+                "(it takes no prompts); unset sample.prompts"
+            )
 
     def maybe_run(self, step: int, last: bool = False) -> list[str]:
         every = self.cfg.every_steps
@@ -88,7 +99,26 @@ class Previewer:
         check = None
         if self.stop is not None:
             check = self.stop.checker(f"preview at step {step}", self.device, collective=self.collective)
-        ctx = PreviewContext(
+        rows = self.cfg.prompts or [None]
+        contexts = [self._context(check, prompt) for prompt in rows]
+        with eval_mode(self.modules), half_weights_autocast(self.modules, self.device):
+            drawn = [self.task.previews(self.modules, ctx) for ctx in contexts]
+        if not self.is_main:
+            return []
+        previews = {name: torch.cat([d[name] for d in drawn]) for name in drawn[0]}
+        nrow = self.cfg.num if self.cfg.prompts else None
+        files = {}
+        for name, media in previews.items():
+            stem = os.path.join(self.dir, f"step-{step:09d}" + ("" if name == "samples" else f"-{name}"))
+            files[name] = save_media(media, stem, nrow=nrow)
+        paths = [p for written in files.values() for p in written]
+        log.info("sample grid %s (%.1fs)", ", ".join(paths), time.perf_counter() - t0)
+        self.report(step, previews, files, captions=list(self.cfg.prompts) if self.cfg.prompts else None)
+        return paths
+
+    def _context(self, check: Callable[[], None] | None, prompt: str | None) -> PreviewContext:
+        """The preview's context; with `prompt` (a `sample.prompts` entry) its row's."""
+        return PreviewContext(
             batch=self.fixed_batch(),
             num=self.cfg.num,
             seed=self.seed,
@@ -102,16 +132,5 @@ class Previewer:
             weights=lambda ema: ema_swapped(self.parts, ema),
             part_steps={n: p.step for n, p in self.parts.items()},
             between_steps=check,
+            prompts=None if prompt is None else [prompt],
         )
-        with eval_mode(self.modules), half_weights_autocast(self.modules, self.device):
-            previews = self.task.previews(self.modules, ctx)
-        if not self.is_main:
-            return []
-        files = {}
-        for name, media in previews.items():
-            stem = os.path.join(self.dir, f"step-{step:09d}" + ("" if name == "samples" else f"-{name}"))
-            files[name] = save_media(media, stem)
-        paths = [p for written in files.values() for p in written]
-        log.info("sample grid %s (%.1fs)", ", ".join(paths), time.perf_counter() - t0)
-        self.report(step, previews, files)
-        return paths

@@ -189,30 +189,59 @@ def _grid(media: torch.Tensor) -> np.ndarray:
     return grid[..., 0] if grid.shape[-1] == 1 else grid
 
 
-def _tensorboard_previews(tracker: Any, step: int, previews: dict[str, torch.Tensor], files: dict) -> None:
+# Previews with `captions` (sample.prompts: one prompt per row of the grid) carry them as each tracker records an
+# image's text: W&B one image per row with the prompt as its caption (as diffusers' scripts log validation images),
+# TensorBoard a text summary `<name>/prompts` beside the images (its images have no caption), MLflow a JSON artifact
+# `samples/<name>-step-N-prompts.json` beside the keyed image (neither has one).
+
+
+def _rows(captions: list[str]) -> str:
+    return "\n".join(f"- row {i}: {prompt}" for i, prompt in enumerate(captions))
+
+
+def _tensorboard_previews(
+    tracker: Any, step: int, previews: dict[str, torch.Tensor], files: dict, captions: list[str] | None = None
+) -> None:
     for name, media in previews.items():
         if media.ndim == 5:
             tracker.writer.add_video(name, media, step)
         else:
             tracker.writer.add_images(name, media, step)
+        if captions:
+            tracker.writer.add_text(f"{name}/prompts", _rows(captions), step)
 
 
-def _wandb_previews(tracker: Any, step: int, previews: dict[str, torch.Tensor], files: dict) -> None:
+def _wandb_previews(
+    tracker: Any, step: int, previews: dict[str, torch.Tensor], files: dict, captions: list[str] | None = None
+) -> None:
     import wandb
 
-    data = {}
+    data: dict[str, Any] = {}
     for name, media in previews.items():
         gif = next((f for f in files.get(name, []) if f.endswith(".gif")), None)
-        data[name] = wandb.Video(gif, format="gif") if gif else wandb.Image(_grid(media))
+        if gif:
+            data[name] = wandb.Video(gif, format="gif", caption=_rows(captions) if captions else None)
+        elif captions:
+            per = len(media) // len(captions)
+            data[name] = [
+                wandb.Image(_grid(media[i * per : (i + 1) * per]), caption=prompt) for i, prompt in enumerate(captions)
+            ]
+        else:
+            data[name] = wandb.Image(_grid(media))
     tracker.run.log(data, step=step)
 
 
-def _mlflow_previews(tracker: Any, step: int, previews: dict[str, torch.Tensor], files: dict) -> None:
+def _mlflow_previews(
+    tracker: Any, step: int, previews: dict[str, torch.Tensor], files: dict, captions: list[str] | None = None
+) -> None:
     from mlflow.tracking import MlflowClient
 
     client, run_id = MlflowClient(), tracker.active_run.info.run_id
     for name, media in previews.items():
         client.log_image(run_id, _grid(media), key=name, step=step)
+        if captions:
+            rows = {"step": step, "rows": len(captions), "prompts": list(captions)}
+            client.log_dict(run_id, rows, f"samples/{name}-step-{step}-prompts.json")
         for path in files.get(name, []):
             if path.endswith(".gif"):
                 client.log_artifact(run_id, path, artifact_path="samples")
@@ -417,13 +446,18 @@ class Reporter:
         self.track(step, {"eval/fid": values["fid"], "eval/kid": values["kid"]})
 
     def on_previews(
-        self, step: int, previews: dict[str, torch.Tensor], files: dict[str, list[str]] | None = None
+        self,
+        step: int,
+        previews: dict[str, torch.Tensor],
+        files: dict[str, list[str]] | None = None,
+        captions: list[str] | None = None,
     ) -> None:
         """Every tracker gets the previews: TensorBoard images (videos), W&B images (GIFs), MLflow keyed images
-        (and the GIFs as artifacts). `files`: what the previewer wrote for each preview."""
+        (and the GIFs as artifacts). `files`: what the previewer wrote for each preview; `captions`: the prompt
+        of each row (sample.prompts), recorded as each tracker takes an image's text (see `_rows`)."""
         for tracker in self.accelerator.trackers:
             try:
-                _PREVIEWS[tracker.name](tracker, step, previews, files or {})
+                _PREVIEWS[tracker.name](tracker, step, previews, files or {}, captions)
             except Exception as e:  # a tracker's hiccup costs a preview, not the run
                 log.warning("previews of step %d not sent to %s: %r", step, tracker.name, e)
 

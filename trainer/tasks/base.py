@@ -168,11 +168,15 @@ class PreviewContext:
 
     def preferred_weights(self) -> AbstractContextManager:
         """EMA weights when `sample.use_ema` (the default), else the online weights."""
+    prompts: list[str] | None = None  # a `sample.prompts` entry: this preview row's prompt, not held-out captions
         return self.weights(self.use_ema)
 
     def held_out_prompts(self) -> list[str] | None:
         """`num` prompts cycled from the held-out batch's captions (what a caption-conditioned model previews
-        with); None when the batch has none."""
+        with); None when the batch has none. With `prompts` (the previewer's row of a `sample.prompts`
+        entry), those instead."""
+        if self.prompts:
+            return [self.prompts[i % len(self.prompts)] for i in range(self.num)]
         if self.batch is None or not self.batch.captions:
             return None
         caps = self.batch.captions

@@ -67,6 +67,9 @@ class DiffusionModelConfig(NoiseConfig):
     autoencoder: LatentAutoencoderConfig | None = Field(
         None, description="latent diffusion: the frozen autoencoder whose latents the denoiser learns; null = pixels"
     )
+    prior_loss_weight: float = Field(
+        1.0, ge=0, description="DreamBooth (data.class_images): the class images' loss weight, diffusers' default"
+    )
 
     @model_validator(mode="after")
     def _captions_need_text(self) -> DiffusionModelConfig:
@@ -476,7 +479,10 @@ class DDPMTask(Task):
                 e = batch.extras
                 stored = TextEmbeddings(e["text_tokens"], e["text_mask"], e["text_pooled"])
             cond = self.conditions(len(batch), device, drop, batch.labels, batch.captions, stored)
-        return self.objective.loss(self._net(modules[self.part]), x0, noise, draw, cond)
+        out = self.objective.loss(self._net(modules[self.part]), x0, noise, draw, cond)
+        # The extras key is trainer.data.dreambooth.PRIOR (the data layer is below the tasks').
+        prior = batch.extras.get("prior")
+        return out if prior is None else prior_weighted(out, prior, self.cfg.prior_loss_weight)
 
     def previews(self, modules, ctx: PreviewContext) -> dict[str, torch.Tensor]:
         """`samples` from noise; a caption-conditioned model draws the held-out batch's captions."""
@@ -546,3 +552,14 @@ def _with_empty_caption(stored: TextEmbeddings, empty: TextEmbeddings, drop: tor
 
 
 TASK = DDPMTask
+def prior_weighted(out: Loss, prior: torch.Tensor, weight: float) -> Loss:
+    """DreamBooth's loss, diffusers' `instance_loss + prior_loss_weight * prior_loss`: a step's batch is half
+    instance, half class images (`prior` 1) and the engine averages the per-sample losses over the whole batch,
+    so each instance sample counts 2 and each class sample 2 * weight. The terms `instance_loss` and
+    `prior_loss` average to each half's own mean loss."""
+    prior = prior.to(out.per_sample.dtype)
+    per = out.per_sample
+    terms = {**out.terms, "instance_loss": 2 * (1 - prior) * per.detach(), "prior_loss": 2 * prior * per.detach()}
+    return Loss(per * (2 * (1 - prior) + 2 * weight * prior), terms)
+
+
