@@ -4,14 +4,24 @@ real-shaped Stable Diffusion 1.5 UNet built on the meta device (no weights: size
 The runs themselves (files hold no base tensor, bit-identical resume after SIGKILL, a changed or missing base
 folder, sample/export/verify from such a checkpoint) are in tests/test_pipeline_finetune.py and
 tests/test_finetune.py. The figures printed here (`pytest -s`) are the ones in docs/tasks/pipelines.md and
-docs/benchmarks.md."""
+docs/benchmarks.md.
+
+Below them, what comes out of such a checkpoint: `checkpoints export --merged` writes the whole released
+pipeline (the LoRA merged into its UNet, the other components copied from the pinned base) that diffusers'
+`DiffusionPipeline.from_pretrained` loads and draws gentrain's images with; and a base folder changed after
+the run is exit 2 naming the file for `sample`, `export` and `export --merged`."""
 
 from __future__ import annotations
 
 import pytest
 import torch
+from conftest import REPO, clean_env, run_cli
+from tiny_pipelines import BUILDERS, captioned_images
 
 from trainer.models.finetune import LoraSettings, apply_lora, saved_keys
+
+CPU = torch.device("cpu")
+ENV = clean_env(PYTHONPATH=str(REPO / "tests"))
 
 # runwayml/stable-diffusion-v1-5 unet/config.json: the fields that shape its weights (the rest are defaults).
 SD15_UNET = {
@@ -112,3 +122,137 @@ def test_a_whole_lora_state_still_loads_and_a_partial_one_is_refused():
     state = {"model": partial, "optimizer": opt.state_dict(), "lr_schedule": part.lr_schedule.state_dict()}
     with pytest.raises(CheckpointCorrupt, match="weights do not match the model .*extra \\['conv_in"):
         check_fits(part, state, "test")
+
+
+# ---------------------------------------------------------------- out of a LoRA checkpoint of a released pipeline
+
+
+@pytest.fixture(scope="module")
+def sd_run(tmp_path_factory):
+    """A 2-step fp32 LoRA run (sd15-lora) on a copy of a tiny StableDiffusionPipeline folder: (base, run root)."""
+    root = tmp_path_factory.mktemp("sd-lora")
+    base = BUILDERS["sd"](root)
+    images = captioned_images(tmp_path_factory.mktemp("images"), 4)
+    r = run_cli(
+        "train",
+        "sd15-lora",
+        f"model.pretrained={base}",
+        f"data.path={images}",
+        "data.image_size=16",
+        "data.val_fraction=0",
+        "train.precision=no",
+        "train.max_steps=2",
+        "train.batch_size=2",
+        "train.lr=1e-2",
+        "train.num_workers=0",
+        "train.val_every_steps=0",
+        "checkpoint.every_steps=2",
+        "sample.every_steps=0",
+        f"run.dir={root / 'run'}",
+        f"model.text.cache_dir={root / 'text'}",
+        env=ENV,
+    )
+    assert r.returncode == 0, r.stderr[-3000:]
+    return base, root / "run"
+
+
+@pytest.mark.slow
+def test_the_merged_export_is_the_whole_pipeline_and_draws_what_gentrain_samples(sd_run, tmp_path):
+    """`checkpoints export --merged`: OUT is a StableDiffusionPipeline folder (model_index.json; the UNet with
+    the adapters merged, no adapter folder; VAE, text encoder and tokenizer byte for byte the base's; the run's
+    sampler) that `DiffusionPipeline.from_pretrained(OUT)` loads and that draws gentrain's images within
+    1/255 (same seed, steps, guidance, prompt)."""
+    import json
+
+    from diffusers import DiffusionPipeline, StableDiffusionPipeline
+
+    from trainer.checkpoint import CheckpointStore, CheckpointView
+    from trainer.runs import load_for_inference
+    from trainer.tasks.sampling import SampleRequest
+
+    base, root = sd_run
+    out = tmp_path / "merged"
+    r = run_cli("checkpoints", "export", str(root / "checkpoints"), str(out), "--merged", env=ENV)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "StableDiffusionPipeline" in r.stdout and not (out / "unet-lora").exists()
+    for rel in (
+        "vae/diffusion_pytorch_model.safetensors",
+        "text_encoder/model.safetensors",
+        "tokenizer/tokenizer.json",
+    ):
+        assert (out / rel).read_bytes() == (base / rel).read_bytes(), rel
+    index = json.loads((out / "model_index.json").read_text())
+    # The run's sampler (the preset's sample.scheduler=dpm) in place of the base's DDPMScheduler.
+    assert index["_class_name"] == "StableDiffusionPipeline"
+    assert index["scheduler"] == ["diffusers", "DPMSolverMultistepScheduler"]
+    assert json.loads((out / "gentrain-export.json").read_text())["complete"] is True
+
+    store = CheckpointStore(str(root / "checkpoints"), {})
+    _, task, modules = load_for_inference(CheckpointView(store, store.check(2)), use_ema=True, device=CPU)
+    prompt, steps, scale = "the red photo", 3, 3.0
+    request = SampleRequest(
+        num=2, seed=7, prompts=[prompt], inference_steps=steps, guidance_scale=scale, scheduler="dpm"
+    )
+    ours = task.sample(modules, request, CPU)
+
+    pipe = DiffusionPipeline.from_pretrained(out)
+    assert isinstance(pipe, StableDiffusionPipeline) and not getattr(pipe.unet, "peft_config", None)
+
+    def draw(p):
+        return p(
+            [prompt] * 2,
+            height=16,
+            width=16,
+            num_inference_steps=steps,
+            guidance_scale=scale,
+            generator=torch.Generator().manual_seed(7),
+            output_type="pt",
+        ).images
+
+    theirs = draw(pipe)
+    assert ours.shape == theirs.shape
+    assert (ours - theirs).abs().max() <= 1 / 255
+    original = StableDiffusionPipeline.from_pretrained(base, scheduler=pipe.scheduler)
+    assert (draw(original) - ours).abs().max() > 1 / 255  # the merged adapters matter
+
+
+def test_merged_export_of_a_run_without_a_pipeline_folder_is_refused():
+    """--merged needs the released pipeline the run fine-tuned (its pinned `pipeline` input): a run without one
+    is a ConfigError (exit 2) saying to export without --merged, before anything is written."""
+    from torch import nn
+
+    from trainer.errors import ConfigError
+    from trainer.models.export import merged_pipeline
+    from trainer.tasks.base import Export
+
+    for base in (None, {"url": "/gone"}):
+        with pytest.raises(ConfigError, match="not trained from a pipeline folder.*without --merged"):
+            merged_pipeline(Export(models={"unet": (nn.Linear(1, 1), {})}), base, {})
+
+
+@pytest.mark.slow
+def test_a_changed_base_folder_is_exit_2_naming_the_file_for_sample_and_export(sd_run, tmp_path):
+    """An adapter-only checkpoint whose pinned base changed after the run (a file edited): `sample`, `export`
+    and `export --merged` exit 2 with one line naming the changed file and what to do (verify, and a gone
+    folder for all three: tests/test_pipeline_finetune.py)."""
+    import shutil
+
+    base, root = sd_run
+    copy = tmp_path / "base"
+    shutil.copytree(base, copy)
+    ckpt = tmp_path / "checkpoints"
+    shutil.copytree(root / "checkpoints", ckpt)
+    manifest = ckpt / "step-000000002" / "manifest.json"
+    manifest.write_text(manifest.read_text().replace(str(base), str(copy)))  # the copy is the pinned base now
+    tokens = copy / "tokenizer" / "tokenizer_config.json"
+    tokens.write_text(tokens.read_text().replace("{", '{"edited": 99999, ', 1))
+    for args in (
+        ["sample", str(ckpt), "--num", "1", "--steps", "2", "--out", str(tmp_path / "x.png")],
+        ["checkpoints", "export", str(ckpt), str(tmp_path / "out")],
+        ["checkpoints", "export", str(ckpt), str(tmp_path / "out"), "--merged"],
+    ):
+        r = run_cli(*args, env=ENV)
+        last = r.stderr.strip().splitlines()[-1]
+        assert r.returncode == 2 and "Traceback" not in r.stderr, (args, r.stderr[-3000:])
+        assert "tokenizer/tokenizer_config.json" in last and "Restore the folder" in last, (args, last)
+    assert not (tmp_path / "out" / "model_index.json").exists()

@@ -119,6 +119,10 @@ def _parser() -> argparse.ArgumentParser:
         help="token models (MaskGIT): temperature of the token draws (default: the run's model.temperature)",
     )
     s.add_argument("--batch-size", type=int, default=None, help="sample in chunks of this many (memory)")
+    s.add_argument(
+        "--height", type=int, default=None, help="diffusion models: pixels (one of the trained data.buckets)"
+    )
+    s.add_argument("--width", type=int, default=None, help="diffusion models: pixels (one of the trained data.buckets)")
     s.add_argument("--storage-options", type=_json_object, default={}, help="JSON passed to fsspec")
     s.add_argument("--task", default=None, metavar="TASK", help=_TASK_HELP)
     s.add_argument("--text-encoder", default=None, metavar="PATH_OR_URL", help=_TEXT_ENCODER_HELP)
@@ -191,6 +195,12 @@ def _parser() -> argparse.ArgumentParser:
         "out", help="folder (any fsspec URL): OUT/<folder>/ per model and, for LoRA parts, OUT/<part>-lora/"
     )
     ce.add_argument("--no-ema", action="store_true", help="export the raw weights instead of the EMA weights")
+    ce.add_argument(
+        "--merged",
+        action="store_true",
+        help="a released pipeline's fine-tune: write that whole pipeline (DiffusionPipeline.from_pretrained(OUT)), "
+        "LoRA merged into what trained, the other components copied from the pinned base folder",
+    )
     ce.add_argument("--storage-options", type=_json_object, default={}, help="JSON passed to fsspec for both")
     ce.add_argument("--task", default=None, metavar="TASK", help=_TASK_HELP)
     ce.add_argument("--text-encoder", default=None, metavar="PATH_OR_URL", help=_TEXT_ENCODER_HELP)
@@ -233,6 +243,15 @@ def _parser() -> argparse.ArgumentParser:
     de.add_argument("--shuffle-seed", type=int, default=0, help="samples are written in an order permuted by it")
     de.add_argument("--no-shuffle", action="store_true", help="write the samples in the source's order")
     de.add_argument("--storage-options", type=_json_object, default={}, help="JSON passed to fsspec for --out")
+    dc = dsub.add_parser(
+        "class-images",
+        help="DreamBooth: draw data.class_prompt N times from model.pretrained into data.class_images, once; "
+        "exact (seeds from (seed, index)), rerun to resume",
+    )
+    dc.add_argument("config", nargs="?", help="preset name or YAML file (e.g. sd15-dreambooth)")
+    dc.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides, e.g. data.class_images=...")
+    dc.add_argument("--num", type=_int_in(1, 10**7), default=100, help="class images wanted (diffusers' default 100)")
+    dc.add_argument("--batch-size", type=_int_in(1, 4096), default=4, help="images per pipeline call (fixed blocks)")
     r = sub.add_parser("runs", help="what a run stored about itself")
     rsub = r.add_subparsers(dest="action", required=True)
     rg = rsub.add_parser(
@@ -243,15 +262,6 @@ def _parser() -> argparse.ArgumentParser:
 
     sub.add_parser("presets", help="list the built-in presets")
     sub.add_parser(
-    dc = dsub.add_parser(
-        "class-images",
-        help="DreamBooth: draw data.class_prompt N times from model.pretrained into data.class_images, once; "
-        "exact (seeds from (seed, index)), rerun to resume",
-    )
-    dc.add_argument("config", nargs="?", help="preset name or YAML file (e.g. sd15-dreambooth)")
-    dc.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides, e.g. data.class_images=...")
-    dc.add_argument("--num", type=_int_in(1, 10**7), default=100, help="class images wanted (diffusers' default 100)")
-    dc.add_argument("--batch-size", type=_int_in(1, 4096), default=4, help="images per pipeline call (fixed blocks)")
         "launch",
         help="torchrun with gentrain's exit codes (for containers): launch TORCHRUN_ARGS -- [PRESET] [key=value ...]",
         add_help=False,
@@ -293,20 +303,37 @@ def _setup_logging(rank: int = 0, world_size: int = 1) -> None:
             handler.addFilter(_REDACT)
 
 
-def _open(args: argparse.Namespace, url: str, doing: str):
-    """The view of the checkpoint `url` names (a step dir, or a root's newest valid one), or None after
-    telling the user why there is none to `doing` (the caller exits 1: EXIT_INVALID_CHECKPOINT)."""
+def _open_loaded(args: argparse.Namespace, url: str, doing: str, device) -> tuple[Any, Any, Any, dict[str, Any]] | None:
+    """(view, config, task, modules) of the checkpoint `url` names, reading and hashing only the files the
+    command loads (the weights or EMA it uses, trainer.json; `candidate_views`): a step dir, or a root's newest
+    checkpoint whose loaded files pass (one that fails is skipped with a warning, as a resume skips it).
+    `checkpoints verify` keeps the full check. None after telling the user why there is none (the caller exits
+    1: EXIT_INVALID_CHECKPOINT)."""
     # Imports torch: only commands that read a checkpoint get here.
-    from trainer.checkpoint import CheckpointView, resolve_checkpoint
+    from trainer.checkpoint import CheckpointCorrupt, candidate_views
     from trainer.storage import store_errors  # fsspec (see the module doc)
 
     with store_errors(url, "read checkpoints from"):  # an unreachable store: one line, exit 1
-        reader, info = resolve_checkpoint(url, args.storage_options)
-    if info is None or not info.valid:
-        why = info.reason if info else "no valid checkpoint under this root"
-        _fail(f"cannot {doing} {url}: {why}")
-        return None
-    return CheckpointView(reader, info)
+        try:
+            is_root, views = candidate_views(url, args.storage_options)
+        except CheckpointCorrupt as e:
+            _fail(f"cannot {doing} {url}: {e}")
+            return None
+    while True:
+        with store_errors(url, "read checkpoints from"):
+            view = next(views, None)
+        if view is None:
+            _fail(f"cannot {doing} {url}: no valid checkpoint under this root")
+            return None
+        try:
+            with store_errors(view.url, "load"):  # a store that fails mid-read: one line, exit 1
+                loaded = _load_for_inference(args, view, device)
+                view.part_steps()  # trainer.json, read (and hashed) once here, where a corrupt one can be skipped
+            return (view, *loaded)
+        except CheckpointCorrupt as e:
+            if not is_root:
+                raise
+            log.warning("skipping checkpoint %s: %s", view.url, e)
 
 
 def _load_for_inference(args: argparse.Namespace, view, device) -> tuple[Any, Any, dict[str, Any]]:
@@ -391,11 +418,11 @@ def cmd_sample(args: argparse.Namespace) -> int:
     check_output_file(
         args.out, f"--out {args.out!r}", "give the file to write, e.g. --out grid.png (its folder is made if missing)"
     )
-    view = _open(args, args.checkpoint, "sample from")
-    if view is None:
-        return EXIT_INVALID_CHECKPOINT
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    cfg, task, modules = _load_for_inference(args, view, device)
+    opened = _open_loaded(args, args.checkpoint, "sample from", device)
+    if opened is None:
+        return EXIT_INVALID_CHECKPOINT
+    view, cfg, task, modules = opened
     # The sampling contract (trainer/tasks/sampling.py): the user's request, refused once against what this
     # checkpoint's task declares, then the run's sample.* settings for what the user left out.
     request = _request(args)
@@ -435,11 +462,11 @@ def cmd_eval(args: argparse.Namespace) -> int:
     _setup_logging(env.rank, env.world_size)
 
     _REDACT.add_secrets({"storage_options": args.storage_options, "data": args.data_storage_options})
-    view = _open(args, args.checkpoint, "evaluate")
-    if view is None:
-        return EXIT_INVALID_CHECKPOINT
     device = torch.device(f"cuda:{env.local_rank}" if torch.cuda.is_available() else "cpu")
-    cfg, task, modules = _load_for_inference(args, view, device)
+    opened = _open_loaded(args, args.checkpoint, "evaluate", device)
+    if opened is None:
+        return EXIT_INVALID_CHECKPOINT
+    view, cfg, task, modules = opened
     if args.data_storage_options is not None:
         cfg.data.storage_options = args.data_storage_options
     _set_eval_flags(cfg, args)
@@ -530,6 +557,8 @@ def _request(args: argparse.Namespace):
         frames=args.frames,
         temperature=args.temperature,
         batch_size=args.batch_size,
+        height=args.height,
+        width=args.width,
     )
 
 
@@ -632,6 +661,11 @@ def cmd_checkpoints(args: argparse.Namespace) -> int:
         from trainer.storage import check_output_folder  # fsspec (see the module doc)
 
         check_output_folder(args.out, f"OUT {args.out!r}", "give a checkpoint root folder (it is made if missing)")
+    if args.action == "export":  # reads (and hashes) only the weights it exports: `_open_loaded`
+        import torch  # torch-heavy (see the module doc)
+
+        opened = _open_loaded(args, args.url, "export", torch.device("cpu"))
+        return EXIT_INVALID_CHECKPOINT if opened is None else _export(args, *opened)
     from trainer.storage import store_errors  # fsspec (see the module doc)
 
     with store_errors(args.url, "read checkpoints from"):  # an unreachable store: one line, exit 1
@@ -639,11 +673,9 @@ def cmd_checkpoints(args: argparse.Namespace) -> int:
     if info is None:
         print(f"INVALID: no valid checkpoint under {args.url}")
         return EXIT_INVALID_CHECKPOINT
-    if args.action in ("export", "consolidate") and not info.valid:
+    if args.action == "consolidate" and not info.valid:
         print(_REDACT.clean(f"INVALID: {info.url}: {info.reason}"), file=sys.stderr)
         return EXIT_INVALID_CHECKPOINT
-    if args.action == "export":
-        return _export(args, CheckpointView(store, info))
     if args.action == "consolidate":
         from trainer.runs import consolidate  # torch-heavy (see the module doc)
 
@@ -671,18 +703,18 @@ def cmd_checkpoints(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
-def _export(args: argparse.Namespace, view) -> int:
+def _export(args: argparse.Namespace, view, cfg, task, modules: dict[str, Any]) -> int:
     """Diffusers folders of the checkpoint's model (the task's `export`), a model card, and model_index.json
     when a diffusers pipeline runs the model (trainer/models/export.py)."""
-    import torch
+    from trainer.models.export import merged_pipeline, model_card, write_export  # torch-heavy (see the module doc)
 
-    from trainer.models.export import model_card, write_export  # torch-heavy (see the module doc)
-
-    cfg, task, modules = _load_for_inference(args, view, torch.device("cpu"))
     _REDACT.add_secrets({"storage_options": args.storage_options, "config": cfg.to_dict()})
     # The digits' labels are their digits; other sources' class names are not in the checkpoint.
     names = [str(i) for i in range(10)] if cfg.data.source == "digits" else None
     export = task.export(modules, cfg.sample, names)
+    base = view.inputs.get("pipeline") if args.merged else None
+    if args.merged:
+        export = merged_pipeline(export, base, args.storage_options)
     out = args.out.rstrip("/")
     parts = {export.parts.get(folder, folder) for folder in export.models}
     digests = view.whole_file_digests(parts, use_ema=not args.no_ema)
@@ -697,7 +729,7 @@ def _export(args: argparse.Namespace, view) -> int:
     )
     about = {"step": view.step, "checkpoint": redact_text(view.url), "weights": "online" if args.no_ema else "ema"}
     try:
-        written = write_export(export, out, _REDACT.clean(card), args.storage_options, about)
+        written = write_export(export, out, _REDACT.clean(card), args.storage_options, about, base=base)
     except OSError as e:  # the store failed part way (a full disk, a lost connection, a failpoint)
         _fail(
             f"export to {out} failed while writing ({e}); it holds no model_index.json and no model card now "
@@ -720,6 +752,8 @@ def _export(args: argparse.Namespace, view) -> int:
 def cmd_data(args: argparse.Namespace) -> int:
     if args.action == "encode":
         return cmd_data_encode(args)
+    if args.action == "class-images":
+        return cmd_data_class_images(args)
     _setup_logging()
     from trainer.data.pack import index_shards, pack_folder  # torch-heavy (see the module doc)
 
@@ -752,8 +786,6 @@ def cmd_data_encode(args: argparse.Namespace) -> int:
     check_output_folder(args.out, f"--out {args.out!r}", "give a folder for the latent shards (it is made if missing)")
     from trainer.data.encode import encode_dataset  # torch-heavy (see the module doc)
 
-    if args.action == "class-images":
-        return cmd_data_class_images(args)
     summary = encode_dataset(
         cfg,
         args.out,
@@ -769,6 +801,18 @@ def cmd_data_encode(args: argparse.Namespace) -> int:
         progress=sys.stderr.isatty(),
     )
     print(f"encoded into {args.out} (rank {rank} of {world}): {summary.line()}")
+    return EXIT_OK
+
+
+def cmd_data_class_images(args: argparse.Namespace) -> int:
+    """`gentrain data class-images`: DreamBooth's class images from the base pipeline (trainer.data.class_images)."""
+    _setup_logging()
+    cfg = load_config(*split_preset([a for a in [args.config, *args.overrides] if a]))
+    _REDACT.add_secrets(cfg.to_dict())
+    from trainer.data.class_images import generate_class_images  # torch and diffusers (see the module doc)
+
+    summary = generate_class_images(cfg, args.num, args.batch_size)
+    print(f"class images: {summary.line()}")
     return EXIT_OK
 
 
@@ -804,18 +848,6 @@ def cmd_runs(args: argparse.Namespace) -> int:
     print(f"run {view.run or '-'} at step {info.step} ({info.url}; time up to that checkpoint's save):")
     print(table(record["seconds"], record["processes"], record["failures"]))
     return EXIT_OK
-def cmd_data_class_images(args: argparse.Namespace) -> int:
-    """`gentrain data class-images`: DreamBooth's class images from the base pipeline (trainer.data.class_images)."""
-    _setup_logging()
-    cfg = load_config(*split_preset([a for a in [args.config, *args.overrides] if a]))
-    _REDACT.add_secrets(cfg.to_dict())
-    from trainer.data.class_images import generate_class_images  # torch and diffusers (see the module doc)
-
-    summary = generate_class_images(cfg, args.num, args.batch_size)
-    print(f"class images: {summary.line()}")
-    return EXIT_OK
-
-
 
 
 def cmd_launch(argv: list[str]) -> int:

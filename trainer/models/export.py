@@ -27,11 +27,13 @@ import json
 import os
 import posixpath
 from collections.abc import Mapping
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
+from trainer.checkpoint.format import new_digest
 from trainer.errors import ConfigError
 from trainer.models.finetune import (
     CONFIG_NAME,
@@ -156,6 +158,104 @@ def model_index(export: Any) -> dict[str, Any]:
     return {**json.loads(pipe.to_json_string()), **export.index_extra}
 
 
+def merged_pipeline(export: Any, base: Mapping[str, Any] | None, storage_options: Mapping[str, Any] | None) -> Any:
+    """`--merged`: `export` (a released pipeline's fine-tune) as that whole pipeline: the trained models (its
+    `lora_prefixes`' folders: the denoiser) written merged (W + scale * B @ A, by peft), the run's sampling
+    scheduler, and every other file of the base pipeline `base` (the checkpoint's pinned `pipeline` input: url,
+    per-file digests) copied as it is, checked against its digest while copied (`write_export(base=...)`).
+    ConfigError (exit 2) for a run that was not trained from a pipeline folder."""
+    if not isinstance(base, Mapping) or not isinstance(base.get("url"), str) or not base.get("files"):
+        raise ConfigError(
+            "--merged writes the released pipeline the run fine-tuned, with the trained weights merged in; this "
+            "checkpoint was not trained from a pipeline folder (model.pretrained naming a folder with "
+            f"{MODEL_INDEX_NAME}): export it without --merged"
+        )
+    url = base["url"]
+    fs, root = filesystem(url.rstrip("/"), storage_options)
+    try:
+        index = json.loads(fs.cat_file(posixpath.join(root, MODEL_INDEX_NAME)))
+    except (OSError, ValueError) as e:
+        raise ConfigError(
+            f"--merged: the base pipeline {url} ({base.get('digest')}) has no readable {MODEL_INDEX_NAME} ({e}): "
+            "restore that folder (the run's model.pretrained) and export again"
+        ) from None
+    trained = {name: export.models[name] for name in export.lora_prefixes if name in export.models}
+    cls = index.get("_class_name")
+    steps = "scheduler/ is the run's sampler (sample.*); a pipeline's __init__ may adjust its config (see docs)"
+    return replace(
+        export,
+        models=trained,
+        pipeline=cls,
+        reason=None,
+        usage="\n".join(
+            [
+                "import torch",
+                "from diffusers import DiffusionPipeline",
+                "",
+                f'pipe = DiffusionPipeline.from_pretrained("path/to/this/folder")  # {cls}',
+                'images = pipe("a prompt", generator=torch.Generator().manual_seed(0)).images',
+            ]
+        ),
+        notes=[
+            *export.notes,
+            f"the whole {cls} of {url} ({base.get('digest')}), its {', '.join(sorted(trained))} fine-tuned "
+            f"(LoRA merged); the other components copied unchanged; {steps}",
+        ],
+    )
+
+
+def _copy_base_files(
+    base: Mapping[str, Any], skip: set[str], out: str, storage_options: Mapping[str, Any] | None
+) -> tuple[list[str], list[str]]:
+    """Copy the pinned files of the base pipeline `base` (its record) under `out`, but those in the folders
+    `skip`, streamed, each checked against its pinned blake3 (a changed file: ConfigError naming it, nothing
+    loads the partial copy: no model_index.json yet). Returns (URLs written, folders copied)."""
+    src_fs, src_root = filesystem(base["url"].rstrip("/"), storage_options)
+    fs, root = filesystem(out, storage_options)
+    written, folders = [], set()
+    for rel, pinned in sorted(base["files"].items()):
+        folder = rel.split("/", 1)[0]
+        if "/" not in rel or folder in skip:
+            continue
+        h = new_digest("blake3")
+        target = posixpath.join(root, rel)
+        fs.makedirs(posixpath.dirname(target), exist_ok=True)
+        try:
+            with src_fs.open(posixpath.join(src_root, rel), "rb") as src, fs.open(target, "wb") as dst:
+                while chunk := src.read(16 << 20):
+                    h.update(chunk)
+                    dst.write(chunk)
+        except FileNotFoundError:
+            raise ConfigError(
+                f"--merged: {base['url']}/{rel}, a file of the run's base pipeline, is gone: restore that folder "
+                "(the run's model.pretrained) and export again"
+            ) from None
+        if isinstance(pinned, Mapping) and pinned.get("blake3") not in (None, h.hexdigest()):
+            raise ConfigError(
+                f"--merged: {base['url']}/{rel} changed since the run pinned it ({pinned.get('blake3')}, now "
+                f"{h.hexdigest()}): restore the folder as it was, or export without --merged"
+            )
+        written.append(target)
+        folders.add(folder)
+    return written, sorted(folders)
+
+
+def _merged_index(base: Mapping[str, Any], export: Any, folders: list[str], storage_options) -> dict[str, Any]:
+    """The base's model_index.json with the run's scheduler class in `scheduler`, and every component slot
+    whose folder the export does not hold (a safety checker, a feature extractor gentrain never read) null."""
+    fs, root = filesystem(base["url"].rstrip("/"), storage_options)
+    index = json.loads(fs.cat_file(posixpath.join(root, MODEL_INDEX_NAME)))
+    held = {*folders, *export.models, *export.schedulers}
+    for slot, entry in list(index.items()):
+        if slot.startswith("_") or not (isinstance(entry, list) and len(entry) == 2):
+            continue
+        if slot in export.schedulers:
+            index[slot] = ["diffusers", type(export.schedulers[slot]).__name__]
+        elif slot not in held and entry != [None, None]:
+            index[slot] = [None, None]
+    return index
+
+
 def _is_gentrain_export(fs: Any, root: str) -> bool:
     """True when folder `root` was written by `gentrain checkpoints export`: it holds the marker, or (an
     export written before the marker existed) a model card of gentrain's."""
@@ -217,10 +317,12 @@ def write_export(
     card: str,
     storage_options: Mapping[str, Any] | None = None,
     about: Mapping[str, Any] | None = None,
+    base: Mapping[str, Any] | None = None,
 ) -> list[str]:
     """Write `export` (a `trainer.tasks.base.Export`) under `out_url` with the model card `card`; returns
     the URLs written, model_index.json last. `about` (step, checkpoint, ...; already redacted) goes into
-    the marker.
+    the marker. `base` (a `merged_pipeline` export: the pinned base pipeline's record): the models are written
+    merged without their adapters, the base's other files copied beside them, its model_index.json adapted.
 
     A re-export never leaves another export's index or card beside its weights: the previous export's
     model_index.json and README.md are removed first, then its folders; the marker says `complete: false`
@@ -228,7 +330,8 @@ def write_export(
     `complete: true`. A write that fails part way leaves weights without an index or a card (never loaded
     as a pipeline, never described as another step's) and the marker, so the next export replaces them."""
     out = out_url.rstrip("/")
-    index = model_index(export) if export.pipeline else None  # before writing: a pipeline that cannot be built fails
+    # Before writing: a pipeline that cannot be built fails.
+    index = model_index(export) if export.pipeline and base is None else None
     check_export_target(out, storage_options)
     fs, root = filesystem(out, storage_options)
     written: list[str] = []
@@ -245,8 +348,10 @@ def write_export(
         for folder in _previous_folders(fs, root):
             if fs.exists(posixpath.join(root, folder)):
                 fs.rm(posixpath.join(root, folder), recursive=True)
-    lora = [f"{name}-lora" for name, (module, _) in export.models.items() if has_lora(module)]
-    folders = [*export.models, *lora, *export.schedulers]
+    lora = [f"{name}-lora" for name, (module, _) in export.models.items() if has_lora(module) and base is None]
+    copied = sorted({rel.split("/", 1)[0] for rel in base["files"] if "/" in rel}) if base is not None else []
+    copied = [f for f in copied if f not in export.models and f not in export.schedulers]
+    folders = [*export.models, *lora, *export.schedulers, *copied]
     marker = {**dict(about or {}), "format": 1, "complete": False, "folders": folders}
     marker_path = posixpath.join(root, MARKER_NAME)
     fs.makedirs(root, exist_ok=True)
@@ -254,11 +359,17 @@ def write_export(
     fault = os.environ.get(FAULT_EXPORT_AFTER_FOLDER)
     for name, (module, extras) in export.models.items():
         prefix = export.lora_prefixes.get(name)
-        written += write_folder(module, f"{out}/{name}", extras, storage_options, lora_prefix=prefix)
+        written += write_folder(
+            module, f"{out}/{name}", extras, storage_options, lora_prefix=prefix, adapters=base is None
+        )
         if fault == name:
             raise OSError(errno.EIO, f"failpoint {FAULT_EXPORT_AFTER_FOLDER}={name}: failing after {name}/")
     for name, scheduler in export.schedulers.items():
         put(posixpath.join(root, name, SCHEDULER_CONFIG_NAME), scheduler.to_json_string())
+    if base is not None:
+        files, _ = _copy_base_files(base, {*export.models, *export.schedulers}, out, storage_options)
+        written += files
+        index = _merged_index(base, export, copied, storage_options)
     put(posixpath.join(root, CARD_NAME), card)
     if index is not None:
         put(posixpath.join(root, MODEL_INDEX_NAME), json.dumps(index, indent=2, sort_keys=True) + "\n")

@@ -201,6 +201,8 @@ def load_weights(module: nn.Module, tensors: Mapping[str, torch.Tensor], key: st
             f"{key}: {what} do not fit the model gentrain builds (missing {missing[:4]}, unexpected {unexpected[:4]}, "
             f"shape mismatches {shapes[:4]})"
         )
+    if any(p.is_meta for p in module.parameters()):
+        return  # built on the meta device (FSDP, ranks but 0): its slices come from rank 0's values
     module.load_state_dict({k: v.to(own[k].dtype) for k, v in tensors.items()}, strict=not skip)
 
 
@@ -304,11 +306,13 @@ def write_folder(
     extras: Mapping[str, torch.Tensor] | None = None,
     storage_options: Mapping[str, Any] | None = None,
     lora_prefix: str | None = None,
+    adapters: bool = True,
 ) -> list[str]:
     """A diffusers-format folder of the merged UNet (plus gentrain's conditioning layers), and for a LoRA
-    model `<out_url>-lora/pytorch_lora_weights.safetensors`; returns the URLs written. `lora_prefix` (a
-    released pipeline's denoiser slot, `unet`): the adapters' keys and metadata under `<prefix>.`, the layout
-    a pipeline's `load_lora_weights(folder)` reads (unprefixed, it silently loads nothing)."""
+    model (unless not `adapters`: a merged pipeline) `<out_url>-lora/pytorch_lora_weights.safetensors`;
+    returns the URLs written. `lora_prefix` (a released pipeline's denoiser slot, `unet`): the adapters' keys
+    and metadata under `<prefix>.`, the layout a pipeline's `load_lora_weights(folder)` reads (unprefixed, it
+    silently loads nothing)."""
     import fsspec
     from safetensors.torch import save as save_safetensors
 
@@ -324,12 +328,12 @@ def write_folder(
     put(root, WEIGHTS_NAME, save_safetensors(merged_state_dict(unet), metadata={"format": "pt"}))
     if extras:
         put(root, EXTRAS_NAME, save_safetensors({k: v.detach().contiguous() for k, v in extras.items()}))
-    if has_lora(unet):
-        adapters = lora_state_dict(unet)
+    if adapters and has_lora(unet):
+        tensors = lora_state_dict(unet)
         if lora_prefix:
-            adapters = {f"{lora_prefix}.{k}": v for k, v in adapters.items()}
+            tensors = {f"{lora_prefix}.{k}": v for k, v in tensors.items()}
         metadata = lora_metadata(unet, lora_prefix)
-        put(f"{root}-lora", LORA_WEIGHTS_NAME, save_safetensors(adapters, metadata=metadata))
+        put(f"{root}-lora", LORA_WEIGHTS_NAME, save_safetensors(tensors, metadata=metadata))
     return written
 
 
