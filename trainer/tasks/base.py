@@ -165,10 +165,10 @@ class PreviewContext:
     weights: Callable[[bool], AbstractContextManager]  # weights(True): EMA weights swapped in
     part_steps: Mapping[str, int] = field(default_factory=dict)  # each trainable part's own step count
     between_steps: Callable[[], None] | None = None  # raises to cut the preview short (a stop request)
+    prompts: list[str] | None = None  # a `sample.prompts` entry: this preview row's prompt, not held-out captions
 
     def preferred_weights(self) -> AbstractContextManager:
         """EMA weights when `sample.use_ema` (the default), else the online weights."""
-    prompts: list[str] | None = None  # a `sample.prompts` entry: this preview row's prompt, not held-out captions
         return self.weights(self.use_ema)
 
     def held_out_prompts(self) -> list[str] | None:

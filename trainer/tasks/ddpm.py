@@ -539,6 +539,17 @@ _PIPELINES = {
 }
 
 
+def prior_weighted(out: Loss, prior: torch.Tensor, weight: float) -> Loss:
+    """DreamBooth's loss, diffusers' `instance_loss + prior_loss_weight * prior_loss`: a step's batch is half
+    instance, half class images (`prior` 1) and the engine averages the per-sample losses over the whole batch,
+    so each instance sample counts 2 and each class sample 2 * weight. The terms `instance_loss` and
+    `prior_loss` average to each half's own mean loss."""
+    prior = prior.to(out.per_sample.dtype)
+    per = out.per_sample
+    terms = {**out.terms, "instance_loss": 2 * (1 - prior) * per.detach(), "prior_loss": 2 * prior * per.detach()}
+    return Loss(per * (2 * (1 - prior) + 2 * weight * prior), terms)
+
+
 def _with_empty_caption(stored: TextEmbeddings, empty: TextEmbeddings, drop: torch.Tensor) -> TextEmbeddings:
     """The stored embeddings, with the empty caption's where `drop` is set (as the encoder would give)."""
 
@@ -552,14 +563,3 @@ def _with_empty_caption(stored: TextEmbeddings, empty: TextEmbeddings, drop: tor
 
 
 TASK = DDPMTask
-def prior_weighted(out: Loss, prior: torch.Tensor, weight: float) -> Loss:
-    """DreamBooth's loss, diffusers' `instance_loss + prior_loss_weight * prior_loss`: a step's batch is half
-    instance, half class images (`prior` 1) and the engine averages the per-sample losses over the whole batch,
-    so each instance sample counts 2 and each class sample 2 * weight. The terms `instance_loss` and
-    `prior_loss` average to each half's own mean loss."""
-    prior = prior.to(out.per_sample.dtype)
-    per = out.per_sample
-    terms = {**out.terms, "instance_loss": 2 * (1 - prior) * per.detach(), "prior_loss": 2 * prior * per.detach()}
-    return Loss(per * (2 * (1 - prior) + 2 * weight * prior), terms)
-
-
