@@ -29,6 +29,8 @@ EVERY_OPTION = {
     "frames": 1,
     "temperature": 0.5,
     "batch_size": 1,
+    "height": 16,
+    "width": 16,
     "choice_temperature": 1.0,
 }
 

@@ -382,6 +382,11 @@ class Trainer:
 
     def _task_context(self, num_classes: int | None) -> TaskContext:
         cfg = self.cfg
+        buckets = None
+        if cfg.data.buckets is not None:
+            from trainer.data.buckets import trained_buckets  # here: only a run with data.buckets imports it
+
+            buckets = trained_buckets(cfg.data)
         return TaskContext(
             image_size=cfg.data.image_size,
             channels=cfg.data.channels,
@@ -391,6 +396,7 @@ class Trainer:
             stages=cfg.train.stages,
             num_frames=cfg.data.num_frames if is_video(cfg) else 1,
             encoding=getattr(self.train_set, "encoding", None),
+            buckets=buckets,
         )
 
     def _order_keys(self) -> dict:

@@ -177,6 +177,11 @@ def load_for_inference(
     adapters = view.adapter_only
     check_bases(view)
     frames = cfg.data.num_frames if is_video(cfg) else 1
+    buckets = None
+    if cfg.data.buckets is not None:
+        from trainer.data.buckets import trained_buckets  # here: only a run trained with data.buckets imports it
+
+        buckets = trained_buckets(cfg.data)  # the sizes it samples at (`gentrain sample --height/--width`)
     ctx = TaskContext(
         cfg.data.image_size,
         cfg.data.channels,
@@ -185,6 +190,7 @@ def load_for_inference(
         options,
         num_frames=frames,
         load_pretrained=bool(adapters),
+        buckets=buckets,
     )
     task = task_class(cfg.task)(cfg.model_cfg, ctx)
     records = view.frozen_records

@@ -89,6 +89,12 @@ def bucket_list(data) -> list[Bucket]:
     return sorted(buckets, key=lambda b: (b[0] / b[1], b[0]))
 
 
+def trained_buckets(data) -> list[Bucket] | None:
+    """The buckets a run's config (`data.*`, as a checkpoint records it) trains at; None without data.buckets.
+    What the task checks against its model's size factor, and `gentrain sample --height/--width` against."""
+    return None if data.buckets is None else bucket_list(data)
+
+
 def nearest_buckets(sizes: np.ndarray, buckets: Sequence[Bucket]) -> np.ndarray:
     """Per (height, width) row of `sizes`, the index of the bucket nearest its aspect ratio in log-ratio
     distance |ln(h/w) - ln(bh/bw)| (a 2:1 and a 1:2 image are equally far from a square); ties go to the
@@ -239,13 +245,19 @@ def plan_digest(listing: str, buckets: Sequence[Bucket], max_ratio: float, min_f
 # ---------------------------------------------------------------------------------------------- crop and resize
 
 
+def cover_size(h: int, w: int, height: int, width: int) -> tuple[int, int]:
+    """(height, width) of an h x w image resized to cover height x width (its aspect ratio kept): the
+    size `cover_crop` and the square loader (`datasets.resize_center_crop`) resize to."""
+    scale = max(height / h, width / w)
+    return max(height, round(h * scale)), max(width, round(w * scale))
+
+
 def cover_crop(im: Image.Image, height: int, width: int, crop: str, aug_seed: int) -> tuple[Image.Image, int, int]:
     """`im` resized (bicubic) so it covers height x width, then cropped to it: centred, or (crop="random")
     at an offset drawn from the sample's augmentation seed, so a resumed run crops what the uninterrupted
     one did. Returns (image, top, left) in the resized image's pixels."""
     w, h = im.size
-    scale = max(height / h, width / w)
-    nw, nh = max(width, round(w * scale)), max(height, round(h * scale))
+    nh, nw = cover_size(h, w, height, width)
     im = im.resize((nw, nh), Image.Resampling.BICUBIC)
     if crop == "random":
         g = np.random.default_rng(derive_seed(aug_seed, _CROP_TAG))
@@ -253,6 +265,23 @@ def cover_crop(im: Image.Image, height: int, width: int, crop: str, aug_seed: in
     else:
         top, left = (nh - height) // 2, (nw - width) // 2
     return im.crop((left, top, left + width, top + height)), top, left
+
+
+# The extras key of each sample's size micro-conditions (`size_conditions`): what SDXL's time ids and PixArt's
+# resolution and aspect-ratio conditions are made of in training (trainer/tasks/ddpm.py, DDPMTask.conditions).
+SIZE_CONDITIONS = "size_conditions"
+
+
+def size_conditions(
+    original: tuple[int, int], top: int, left: int, target: tuple[int, int], resized_width: int, flipped: bool
+) -> torch.Tensor:
+    """(6,) float32: original height and width (before any resize), crop top and left (in the resized image's
+    pixels) and target height and width (the bucket), as SDXL defines its micro-conditions (Podell et al.
+    2023, 2.2; diffusers' train_text_to_image_sdxl.py). A mirrored sample's crop is the mirror's: diffusers'
+    script flips before it crops, so its left is counted from the other side of the resized image."""
+    if flipped:
+        left = resized_width - target[1] - left
+    return torch.tensor([*original, top, left, *target], dtype=torch.float32)
 
 
 def to_tensor(im: Image.Image, channels: int) -> torch.Tensor:

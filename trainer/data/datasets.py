@@ -296,9 +296,13 @@ class ImageFolderDataset:
         caption_column: str = "text",
         storage_options: Mapping[str, Any] | None = None,
         crop: str = "center",
+        sizes: bool = False,
     ):
         self.store = FolderStore(root, storage_options)  # `root` may be a URL on any fsspec store
         self.crop = crop  # "center" or "random" (data.crop; the offset from the sample's augmentation seed)
+        # Each sample's original size, crop offset and target size in its extras (trainer.data.buckets.
+        # size_conditions): SDXL's and PixArt's micro-conditions. Off for direct users of the class.
+        self.sizes = sizes
         scan = scan_folder(root, IMAGE_EXTENSIONS, key, self.store)
         self.files, self.class_index, self.labels = scan.files, scan.class_index, scan.labels
         self.num_classes = len(self.class_index) or None
@@ -354,25 +358,34 @@ class ImageFolderDataset:
     ) -> tuple[torch.Tensor, int] | None:
         """The image at (height, width) `size` (default: the data.image_size square), resized to cover it and
         cropped (`self.crop`), its label and extras; None when it cannot be used."""
+        # here: buckets.py imports this module
+        from trainer.data.buckets import SIZE_CONDITIONS, cover_crop, cover_size, size_conditions, to_tensor
+
         path = self.files[index]
+        height, width = size or (self.image_size, self.image_size)
         try:
             with Image.open(path if not self.store.remote else self.store.open(path)) as im:
+                original = (im.size[1], im.size[0])
                 if size is None and self.crop == "center":
                     x = image_to_tensor(im, self.image_size, self.channels)
+                    resized = cover_size(*original, height, width)
+                    top, left = (resized[0] - height) // 2, (resized[1] - width) // 2
                 else:
-                    from trainer.data.buckets import cover_crop, to_tensor  # here: buckets.py imports this module
-
-                    height, width = size or (self.image_size, self.image_size)
                     im = im.convert("L" if self.channels == 1 else "RGB")
-                    x = to_tensor(cover_crop(im, height, width, self.crop, aug_seed)[0], self.channels)
+                    cropped, top, left = cover_crop(im, height, width, self.crop, aug_seed)
+                    x = to_tensor(cropped, self.channels)
         except (*_READ_ERRORS, UnidentifiedImageError, Image.DecompressionBombError) as e:
             self._skip(path, "unreadable image", str(e))
             return None
-        if flip and aug_seed & 1:
+        flipped = bool(flip and aug_seed & 1)
+        if flipped:
             x = x.flip(-1)
         extras = self._extras(index)
         if extras is None:
             return None
+        if self.sizes:
+            resized_width = cover_size(*original, height, width)[1]
+            extras[SIZE_CONDITIONS] = size_conditions(original, top, left, (height, width), resized_width, flipped)
         return (x.contiguous(), self.labels[index], extras) if extras else (x.contiguous(), self.labels[index])
 
     def _extras(self, index: int) -> dict | None:

@@ -239,8 +239,9 @@ class LatentSpace:
             mean, std = self._posterior(module, images)
         z = mean
         if self.cfg.sample_posterior:
+            # The batch's own latent shape: an aspect-ratio bucket's (data.buckets), not data.image_size's square.
             z = mean + std * sample_draws(self.seed, step, positions, Stream.AUTOENCODER, device=mean.device).randn(
-                self.shape
+                tuple(mean.shape[1:])
             )
         scale, shift = self._scale_shift(module)
         return ((z - shift) * scale).to(images.dtype)

@@ -138,6 +138,9 @@ class TaskContext:
     # The settings of `gentrain data encode` when the training data are its latent shards (see
     # trainer/data/encode.py): batches then carry posteriors, not images. None: images.
     encoding: Mapping[str, Any] | None = None
+    # `data.buckets`: the (height, width) aspect-ratio buckets the run trains (trained, when sampling) at, each
+    # side in pixels; None: data.image_size squares. A task checks them against its model's size factor.
+    buckets: list[tuple[int, int]] | None = None
     # False where a checkpoint's weights replace whatever `build` loads (sampling): pretrained folders
     # (`model.pretrained`) are then not read at all.
     load_pretrained: bool = True

@@ -217,6 +217,7 @@ class DDPMTask(Task):
             extra[AUTOENCODER] = self.latent.build()
             c.denoiser_class.check_input_side(c.denoiser, size, f"the autoencoder's {size}x{size} latents")
         self.backbone = build_backbone(c.denoiser, size, channels, c.num_classes)
+        self._check_buckets()
         # The part is the bare diffusers module: its state-dict keys are those of checkpoints written before
         # the backbone section existed.
         net = self.backbone.model
@@ -242,6 +243,30 @@ class DDPMTask(Task):
             # LoRA: checkpoints hold the adapters only, the base is this folder's: pinned (a changed one is exit 2).
             self._inputs[f"{self.part}.pretrained"] = {**folder.record, **({"pin": True} if c.lora else {})}
         return {self.part: net, **extra}
+
+    def size_factor(self) -> tuple[int, str]:
+        """(what every image side must be a multiple of, how it is made): the autoencoder's downsampling times
+        the denoiser's (a UNet's 2 ** (levels - 1), a transformer's patch side)."""
+        d = self.cfg.denoiser
+        vae = self.latent.geometry.downsample if self.latent is not None else 1
+        unet = getattr(d, "downsample", None)
+        net, what = (unet, "UNet downsampling") if unet else (getattr(d, "patch", 1), f"{d.kind} patch side")
+        parts = ([f"autoencoder {vae}"] if self.latent is not None else []) + [f"{what} {net}"]
+        return vae * net, " x ".join(parts)
+
+    def _check_buckets(self) -> None:
+        """Buckets (ctx.buckets, from data.buckets) whose sides the model cannot take: exit 2 naming them and the
+        factor, before a step runs (a bucket's batch would otherwise fail in the denoiser mid-run)."""
+        if not self.ctx.buckets:
+            return
+        factor, how = self.size_factor()
+        bad = [f"{h}x{w}" for h, w in self.ctx.buckets if h % factor or w % factor]
+        if bad:
+            raise ConfigError(
+                f"data.buckets: {', '.join(bad)} (height x width) are not multiples of {factor}, the factor this model "
+                f"needs ({how}): set data.bucket_step to a multiple of {factor} (data.buckets=auto), or list buckets "
+                f"whose sides are multiples of {factor}"
+            )
 
     def inputs(self) -> dict[str, dict]:
         out = dict(self._inputs)
@@ -431,9 +456,13 @@ class DDPMTask(Task):
         labels: torch.Tensor | None = None,
         captions: list[str] | None = None,
         stored: TextEmbeddings | None = None,
+        sizes: torch.Tensor | None = None,
     ) -> dict[str, torch.Tensor]:
         """The denoiser's conditions; samples with `drop` set get the null class and the empty caption.
-        `stored`: the captions' embeddings read from encoded shards (the encoder then embeds only "")."""
+        `stored`: the captions' embeddings read from encoded shards (the encoder then embeds only "").
+        `sizes`: (n, 6) each sample's original height and width, crop top and left, target height and width in
+        pixels (an image folder's samples carry them: `size_conditions` in their extras); None: every sample is
+        a data.image_size square, uncropped."""
         cond: dict[str, torch.Tensor] = {}
         drop = drop.to(device)
         if self.cfg.num_classes is not None:
@@ -454,11 +483,21 @@ class DDPMTask(Task):
             every = {"captions": emb.tokens, "caption_mask": emb.mask, "pooled": emb.pooled}
             assert self.backbone is not None, "build() first"
             cond.update({k: v for k, v in every.items() if k in self.backbone.accepts})
+            if "resolution" in self.backbone.accepts and sizes is not None:
+                # PixArt's: the image's original (height, width) and its bucket's height / width, as PixArt's
+                # multi-scale training reads them (img_hw, aspect_ratio); sampling gives (h, w, 0, 0, h, w), which
+                # is PixArtSigmaPipeline's (height, width) and height / width. None: the backbone's default (the
+                # input's size).
+                sizes = sizes.to(device, torch.float32)
+                cond["resolution"] = sizes[:, 0:2]
+                cond["aspect_ratio"] = sizes[:, 4:5] / sizes[:, 5:6]
             if "time_ids" in self.backbone.accepts:
-                # SDXL's micro-conditions: original size, crop top-left, target size, in pixels. Every image is
-                # read at data.image_size, uncropped (no per-image original size or crop is recorded yet).
-                s = float(self.image_size)
-                cond["time_ids"] = torch.tensor([[s, s, 0.0, 0.0, s, s]], device=device).expand(n, 6)
+                # SDXL's micro-conditions: original size, crop top-left, target size, in pixels, as its
+                # training script and StableDiffusionXLPipeline._get_add_time_ids lay them out.
+                if sizes is None:
+                    s = float(self.image_size)
+                    sizes = torch.tensor([[s, s, 0.0, 0.0, s, s]]).expand(n, 6)
+                cond["time_ids"] = sizes.to(device, torch.float32)
         return cond
 
     def loss(self, phase: Phase, modules: Mapping[str, nn.Module], batch: Batch, outputs, info: StepInfo) -> Loss:
@@ -478,7 +517,16 @@ class DDPMTask(Task):
             if self.stored_text:
                 e = batch.extras
                 stored = TextEmbeddings(e["text_tokens"], e["text_mask"], e["text_pooled"])
-            cond = self.conditions(len(batch), device, drop, batch.labels, batch.captions, stored)
+            # The extras key is trainer.data.buckets.SIZE_CONDITIONS (the data layer is below the tasks').
+            sizes = batch.extras.get("size_conditions")
+            if sizes is None and self.backbone is not None and "time_ids" in self.backbone.accepts:
+                # A source that records no sizes (shards, latent shards): the batch's own size, uncropped (a
+                # bucket's, where data.image_size's square would be wrong for SDXL's target size).
+                h, w = batch.images.shape[-2:]
+                if self.latent is not None and self.latent.encoding is not None:  # stored posteriors
+                    h, w = h * self.latent.geometry.downsample, w * self.latent.geometry.downsample
+                sizes = torch.tensor([[h, w, 0, 0, h, w]], dtype=torch.float32).expand(len(batch), 6)
+            cond = self.conditions(len(batch), device, drop, batch.labels, batch.captions, stored, sizes)
         out = self.objective.loss(self._net(modules[self.part]), x0, noise, draw, cond)
         # The extras key is trainer.data.dreambooth.PRIOR (the data layer is below the tasks').
         prior = batch.extras.get("prior")
@@ -494,7 +542,25 @@ class DDPMTask(Task):
         c = self.cfg
         conditions = {"labels": c.num_classes is not None, "prompts": self.text is not None}
         guided = {"guidance_scale"} if self.conditional else set()
-        return frozenset({"inference_steps", "scheduler", *guided, *(k for k, on in conditions.items() if on)})
+        # --height/--width: a model trained on aspect-ratio buckets samples at any of them (`_sample_size`).
+        sizes = {"height", "width"} if self.ctx.buckets else set()
+        return frozenset({"inference_steps", "scheduler", *sizes, *guided, *(k for k, on in conditions.items() if on)})
+
+    def _sample_size(self, request: SampleRequest) -> tuple[int, int] | None:
+        """The (height, width) asked for (`--height`/`--width`, a missing one data.image_size), refused (exit 2)
+        unless it is one of the aspect-ratio buckets the model trained at; None when neither was asked for (the
+        data.image_size square, as a run without buckets always samples: it takes neither flag)."""
+        if request.height is None and request.width is None:
+            return None
+        size = (request.option("height", self.image_size), request.option("width", self.image_size))
+        trained = list(self.ctx.buckets or [])
+        if size not in trained:
+            listed = ", ".join(f"{h}x{w}" for h, w in trained)
+            raise ConfigError(
+                f"--height {size[0]} --width {size[1]}: this checkpoint trained at the aspect-ratio buckets "
+                f"(data.buckets) {listed} (height x width); sample at one of them"
+            )
+        return size
 
     @torch.no_grad()
     def sample(self, modules: Mapping[str, nn.Module], request: SampleRequest, device: torch.device) -> torch.Tensor:
@@ -502,7 +568,15 @@ class DDPMTask(Task):
         num, seed, labels, prompts = request.num, request.seed, request.labels, request.prompts
         guidance_scale = request.option("guidance_scale", 1.0)
         g = torch.Generator().manual_seed(seed)
-        shape = self.latent.shape if self.latent is not None else (self.channels, self.image_size, self.image_size)
+        asked = self._sample_size(request)
+        height, width = asked or (self.image_size, self.image_size)
+        if self.latent is not None:
+            factor = self.latent.geometry.downsample
+            shape = (self.latent.shape[0], height // factor, width // factor)
+        else:
+            shape = (self.channels, height, width)
+        # As diffusers' pipelines by default: the original size is the output's, uncropped.
+        sizes = None if asked is None else torch.tensor([[height, width, 0, 0, height, width]]).expand(num, 6)
         x = torch.randn((num, *shape), generator=g).to(device)
         guidance = Guidance({})
         if self.conditional:
@@ -513,10 +587,10 @@ class DDPMTask(Task):
                     log.warning("caption-conditioned DDPM sampled without a prompt: unconditional samples")
                     prompts = [""] * num
                 prompts = (list(prompts) * num)[:num]
-            cond = self.conditions(num, device, torch.zeros(num, dtype=torch.bool), labels, prompts)
+            cond = self.conditions(num, device, torch.zeros(num, dtype=torch.bool), labels, prompts, sizes=sizes)
             uncond = None
             if guidance_scale != 1.0:
-                uncond = self.conditions(num, device, torch.ones(num, dtype=torch.bool), labels, prompts)
+                uncond = self.conditions(num, device, torch.ones(num, dtype=torch.bool), labels, prompts, sizes=sizes)
             guidance = Guidance(cond, uncond, guidance_scale)
         steps, scheduler = request.option("inference_steps", 50), request.option("scheduler", "ddim")
         x = self.objective.denoise(

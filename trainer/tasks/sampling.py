@@ -38,6 +38,8 @@ OPTIONS: dict[str, str] = {
     "frames": "--frames",
     "temperature": "--temperature",
     "batch_size": "--batch-size",
+    "height": "--height",
+    "width": "--width",
     "choice_temperature": "choice_temperature",  # no flag: for programmatic callers (bench/moving_digits.py)
 }
 
@@ -52,6 +54,8 @@ _BOUNDS: dict[str, tuple[float, bool]] = {
     "frames": (1, True),
     "temperature": (0, False),
     "batch_size": (1, True),
+    "height": (1, True),
+    "width": (1, True),
     "choice_temperature": (0, True),
 }
 
@@ -76,6 +80,8 @@ class SampleRequest:
     frames: int | None = None
     temperature: float | None = None
     batch_size: int | None = None
+    height: int | None = None  # pixels; a diffusion model checks it against the sizes it trained at
+    width: int | None = None
     choice_temperature: float | None = None
     images: torch.Tensor | None = None  # (N, C, H, W) in [-1, 1]
     part_steps: Mapping[str, int] | None = None
