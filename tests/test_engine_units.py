@@ -24,7 +24,7 @@ from trainer.engine.parts import ModuleView, Part, build_parts
 from trainer.engine.progress import TrainProgress
 from trainer.engine.runtime import Runtime, parallel_mode
 from trainer.engine.step import StepRunner
-from trainer.engine.wrap import DataParallel, FullySharded, OneProcess, refuse_lora_under_fsdp, wrapping_for
+from trainer.engine.wrap import DataParallel, FullySharded, OneProcess, wrapping_for
 from trainer.errors import ConfigError
 from trainer.metrics import TrainingMetrics
 from trainer.registry import load_config
@@ -322,12 +322,10 @@ def test_fsdp_refuses_what_it_cannot_shard_by_name():
     with pytest.raises(ConfigError, match="^train.parallel=fsdp: a loss computed"):
         wrapping.check_supported(Refusing(), modules, ["generator"])
     wrapping.check_supported(Fine(), modules, ["generator"])
-
+    # LoRA adapters on a sharded base train (tests/test_pipeline_fsdp.py): no refusal
     peft = pytest.importorskip("peft")
     adapted = peft.inject_adapter_in_model(peft.LoraConfig(r=2, target_modules=["0"]), mlp(D))
-    with pytest.raises(ConfigError, match="LoRA adapters .* not supported with train.parallel=fsdp"):
-        refuse_lora_under_fsdp({"generator": adapted}, ["generator"])
-    refuse_lora_under_fsdp({"generator": adapted}, [])  # a frozen adapted part is not sharded by wrap
+    wrapping.check_supported(Fine(), {"generator": adapted}, ["generator"])
 
 
 # ---------------------------------------------------------------------------------------------- frozen records

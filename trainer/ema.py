@@ -64,9 +64,11 @@ class EMAModel:
             params_grad = [p for p in parameters if p.requires_grad]
             s_params_grad = [s for s, p in zip(self.shadow_params, parameters, strict=True) if p.requires_grad]
             if len(params_grad) < len(parameters):
+                # Frozen weights (a LoRA part's base) are copied shard by shard: DTensor (FSDP2) has no
+                # multi-tensor copy, and a copy of the local shards is the same copy.
                 torch._foreach_copy_(
-                    [s for s, p in zip(self.shadow_params, parameters, strict=True) if not p.requires_grad],
-                    [p for p in parameters if not p.requires_grad],
+                    [_local(s) for s, p in zip(self.shadow_params, parameters, strict=True) if not p.requires_grad],
+                    [_local(p) for p in parameters if not p.requires_grad],
                     non_blocking=True,
                 )
             torch._foreach_sub_(s_params_grad, torch._foreach_sub(s_params_grad, params_grad), alpha=one_minus_decay)
@@ -124,3 +126,8 @@ class EMAModel:
                 raise ValueError("shadow_params must be a list")
             if not all(isinstance(p, torch.Tensor) for p in self.shadow_params):
                 raise ValueError("shadow_params must all be Tensors")
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """A DTensor's local shard (a view: writes reach the DTensor), a plain tensor itself."""
+    return t.to_local() if hasattr(t, "to_local") else t

@@ -5,8 +5,8 @@ Each element of a module's top-level `nn.ModuleList`s (a UNet's down and up
 blocks, a transformer's layers) becomes its own FSDP unit, then the part
 itself (what is left: stems, embeddings, the middle block). Only one unit's
 parameters are unsharded at a time, as in TorchTitan. Parameters stay fp32
-and sharded; `train.precision=bf16|fp16` sets the dtype they are gathered
-in for compute, with gradients reduced in fp32.
+(a LoRA base: its half dtype, below) and sharded; `train.precision=bf16|fp16`
+sets the dtype they are gathered in for compute, with gradients reduced in fp32.
 
 Initialisation happens on rank 0 only: the other ranks build their parts
 with parameters on the meta device (no memory), shard them, allocate just
@@ -14,6 +14,14 @@ their own slices, and receive those slices from rank 0's freshly built (or
 pretrained-loaded) part. So a rank never holds a whole part it will shard,
 and every rank starts from exactly the weights one process would have built
 (the same as DDP, which also starts from rank 0's weights).
+
+A LoRA-adapted part (peft adapters on a frozen base) is sharded the same way, units unchanged: its base
+is stored in the half dtype of `train.precision` and its adapters in fp32 (diffusers'
+`cast_training_params`, done before sharding), so one unit holds both dtypes. FSDP2 all-gathers such a
+unit through one byte buffer (its copy-in views every parameter as bytes when their dtypes differ);
+with the mixed-precision policy both are gathered in the compute dtype. Only the adapters have
+gradients, all fp32, reduce-scattered in fp32; the frozen base never gets one, so never a reduction.
+The gain is TorchTitan's: each rank keeps 1/N of the half-precision base between its unit's forwards.
 """
 
 from __future__ import annotations
@@ -96,18 +104,32 @@ def shard_module(module: nn.Module, precision: str, cpu_offload: bool) -> nn.Mod
     for unit in units:
         fully_shard(unit, reshard_after_forward=id(unit) not in gathered, **kwargs)
     log.info(
-        "fsdp: %s sharded as %d units (%s) plus the rest%s",
+        "fsdp: %s sharded as %d units (%s) plus the rest%s%s",
         type(module).__name__,
         len(units),
         classes,
         f"; {', '.join(n for n, m in module.named_modules() if id(m) in gathered)} kept gathered after forward"
         if gathered
         else "",
+        frozen_split(module),
     )
     fully_shard(module, **kwargs)
     for name in getattr(module, "fsdp_forward_methods", ()):
         register_fsdp_forward_method(module, name)
     return module
+
+
+def frozen_split(module: nn.Module) -> str:
+    """For a part with frozen parameters (a LoRA base) among trainable ones, what each holds and in which
+    dtypes, e.g. "; frozen 1024 parameters (bfloat16), trainable 64 (float32)"; "" otherwise."""
+    groups: dict[bool, tuple[int, set[str]]] = {}
+    for p in module.parameters():
+        n, dtypes = groups.get(p.requires_grad, (0, set()))
+        groups[p.requires_grad] = (n + p.numel(), dtypes | {str(p.dtype).removeprefix("torch.")})
+    if len(groups) < 2:
+        return ""
+    (frozen, fd), (trained, td) = groups[False], groups[True]
+    return f"; frozen {frozen} parameters ({', '.join(sorted(fd))}), trainable {trained} ({', '.join(sorted(td))})"
 
 
 def reshard(modules: Iterable[nn.Module]) -> None:

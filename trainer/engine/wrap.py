@@ -28,7 +28,6 @@ from trainer.engine.shard import (
     whole_tensors_agree,
 )
 from trainer.errors import ConfigError
-from trainer.models.finetune import has_lora
 
 if TYPE_CHECKING:
     from trainer.config.schema import TrainConfig
@@ -97,7 +96,8 @@ class DataParallel(Wrapping):
 class FullySharded(Wrapping):
     """FSDP2: parts that learn are sharded in place from rank 0's values (built on the meta device
     elsewhere); parts kept whole (frozen, not trained this run) are replicated from rank 0, and frozen
-    ones sharded too under train.shard_frozen."""
+    ones sharded too under train.shard_frozen. A LoRA-adapted part is sharded like any other: its frozen
+    base in train.precision's dtype and its fp32 adapters share units (see trainer.engine.shard)."""
 
     shards_on_wrap = True
 
@@ -135,7 +135,6 @@ class FullySharded(Wrapping):
         refusal = task.fsdp_refusal()
         if refusal:
             raise ConfigError(f"train.parallel=fsdp: {refusal}")
-        refuse_lora_under_fsdp(modules, trainable)
 
     def prepare(self, modules: Mapping[str, nn.Module], frozen: Collection[str], learning: Collection[str]) -> None:
         if self.train.cpu_offload and self.runtime.device.type != "cuda":
@@ -160,15 +159,6 @@ class FullySharded(Wrapping):
         if not agree:
             raise RuntimeError("FSDP start: the ranks hold different values in parts or buffers kept whole")
         log.info("fsdp init: %d whole tensors (kept parts, buffers) identical on every rank", n)
-
-
-def refuse_lora_under_fsdp(modules: Mapping[str, nn.Module], trainable: Collection[str]) -> None:
-    """LoRA adapters cannot be sharded yet: a unit would mix a half-precision frozen base with fp32 adapters."""
-    if any(has_lora(modules[n]) for n in trainable):
-        raise ConfigError(
-            "LoRA adapters (lora: under model.*) are not supported with train.parallel=fsdp yet (a unit would "
-            "mix a half-precision frozen base with fp32 adapters); use train.parallel=ddp: the adapters are small"
-        )
 
 
 def wrapping_for(runtime: Runtime, train: TrainConfig) -> Wrapping:
