@@ -2,8 +2,10 @@
 
 Two torchrun agents (`gentrain launch --nnodes=1:2 --nproc-per-node=1`) are two nodes training the digits-ddpm
 preset with a small UNet, durable checkpoints every 50 steps into one shared root; agent a is the survivor,
-agent b is lost once the checkpoint of step 50 is committed. The rendezvous settings are torch's defaults
-(`--rdzv-conf` only raises join_timeout) unless `--rdzv-conf` says otherwise. Rendezvous:
+agent b is lost once the checkpoint of step 50 is committed. The rendezvous settings are `gentrain launch`'s
+defaults, as every launch path (the k8s manifests, the TorchX component) runs them: torch's, except
+last_call_timeout=2 (trainer.launch.RDZV_DEFAULTS; `--rdzv-conf` here only raises join_timeout) unless
+`--rdzv-conf` says otherwise (`last_call_timeout=30` is torch's own). Rendezvous:
 
   c10d      agent a hosts the rendezvous store (so b is the one lost: losing the host ends a c10d job);
   etcd-v2   a one-member etcd (Debian's etcd-server, v2 API) on a free port of 127.0.0.1, started here.
@@ -361,7 +363,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--rdzv-conf",
         default="join_timeout=300",
-        help="torchrun's --rdzv-conf (torch's defaults otherwise: last_call_timeout=30, keep_alive 5 s x 3)",
+        help="torchrun's --rdzv-conf (gentrain launch's defaults otherwise: last_call_timeout=2, keep_alive 5 s x 3)",
     )
     ap.add_argument("--out", help="also write the JSON here")
     ap.add_argument("--logs", help="keep every run's agent logs under this folder")
@@ -396,7 +398,8 @@ def main(argv: list[str] | None = None) -> int:
         "bench": "detection",
         "what": "seconds from agent b's loss to the survivor's worker exit, new worker, first step",
         "rdzv_conf": args.rdzv_conf,
-        "torch_defaults": "last_call_timeout 30 s, keep-alive 5 s x 3 (a lost node leaves the round after 15 s)",
+        "torch_defaults": "last_call_timeout 30 s, keep-alive 5 s x 3 (a lost node leaves the round after 15 s); "
+        "gentrain launch adds last_call_timeout=2 where --rdzv-conf does not set it (trainer.launch.RDZV_DEFAULTS)",
         "runs": runs,
         "skipped": skipped,
     }

@@ -364,6 +364,9 @@ def test_launch_does_not_restart_workers_that_exit_2(tmp_path):
     codes = re.search(r"failed first with exit code 2 \(all: \[([-\d, ]+)\]\)", r.stderr)
     assert codes and set(map(int, codes.group(1).split(","))) <= {2, -15}, r.stderr[-3000:]
     assert "will restart worker group" not in r.stderr and "not restarting the workers" in r.stderr
+    # Every launch path runs gentrain launch, which adds its rendezvous defaults (trainer.launch.RDZV_DEFAULTS):
+    # a survivor's new round waits 2 s for a lost node, not torch's 30 (docs/goodput.md, Detection).
+    assert "rendezvous c10d, --rdzv-conf=last_call_timeout=2" in r.stderr, r.stderr[-3000:]
 
 
 # ---------------------------------------------------------------- image

@@ -62,6 +62,22 @@ def _agent_that_never_retries_usage_errors():
 
 ETCD_BACKENDS = ("etcd-v2", "etcd")
 
+# torchrun's rendezvous settings gentrain launch adds where the user's --rdzv-conf does not set them. A round
+# that has --nnodes MIN but not MAX members waits last_call_timeout for more before it starts: torch's 30 s,
+# on top of the step watchdog's 25 s (elastic.step_timeout_seconds), put the survivors' new workers 56 s after
+# a silent node's loss (bench/detection.py); with 2 s they start within 30 s, a killed node's within 20 s
+# (its keep-alives, torch's 3 x 5 s, lapse first). A node that comes up later than 2 s after the others joins
+# through the next round, which the running agents start when they see it waiting. A job of fixed size
+# (--nnodes=N) never waits for a last call. c10d and etcd-v2 both read this key.
+RDZV_DEFAULTS = {"last_call_timeout": "2"}
+
+
+def with_rendezvous_defaults(conf: str) -> str:
+    """torchrun's --rdzv-conf value (`k=v,k=v`) with RDZV_DEFAULTS added for the keys it does not set."""
+    given = {item.partition("=")[0].strip() for item in conf.split(",") if item.strip()}
+    added = [f"{k}={v}" for k, v in RDZV_DEFAULTS.items() if k not in given]
+    return ",".join([conf, *added] if conf.strip() else added)
+
 
 def check_rendezvous_backend(backend: str) -> None:
     """torchrun's etcd rendezvous needs python-etcd (the `etcd` extra); say so before any agent starts.
@@ -97,6 +113,8 @@ def launch(argv: list[str]) -> int:
     os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
     args = get_args_parser().parse_args([*torchrun_args, "-m", "trainer", "train", *train_args])
     check_rendezvous_backend(args.rdzv_backend)
+    args.rdzv_conf = with_rendezvous_defaults(args.rdzv_conf)
+    log.info("rendezvous %s, --rdzv-conf=%s", args.rdzv_backend, args.rdzv_conf)  # what torchrun gets
     try:
         run(args)
     except ChildFailedError as e:
