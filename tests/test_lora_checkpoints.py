@@ -129,7 +129,8 @@ def test_a_whole_lora_state_still_loads_and_a_partial_one_is_refused():
 
 @pytest.fixture(scope="module")
 def sd_run(tmp_path_factory):
-    """A 2-step fp32 LoRA run (sd15-lora) on a copy of a tiny StableDiffusionPipeline folder: (base, run root)."""
+    """A 2-step fp32 LoRA run (sd15-lora) on the UNet and the text encoder (model.lora.text_encoder=true) of a
+    tiny StableDiffusionPipeline folder: (base, run root)."""
     root = tmp_path_factory.mktemp("sd-lora")
     base = BUILDERS["sd"](root)
     images = captioned_images(tmp_path_factory.mktemp("images"), 4)
@@ -150,6 +151,7 @@ def sd_run(tmp_path_factory):
         "sample.every_steps=0",
         f"run.dir={root / 'run'}",
         f"model.text.cache_dir={root / 'text'}",
+        "model.lora.text_encoder=true",
         env=ENV,
     )
     assert r.returncode == 0, r.stderr[-3000:]
@@ -158,9 +160,9 @@ def sd_run(tmp_path_factory):
 
 @pytest.mark.slow
 def test_the_merged_export_is_the_whole_pipeline_and_draws_what_gentrain_samples(sd_run, tmp_path):
-    """`checkpoints export --merged`: OUT is a StableDiffusionPipeline folder (model_index.json; the UNet with
-    the adapters merged, no adapter folder; VAE, text encoder and tokenizer byte for byte the base's; the run's
-    sampler) that `DiffusionPipeline.from_pretrained(OUT)` loads and that draws gentrain's images within
+    """`checkpoints export --merged`: OUT is a StableDiffusionPipeline folder (model_index.json; the UNet and
+    the text encoder with their adapters merged, no adapter folder; VAE and tokenizer byte for byte the base's;
+    the run's sampler) that `DiffusionPipeline.from_pretrained(OUT)` loads and that draws gentrain's images within
     1/255 (same seed, steps, guidance, prompt)."""
     import json
 
@@ -175,12 +177,12 @@ def test_the_merged_export_is_the_whole_pipeline_and_draws_what_gentrain_samples
     r = run_cli("checkpoints", "export", str(root / "checkpoints"), str(out), "--merged", env=ENV)
     assert r.returncode == 0, r.stderr[-3000:]
     assert "StableDiffusionPipeline" in r.stdout and not (out / "unet-lora").exists()
-    for rel in (
-        "vae/diffusion_pytorch_model.safetensors",
-        "text_encoder/model.safetensors",
-        "tokenizer/tokenizer.json",
-    ):
+    for rel in ("vae/diffusion_pytorch_model.safetensors", "tokenizer/tokenizer.json", "text_encoder/config.json"):
         assert (out / rel).read_bytes() == (base / rel).read_bytes(), rel
+    # The text encoder trained too: its weights are the merged ones.
+    assert (out / "text_encoder/model.safetensors").read_bytes() != (
+        base / "text_encoder/model.safetensors"
+    ).read_bytes()
     index = json.loads((out / "model_index.json").read_text())
     # The run's sampler (the preset's sample.scheduler=dpm) in place of the base's DDPMScheduler.
     assert index["_class_name"] == "StableDiffusionPipeline"
@@ -256,3 +258,60 @@ def test_a_changed_base_folder_is_exit_2_naming_the_file_for_sample_and_export(s
         assert r.returncode == 2 and "Traceback" not in r.stderr, (args, r.stderr[-3000:])
         assert "tokenizer/tokenizer_config.json" in last and "Restore the folder" in last, (args, last)
     assert not (tmp_path / "out" / "model_index.json").exists()
+
+
+@pytest.mark.slow
+def test_text_encoder_lora_trains_checkpoints_adapters_only_and_loads_into_diffusers(sd_run, tmp_path):
+    """model.lora.text_encoder=true (SD 1.x): LoRA on the CLIP's q/k/v/out projections trains in the step (no
+    caption embedding cached), the checkpoint holds its adapters alone (`text_encoder.*`, beside the UNet's), and
+    the exported file (`unet.*` and `text_encoder.*` keys) loaded by `StableDiffusionPipeline.load_lora_weights`
+    onto the base draws gentrain's images within 1/255; without the text encoder's adapters it draws others."""
+    from diffusers import StableDiffusionPipeline
+    from safetensors.torch import load_file
+
+    from trainer.checkpoint import CheckpointStore, CheckpointView
+    from trainer.runs import load_for_inference
+    from trainer.tasks.sampling import SampleRequest
+
+    base, root = sd_run
+    assert not list((root.parent / "text").rglob("*.safetensors")), "a caption embedding was cached"
+    saved = load_file(root / "checkpoints" / "step-000000002" / "unet.model.safetensors")
+    text = {k for k in saved if k.startswith("text_encoder.")}
+    assert text and all(".lora_" in k for k in saved)  # adapters only, the text encoder's among them
+    assert {k.split(".lora_")[0].rsplit(".", 1)[-1] for k in text} == {"q_proj", "k_proj", "v_proj", "out_proj"}
+    assert any(saved[k].abs().max() > 0 for k in text if ".lora_B." in k)
+    out = tmp_path / "export"
+    r = run_cli("checkpoints", "export", str(root / "checkpoints"), str(out), env=ENV)
+    assert r.returncode == 0, r.stderr[-3000:]
+    adapters = load_file(out / "unet-lora" / "pytorch_lora_weights.safetensors")
+    assert {k.split(".", 1)[0] for k in adapters} == {"unet", "text_encoder"}
+
+    store = CheckpointStore(str(root / "checkpoints"), {})
+    _, task, modules = load_for_inference(CheckpointView(store, store.check(2)), use_ema=True, device=CPU)
+    prompt, steps, scale = "the red photo", 3, 3.0
+    request = SampleRequest(num=2, seed=7, prompts=[prompt], inference_steps=steps, guidance_scale=scale)
+    ours = task.sample(modules, request, CPU)
+    pipe = StableDiffusionPipeline.from_pretrained(base, safety_checker=None)
+    pipe.scheduler = task.objective.inference_scheduler("ddim")  # after construction: it resets steps_offset
+
+    def draw():
+        return pipe(
+            [prompt] * 2,
+            height=16,
+            width=16,
+            num_inference_steps=steps,
+            guidance_scale=scale,
+            eta=0.0,
+            generator=torch.Generator().manual_seed(7),
+            output_type="pt",
+        ).images
+
+    pipe.load_lora_weights(str(out / "unet-lora"))
+    assert pipe.unet.peft_config and pipe.text_encoder.peft_config, "diffusers loaded no text encoder adapter"
+    theirs = draw()
+    assert ours.shape == theirs.shape
+    assert (ours - theirs).abs().max() <= 1 / 255
+    pipe.unload_lora_weights()
+    unet_only = {k: v for k, v in adapters.items() if k.startswith("unet.")}
+    pipe.load_lora_weights(unet_only)
+    assert (draw() - ours).abs().max() > 1 / 255  # the text encoder's adapters matter

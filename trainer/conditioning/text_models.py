@@ -231,6 +231,21 @@ class TransformersTextEncoder:
             out.append([t[: len(chunk)].cpu() for t in got])
         return tuple(torch.cat([o[i] for o in out]) for i in range(3))  # type: ignore[return-value]
 
+    def encode_with(
+        self, models: list[torch.nn.Module], captions: list[str], device: torch.device
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(tokens, mask, pooled) of `captions` in one forward, as `encode` computes them, but through `models`
+        in place of the first parts' (a text encoder LoRA trains: its adapted copies, on `device`, with
+        gradients; nothing is cached)."""
+        import copy  # a shallow copy of each part: the same tokenizer, another model
+
+        view = copy.copy(self)
+        view.parts = list(self.parts)
+        for i, model in enumerate(models):
+            view.parts[i] = copy.copy(self.parts[i])
+            view.parts[i].model, view.parts[i].device = model, device
+        return view._forward(captions)
+
     def _forward(self, captions: list[str]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         kind = self.cfg.kind
         if kind == "t5":

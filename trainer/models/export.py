@@ -41,6 +41,8 @@ from trainer.models.finetune import (
     WEIGHTS_NAME,
     has_lora,
     merged_state_dict,
+    merged_text_encoder,
+    text_children,
     write_folder,
 )
 from trainer.storage import check_output_folder, filesystem
@@ -58,6 +60,7 @@ SCHEDULER_CONFIG_NAME = "scheduler_config.json"  # diffusers' name
 MODEL_INDEX_NAME = "model_index.json"
 CARD_NAME = "README.md"
 CARD_TITLE = b"# gentrain "  # how every model card starts (`model_card`)
+TEXT_WEIGHTS_NAME = "model.safetensors"  # transformers' SAFE_WEIGHTS_NAME: a text encoder's weights
 MARKER_NAME = "gentrain-export.json"  # written first (complete: false) and last (complete: true)
 _FOLDER_FILES = (CONFIG_NAME, WEIGHTS_NAME, LORA_WEIGHTS_NAME)
 # Failpoint (docs/development.md): the export fails right after writing this model folder.
@@ -205,17 +208,22 @@ def merged_pipeline(export: Any, base: Mapping[str, Any] | None, storage_options
 
 
 def _copy_base_files(
-    base: Mapping[str, Any], skip: set[str], out: str, storage_options: Mapping[str, Any] | None
+    base: Mapping[str, Any],
+    skip: set[str],
+    keep_config: set[str],
+    out: str,
+    storage_options: Mapping[str, Any] | None,
 ) -> tuple[list[str], list[str]]:
     """Copy the pinned files of the base pipeline `base` (its record) under `out`, but those in the folders
-    `skip`, streamed, each checked against its pinned blake3 (a changed file: ConfigError naming it, nothing
-    loads the partial copy: no model_index.json yet). Returns (URLs written, folders copied)."""
+    `skip` and, of the folders `keep_config`, all but config.json, streamed, each checked against its pinned
+    blake3 (a changed file: ConfigError naming it, nothing loads the partial copy: no model_index.json yet).
+    Returns (URLs written, folders copied)."""
     src_fs, src_root = filesystem(base["url"].rstrip("/"), storage_options)
     fs, root = filesystem(out, storage_options)
     written, folders = [], set()
     for rel, pinned in sorted(base["files"].items()):
         folder = rel.split("/", 1)[0]
-        if "/" not in rel or folder in skip:
+        if "/" not in rel or folder in skip or (rel != f"{folder}/{CONFIG_NAME}" and folder in keep_config):
             continue
         h = new_digest("blake3")
         target = posixpath.join(root, rel)
@@ -367,8 +375,16 @@ def write_export(
     for name, scheduler in export.schedulers.items():
         put(posixpath.join(root, name, SCHEDULER_CONFIG_NAME), scheduler.to_json_string())
     if base is not None:
-        files, _ = _copy_base_files(base, {*export.models, *export.schedulers}, out, storage_options)
+        # A text encoder LoRA trained with the denoiser: its config copied, its weights merged (transformers').
+        texts = {slot: enc for module, _ in export.models.values() for slot, enc in text_children(module).items()}
+        files, _ = _copy_base_files(base, {*export.models, *export.schedulers}, set(texts), out, storage_options)
         written += files
+        from safetensors.torch import save as save_safetensors  # as finetune.write_folder: only when writing
+
+        for slot, encoder in texts.items():
+            data = save_safetensors(merged_text_encoder(encoder), metadata={"format": "pt"})
+            fs.pipe_file(posixpath.join(root, slot, TEXT_WEIGHTS_NAME), data)
+            written.append(posixpath.join(root, slot, TEXT_WEIGHTS_NAME))
         index = _merged_index(base, export, copied, storage_options)
     put(posixpath.join(root, CARD_NAME), card)
     if index is not None:

@@ -78,6 +78,12 @@ class LoraSettings(BaseModel):
         description="module names (suffixes) to adapt; default: the backbone's (a UNet's attention projections "
         "and ResNet convolutions, a transformer's attention projections)",
     )
+    text_encoder: bool = Field(
+        False,
+        description="also train LoRA (same rank, alpha, dropout) on the pipeline's CLIP text encoder(s), on "
+        "q_proj, k_proj, v_proj, out_proj as diffusers' LoRA scripts' --train_text_encoder; captions are then "
+        "encoded in every step (no embedding cache). ddpm runs from an SD 1.x/2.x or SDXL pipeline folder only",
+    )
 
     def peft_config(self, default_targets: Sequence[str]):
         from peft import LoraConfig
@@ -222,6 +228,46 @@ def apply_lora(unet: nn.Module, settings: LoraSettings, key: str, default_target
     return sum(p.numel() for p in unet.parameters() if p.requires_grad)
 
 
+# diffusers' train_dreambooth_lora.py / train_dreambooth_lora_sdxl.py --train_text_encoder: every CLIP
+# attention projection. A LoRA-trained text encoder is a child of the denoiser's module under its pipeline slot
+# (so its adapters train, checkpoint and export with the denoiser's): its keys are then `text_encoder.*`, the
+# prefix diffusers' `load_lora_weights` reads them under.
+TEXT_LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "out_proj")
+TEXT_SLOTS = ("text_encoder", "text_encoder_2")
+
+
+def attach_text_lora(net: nn.Module, encoders: Sequence[nn.Module], settings: LoraSettings, key: str) -> dict:
+    """Copies of the frozen CLIP `encoders` (a pipeline's text_encoder, text_encoder_2) with LoRA adapters on
+    `TEXT_LORA_TARGETS` (the rank, alpha and dropout of `settings`), made children of `net` under their slot
+    names; returns {slot: the adapted copy}. The originals stay frozen and unadapted (they embed nothing for
+    such a run: its captions are encoded by the copies, in each step)."""
+    if importlib.util.find_spec("peft") is None:
+        raise ConfigError(f"{key} needs peft: pip install 'gentrain[lora]'")
+    from peft import inject_adapter_in_model
+
+    text = settings.model_copy(update={"targets": list(TEXT_LORA_TARGETS)})
+    out = {}
+    for slot, encoder in zip(TEXT_SLOTS, encoders, strict=False):
+        adapted = copy.deepcopy(encoder).requires_grad_(False)
+        inject_adapter_in_model(text.peft_config(TEXT_LORA_TARGETS), adapted)
+        net.add_module(slot, adapted)
+        out[slot] = adapted
+        n = sum(p.numel() for p in adapted.parameters() if p.requires_grad)
+        log.info(
+            "%s.text_encoder: LoRA rank %d on %s's %s: %d adapter parameters", key, text.rank, slot, text.targets, n
+        )
+    return out
+
+
+def text_children(module: nn.Module) -> dict[str, nn.Module]:
+    """{slot: text encoder} of the LoRA-trained text encoders `attach_text_lora` put on `module`."""
+    return {slot: child for slot, child in module.named_children() if slot in TEXT_SLOTS}
+
+
+def _denoiser_only(state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    return {k: v for k, v in state.items() if k.split(".", 1)[0] not in TEXT_SLOTS}
+
+
 def has_lora(module: nn.Module) -> bool:
     """True if peft put adapters on `module`. Never imports peft (the `lora` extra): only `apply_lora` puts
     adapters on a module and it imports peft first, so while peft is not imported no module has any."""
@@ -270,16 +316,33 @@ def lora_state_dict(unet: nn.Module) -> dict[str, torch.Tensor]:
     """The adapters alone, named as peft names them (adapter name removed), fp32 contiguous copies."""
     from peft.utils import get_peft_model_state_dict
 
-    return {k: v.detach().float().contiguous().clone() for k, v in get_peft_model_state_dict(unet).items()}
+    state = _denoiser_only(get_peft_model_state_dict(unet))
+    return {k: v.detach().float().contiguous().clone() for k, v in state.items()}
 
 
 def merged_state_dict(unet: nn.Module) -> dict[str, torch.Tensor]:
-    """The plain UNet's weights with the adapters merged in by peft (W + scale * B @ A, in fp32)."""
+    """The plain UNet's weights with the adapters merged in by peft (W + scale * B @ A, in fp32); a text
+    encoder trained with it (`text_children`) is not the UNet's (`merged_text_encoder`)."""
     if not has_lora(unet):  # before peft's import: exporting a UNet without adapters must not need the extra
-        return {k: v.detach().contiguous().clone() for k, v in unet.state_dict().items()}
+        return {k: v.detach().contiguous().clone() for k, v in _denoiser_only(unet.state_dict()).items()}
     from peft.tuners.tuners_utils import BaseTunerLayer
 
     work = copy.deepcopy(unet).float()
+    for m in work.modules():
+        if isinstance(m, BaseTunerLayer):
+            m.merge(safe_merge=True)
+    return {
+        k.replace(".base_layer.", "."): v.detach().contiguous().clone()
+        for k, v in _denoiser_only(work.state_dict()).items()
+        if ".lora_" not in k
+    }
+
+
+def merged_text_encoder(encoder: nn.Module) -> dict[str, torch.Tensor]:
+    """A LoRA-trained text encoder's weights with its adapters merged (transformers' key names)."""
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    work = copy.deepcopy(encoder).float()
     for m in work.modules():
         if isinstance(m, BaseTunerLayer):
             m.merge(safe_merge=True)
@@ -293,11 +356,16 @@ def merged_state_dict(unet: nn.Module) -> dict[str, torch.Tensor]:
 def lora_metadata(unet: nn.Module, prefix: str | None = None) -> dict[str, str]:
     """The safetensors metadata diffusers writes beside adapters: the LoraConfig as JSON (with `prefix`, each
     field under `<prefix>.`, as a pipeline's `save_lora_weights` packs it)."""
-    cfg = unet.peft_config["default"].to_dict()
-    cfg = {k: sorted(v) if isinstance(v, set) else v for k, v in cfg.items()}
-    if prefix:
-        cfg = {f"{prefix}.{k}": v for k, v in cfg.items()}
+    cfg = _peft_fields(unet, prefix)
+    for slot, encoder in text_children(unet).items():  # as save_lora_weights packs each component's
+        cfg.update(_peft_fields(encoder, slot))
     return {"format": "pt", LORA_METADATA_KEY: json.dumps(cfg, indent=2, sort_keys=True, default=str)}
+
+
+def _peft_fields(module: nn.Module, prefix: str | None) -> dict[str, Any]:
+    cfg = module.peft_config["default"].to_dict()
+    cfg = {k: sorted(v) if isinstance(v, set) else v for k, v in cfg.items()}
+    return {f"{prefix}.{k}": v for k, v in cfg.items()} if prefix else cfg
 
 
 def write_folder(
@@ -332,6 +400,8 @@ def write_folder(
         tensors = lora_state_dict(unet)
         if lora_prefix:
             tensors = {f"{lora_prefix}.{k}": v for k, v in tensors.items()}
+        for slot, encoder in text_children(unet).items():  # `text_encoder.*`: diffusers' text encoder prefix
+            tensors.update({f"{slot}.{k}": v for k, v in lora_state_dict(encoder).items()})
         metadata = lora_metadata(unet, lora_prefix)
         put(f"{root}-lora", LORA_WEIGHTS_NAME, save_safetensors(tensors, metadata=metadata))
     return written
@@ -346,11 +416,17 @@ def prepare_unet(
     load: bool,
     lora_targets: Sequence[str],
     within: str | None = None,
+    text_lora: bool = False,
 ) -> PretrainedFolder | None:
     """Load `c.pretrained` into `unet` (when `load`: a training start; inference and resumes overwrite the
     weights anyway) and put LoRA adapters on it (`c.lora.targets`, else the backbone's `lora_targets`). Returns
     the folder read (its `extras` are the caller's). `within`: the subfolder of a pipeline folder holding the
-    denoiser (`unet`)."""
+    denoiser (`unet`). `text_lora`: the caller trains `lora.text_encoder` (`attach_text_lora`); others refuse it."""
+    if c.lora is not None and c.lora.text_encoder and not text_lora:
+        raise ConfigError(
+            f"{key}.lora.text_encoder=true: only a ddpm run from a Stable Diffusion 1.x/2.x or SDXL pipeline folder "
+            "trains LoRA on its text encoder; set it to false"
+        )
     folder = None
     if c.pretrained is not None and load:
         url = f"{c.pretrained.rstrip('/')}/{within}" if within else c.pretrained

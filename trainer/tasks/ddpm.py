@@ -41,7 +41,7 @@ from trainer.diffusion.config import PART as AUTOENCODER
 from trainer.diffusion.config import LatentAutoencoderConfig, NoiseConfig, frozen_source
 from trainer.errors import ConfigError
 from trainer.models.export import DIT_PIPELINE_NULL_CLASS, dit_for_pipeline
-from trainer.models.finetune import prepare_unet
+from trainer.models.finetune import attach_text_lora, prepare_unet
 from trainer.models.pipelines import expand_ddpm_model, inspect_pipeline, is_pipeline_folder
 from trainer.randomness import sample_draws
 from trainer.tasks.base import Batch, Export, FrozenSource, Loss, Phase, PreviewContext, StepInfo, Task, TaskContext
@@ -158,9 +158,32 @@ class DDPMTask(Task):
         self.text = TextEncoder(self.cfg.text, ctx.storage_options) if self.cfg.text is not None else None
         # Caption embeddings stored in encoded shards (`gentrain data encode --text`) stand in for the encoder's.
         self.stored_text = self.text is not None and self._check_stored_text(ctx.encoding)
+        # The text encoders LoRA trains (model.lora.text_encoder), set by `build`: they encode the captions.
+        self.text_lora: dict[str, nn.Module] = {}
+        self._check_text_lora()
         self.backbone: Backbone | None = None  # set by `build`: how to call the part
         self.latent: LatentSpace | None = None  # set by `build` in latent diffusion
         self._inputs: dict[str, dict] = {}
+
+    def _check_text_lora(self) -> None:
+        """model.lora.text_encoder: the CLIP text encoders of an SD 1.x/2.x or SDXL pipeline, whose captions are
+        then encoded in each step (stored embeddings would be the untrained encoder's); exit 2 otherwise."""
+        c = self.cfg
+        if c.lora is None or not c.lora.text_encoder:
+            return
+        kind = c.text.kind if c.text is not None else None
+        if kind not in ("sd", "sdxl"):
+            raise ConfigError(
+                f"model.lora.text_encoder=true: LoRA trains the CLIP text encoders of a Stable Diffusion 1.x/2.x or "
+                f"SDXL pipeline folder (model.text.kind sd or sdxl); this run's text encoder is {kind!r} (T5 and "
+                "SD3's/Flux's encoders are not adapted): set model.lora.text_encoder=false"
+            )
+        if self.stored_text:
+            raise ConfigError(
+                "model.lora.text_encoder=true trains the text encoder, so captions are encoded in every step: the "
+                "caption embeddings stored in the data (gentrain data encode --text) cannot feed it; use the data "
+                "encoded without --text, or set model.lora.text_encoder=false"
+            )
 
     def _check_stored_text(self, encoding) -> bool:
         """Whether the data carry this encoder's caption embeddings; other ones exit 2 naming both digests."""
@@ -169,8 +192,19 @@ class DDPMTask(Task):
             return False
         assert self.text is not None and self.cfg.text is not None
         if made["digest"] != self.text.digest or made["max_tokens"] != self.cfg.text.max_tokens:
+            # Shards of `data encode` record each folder's digest (a pipeline's text_encoder_2, ...): name those
+            # that differ, where a combined digest alone would not say which of a pipeline's encoders changed.
+            parts = made.get("parts") if isinstance(made.get("parts"), dict) else {}
+            pinned = {role: p for role, p in parts.items() if isinstance(p, dict)}
+            differ = [
+                f"model.text.{role} is {src} ({self.text.part_digests[role]}), the shards' {pinned[role].get('url')} "
+                f"({pinned[role].get('digest')})"
+                for role, src in self.cfg.text.folders()
+                if role in pinned and pinned[role].get("digest") != self.text.part_digests[role]
+            ]
+            which = f"other encoder files ({'; '.join(differ)}): " if differ else ""
             raise ConfigError(
-                f"data.urls: the shards' caption embeddings are {made['encoder']} ({made['digest']}, max_tokens "
+                f"data.urls: {which}the shards' caption embeddings are {made['encoder']} ({made['digest']}, max_tokens "
                 f"{made['max_tokens']}), but model.text is {self.cfg.text.encoder} ({self.text.digest}, max_tokens "
                 f"{self.cfg.text.max_tokens}): set model.text to the encoder that embedded them, or encode the "
                 "data again with `gentrain data encode --text`"
@@ -238,7 +272,12 @@ class DDPMTask(Task):
             self.ctx.load_pretrained,
             c.denoiser_class.lora_targets,
             within=within,
+            text_lora=True,
         )
+        if c.lora is not None and c.lora.text_encoder and self.text is not None:
+            # Adapted copies of the pipeline's CLIPs, children of the part: they train, save and export with it.
+            clips = [part.model for part in self.text.backend.parts]
+            self.text_lora = attach_text_lora(net, clips, c.lora, "model.lora")
         if folder is not None:
             # LoRA: checkpoints hold the adapters only, the base is this folder's: pinned (a changed one is exit 2).
             self._inputs[f"{self.part}.pretrained"] = {**folder.record, **({"pin": True} if c.lora else {})}
@@ -476,6 +515,9 @@ class DDPMTask(Task):
                     "model.text is set but the data has no captions: put a .txt beside each image (or use "
                     "shards with a txt field), or remove model.text"
                 )
+            elif self.text_lora:  # the trained encoders, in the step (with gradients when training), never cached
+                kept = ["" if d else cap for cap, d in zip(captions, drop.tolist(), strict=True)]
+                emb = TextEmbeddings(*self.text.backend.encode_with(list(self.text_lora.values()), kept, device))
             else:
                 emb = self.text.encode(
                     ["" if d else cap for cap, d in zip(captions, drop.tolist(), strict=True)], device
