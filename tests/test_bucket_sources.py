@@ -27,7 +27,7 @@ from test_latent_shards import ENV
 from test_vqgan_maskgit import _kill_and_resume_one_process
 
 from trainer.data import build_splits, build_train_loader
-from trainer.data.bucket_sources import BucketedShardSplit, hf_sizes
+from trainer.data.bucket_sources import BucketedShardSplit, _shard_sizes, hf_sizes
 from trainer.data.buckets import BucketPlan
 from trainer.data.encode import encode_dataset
 from trainer.data.pack import pack_folder
@@ -145,10 +145,6 @@ def test_an_hf_dataset_trains_in_buckets_with_its_sizes_read_once_and_its_width_
     by_header, _ = hf_sizes(train.dataset, None)
     assert hf_sizes(sized, None)[0] == [(w, h) for h, w in by_header]
 
-    r = run_cli("train", *tiny(tmp_path / "cli", "data.source=hf", f"data.path={path}", *BUCKETS, max_steps=3))
-    assert r.returncode == 0, r.stderr[-3000:]
-    assert "14 training images in 3 of 3 aspect-ratio buckets; skipped 2 too extreme" in r.stderr
-
 
 # ---------------------------------------------------------------------------------------------- image shards
 
@@ -163,13 +159,26 @@ def test_image_shards_train_in_buckets_held_out_samples_stay_square_and_changed_
     assert shapes_of(train, cfg) == {(3, 12, 20), (3, 16, 16), (3, 20, 12)}
     assert train[SampleRef(index=0, position=0)][0].shape == val[SampleRef(index=0, position=0)][0].shape == (3, 16, 16)
     assert len(list((tmp_path / "run" / "data").glob("buckets-*.json"))) == 1
+    # The sizes data pack lists in each index are the images' headers (read when an index lists none).
+    index = tmp_path / "shards" / "000001.tar.idx.json"
+    doc = json.loads(index.read_text())
+    listed = doc.pop("sizes")
+    index.write_text(json.dumps(doc))
+    assert _shard_sizes(train.dataset, 1) == listed and len(listed) == 5
     shard = tmp_path / "shards" / "000000.tar"
     shard.write_bytes(shard.read_bytes())  # rewritten (a new mtime): another version of the data
     assert build_splits(cfg)[0].digest != train.digest
 
-    r = run_cli("train", *tiny(tmp_path / "cli", "data.source=shards", urls, *BUCKETS, max_steps=3))
-    assert r.returncode == 0, r.stderr[-3000:]
-    assert "aspect-ratio buckets; skipped 2 too extreme" in r.stderr
+
+@pytest.mark.slow
+def test_an_hf_dataset_and_image_shards_train_in_buckets_from_the_command_line(tmp_path):
+    shards = tmp_path / "shards"
+    pack_folder(str(make_folder(tmp_path / "images", copies=2)), str(shards), 5, progress=False)
+    for source in ("data.source=hf", "data.source=shards"):
+        where = f"data.path={hf_dataset(tmp_path)}" if source.endswith("hf") else f"data.urls={shards}/shards.json"
+        r = run_cli("train", *tiny(tmp_path / source[12:], source, where, *BUCKETS, max_steps=3))
+        assert r.returncode == 0, r.stderr[-3000:]
+        assert "14 training " in r.stderr and " in 3 of 3 aspect-ratio buckets; skipped 2 too extreme" in r.stderr
 
 
 # ---------------------------------------------------------------------------------------------- latent shards

@@ -141,6 +141,7 @@ def pack_folder(
     summary = PackSummary()
     entries: list[dict] = []
     pending: list[dict[str, bytes]] = []
+    sizes: list[list[int]] = []  # each pending image's [height, width] (its header): data.buckets reads them
 
     def flush() -> None:
         name = f"{len(entries):06d}.tar"
@@ -153,12 +154,14 @@ def pack_folder(
                 offsets, _, _ = scan_tar(f)
             size = os.path.getsize(tmp.name)
             fs.put_file(tmp.name, strip_protocol(fs, url))
-        fs.pipe_file(strip_protocol(fs, index_url(url)), index_json(offsets, size))
+        listed = {"sizes": list(sizes)} if len(sizes) == len(pending) else {}  # images, not clips
+        fs.pipe_file(strip_protocol(fs, index_url(url)), index_json(offsets, size, **listed))
         entries.append({"url": name, "nsamples": len(pending), "filesize": size})
         summary.shards += 1
         summary.samples += len(pending)
         summary.bytes += size
         pending.clear()
+        sizes.clear()
 
     for image, label in tqdm(files, desc="packing", unit="img", disable=not progress):
         if not _readable(image):
@@ -167,6 +170,9 @@ def pack_folder(
             continue
         key = f"{summary.samples + len(pending):09d}"
         pending.append({"__key__": key, **sample_members(image, label, captions.get(image))})
+        if image.suffix.lower() in IMAGE_EXTENSIONS:
+            with Image.open(image) as im:  # the header only: no pixels decoded
+                sizes.append([im.size[1], im.size[0]])
         if len(pending) == samples_per_shard:
             flush()
     if pending:

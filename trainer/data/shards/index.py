@@ -4,7 +4,10 @@ Files (both JSON):
 - `<shard>.idx.json`: {"format": "gentrain-tar-index/1", "shard_bytes": B,
   "offsets": [o_0, ..., o_N]}: sample i is the tar bytes [o_i, o_{i+1}) (its
   members' headers and data; webdataset groups members by key, and a sample's
-  members are consecutive).
+  members are consecutive). Optional: `sizes` ([height, width] of each
+  sample's image, which `gentrain data pack` writes: `data.buckets` reads
+  them instead of the images' headers) and `buckets` (each sample's bucket
+  number in a `gentrain data encode` set encoded in aspect-ratio buckets).
 - `shards.json` (in the shards' folder): the wids shard list
   (`__kind__: wids-shard-index-v1`, `shardlist: [{url, nsamples, filesize}]`),
   plus gentrain's `classes`; lets every rank learn all sample counts with one
