@@ -15,7 +15,7 @@ from PIL import Image
 from tiny_pipelines import BUILDERS
 
 from trainer.data import build_splits, collate
-from trainer.data.buckets import cover_crop, cover_size
+from trainer.data.buckets import bucket_list, cover_crop, cover_size
 from trainer.data.datasets import ImageFolderDataset
 from trainer.data.sampler import SampleRef
 from trainer.errors import ConfigError
@@ -139,6 +139,20 @@ def test_bucket_sides_the_model_cannot_take_and_sampling_sizes_outside_the_train
     assert task.sample(modules, request.replace(height=12, width=20), CPU).shape == (1, 3, 12, 20)
     with pytest.raises(ConfigError, match=r"--height 16 --width 20: .*\(data.buckets\) 12x20, 16x16, 20x12 \("):
         task.sample(modules, request.replace(height=16, width=20), CPU)
+
+
+@pytest.mark.parametrize("preset", ["sdxl-lora", "sd3-lora", "flux-lora", "pixart-sigma-lora", "sd15-lora"])
+def test_the_pipeline_presets_train_on_buckets_where_their_family_did(preset):
+    cfg = load_config(preset, ["data.path=/data/images", "model.pretrained=/models/base"], {})
+    if preset == "sd15-lora":  # SD 1.x/2.x trained on squares
+        assert cfg.data.buckets is None
+        return
+    side = cfg.data.image_size
+    buckets = bucket_list(cfg.data)  # of the preset's image_size^2 pixels: every family's factor (16, 32) divides 64
+    assert (side, side) in buckets and all(h % 64 == 0 and w % 64 == 0 for h, w in buckets)
+    assert all(0.9 * side * side <= h * w <= side * side and max(h / w, w / h) <= 4 for h, w in buckets)
+    if preset == "sdxl-lora":
+        assert len(buckets) == 41  # SDXL's 40 and the mirror of its 704x1344 (tests/test_buckets.py)
 
 
 def _train(sdxl, images, root, *extra: str, steps: int = 4, env=None):

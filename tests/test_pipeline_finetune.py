@@ -158,6 +158,7 @@ def _train(sd, images, root, *extra: str, steps: int = 4, env=None, preset: str 
         f"model.pretrained={sd}",
         f"data.path={images}",
         "data.image_size=16",
+        "data.buckets=null",  # sdxl-lora's buckets (auto, step 64) hold no 16 px bucket: square crops
         "data.val_fraction=0",
         f"train.max_steps={steps}",
         "train.batch_size=2",
