@@ -14,6 +14,7 @@ import contextlib
 import io
 import json
 import os
+import re
 import shutil
 import traceback
 from pathlib import Path
@@ -377,15 +378,19 @@ def test_training_on_a_fuzzed_root_resumes_exactly_or_starts_over(reference, tmp
     valid_before = {i.step for i in store.list() if i.valid and not store.verify(i)}
     newest = max(valid_before, default=None)
     fingerprints = {s: store.check(s).fingerprint for s in valid_before}
-    # The read-only commands on the same root: verify and sample agree with what training will resume from.
-    # A checkpoint whose training state is intact but whose stored config cannot build a model (a fuzzed
-    # manifest config) still resumes training (which runs the user's config); verify and sample both
-    # refuse it, with exit 1 and a message.
+    # The read-only commands on the same root. verify agrees with what training will resume from. A
+    # checkpoint whose training state is intact but whose stored config cannot build a model (a fuzzed
+    # manifest config) still resumes training (which runs the user's config); verify refuses it with exit 1
+    # and a message. sample reads what it loads (#51): it draws from the newest checkpoint whose loaded
+    # files pass, which may be newer than verify's (the optimizer state it never reads fails there), never
+    # older, and it finds one whenever verify does.
     verified, out = cli(["checkpoints", "verify", str(root)])
     assert verified in (0, 1) and (verified == 0) <= (newest is not None) and "Traceback" not in out, out[-3000:]
     code, out = cli(["sample", str(root), "--num", "1", "--steps", "1", "--out", str(work / "s.png")])
-    assert "Traceback" not in out and code == verified, out[-3000:]
-    assert code == 1 or f"(step {newest})" in out, out[-3000:]
+    assert "Traceback" not in out and code in (0, 1) and code <= verified, out[-3000:]
+    if code == 0 and newest is not None:
+        drawn = re.search(r"\(step (\d+)\)", out)
+        assert drawn is not None and int(drawn.group(1)) >= newest, out[-3000:]
     r = run_cli("train", *tiny(work, "checkpoint.every_steps=2", "checkpoint.keep=10", max_steps=6))
     assert r.returncode == 0, (r.stdout + r.stderr)[-3000:]
     assert "Traceback" not in r.stderr, r.stderr[-3000:]

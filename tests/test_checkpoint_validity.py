@@ -358,20 +358,30 @@ def test_verify_accepts_exactly_the_rng_states_the_setters_accept():
 
 
 @pytest.mark.slow
-def test_sample_on_a_root_whose_newest_fails_its_digest_uses_the_newest_valid(root, tmp_path):
+def test_sample_reads_only_what_it_loads_and_a_root_skips_a_newest_whose_weights_fail_their_digest(root, tmp_path):
+    # #51, read what you load: the optimizer state (never read by sampling) fails its digest. `verify` checks
+    # every file and says invalid; `sample` of that step reads the EMA weights and trainer.json only and draws.
     flip_byte(root, 4, "unet.optimizer.safetensors")
+    verified = run_cli("checkpoints", "verify", str(step_dir(root, 4)))
+    assert verified.returncode == 1 and "unet.optimizer.safetensors" in verified.stdout, verified.stdout
+    drawn = run_cli("sample", str(step_dir(root, 4)), "--num", "1", "--out", str(tmp_path / "a.png"), "--steps", "1")
+    assert drawn.returncode == 0 and "(step 4)" in drawn.stdout, drawn.stderr[-2000:]
+    # The EMA weights it does load fail theirs: the step dir is refused naming the file (exit 1), the root
+    # falls back to the newest checkpoint whose loaded files pass, with a warning naming the one skipped.
+    flip_byte(root, 4, "unet.ema.safetensors")
     r = run_cli("sample", str(root), "--num", "2", "--out", str(tmp_path / "g.png"), "--steps", "2")
     assert r.returncode == 0, r.stderr[-2000:]
     no_traceback(r)
-    assert "(step 2)" in r.stdout
+    assert "(step 2)" in r.stdout and "skipping checkpoint" in r.stderr and "step-000000004" in r.stderr
     named = run_cli("sample", str(step_dir(root, 4)), "--num", "2", "--out", str(tmp_path / "h.png"))
     assert named.returncode == 1 and "does not match" in named.stderr, named.stderr[-2000:]
+    assert "unet.ema.safetensors" in named.stderr
     no_traceback(named)
 
 
 @pytest.mark.slow
 def test_eval_on_a_root_whose_newest_fails_its_digest_evaluates_the_newest_valid(root, tmp_path):
-    flip_byte(root, 4, "unet.model.safetensors")
+    flip_byte(root, 4, "unet.ema.safetensors")  # the weights eval loads (EMA): it reads what it loads only
     r = run_cli("eval", str(root), "--num", "8", "--steps", "2")
     assert r.returncode == 0, r.stderr[-2000:]
     no_traceback(r)

@@ -35,7 +35,7 @@ from trainer.checkpoint.store import (
     SaveResult,
     resolve_checkpoint,
 )
-from trainer.checkpoint.view import CheckpointView
+from trainer.checkpoint.view import CheckpointView, candidate_views
 
 __all__ = [
     "CheckpointCorrupt",
@@ -46,6 +46,7 @@ __all__ = [
     "CheckpointView",
     "Payload",
     "SaveResult",
+    "candidate_views",
     "join_tensors",
     "resolve_checkpoint",
     "split_tensors",

@@ -21,7 +21,8 @@ from __future__ import annotations
 
 import copy
 import logging
-from collections.abc import Callable, Iterable, Mapping
+import posixpath
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any, TypeVar
 
 import torch
@@ -33,6 +34,7 @@ from trainer.checkpoint.layout import (
     group_files,
     group_name,
     parse_group,
+    parse_step_dir,
     parts_with_weights,
     whole_file,
 )
@@ -276,6 +278,32 @@ class CheckpointView:
         if not self.holds_training_state:
             return None
         return {n: int(p["step"]) for n, p in self.trainer_state()["parts"].items()}
+
+
+def candidate_views(
+    url: str, storage_options: Mapping[str, Any] | None = None
+) -> tuple[bool, Iterator[CheckpointView]]:
+    """The checkpoints a command that loads some of a checkpoint's files may use (`sample`, `eval`, `export`):
+    read what you load. Nothing is hashed here: each file is hashed once, as the command reads it
+    (`CheckpointReader.read_file`), so a sample reads the EMA weights and trainer.json, not the optimizer state
+    (about 4x the weights under Adam) and not the weights twice. `checkpoints verify` and a resume keep the full
+    check (`resolve_checkpoint`, `valid_candidates(deep=True)`).
+
+    A step dir: (False, that checkpoint), or CheckpointCorrupt saying why it is not committed. A root: (True,
+    its committed checkpoints, newest first): the caller goes on to the next when a file it reads fails its
+    digest or structure, as a resume falls back past an invalid checkpoint.
+    """
+    url = url.rstrip("/")
+    base = posixpath.basename(url)
+    step = parse_step_dir(base)
+    if step is None:
+        reader = CheckpointReader(url, storage_options)
+        return True, (CheckpointView(reader, info) for info in reader.valid_candidates(deep=False))
+    reader = CheckpointReader(url[: -len(base) - 1] or ".", storage_options)
+    info = reader.check(step)
+    if not info.valid:
+        raise CheckpointCorrupt(info.reason)
+    return False, iter([CheckpointView(reader, info)])
 
 
 def check_pinned_inputs(recorded: Mapping[str, Any], current: Mapping[str, Any], where: str) -> None:
