@@ -14,6 +14,8 @@ import pytest
 import torch
 from conftest import REPO, clean_env, run_cli
 from helpers import tracker_settings
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from PIL import Image
 from safetensors.torch import load_file
 from tiny_pipelines import BUILDERS, captioned_images
@@ -38,22 +40,26 @@ def _set(instances: int, classes: int) -> DreamBoothSet:
     return DreamBoothSet(side(instances, INSTANCE_PROMPT, False), side(classes, CLASS_PROMPT, True))
 
 
-@pytest.mark.parametrize(("instances", "classes"), [(3, 5), (7, 2), (4, 4)])
-def test_each_batch_pairs_instance_and_class_images_each_side_once_per_its_epoch_at_any_world_size(instances, classes):
-    ds, batch, steps = _set(instances, classes), 4, 12
-    refs = {}
-    for world in (1, 2, 4):
-        samplers = [StepBatchSampler(ds.make_stream(9), 0, batch, r, world) for r in range(world)]
-        its = [iter(s) for s in samplers]
-        refs[world] = [[ref for it in its for ref in next(it)] for _ in range(steps)]
-    flat = [[(r.index, r.position, r.aug_seed) for r in step] for step in refs[1]]
-    for world in (2, 4):  # the same global batches, whichever rank reads which slice
-        assert [[(r.index, r.position, r.aug_seed) for r in step] for step in refs[world]] == flat
-    picks = [r.index for step in refs[1] for r in step]
+@settings(max_examples=40, derandomize=True, database=None, deadline=None)
+@given(st.integers(1, 9), st.integers(1, 9), st.sampled_from([2, 4, 8]), st.integers(0, 2**32), st.integers(0, 6))
+def test_each_batch_pairs_instance_and_class_images_each_side_once_per_its_epoch_at_any_world_size(
+    n_instance, n_class, batch, seed, resume_step
+):
+    ds, steps = _set(n_instance, n_class), 12
+
+    def global_batches(world: int, first: int = 0) -> list[list[tuple[int, int, int]]]:
+        its = [iter(StepBatchSampler(ds.make_stream(seed), first * batch, batch, r, world)) for r in range(world)]
+        return [[(x.index, x.position, x.aug_seed) for it in its for x in next(it)] for _ in range(first, steps)]
+
+    one = global_batches(1)
+    for world in (w for w in (2, 4) if batch % w == 0):  # the same global batches, whoever reads which slice
+        assert global_batches(world) == one
+    assert global_batches(2, resume_step) == one[resume_step:]  # a resume at any step continues the stream
+    picks = [index for step in one for index, _, _ in step]
     inst = picks[0::2]  # even positions: instance slots; odd: class slots
-    cls = [i - instances for i in picks[1::2]]
-    assert all(i < instances for i in inst) and all(0 <= i < classes for i in cls)
-    for side, n in ((inst, instances), (cls, classes)):  # every epoch of a side is one permutation of it
+    cls = [i - n_instance for i in picks[1::2]]
+    assert all(i < n_instance for i in inst) and all(0 <= i < n_class for i in cls)
+    for side, n in ((inst, n_instance), (cls, n_class)):  # every epoch of a side is one permutation of it
         for e in range(len(side) // n):
             assert sorted(side[e * n : (e + 1) * n]) == list(range(n))
 
