@@ -3,8 +3,9 @@ half-precision base (fp32 adapters, the base never saved) and a full fine-tune, 
 mid-run under `torchrun --nproc-per-node=2` (gloo, CPU) and the restarted job ending bit-identical to an
 uninterrupted one (every tensor of the final checkpoint: adapters or weights, EMA, optimizer, each rank's RNG).
 The LoRA runs checkpoint their blocks (train.activation_checkpointing=blocks) and keep memory-tier snapshots,
-which hold the adapters alone too. The pipeline is the tiny random Stable Diffusion one of
-tests/tiny_pipelines.py."""
+which hold the adapters alone too; one process resumes their checkpoint. LoRA with train.compile trains and
+resumes on the tiny PixArt-Sigma pipeline (one transformer block: one compiled graph, the cheapest).
+The pipelines are the tiny random ones of tests/tiny_pipelines.py."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import re
 
 import pytest
 import torch
+from conftest import REPO, clean_env, run_cli
 from safetensors.torch import load_file
 from test_pipeline_finetune import _raw_header
 from test_vqgan_maskgit import _kill_and_compare
@@ -116,6 +118,17 @@ def test_a_lora_fsdp_checkpoint_and_its_memory_snapshots_hold_no_base_weight(sd,
     assert all(k == "__metadata__" or k in adapters for f in snapshots for k in _raw_header(f))
 
 
+def test_a_lora_fsdp_checkpoint_resumes_in_one_process(sd, images, lora):
+    """Another world size: one process gathers the two ranks' adapter slices over the base it rebuilt."""
+    _, _, tmp_path = lora
+    args = _args(sd, images, tmp_path)(tmp_path / "killed")
+    one = [a for a in args if a != "train.parallel=fsdp"]
+    env = clean_env(PYTHONPATH=str(REPO / "tests"), HF_HUB_OFFLINE="1")
+    r = run_cli("train", *one, f"train.max_steps={STEPS + 1}", env=env)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert re.search(rf"world_size=1 .*resumed_from=\S+step-{STEPS:09d}", r.stderr), r.stderr[-3000:]
+
+
 def test_a_sigkilled_rank_of_a_full_fine_tune_resumes_bit_identical(sd, images, tmp_path):
     a = _kill_and_compare(tmp_path, _args(sd, images, tmp_path, "model.lora=null"), KILL_AT, STEPS, HF_HUB_OFFLINE="1")
     log = (tmp_path / "killed.log").read_text()
@@ -124,3 +137,35 @@ def test_a_sigkilled_rank_of_a_full_fine_tune_resumes_bit_identical(sd, images, 
     folder = load_file(sd / "unet" / "diffusion_pytorch_model.safetensors")
     files = [n for n in a if n.startswith("unet.model.")]
     assert set().union(*(a[n] for n in files)) == set(folder)  # every weight of the UNet, sharded
+
+
+def test_a_compiled_lora_run_trains_and_resumes(images, tmp_path):
+    """train.compile with peft's LoRA layers in the compiled block: one graph, no graph break; a run resumed
+    from its checkpoint compiles again and trains on."""
+    pixart = BUILDERS["pixart-sigma"](tmp_path / "pipelines")
+    env = clean_env(PYTHONPATH=str(REPO / "tests"), HF_HUB_OFFLINE="1")
+    base = [
+        "train",
+        "pixart-sigma-lora",
+        f"model.pretrained={pixart}",
+        f"data.path={images}",
+        "data.image_size=16",
+        "data.buckets=null",  # the preset's aspect buckets step 64 pixels
+        "data.val_fraction=0",
+        "train.batch_size=2",
+        "train.num_workers=0",
+        "train.val_every_steps=0",
+        "train.compile=true",
+        "checkpoint.every_steps=1",
+        "sample.every_steps=0",
+        f"run.dir={tmp_path}/run",
+        f"model.text.cache_dir={tmp_path}/text",
+        "task=probe_tasks:KillableDDPM",
+    ]
+    for steps, resumed in ((1, "none"), (2, r"\S+step-000000001")):
+        r = run_cli(*base, f"train.max_steps={steps}", env=env)
+        assert r.returncode == 0, r.stderr[-3000:]
+        assert re.search(rf"resumed_from={resumed}", r.stderr), r.stderr[-3000:]
+        assert "compile: transformer, 1 blocks (BasicTransformerBlock)" in r.stderr
+        assert re.search(r"compile: [\d.]+ s compiling, 1 graph\(s\), 0 graph break", r.stderr), r.stderr[-3000:]
+        assert re.search(rf"step={steps}/{steps} transformer/loss=\d", r.stderr), r.stderr[-3000:]
