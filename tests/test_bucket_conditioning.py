@@ -21,7 +21,7 @@ from trainer.data.sampler import SampleRef
 from trainer.errors import ConfigError
 from trainer.registry import load_config, task_class
 from trainer.runs import load_frozen
-from trainer.tasks.base import TaskContext
+from trainer.tasks.base import Batch, TaskContext
 from trainer.tasks.sampling import SampleRequest, check_request
 
 CPU = torch.device("cpu")
@@ -94,6 +94,10 @@ def test_each_sample_carries_its_size_and_crop_and_sdxl_time_ids_are_made_of_the
         want = pipe._get_add_time_ids((oh, ow), (top, left), (th, tw), torch.float32, text_encoder_projection_dim=10)
         assert torch.equal(cond["time_ids"][row : row + 1], want)
     assert not torch.equal(cond["time_ids"][0], cond["time_ids"][1])
+    # What the training step reads: the batch's sizes; a source that records none (shards) gets its own size.
+    pixels, labels, indices = torch.zeros(2, 3, 12, 20), torch.zeros(2, dtype=torch.long), torch.arange(2)
+    assert torch.equal(task.sizes(Batch(pixels, labels, indices, [0, 1], extras={"size_conditions": sizes})), sizes)
+    assert task.sizes(Batch(pixels, labels, indices, [0, 1])).tolist() == [[12, 20, 0, 0, 12, 20]] * 2
 
     # The square loader: the image's own size and the centre crop's offset in the resized image.
     square = ImageFolderDataset(str(images), 16, 3, sizes=True)

@@ -559,20 +559,23 @@ class DDPMTask(Task):
             if self.stored_text:
                 e = batch.extras
                 stored = TextEmbeddings(e["text_tokens"], e["text_mask"], e["text_pooled"])
-            # The extras key is trainer.data.buckets.SIZE_CONDITIONS (the data layer is below the tasks').
-            sizes = batch.extras.get("size_conditions")
-            if sizes is None and self.backbone is not None and "time_ids" in self.backbone.accepts:
-                # A source that records no sizes (shards, latent shards): the batch's own size, uncropped (a
-                # bucket's, where data.image_size's square would be wrong for SDXL's target size).
-                h, w = batch.images.shape[-2:]
-                if self.latent is not None and self.latent.encoding is not None:  # stored posteriors
-                    h, w = h * self.latent.geometry.downsample, w * self.latent.geometry.downsample
-                sizes = torch.tensor([[h, w, 0, 0, h, w]], dtype=torch.float32).expand(len(batch), 6)
-            cond = self.conditions(len(batch), device, drop, batch.labels, batch.captions, stored, sizes)
+            cond = self.conditions(len(batch), device, drop, batch.labels, batch.captions, stored, self.sizes(batch))
         out = self.objective.loss(self._net(modules[self.part]), x0, noise, draw, cond)
         # The extras key is trainer.data.dreambooth.PRIOR (the data layer is below the tasks').
         prior = batch.extras.get("prior")
         return out if prior is None else prior_weighted(out, prior, self.cfg.prior_loss_weight)
+
+    def sizes(self, batch: Batch) -> torch.Tensor | None:
+        """The batch's size micro-conditions (see `conditions`): each sample's, where its source records them (an
+        image folder); else, for SDXL, the batch's own size in pixels, uncropped (a bucket's on shards and latent
+        shards, where data.image_size's square would be the wrong target size); else None."""
+        sizes = batch.extras.get("size_conditions")  # trainer.data.buckets.SIZE_CONDITIONS (the data layer's key)
+        if sizes is not None or self.backbone is None or "time_ids" not in self.backbone.accepts:
+            return sizes
+        h, w = batch.images.shape[-2:]
+        if self.latent is not None and self.latent.encoding is not None:  # stored posteriors: latent-sized
+            h, w = h * self.latent.geometry.downsample, w * self.latent.geometry.downsample
+        return torch.tensor([[h, w, 0, 0, h, w]], dtype=torch.float32).expand(len(batch), 6)
 
     def previews(self, modules, ctx: PreviewContext) -> dict[str, torch.Tensor]:
         """`samples` from noise; a caption-conditioned model draws the held-out batch's captions."""
