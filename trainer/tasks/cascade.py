@@ -312,9 +312,7 @@ class CascadeTask(Task):
             while upto + 1 in trained:
                 upto += 1
             if upto:
-                captions = b.captions[: ctx.num] if self.text is not None and b is not None and b.captions else None
-                if captions is not None and len(captions) < ctx.num:
-                    captions = (captions * ctx.num)[: ctx.num]
+                captions = ctx.held_out_prompts() if self.text is not None else None  # or sample.prompts' row
                 has_embeds = self.cfg.image_embed_dim is not None and b is not None
                 embeds = self.image_embeds(b) if has_embeds else None
                 if embeds is not None:
