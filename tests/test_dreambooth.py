@@ -87,6 +87,14 @@ def test_dreambooth_keys_are_checked(tmp_path):
     assert cfg.data.path == str(tmp_path)  # data.instance is the run's image folder
 
 
+def test_sample_prompts_need_a_caption_conditioned_model():
+    with pytest.raises(
+        ConfigError, match=r"sample.prompts=\['a seven'\]: this ddpm model is not conditioned on captions"
+    ):
+        load_config("digits-ddpm", ["sample.prompts=[a seven]"], {})
+    assert load_config("digits-cascade-text", ["sample.prompts=[a seven]"], {}).sample.prompts == ["a seven"]
+
+
 @pytest.fixture(scope="module")
 def sd(tmp_path_factory):
     return BUILDERS["sd"](tmp_path_factory.mktemp("pipelines"))

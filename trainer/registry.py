@@ -163,10 +163,16 @@ def check_sampling_settings(cfg: Config) -> None:
     preview, the last one after the final checkpoint) and `eval.inference_steps` (evaluations, `gentrain
     eval`) with `sample.scheduler`, asked of the task (`Task.sampling_refusal`: a DDPM schedule of
     `model.num_train_timesteps` steps takes at most that many). Without this the run trained, committed
-    its checkpoint, then crashed in the preview, and every restart did the same.
+    its checkpoint, then crashed in the preview, and every restart did the same. `sample.prompts` for a model
+    with no caption encoder (`model.text`) are refused too: its previews would draw them as nothing.
 
     A user's config only: a checkpoint's stored config (`config_from_dict`) is not refused for it, so a
     run that committed such settings can still be sampled with other flags."""
+    if cfg.sample.prompts and getattr(cfg.model_cfg, "text", None) is None:
+        raise ConfigError(
+            f"sample.prompts={cfg.sample.prompts!r}: this {cfg.task} model is not conditioned on captions (no "
+            "model.text), so its previews take no prompts; unset sample.prompts, or set model.text"
+        )
     refusal_of = getattr(task_class(cfg.task), "sampling_refusal", None)  # a task class from before it
     if refusal_of is None:
         return
