@@ -307,6 +307,7 @@ class TextEncoder:
             digests.append((role, "blake3:" + folder_digest(local[role])))
         self.folders = local
         self.folder = local["encoder"]
+        self.part_digests = dict(digests)  # role -> digest: what encoded shards pin, to name the part that changed
         self.digest = combined_digest(digests)
         self.backend: Any
         self.run_on = torch.device("cpu")

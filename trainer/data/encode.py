@@ -13,7 +13,10 @@ What a sample of an encoded shard holds (WebDataset members, `__key__` = its pla
   row number, `shard#member`);
 - with `--text`: `text.tokens.npy`, `text.mask.npy`, `text.pooled.npy`, the caption's embeddings by the
   configured `model.text` encoder (the empty caption, which classifier-free dropout needs, is embedded by
-  the training run itself).
+  the training run itself). With a released pipeline's config (`model.pretrained` a pipeline folder, e.g.
+  `gentrain data encode sdxl-lora model.pretrained=PIPELINE ...`) these are the pipeline's own VAE and text
+  encoders (its `vae/`, `text_encoder*/`, `tokenizer*/`), the ones its training run loads; the settings pin
+  each of those folders by digest, and a run with a pipeline of another one exits 2 naming it.
 
 The posterior noise is not stored: training draws `mean + std * eps` per step from the counter-based
 stream exactly as on-the-fly encoding does, so a run from shards and a resumed one draw the same.
@@ -33,7 +36,9 @@ its posterior is that bucket's latent shape; samples without a bucket (too extre
 are skipped and counted. The settings record the buckets and each one's latent shape (`buckets`), each
 shard's index every sample's bucket number (`buckets`, in sample order), which a training run reads to
 put each sample in its bucket (trainer/data/bucket_sources.py); a run whose `data.buckets` are not these
-exits 2 naming both.
+exits 2 naming both. A sample's `size.npy` holds its size micro-conditions (original height and width, crop
+top and left, bucket height and width: `trainer.data.buckets.size_conditions`, of the unmirrored image; a
+reader of the mirrored posterior mirrors the crop's left).
 
 Pinned by content (issue 47): each shard's index records the settings it was encoded with (the
 autoencoder's digest among them), the tar's blake3 and each sample's (see `trainer.data.shards.index`),
@@ -58,6 +63,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from trainer.data.buckets import SIZE_CONDITIONS
 from trainer.data.pack import PackSummary
 from trainer.data.shards.index import (
     SHARDLIST_NAME,
@@ -151,11 +157,23 @@ def _settings(cfg, ae_record: dict, geometry: tuple[int, ...], text, dtype: str,
         "latent_shape": list(geometry),
         "dtype": dtype,
         "flip": flip,
-        "text": None
-        if text is None
-        else {"encoder": text.cfg.encoder, "digest": text.digest, "max_tokens": text.cfg.max_tokens},
+        "text": None if text is None else _text_record(text),
         "data": where,
         **how,
+    }
+
+
+def _text_record(text) -> dict:
+    """The caption encoder(s) the stored embeddings are of: the combined digest a run checks, and each folder
+    (a pipeline's text_encoder, text_encoder_2, ... and tokenizers) with its own digest, so a run with a pipeline
+    of another encoder is told which part differs."""
+    parts = {role: {"url": src, "digest": text.part_digests[role]} for role, src in text.cfg.folders()}
+    return {
+        "encoder": text.cfg.encoder,
+        "kind": text.cfg.kind,
+        "digest": text.digest,
+        "max_tokens": text.cfg.max_tokens,
+        "parts": parts,
     }
 
 
@@ -375,6 +393,8 @@ def encode_dataset(
                 samples.append(sample)
                 if bucketing is not None:
                     sample_buckets.append(int(bucketing.bucket[refs[k].index]))
+                    if SIZE_CONDITIONS in item[5]:  # the unmirrored image's; a reader mirrors its crop's left
+                        sample["size.npy"] = _npy(np.asarray(item[5][SIZE_CONDITIONS], dtype=np.float32))
         with tempfile.NamedTemporaryFile(suffix=".tar") as tmp:
             with TarWriter(tmp.name, encoder=False, mtime=0) as writer:
                 for sample in samples:
