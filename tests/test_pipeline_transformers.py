@@ -446,8 +446,9 @@ def _exported(preset: str, folder, images, tmp_path, steps: int = 2, scale: floa
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("flux", ["dev"], indirect=True)  # dev: packing, ids and the guidance embedding
 def test_the_exported_flux_lora_loads_into_the_base_pipeline_and_draws_what_gentrain_samples(flux, images, tmp_path):
-    """Flux.1 (dev: guidance embedding; schnell: none): the base FluxPipeline plus `load_lora_weights(OUT/
+    """Flux.1 dev (its guidance embedding; schnell, without one, shares the rest): the base FluxPipeline plus `load_lora_weights(OUT/
     transformer-lora)` draws gentrain's images within 1/255: the same packed noise, ids and embedded guidance
     (dev: the run's 3.5), gentrain's classifier-free guidance as the pipeline's `true_cfg_scale` with the empty
     negative prompt, on the run's flow schedule (its scheduler and sigmas: FluxPipeline's own are other ones)."""

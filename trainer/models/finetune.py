@@ -243,7 +243,7 @@ def attach_text_lora(net: nn.Module, encoders: Sequence[nn.Module], settings: Lo
     such a run: its captions are encoded by the copies, in each step)."""
     if importlib.util.find_spec("peft") is None:
         raise ConfigError(f"{key} needs peft: pip install 'gentrain[lora]'")
-    from peft import inject_adapter_in_model
+    from peft import inject_adapter_in_model  # the `lora` extra: only a run that adapts its text encoder
 
     text = settings.model_copy(update={"targets": list(TEXT_LORA_TARGETS)})
     out = {}
@@ -340,7 +340,7 @@ def merged_state_dict(unet: nn.Module) -> dict[str, torch.Tensor]:
 
 def merged_text_encoder(encoder: nn.Module) -> dict[str, torch.Tensor]:
     """A LoRA-trained text encoder's weights with its adapters merged (transformers' key names)."""
-    from peft.tuners.tuners_utils import BaseTunerLayer
+    from peft.tuners.tuners_utils import BaseTunerLayer  # the `lora` extra: it trained adapters
 
     work = copy.deepcopy(encoder).float()
     for m in work.modules():
