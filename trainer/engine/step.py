@@ -151,31 +151,46 @@ class StepRunner:
             part.set_learning(name in names)
         self._trainable = names
 
-    def accumulate(self, batch: dict, step: int, phases: list[Phase]) -> dict[str, torch.Tensor]:
-        """Forward and backward over every chunk; gradients end up in the parts. Returns loss sums."""
+    def accumulate(
+        self, batch: dict, step: int, phases: list[Phase], fake_on: torch.device | None = None
+    ) -> dict[str, torch.Tensor]:
+        """Forward and backward over every chunk; gradients end up in the parts. Returns loss sums.
+
+        `fake_on` (`count_flops`, inside a FakeTensorMode): the same forwards, losses and backwards on shapes
+        only, the chunks on that device, the parts unwrapped (no DDP hooks or collectives), no reseeding of the
+        global RNG, and gradients taken with `torch.autograd.grad` so no `.grad` of a real parameter is set."""
         learning = {ph.part for ph in phases}
         if len(learning) != len(phases):
             raise RuntimeError(f"two phases optimize the same part: {phases}")
+        fake = fake_on is not None
         sums: dict[str, torch.Tensor] = {}
-        chunks = list(self.chunks(batch))
+        chunks = list(self.chunks(batch, fake_on))
         precision = self.cfg.train.precision
         for i, chunk in enumerate(chunks):
-            reseed_global_rng(self.cfg.seed, step, self.rank, i)
+            if not fake:
+                reseed_global_rng(self.cfg.seed, step, self.rank, i)
             with ExitStack() as stack:
-                if i < len(chunks) - 1 and self.world_size > 1:
+                if not fake and i < len(chunks) - 1 and self.world_size > 1:
                     for name in learning:
                         stack.enter_context(self.no_sync(self.parts[name].wrapped))
                 self._set_trainable(learning)
                 with autocast(self.device, precision):
-                    outputs = self.task.forward(ModuleView(self.parts, self.frozen, learning), chunk, step)
+                    outputs = self.task.forward(
+                        ModuleView(self.parts, self.frozen, set() if fake else learning), chunk, step
+                    )
                 for j, phase in enumerate(phases):
                     part = self.parts[phase.part]
                     self._set_trainable({phase.part})
-                    view = ModuleView(self.parts, self.frozen, {phase.part})
+                    view = ModuleView(self.parts, self.frozen, set() if fake else {phase.part})
                     shared = outputs if j == 0 else detach_tree(outputs)
                     with autocast(self.device, precision):
                         out = self.task.loss(phase, view, chunk, shared, StepInfo(step, part.step))
                         loss = (out.per_sample.float() * chunk.valid).sum() / self.rank_batch
+                    if fake:
+                        params = [p for p in part.params if p.requires_grad]
+                        if loss.requires_grad and params:
+                            torch.autograd.grad(loss, params, allow_unused=True)
+                        continue
                     part.scaler.scale(loss).backward()
                     self._add(sums, f"{phase.name}/loss", loss.detach())
                     for term, value in out.terms.items():
@@ -190,12 +205,11 @@ class StepRunner:
         sums[key] = sums[key] + value if key in sums else value
 
     def count_flops(self, batch: dict, step: int) -> int | None:
-        """The FLOPs of the step `run(batch, step)` would take, counted on fake tensors: every chunk's forward
-        and each phase's loss and backward dispatched with shapes only (torch's FakeTensorMode), so nothing is
-        computed or allocated and no weight, gradient, buffer or random state changes. A compiled run's peak
-        memory is then its compiled step's, not an eager step's. None where shapes alone cannot say (sharded
-        parts gather over the process group; a task that reads a value back, e.g. to tokenize captions): the
-        caller then counts the real first step."""
+        """The FLOPs of the step `run(batch, step)` would take: `accumulate` itself, run on fake tensors (torch's
+        FakeTensorMode), so nothing is computed or allocated and no weight, gradient, buffer or random state
+        changes. A compiled run's peak memory is then its compiled step's, not an eager step's. None where shapes
+        alone cannot say (sharded parts gather over the process group; a task that reads a value back, e.g. to
+        tokenize captions): the caller then counts the real first step."""
         if any(is_fsdp(p.module) for p in self.parts.values()) or any(is_fsdp(f.module) for f in self.frozen.values()):
             return None
         phases = [ph for ph in self.task.phases(step, {n: p.step for n, p in self.parts.items()})]
@@ -203,7 +217,6 @@ class StepRunner:
         if not phases:
             return 0
         counter = StepFlops()
-        bare = ModuleView(self.parts, self.frozen, set())  # no DDP wrapper: no hooks, no collectives
         # Fake tensors insist on one device object: the parameters' (accelerate names the CPU `cpu:0` under
         # several processes, which real tensors treat as `cpu`; a library that then moves a table it keeps
         # to the input's device would keep a fake copy).
@@ -211,20 +224,7 @@ class StepRunner:
         device = params[0].device if params else self.device
         try:
             with FakeTensorMode(allow_non_fake_inputs=True), torch.compiler.set_stance("force_eager"), counter:
-                for chunk in self.chunks(batch, device):
-                    self._set_trainable({ph.part for ph in phases})
-                    with autocast(self.device, self.cfg.train.precision):
-                        outputs = self.task.forward(bare, chunk, step)
-                    for j, phase in enumerate(phases):
-                        part = self.parts[phase.part]
-                        self._set_trainable({phase.part})
-                        shared = outputs if j == 0 else detach_tree(outputs)
-                        with autocast(self.device, self.cfg.train.precision):
-                            out = self.task.loss(phase, bare, chunk, shared, StepInfo(step, part.step))
-                            loss = (out.per_sample.float() * chunk.valid).sum() / self.rank_batch
-                        params = [p for p in part.params if p.requires_grad]
-                        if loss.requires_grad and params:
-                            torch.autograd.grad(loss, params, allow_unused=True)
+                self.accumulate(batch, step, phases, fake_on=device)
         except Exception as e:  # noqa: BLE001 - any op shapes cannot run: count the real step instead
             log.info("throughput: FLOPs not countable on fake tensors (%s); counting the first step", type(e).__name__)
             return None
