@@ -38,6 +38,7 @@ Usage:
   python bench/goodput.py [--json OUT]                            the table: levers x scales x published rates
   python bench/goodput.py --gpus 1024 --trace failures.csv        replay your own failures (CSV or JSON)
   python bench/goodput.py --calibrate [--json OUT]                predicted vs measured lost time, 2 agents
+                         [--calibrate-levers durable,memory,memory+compile_cache]
 Trace: CSV with a header `time_s,node,kind`, or JSON {"failures": [{"time_s": .., "node": .., "kind": ..}],
 "duration_s": optional}; time_s is seconds since the job's launch, kind one of process, node, job.
 """
@@ -414,18 +415,24 @@ def read_trace(path: str, nodes: int | None = None) -> tuple[list[Failure], floa
 # The calibration job is of fixed size (--nnodes=2): its lost node's replacement agent joins at once, so its
 # detection is that case's, not the elastic silent node's of `detect_node_s`.
 CALIBRATION_DETECT_NODE_S = 13.5
+# A restart's compile from the run's compile cache, as a share of the cold compile: CPU, 2-block DiT, the median
+# of bench/results/compile-cache-cpu-2026-11-28.json (0.111-0.118x).
+CALIBRATION_CACHED_RATIO = 0.114
+COMPILED_DIT = "{kind: dit, num_layers: 2, num_attention_heads: 2, attention_head_dim: 8}"
 CALIBRATION_DETECT_NODE_SOURCE = (
     f"{BENCH} 'Memory tier': node loss, kill -> rank 0's new process 13-14 s (c10d, --nnodes=2, a fresh agent "
     "joining at once: the calibration job's own case)"
 )
 
 
-def _calibration_run(memory: bool, every: int, schedule: tuple[float, float, float]) -> dict:
+def _calibration_run(memory: bool, every: int, schedule: tuple[float, float, float], compiled: bool = False) -> dict:
     """Two torchrun agents on 127.0.0.1 as two nodes (bench/memory_tier.py's Job: FSDP, c10d hosted by agent a,
     a small UNet, one thread), launched at t = 0; a `process` failure (agent a's worker SIGKILLed) at the first
     schedule time (or 3 s after the first step, if later), a `node` failure (agent b and its worker SIGKILLed,
     its memory folder deleted, a fresh agent started) at the second (or 5 s after the job trains again), and the
-    end at the third (or 15 s after it trains again). Step lines are timed as they arrive (polled every 20 ms)."""
+    end at the third (or 15 s after it trains again). Step lines are timed as they arrive (polled every 20 ms).
+    `compiled`: train.compile=true with the run's compile cache (GENTRAIN_COMPILE_CACHE_KEY), each agent with a
+    local inductor cache of its own, so the fresh agent starts with an empty one, as a replacement node does."""
     import os
     import shutil
     import signal
@@ -437,8 +444,22 @@ def _calibration_run(memory: bool, every: int, schedule: tuple[float, float, flo
 
     with tempfile.TemporaryDirectory(prefix="gentrain-goodput-") as tmp:
         job = mt.Job(
-            Path(tmp), memory, every, ["checkpoint.memory_every_steps=1", "elastic.collective_timeout_seconds=120"]
+            Path(tmp),
+            memory,
+            every,
+            [
+                "checkpoint.memory_every_steps=1",
+                # a hang bound; compiling ranks wait for each other in the first step's collectives
+                f"elastic.collective_timeout_seconds={600 if compiled else 120}",
+                # compiled: the model whose cache ratio was measured (bench/compile_cache.py's 2-block DiT)
+                *(["train.compile=true", f"model.backbone={COMPILED_DIT}"] if compiled else []),
+            ],
         )
+        if compiled:
+            job.node_env = {
+                node: {"TORCHINDUCTOR_CACHE_DIR": f"{tmp}/inductor-{node}", "GENTRAIN_COMPILE_CACHE_KEY": "calibration"}
+                for node in ("a", "b", "b2")
+            }
         offsets: dict[Path, int] = {}
         lines: list[tuple[float, int]] = []  # (arrival, step) of rank 0's step lines, in arrival order
         starts: list[tuple[float, int]] = []  # (arrival, resumed step) of each start at world size 2
@@ -461,7 +482,7 @@ def _calibration_run(memory: bool, every: int, schedule: tuple[float, float, flo
                     if m and m.group(1) == "2":
                         starts.append((now, int(m.group(3))))
 
-        def wait(what: str, done, deadline_s: float = 240.0) -> None:
+        def wait(what: str, done, deadline_s: float = 900.0 if compiled else 240.0) -> None:  # a hang bound
             end = time.time() + deadline_s
             while not done():
                 for node, proc in job.procs.items():
@@ -533,14 +554,18 @@ def _calibration_run(memory: bool, every: int, schedule: tuple[float, float, flo
     step_s = float(np.mean(gaps))
     ordered = sorted(timings, key=lambda t: t["first_step_unix"])
     cold = ordered[0]
-    startup = cold["first_step_unix"] - cold["process_start_unix"] - cold.get("resume", 0.0) - step_s
+    compile_cold = float(cold.get("compile", 0.0))  # inside the first step: counted apart from the start-up
+    startup = cold["first_step_unix"] - cold["process_start_unix"] - cold.get("resume", 0.0) - step_s - compile_cold
     after = sorted(
         (json.loads(t) for text in texts for t in mt.TIMINGS.findall(text)), key=lambda t: t["first_step_unix"]
     )
     for k, t in zip(kills, after[1:], strict=False):  # kill -> the restarted rank 0's process (about 1 s high: /proc)
         k["restart_s"] = round(t["process_start_unix"] - launched - k["time_s"], 3)
+        k["rank0_compile_s"] = t.get("compile", 0.0)
     return {
         "memory": memory,
+        "compile_cache": compiled,
+        "compile_cold_s": round(compile_cold, 3),
         "durable_every_steps": every,
         "duration_s": round(end, 3),
         "first_step_s": round(first_step, 3),
@@ -552,8 +577,8 @@ def _calibration_run(memory: bool, every: int, schedule: tuple[float, float, flo
 
 
 def calibrate(args) -> dict:
-    """Run the failure schedule for real, twice (durable tier only; memory tier on), and replay it through the
-    model. Inputs: the run's pace (the mean gap between consecutive steps, saves and snapshots included, gaps
+    """Run the failure schedule for real, once per lever of `--calibrate-levers` (durable tier only; memory tier on;
+    memory tier and compile cache with train.compile=true), and replay it through the model. Inputs: the run's pace (the mean gap between consecutive steps, saves and snapshots included, gaps
     across a restart left out), its failure-free cold start (launch to the first step; a worker's start to its
     first step), restore of this small state 0.25 s (docs/benchmarks.md 'Memory tier'), and detection two ways:
     `docs`, the quiet-machine figures of docs/benchmarks.md (`--detect-process-s`, `--detect-node-s`), and
@@ -562,9 +587,14 @@ def calibrate(args) -> dict:
     Lost time = wall time - the steps the job holds at the end x the pace."""
     every = 20
     runs, rows = {}, []
-    for memory in (False, True):
-        r = _calibration_run(memory, every, (12.0, 30.0, 60.0))
-        name = "memory" if memory else "durable"
+    for name in args.calibrate_levers.split(","):
+        if name not in LEVERS:
+            raise SystemExit(f"goodput: --calibrate-levers: {name!r} is none of {', '.join(LEVERS)}")
+        memory, compiled = name != "durable", name == "memory+compile_cache"
+        r = _calibration_run(memory, every, (12.0, 30.0, 60.0), compiled)
+        # With the compile cache the restarts compile from a cache: their compile is the cold one's measured
+        # ratio (bench/compile_cache.py on CPU), never the restarts' own figures, which the model predicts.
+        cached = r["compile_cold_s"] * CALIBRATION_CACHED_RATIO
         trace = [Failure(k["time_s"], k["node"], k["kind"]) for k in r["failures"]]
         measured = r["duration_s"] - r["final_step"] * r["step_s"]
         runs[name] = {**r, "predicted": {}}
@@ -576,11 +606,11 @@ def calibrate(args) -> dict:
         ):
             c = Costs(
                 step_s=r["step_s"],  # saves and snapshots included: their stall is inside the pace
-                first_start_s=r["first_step_s"] - r["step_s"],
+                first_start_s=r["first_step_s"] - r["step_s"] - r["compile_cold_s"],
                 startup_s=r["worker_startup_s"],
-                compile_cold_s=0.0,
-                compile_cached_s=0.0,
-                compile_warm_s=0.0,  # train.compile is off here
+                compile_cold_s=r["compile_cold_s"],  # 0 with train.compile off
+                compile_cached_s=cached,
+                compile_warm_s=cached,  # a node that stayed: its warm local cache, as the model assumes
                 restore_store_s=0.25,
                 restore_memory_s=0.25,
                 save_stall_s=0.0,
@@ -590,7 +620,7 @@ def calibrate(args) -> dict:
                 detect_process_s=detect[0],
                 detect_node_s=detect[1],
             )
-            o = simulate(c, Policy(memory, False, every, 1 if memory else 0), trace, r["duration_s"])
+            o = simulate(c, Policy(memory, compiled, every, 1 if memory else 0), trace, r["duration_s"])
             predicted = r["duration_s"] - o.seconds["train"]
             runs[name]["predicted"][way] = {
                 "detection_s": {"process": detect[0], "node": detect[1]},
@@ -604,7 +634,9 @@ def calibrate(args) -> dict:
         "bench": "goodput.calibrate",
         "setup": "2 torchrun agents on 127.0.0.1 as 2 nodes (bench/memory_tier.py Job: FSDP, c10d, digits-ddpm small "
         "UNet, 1 thread), durable every 20 steps, memory tier every step when on; failures: a worker SIGKILLed "
-        "(process), then agent b with its worker SIGKILLed and its memory folder deleted, a fresh agent joining (node)",
+        "(process), then agent b with its worker SIGKILLed and its memory folder deleted, a fresh agent joining (node); "
+        "memory+compile_cache: train.compile=true on bench/compile_cache.py's 2-block DiT, the run's signed compile cache, a local inductor cache per agent "
+        f"(the fresh agent's empty); a restart's compile predicted as {CALIBRATION_CACHED_RATIO} x the cold one's",
         "detection_inputs_s": {
             "process": args.detect_process_s,
             "node": CALIBRATION_DETECT_NODE_S,
@@ -777,6 +809,11 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--gpus", type=int, default=1024, help="with --trace: the job's GPUs")
     ap.add_argument("--hours", type=float, help="with --trace: the job's length (default: the trace's duration_s)")
     ap.add_argument("--calibrate", action="store_true", help="run the failure schedule for real and compare")
+    ap.add_argument(
+        "--calibrate-levers",
+        default="durable,memory,memory+compile_cache",
+        help="with --calibrate: the levers run for real (memory+compile_cache: train.compile=true)",
+    )
     for name, value in asdict(Costs()).items():
         ap.add_argument(f"--{name.replace('_', '-')}", type=float, default=value, help=SOURCES[name])
     return ap

@@ -143,6 +143,7 @@ class Job:
         self.procs: dict[str, subprocess.Popen] = {}
         self.logs: list[Path] = []
         self.lost: set[str] = set()  # agents killed on purpose
+        self.node_env: dict[str, dict[str, str]] = {}  # a node's own environment (bench/goodput.py's compile run)
 
     def shm(self, node: str) -> Path:
         return self.tmp / f"shm-{node}"
@@ -168,6 +169,7 @@ class Job:
             OMP_NUM_THREADS="1",
             GENTRAIN_CHECKPOINT__MEMORY_DIR=str(self.shm(node)),
             TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1",  # a fresh store per round, as `gentrain launch` sets
+            **self.node_env.get(node, {}),
         )
         proc = subprocess.Popen(cmd, stdout=open(log, "w"), stderr=subprocess.STDOUT, env=env, start_new_session=True)
         self.procs[node] = proc
