@@ -322,10 +322,15 @@ def test_fsdp_refuses_what_it_cannot_shard_by_name():
     with pytest.raises(ConfigError, match="^train.parallel=fsdp: a loss computed"):
         wrapping.check_supported(Refusing(), modules, ["generator"])
     wrapping.check_supported(Fine(), modules, ["generator"])
-    # LoRA adapters on a sharded base train (tests/test_pipeline_fsdp.py): no refusal
+    # LoRA adapters on a sharded base train (tests/test_pipeline_fsdp.py): no refusal; LoRA-trained text
+    # encoders (children of the part called on their own) are refused, naming the key
     peft = pytest.importorskip("peft")
     adapted = peft.inject_adapter_in_model(peft.LoraConfig(r=2, target_modules=["0"]), mlp(D))
     wrapping.check_supported(Fine(), {"generator": adapted}, ["generator"])
+    adapted.add_module("text_encoder", mlp(D))
+    with pytest.raises(ConfigError, match=r"^model.lora.text_encoder=true \(LoRA on text_encoder\) is not supported"):
+        wrapping.check_supported(Fine(), {"generator": adapted}, ["generator"])
+    wrapping.check_supported(Fine(), {"generator": adapted}, [])  # a part this run does not train is not sharded
 
 
 # ---------------------------------------------------------------------------------------------- frozen records

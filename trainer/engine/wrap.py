@@ -28,6 +28,7 @@ from trainer.engine.shard import (
     whole_tensors_agree,
 )
 from trainer.errors import ConfigError
+from trainer.models.finetune import text_children
 
 if TYPE_CHECKING:
     from trainer.config.schema import TrainConfig
@@ -135,6 +136,7 @@ class FullySharded(Wrapping):
         refusal = task.fsdp_refusal()
         if refusal:
             raise ConfigError(f"train.parallel=fsdp: {refusal}")
+        refuse_text_lora_under_fsdp(modules, trainable)
 
     def prepare(self, modules: Mapping[str, nn.Module], frozen: Collection[str], learning: Collection[str]) -> None:
         if self.train.cpu_offload and self.runtime.device.type != "cuda":
@@ -159,6 +161,20 @@ class FullySharded(Wrapping):
         if not agree:
             raise RuntimeError("FSDP start: the ranks hold different values in parts or buffers kept whole")
         log.info("fsdp init: %d whole tensors (kept parts, buffers) identical on every rank", n)
+
+
+def refuse_text_lora_under_fsdp(modules: Mapping[str, nn.Module], trainable: Collection[str]) -> None:
+    """LoRA-trained text encoders (children of the denoiser's part, trainer.models.finetune.attach_text_lora) are
+    called on their own before the denoiser's forward: under FSDP2 the part's root unit, which holds their
+    embeddings, gathers only around the denoiser's forward, and a nested unit run first would take the root's
+    place. Refused until they are sharded as roots of their own."""
+    slots = sorted({slot for n in trainable for slot in text_children(modules[n])})
+    if slots:
+        raise ConfigError(
+            f"model.lora.text_encoder=true (LoRA on {', '.join(slots)}) is not supported with train.parallel=fsdp "
+            "yet: the text encoders run outside the denoiser's forward, which gathers the sharded weights; use "
+            "train.parallel=ddp (the adapters are small) or model.lora.text_encoder=false"
+        )
 
 
 def wrapping_for(runtime: Runtime, train: TrainConfig) -> Wrapping:
