@@ -160,7 +160,7 @@ def test_float8_resumes_bit_identical_under_fsdp2(tmp_path):
     sharded DTensor weights, with the matmul emulated (GENTRAIN_TEST_FLOAT8_EMULATE=1, torchao's test mode: a
     CPU has no float8 tensor cores). A rank SIGKILLed mid-run resumes bit-identical; the sharded checkpoint
     holds the plain float32 weights; a run without float8, in one process, resumes from it. DDP, whose
-    wrapper leaves the layers whole, and compile run with the float8 matmuls on a GPU (tests/test_gpu_step.py);
+    wrapper leaves the layers whole, and compile run with the float8 matmuls on a GPU (tests/test_float8.py);
     one suite minute is spent on the sharded case only."""
     parallel = "fsdp"
     steps = 4

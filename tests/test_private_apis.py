@@ -219,7 +219,7 @@ def test_torchao_8bit_state_flattens_to_codes_scale_and_map():
 def test_torchao_float8_size_thresholds():
     """trainer/engine/float8.py's float8_layers keeps in bf16 the linears torchao's `_auto_filter_for_recipe`
     (exported by torchao.float8, named private and marked experimental) says float8 would slow down, with
-    the thresholds its docstring and docs/scaling.md quote. End to end: tests/test_gpu_step.py (DiT-XL/2 and
+    the thresholds its docstring and docs/scaling.md quote. End to end: tests/test_float8.py (DiT-XL/2 and
     DiT-S/2 per recipe)."""
     pytest.importorskip("torchao")
     try:
@@ -244,7 +244,7 @@ def test_torchao_float8_size_thresholds():
         _guard(
             got == {shape: both[column] for shape, both in expected.items()},
             f"torchao's {recipe} size thresholds changed ({got}); update trainer/engine/float8.py's docstring, "
-            "docs/scaling.md#float8 and the layer counts in tests/test_gpu_step.py",
+            "docs/scaling.md#float8 and the layer counts in tests/test_float8.py",
         )
 
 
