@@ -28,11 +28,12 @@ from test_vqgan_maskgit import _kill_and_resume_one_process
 
 from trainer.data import build_splits, build_train_loader
 from trainer.data.bucket_sources import BucketedShardSplit, _shard_sizes, hf_sizes
-from trainer.data.buckets import BucketPlan
+from trainer.data.buckets import BucketPlan, cover_size
 from trainer.data.encode import encode_dataset
 from trainer.data.pack import pack_folder
 from trainer.data.sampler import SampleRef
 from trainer.data.shards import ShardList, ShardSet, ShardSplit
+from trainer.data.shards.latents import decode_encoded_sample
 from trainer.errors import ConfigError
 from trainer.registry import load_config
 
@@ -58,12 +59,21 @@ def preset(args: list[str]):
     return load_config(args[0], args[1:], environ={})
 
 
-def shapes_of(train, cfg, batches: int = 8) -> set[tuple[int, ...]]:
-    """The sample shapes of the first batches (each batch one shape: it stacked)."""
+def shapes_of(train, cfg, batches: int = 8, sizes: bool = False) -> set[tuple[int, ...]]:
+    """The sample shapes of the first batches (each batch one shape: it stacked); with `sizes`, each sample's
+    size micro-conditions checked: its original (height, width) (the file's name says it), its crop inside
+    the resized image, its bucket as the target."""
     out = set()
     for _, batch in zip(range(batches), build_train_loader(train, cfg, cursor=0, rank=0, world_size=1), strict=False):
         assert batch["valid"].all()
         out.add(tuple(batch["images"].shape[1:]))
+        if sizes:
+            for caption, row in zip(batch["captions"], batch["extras"]["size_conditions"].tolist(), strict=True):
+                h, w = (int(v) for v in caption.split("-")[0].split("x"))
+                bh, bw = batch["images"].shape[-2:]
+                scale = max(bh / h, bw / w)
+                assert row[:2] == [h, w] and row[4:] == [bh, bw]
+                assert 0 <= row[2] <= round(h * scale) - bh and 0 <= row[3] <= round(w * scale) - bw
     return out
 
 
@@ -136,7 +146,7 @@ def test_an_hf_dataset_trains_in_buckets_with_its_sizes_read_once_and_its_width_
     cfg = config("data.source=hf", f"data.path={path}", "data.val_fraction=0", f"run.dir={tmp_path}/run", *BUCKETS)
     train, _, _ = build_splits(cfg)
     assert train.skipped == {"too extreme": 2} and len(train) == 14
-    assert shapes_of(train, cfg) == {(3, 12, 20), (3, 16, 16), (3, 20, 12)}
+    assert shapes_of(train, cfg, sizes=True) == {(3, 12, 20), (3, 16, 16), (3, 20, 12)}
     assert train[SampleRef(index=0, position=0)][0].shape == (3, 16, 16)  # held out: the square
     manifest = list((tmp_path / "run" / "data").glob("buckets-*.json"))
     assert len(manifest) == 1 and json.loads(manifest[0].read_text())["sizes"][0] == [10, 50]
@@ -150,13 +160,14 @@ def test_an_hf_dataset_trains_in_buckets_with_its_sizes_read_once_and_its_width_
 
 
 def test_image_shards_train_in_buckets_held_out_samples_stay_square_and_changed_shards_are_another_version(tmp_path):
-    make_folder(tmp_path / "images", copies=2)
+    for image in make_folder(tmp_path / "images", copies=2).glob("*.png"):
+        image.with_suffix(".txt").write_text(image.stem)  # the caption names the original size
     pack_folder(str(tmp_path / "images"), str(tmp_path / "shards"), 5, progress=False)
     urls = f"data.urls={tmp_path}/shards/shards.json"
     cfg = config("data.source=shards", urls, "data.val_fraction=0.2", f"run.dir={tmp_path}/run", *BUCKETS)
     train, val, _ = build_splits(cfg)
     assert sum(train.skipped.values()) + len(train) + len(val) == 16 and train.skipped == {"too extreme": 2}
-    assert shapes_of(train, cfg) == {(3, 12, 20), (3, 16, 16), (3, 20, 12)}
+    assert shapes_of(train, cfg, sizes=True) == {(3, 12, 20), (3, 16, 16), (3, 20, 12)}
     assert train[SampleRef(index=0, position=0)][0].shape == val[SampleRef(index=0, position=0)][0].shape == (3, 16, 16)
     assert len(list((tmp_path / "run" / "data").glob("buckets-*.json"))) == 1
     # The sizes data pack lists in each index are the images' headers (read when an index lists none).
@@ -184,8 +195,9 @@ def test_an_hf_dataset_and_image_shards_train_in_buckets_from_the_command_line(t
 # ---------------------------------------------------------------------------------------------- latent shards
 
 LATENT_BUCKETS = ["data.buckets=[[8,8],[8,12],[12,8]]", "data.bucket_step=4", "data.bucket_max_ratio=2"]
-# (h, w): 8x8 -> 8x8, 8x12 and 16x24 -> 8x12, 12x8 and 24x16 -> 12x8; 10x40 too extreme
-GRAY = [(8, 8), (8, 12), (12, 8), (16, 24), (24, 16), (10, 40)]
+# (h, w) -> its bucket; 8x9 is cropped by one column (its mirror's crop is the other column); 10x40 too extreme
+BUCKET_OF = {(8, 8): [8, 8], (8, 9): [8, 8], (8, 12): [8, 12], (12, 8): [12, 8], (16, 24): [8, 12], (24, 16): [12, 8]}
+GRAY = [*BUCKET_OF, (10, 40)]
 
 
 def latent_args(root, vae: str, *extra: str, max_steps: int = 2) -> list[str]:
@@ -213,7 +225,7 @@ def encoded(tmp_path_factory) -> tuple[str, str]:
     vae = vae_folder(root / "vae")
     args = latent_args(root, vae, "data.source=folder", f"data.path={images}", "data.channels=1")
     summary = encode_dataset(preset(args), f"{root}/shards", 5, dtype="float32", flip=True, progress=False)
-    assert (summary.samples, summary.skipped) == (15, 3)
+    assert (summary.samples, summary.skipped) == (18, 3)
     return f"{root}/shards", vae
 
 
@@ -223,7 +235,8 @@ def test_a_bucketed_encode_writes_each_posterior_and_its_mirror_at_its_buckets_s
     assert made["list"] == [[8, 12], [8, 8], [12, 8]]  # sorted by height / width
     assert made["latent_shapes"] == [[4, 4, 6], [4, 4, 4], [4, 6, 4]]
     found = []
-    for shard in range(3):
+    mirrored_crops = 0
+    for shard in range(4):
         buckets = index_of(url, shard)["buckets"]
         with tarfile.open(f"{url}/{shard:06d}.tar") as tf:
             by_key: dict[str, dict[str, bytes]] = {}
@@ -232,12 +245,21 @@ def test_a_bucketed_encode_writes_each_posterior_and_its_mirror_at_its_buckets_s
                 by_key.setdefault(key, {})[ext] = tf.extractfile(m).read()
         for k, members in zip(buckets, by_key.values(), strict=True):
             h, w = (int(v) for v in members["src"].decode().split("-")[0].split("x"))
-            expected = [8, 8] if h == w else ([8, 12] if h < w else [12, 8])
+            expected = BUCKET_OF[h, w]
             assert made["list"][k] == expected
             for name in ("mean.npy", "std.npy", "flip.mean.npy", "flip.std.npy"):
                 assert list(np.load(io.BytesIO(members[name])).shape) == made["latent_shapes"][k]
+            sizes = np.load(io.BytesIO(members["size.npy"])).tolist()  # original, crop top-left, bucket
+            assert sizes[:2] == [h, w] and sizes[4:] == expected
+            # Read with the mirrored posterior, the crop's left is the mirror's (counted from the right).
+            settings = json.loads(open(f"{url}/shards.json").read())["encoded"]
+            plain = decode_encoded_sample(members, settings, True, 0, tuple(expected))[2]["size_conditions"]
+            mirrored = decode_encoded_sample(members, settings, True, 1, tuple(expected))[2]["size_conditions"]
+            assert plain.tolist() == sizes
+            assert mirrored[3] == cover_size(h, w, *expected)[1] - expected[1] - sizes[3]
+            mirrored_crops += mirrored[3] != sizes[3]
             found.append(k)
-    assert sorted(found) == [0] * 6 + [1] * 3 + [2] * 6
+    assert sorted(found) == [0] * 6 + [1] * 6 + [2] * 6 and mirrored_crops == 3  # the 8x9 images
 
 
 def test_a_run_on_bucketed_latents_needs_the_encodes_buckets_and_validates_on_one_bucket(tmp_path, encoded):
@@ -246,8 +268,11 @@ def test_a_run_on_bucketed_latents_needs_the_encodes_buckets_and_validates_on_on
     cfg = preset(latent_args(tmp_path, vae, *shards, "data.val_fraction=0.25"))
     train, val, _ = build_splits(cfg)
     assert shapes_of(train, cfg) == {(8, 4, 6), (8, 4, 4), (8, 6, 4)}  # mean and std: 2 x 4 channels
+    batch = next(iter(build_train_loader(train, cfg, cursor=0, rank=0, world_size=1)))
+    bucket = [2 * side for side in batch["images"].shape[-2:]]  # the autoencoder's factor: 2
+    assert all(row[4:] == bucket for row in batch["extras"]["size_conditions"].tolist())
     assert (
-        len(train) + len(val) <= 15
+        len(train) + len(val) <= 18
         and len({val[SampleRef(index=i, position=i)][0].shape for i in range(len(val))}) == 1
     )
     made = re.escape(" were encoded with data.buckets=[[8,12], [8,8], [12,8]]")
@@ -274,5 +299,5 @@ def test_a_sigkilled_run_on_bucketed_latents_resumes_bit_identical(tmp_path, enc
         return latent_args(root, vae, *extra, max_steps=steps)
 
     a, b, stderr = _kill_and_resume_one_process(tmp_path, args, ENV, kill_step=3, saved_step=2, steps=steps)
-    assert "15 training samples in 3 of 3 aspect-ratio buckets" in stderr
+    assert "18 training samples in 3 of 3 aspect-ratio buckets" in stderr
     assert_tensors_equal(a, b)

@@ -291,6 +291,20 @@ def to_tensor(im: Image.Image, channels: int) -> torch.Tensor:
     return torch.from_numpy(arr).reshape(im.size[1], im.size[0], channels).permute(2, 0, 1).contiguous()
 
 
+def load_in_bucket(
+    im: Image.Image, size: tuple[int, int], channels: int, crop: str, aug_seed: int, flipped: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`im` in its (height, width) bucket `size`: (C, H, W) in [-1, 1], covered and cropped (`cover_crop`),
+    mirrored when `flipped`, and its size micro-conditions (`size_conditions`). The HF and shard sources load
+    a bucketed sample with it (trainer/data/bucket_sources.py); the folder's loader takes the same steps."""
+    original = (im.size[1], im.size[0])
+    cropped, top, left = cover_crop(im.convert("L" if channels == 1 else "RGB"), size[0], size[1], crop, aug_seed)
+    x = to_tensor(cropped, channels)
+    resized_width = cover_size(*original, size[0], size[1])[1]
+    conditions = size_conditions(original, top, left, (size[0], size[1]), resized_width, flipped)
+    return (x.flip(-1) if flipped else x), conditions
+
+
 # ------------------------------------------------------------------------------------------------ the training set
 
 

@@ -21,7 +21,7 @@ import fsspec
 import torch
 from PIL import Image, UnidentifiedImageError
 
-from trainer.data.buckets import cover_crop, to_tensor
+from trainer.data.buckets import SIZE_CONDITIONS, load_in_bucket
 from trainer.data.datasets import _READ_ERRORS, IMAGE_EXTENSIONS, image_to_tensor, short_reason
 from trainer.errors import ConfigError
 from trainer.storage import filesystem
@@ -374,31 +374,30 @@ class HFDataset:
         self, index: int, aug_seed: int, flip: bool, size: tuple[int, int] | None = None
     ) -> tuple[torch.Tensor, int] | tuple | None:
         """Row `index`'s image (at its (height, width) aspect-ratio bucket `size`, resized to cover it and
-        cropped by `self.crop`; None: the data.image_size square), label and caption; None when unusable."""
+        cropped by `self.crop`, with its size micro-conditions in the extras; None: the data.image_size
+        square), label and caption; None when unusable."""
         row = self.rows[index]
         cell = row[self.image_column]
         if cell is None:
             self._skip(index, "no image", f"{self.image_column} is null")
             return None
+        flipped = bool(flip and aug_seed & 1)
+        extras: dict = {}
         try:
             with self._open_image(cell) as im:
                 if size is None:
                     x = image_to_tensor(im, self.image_size, self.channels)
+                    x = x.flip(-1) if flipped else x
                 else:
-                    im = im.convert("L" if self.channels == 1 else "RGB")
-                    x = to_tensor(cover_crop(im, size[0], size[1], self.crop, aug_seed)[0], self.channels)
+                    x, extras[SIZE_CONDITIONS] = load_in_bucket(im, size, self.channels, self.crop, aug_seed, flipped)
         except (*_READ_ERRORS, UnidentifiedImageError, Image.DecompressionBombError) as e:
             self._skip(index, "unreadable image", str(e))
             return None
-        if flip and aug_seed & 1:
-            x = x.flip(-1)
         label = self.labels[index] if self.labels is not None else -1
-        if self.caption_column is None:
-            return x.contiguous(), label
-        caption = row[self.caption_column]
-        if caption is None:
-            return x.contiguous(), label
-        if not isinstance(caption, str):
+        caption = row[self.caption_column] if self.caption_column is not None else None
+        if caption is not None and not isinstance(caption, str):
             self._skip(index, "unusable caption", f"{self.caption_column} is a {type(caption).__name__}, not a string")
             return None
-        return x.contiguous(), label, {"caption": caption.strip()}
+        if caption is not None:
+            extras["caption"] = caption.strip()
+        return (x.contiguous(), label, extras) if extras else (x.contiguous(), label)

@@ -7,7 +7,7 @@ import io
 import torch
 from PIL import Image
 
-from trainer.data.buckets import cover_crop, to_tensor
+from trainer.data.buckets import SIZE_CONDITIONS, load_in_bucket
 from trainer.data.datasets import IMAGE_EXTENSIONS, image_to_tensor, read_embedding
 from trainer.data.video import VIDEO_EXTENSIONS, decode_clip, frames_extra
 
@@ -38,7 +38,8 @@ def decode_sample(
 
     With `num_frames` > 1 the sample is a clip: its mp4/gif/webm/mkv/mov member is decoded with PyAV
     into (num_frames, C, H, W) (`extras["frames"]` = num_frames); a too-short clip is a ValueError. An image
-    with a (height, width) `size` (its aspect-ratio bucket) is resized to cover it and cropped (`crop`)."""
+    with a (height, width) `size` (its aspect-ratio bucket) is resized to cover it and cropped (`crop`), its
+    size micro-conditions in the extras (`size_conditions`)."""
     if num_frames > 1:
         ext = next((e for e in _VIDEO_EXTS if e in members), None)
         if ext is None:
@@ -52,12 +53,13 @@ def decode_sample(
             if size is None:
                 x = image_to_tensor(im, image_size, channels)
             else:
-                im = im.convert("L" if channels == 1 else "RGB")
-                x = to_tensor(cover_crop(im, size[0], size[1], crop, aug_seed)[0], channels)
-    if flip and aug_seed & 1:
+                x, conditions = load_in_bucket(im, size, channels, crop, aug_seed, bool(flip and aug_seed & 1))
+    if flip and aug_seed & 1 and size is None:
         x = x.flip(-1)
     label = int(members["cls"].decode().strip()) if "cls" in members else -1
     extras: dict = {"frames": frames_extra(num_frames)} if num_frames > 1 else {}
+    if size is not None:
+        extras[SIZE_CONDITIONS] = conditions
     if "txt" in members:
         extras["caption"] = members["txt"].decode("utf-8", errors="replace").strip()
     for name, raw in members.items():

@@ -12,6 +12,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from trainer.data.buckets import SIZE_CONDITIONS, cover_size
+
 ENCODED_FORMAT = "gentrain-encoded/1"
 # A sample's members: the posterior (and, mirrored, `flip.*`), the caption's embeddings.
 _POSTERIOR = ("mean", "std")
@@ -73,7 +75,8 @@ def decode_encoded_sample(members: dict[str, bytes], encoded: dict, flip: bool, 
     `flip` and the sample's augmentation draw says so (the draw an image source flips by). ValueError (the
     loader skips and counts the sample) for a member that is malformed or holds inf or NaN. `size`: the
     (height, width) aspect-ratio bucket the sample was encoded at (its posterior has that bucket's shape)."""
-    names = _POSTERIOR_MEMBERS[bool(flip and aug_seed & 1)]
+    flipped = bool(flip and aug_seed & 1)
+    names = _POSTERIOR_MEMBERS[flipped]
     mean, std = (_npy_view(members[name], name) for name in names)
     want = tuple(encoded["latent_shape"]) if size is None else bucket_latent_shape(encoded, size)
     if mean.shape != want or std.shape != want:
@@ -88,6 +91,14 @@ def decode_encoded_sample(members: dict[str, bytes], encoded: dict, flip: bool, 
     extras: dict[str, Any] = {}
     if "txt" in members:
         extras["caption"] = members["txt"].decode("utf-8", errors="replace").strip()
+    if "size.npy" in members:  # a bucketed encode's: the size micro-conditions of the unmirrored image
+        sizes = _read_npy(members["size.npy"], "size.npy")
+        if sizes.shape != (6,) or not np.isfinite(sizes).all() or (sizes[[0, 1, 4, 5]] <= 0).any():
+            raise ValueError("member size.npy is not six finite sizes")
+        if flipped:  # the mirror's crop: its left counted from the right of the resized image
+            resized_width = cover_size(int(sizes[0]), int(sizes[1]), int(sizes[4]), int(sizes[5]))[1]
+            sizes[3] = resized_width - sizes[5] - sizes[3]
+        extras[SIZE_CONDITIONS] = torch.from_numpy(sizes)
     if encoded.get("text") is not None:
         for k in _TEXT:
             values = _read_npy(members[f"text.{k}.npy"], f"text.{k}.npy")
