@@ -270,6 +270,7 @@ def gentrain_args(a, pipeline: Path, images: Path, out: Path, *extra: str) -> li
         f"model.pretrained={pipeline}",
         f"data.path={images}",
         f"data.image_size={a.resolution}",
+        "data.buckets=null",  # square crops, as the peer script trains (the sd3/flux presets train on buckets)
         "data.flip=false",
         "data.val_fraction=0",
         f"train.max_steps={a.steps}",
