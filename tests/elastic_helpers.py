@@ -6,8 +6,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-from conftest import clean_env
-from helpers import children
+from conftest import clean_env, free_port
+from helpers import children, kill_group
 
 
 def _start_agent(cmd: list[str], log_path: Path, env: dict[str, str]) -> subprocess.Popen:
@@ -30,6 +30,30 @@ def worker_command(env: dict[str, str], fork: bool = True, script: str | None = 
         return [script] if script else ["-m", "trainer"]
     env[ZYGOTE] = server.socket
     return [str(REPO / "tests" / "zygote_worker.py"), script or "trainer"]
+
+
+def standalone(nproc: int, max_restarts: int = 0) -> list[str]:
+    """torchrun's flags for one agent of `nproc` workers on this machine: a c10d rendezvous on a free
+    loopback port (its id names the port), `max_restarts` restarts, failures noticed within 0.2 s."""
+    port = free_port()
+    return [
+        f"--nproc-per-node={nproc}",
+        f"--max-restarts={max_restarts}",
+        "--rdzv-backend=c10d",
+        f"--rdzv-endpoint=127.0.0.1:{port}",
+        f"--rdzv-id=test-{port}",
+        "--monitor-interval=0.2",
+    ]
+
+
+def finish(proc: subprocess.Popen, log: Path, timeout: float = 600) -> int:
+    """The agent's exit code; its process group killed in any case (a hang bound, not a wait for time)."""
+    try:
+        return proc.wait(timeout=timeout)
+    except Exception:
+        raise AssertionError(f"torchrun did not finish in {timeout}s:\n{log.read_text()[-4000:]}") from None
+    finally:
+        kill_group(proc)
 
 
 def start_torchrun(

@@ -7,7 +7,9 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -44,6 +46,33 @@ def wait_for_log(log_path: Path, text: str, proc: subprocess.Popen | None = None
             raise AssertionError(f"process exited {proc.returncode} before logging {text!r}:\n{content[-3000:]}")
         time.sleep(0.05)
     raise AssertionError(f"{text!r} not logged within {timeout}s:\n{log_path.read_text()[-3000:]}")
+
+
+def wait_until(
+    condition: Callable[[], Any],
+    what: str,
+    timeout: float = 120,
+    procs: Sequence[subprocess.Popen] = (),
+    logs: Sequence[Path] = (),
+    interval: float = 0.1,
+) -> Any:
+    """Poll `condition()` until it is truthy and return that value: tests wait for the event they need, never for
+    time to pass (`timeout` is a hang bound only, generous for a loaded machine). A process of `procs` that exits
+    first fails the wait at once, with the tail of its log (`logs`, in the same order, when given)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        got = condition()
+        if got:
+            return got
+        for i, proc in enumerate(procs):
+            if proc.poll() is not None:
+                log = logs[i] if i < len(logs) else None
+                tail = f" ({log.name}):\n{log.read_text()[-3000:]}" if log is not None else ""
+                raise AssertionError(f"process {proc.pid} exited {proc.returncode} before {what}{tail}")
+        if time.monotonic() > deadline:
+            tails = "\n".join(log.read_text()[-2000:] for log in logs)
+            raise AssertionError(f"no {what} within {timeout}s" + (f":\n{tails}" if tails else ""))
+        time.sleep(interval)
 
 
 def parent_pids() -> dict[int, int]:

@@ -15,7 +15,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from conftest import clean_env, free_port, run_cli, tiny
+from conftest import clean_env, run_cli, tiny
+from elastic_helpers import standalone
 from PIL import Image
 
 from trainer.config import ConfigError
@@ -245,15 +246,7 @@ def test_progress_state_without_skipped_files_loads_and_a_malformed_list_is_igno
 def test_under_torchrun_every_rank_counts_the_job_s_skips_and_stops_at_the_same_step(tmp_path):
     data = tmp_path / "data"
     corrupt_folder(data, [f"bad{i}.png" for i in range(8)])
-    port = free_port()
-    torchrun = [
-        "--nproc-per-node=2",
-        "--max-restarts=0",
-        "--rdzv-backend=c10d",
-        f"--rdzv-endpoint=127.0.0.1:{port}",
-        f"--rdzv-id=test-{port}",
-        "--monitor-interval=0.2",
-    ]
+    torchrun = standalone(2)
     args = tiny(
         tmp_path,
         "data.source=folder",

@@ -5,10 +5,10 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-import time
 
 import pytest
 import torch
+from helpers import wait_until
 from safetensors.torch import load as st_load
 
 from trainer.checkpoint import (
@@ -228,11 +228,8 @@ def test_process_killed_between_payload_and_manifest(tmp_path):
     root = tmp_path / "ckpts"
     proc = subprocess.Popen([sys.executable, "-c", WRITER, str(root)])
     try:
-        deadline = time.monotonic() + 60
-        while not (root / "step-000000002" / "part0.safetensors").exists():
-            assert proc.poll() is None, "writer finished before it could be killed"
-            assert time.monotonic() < deadline
-            time.sleep(0.005)
+        written = (root / "step-000000002" / "part0.safetensors").exists
+        wait_until(written, "the writer's first payload file of step 2", 60, [proc], interval=0.005)
         proc.kill()  # SIGKILL
         proc.wait(timeout=10)
     finally:

@@ -8,11 +8,11 @@ import re
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 from conftest import run_cli
+from helpers import wait_until
 from PIL import Image
 
 
@@ -124,10 +124,8 @@ def test_a_rank_forked_through_the_worker_client_gets_its_streams_and_ends_as_it
             assert rank_pid != proc.pid
             os.kill(proc.pid, sig)  # SIGTERM: forwarded to the rank; SIGKILL: the client alone, at once
             assert proc.wait(timeout=60) == -sig
-            deadline = time.monotonic() + 60
-            while Path(f"/proc/{rank_pid}").exists() and _state(rank_pid) != "Z":
-                assert time.monotonic() < deadline, f"rank {rank_pid} outlived its client's {sig!r}"
-                time.sleep(0.02)
+            gone = lambda pid=rank_pid: not Path(f"/proc/{pid}").exists() or _state(pid) == "Z"  # noqa: E731
+            wait_until(gone, f"rank {rank_pid}'s end after its client's {sig!r}", 60, interval=0.02)
         finally:
             proc.kill()
             proc.wait()

@@ -14,7 +14,7 @@ import time
 import pytest
 from conftest import REPO, clean_env, free_port, tiny
 from elastic_helpers import start_launch
-from helpers import descendants, kill_group, wait_for_log
+from helpers import descendants, kill_group, wait_for_log, wait_until
 
 from trainer.elastic import EXIT_STEP_TIMEOUT, STEP_TIMEOUT_FACTOR, StepWatchdog
 from trainer.engine.goodput import TimeLedger
@@ -278,9 +278,4 @@ def test_a_silent_node_is_noticed_and_the_survivor_restarts_without_it(tmp_path)
 
 def wait_until_checkpoint(root, step: int, procs, timeout: float = 240) -> None:
     """Until the durable checkpoint of `step` is committed (its manifest written); fail if an agent exits."""
-    deadline = time.monotonic() + timeout
-    while not list(root.glob(f"step-{step:09d}/manifest*.json")):
-        for p in procs:
-            assert p.poll() is None, f"an agent exited {p.returncode} before the checkpoint of step {step}"
-        assert time.monotonic() < deadline, f"no checkpoint of step {step} within {timeout}s"
-        time.sleep(0.1)
+    wait_until(lambda: list(root.glob(f"step-{step:09d}/manifest*.json")), f"checkpoint of step {step}", timeout, procs)

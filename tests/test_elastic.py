@@ -13,8 +13,8 @@ from collections import defaultdict
 import numpy as np
 import pytest
 import torch
-from conftest import free_port, tiny
-from elastic_helpers import rank_of, start_torchrun, worker_pids
+from conftest import tiny
+from elastic_helpers import finish, rank_of, standalone, start_torchrun, worker_pids
 from helpers import assert_identical, final_weights, kill_group, wait_for_log
 from PIL import Image
 
@@ -25,27 +25,6 @@ from trainer.loop import check_batch_split
 pytestmark = pytest.mark.slow
 
 
-def standalone(nproc: int, max_restarts: int = 3) -> list[str]:
-    port = free_port()
-    return [
-        f"--nproc-per-node={nproc}",
-        f"--max-restarts={max_restarts}",
-        "--rdzv-backend=c10d",
-        f"--rdzv-endpoint=127.0.0.1:{port}",
-        f"--rdzv-id=test-{port}",
-        "--monitor-interval=0.2",
-    ]
-
-
-def finish(proc, log, timeout=600) -> int:
-    try:
-        return proc.wait(timeout=timeout)
-    except Exception:
-        raise AssertionError(f"torchrun did not finish in {timeout}s:\n{log.read_text()[-4000:]}") from None
-    finally:
-        kill_group(proc)
-
-
 def test_sigkilled_worker_is_restarted_and_the_result_equals_an_uninterrupted_run(tmp_path):
     steps = 120
     # Dropout draws from the global RNG: resume must reproduce those draws too.
@@ -54,7 +33,9 @@ def test_sigkilled_worker_is_restarted_and_the_result_equals_an_uninterrupted_ru
     # torchrun tests fork theirs from the test fork server (tests/zygote_worker.py), this one keeps the
     # unforked path under a SIGKILL and a restart.
     ref_log = tmp_path / "ref.log"
-    ref = start_torchrun(standalone(2), tiny(tmp_path / "ref", *args, max_steps=steps), ref_log, fork=False)
+    ref = start_torchrun(
+        standalone(2, max_restarts=3), tiny(tmp_path / "ref", *args, max_steps=steps), ref_log, fork=False
+    )
     assert finish(ref, ref_log) == 0, ref_log.read_text()[-4000:]
 
     log = tmp_path / "killed.log"
@@ -62,7 +43,7 @@ def test_sigkilled_worker_is_restarted_and_the_result_equals_an_uninterrupted_ru
     # explicitly, this one autocast every DDP forward in bf16 and the weights below differed.
     launch_env = {"ACCELERATE_MIXED_PRECISION": "bf16", "ACCELERATE_GRADIENT_ACCUMULATION_STEPS": "3"}
     proc = start_torchrun(
-        standalone(2), tiny(tmp_path / "killed", *args, max_steps=steps), log, fork=False, **launch_env
+        standalone(2, max_restarts=3), tiny(tmp_path / "killed", *args, max_steps=steps), log, fork=False, **launch_env
     )
     try:
         wait_for_log(log, "step-000000030", proc, timeout=300)
@@ -197,7 +178,7 @@ def test_launch_exits_2_when_workers_find_the_world_size_cannot_split_the_batch(
 
 
 def test_launch_trains_and_exits_0_then_143_on_sigterm(tmp_path):
-    r = launch(tmp_path, *standalone(2), "--", *tiny(tmp_path / "ok", max_steps=3))
+    r = launch(tmp_path, *standalone(2, max_restarts=3), "--", *tiny(tmp_path / "ok", max_steps=3))
     assert r.returncode == 0, r.stderr[-3000:]
 
     log = tmp_path / "term.log"
@@ -207,7 +188,7 @@ def test_launch_trains_and_exits_0_then_143_on_sigterm(tmp_path):
             "-m",
             "trainer",
             "launch",
-            *standalone(2),
+            *standalone(2, max_restarts=3),
             "--",
             *tiny(tmp_path / "term", "checkpoint.every_steps=0", max_steps=100000),
         ],

@@ -10,13 +10,12 @@ import os
 import re
 import shutil
 import sys
-import time
 from collections import defaultdict
 
 import pytest
 from conftest import free_port, tiny
 from elastic_helpers import start_launch
-from helpers import final_weights, kill_group, kill_tree
+from helpers import final_weights, kill_group, kill_tree, wait_until
 
 from trainer.checkpoint.memory import memory_root
 from trainer.cli import main as cli_main
@@ -53,18 +52,6 @@ def etcd_server(tmp_path):
     server = EtcdServer(tmp_path).start()
     yield server
     server.stop()
-
-
-def wait_until(condition, procs, what: str, logs, timeout: float = 120) -> None:
-    """Poll `condition` until true; fail at once if an agent exits first."""
-    deadline = time.monotonic() + timeout
-    while not condition():
-        for proc, log in zip(procs, logs, strict=True):
-            if proc.poll() is not None:
-                raise AssertionError(f"{log.name} exited {proc.returncode} before {what}:\n{log.read_text()[-3000:]}")
-        if time.monotonic() > deadline:
-            raise AssertionError(f"no {what} within {timeout}s:\n" + "\n".join(log.read_text()[-2000:] for log in logs))
-        time.sleep(0.1)
 
 
 @pytest.mark.slow
@@ -106,9 +93,9 @@ def test_the_first_agent_is_lost_and_the_second_resumes_from_the_memory_tier_at_
     agents, logs = [a, b], [log_a, log_b]
     b_step_20 = memory_root(str(shm["b"]), str(ckpt)) + "/step-000000020"
     try:
-        wait_until(lambda: "world_size=2 " in log_a.read_text() + log_b.read_text(), agents, "world_size=2", logs)
+        wait_until(lambda: "world_size=2 " in log_a.read_text() + log_b.read_text(), "world_size=2", 120, agents, logs)
         wait_until(
-            lambda: len(glob.glob(f"{b_step_20}/piece-r*.json")) == 2, agents, "both pieces of step 20 on b", logs
+            lambda: len(glob.glob(f"{b_step_20}/piece-r*.json")) == 2, "both pieces of step 20 on b", 120, agents, logs
         )
         kill_tree(a)  # the first node disappears, agent and worker at once, and its shared memory with it
         shutil.rmtree(shm["a"])

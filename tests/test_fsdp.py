@@ -10,14 +10,13 @@ import re
 import signal
 import subprocess
 import sys
-import time
 from collections import defaultdict
 
 import pytest
 import torch
 from conftest import REPO, clean_env, run_cli, tiny
 from elastic_helpers import rank_of, start_torchrun, worker_command, worker_pids
-from helpers import assert_tensors_equal, kill_group
+from helpers import assert_tensors_equal, kill_group, wait_until
 from test_elastic import finish, make_images, standalone
 
 from trainer.checkpoint import CheckpointStore, CheckpointView
@@ -253,10 +252,8 @@ def test_a_rank_killed_mid_save_leaves_the_previous_checkpoint_and_a_tampered_sh
         GENTRAIN_FAULT_STALL_SAVE="8:1",
     )
     try:
-        deadline = time.monotonic() + 120
-        while "stalling the save of step 8 on rank 1" not in log.read_text():
-            assert proc.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
-            time.sleep(0.05)
+        stalled = lambda: "stalling the save of step 8 on rank 1" in log.read_text()  # noqa: E731
+        wait_until(stalled, "rank 1's stalled save of step 8", 120, [proc], [log], interval=0.05)
         assert (step8 / "unet.model.rank-00001.safetensors").exists() and (step8 / "rank-00001.json").exists()
         assert not (step8 / "manifest.json").exists()
         victims = [p for p in worker_pids(proc.pid) if rank_of(p) == 1]

@@ -13,14 +13,13 @@ import json
 import re
 import shutil
 import socket
-import time
 from pathlib import Path
 
 import pytest
 import torch
 from conftest import REPO, clean_env, free_port, run_cli, tiny
 from elastic_helpers import start_torchrun
-from helpers import kill_group, kill_tree, start_cli, wait_for_log
+from helpers import kill_group, kill_tree, start_cli, wait_for_log, wait_until
 from test_vqgan_maskgit import tensors
 
 from trainer.checkpoint.memory import KEEP, Topology, agree, memory_root, scan
@@ -264,14 +263,12 @@ class _Nodes:
 
     def hosting(self, proc) -> None:
         """Wait until `proc`'s agent listens on the rendezvous port: it, not the next agent, hosts the store."""
-        deadline = time.monotonic() + 120
-        while time.monotonic() < deadline:
-            assert proc.poll() is None, self.text()[-3000:]
+
+        def listens() -> bool:
             with socket.socket() as sock:
-                if sock.connect_ex(("127.0.0.1", self.port)) == 0:
-                    return
-            time.sleep(0.05)
-        raise AssertionError(f"no agent listens on 127.0.0.1:{self.port}")
+                return sock.connect_ex(("127.0.0.1", self.port)) == 0
+
+        wait_until(listens, f"an agent listening on 127.0.0.1:{self.port}", 120, [proc], interval=0.05)
 
     def text(self) -> str:
         return "\n".join(log.read_text() for log in self.logs if log.exists())
@@ -298,14 +295,9 @@ def _lose_node(nodes: _Nodes, proc, node: str) -> None:
 def _resumed(nodes: _Nodes, n: int) -> str:
     """`resumed_from=... step=N` of the n-th start at world size 2 (0: the fresh start), from rank 0's log,
     whichever node it is on (each agent counts its own restarts, so the lines are ordered by time)."""
-    deadline = time.monotonic() + 300
     pattern = re.compile(r"^(\S+) INFO .* world_size=2 restart=\d+ .*resumed_from=(.+?) step=(\d+)", re.M)
-    while time.monotonic() < deadline:
-        found = sorted(pattern.findall(nodes.text()))
-        if len(found) > n:
-            return f"{found[n][1]} step={found[n][2]}"
-        time.sleep(0.2)
-    raise AssertionError(f"no resume number {n}:\n{nodes.text()[-5000:]}")
+    found = wait_until(lambda: sorted(pattern.findall(nodes.text()))[n:], f"resume number {n}", 300, [], nodes.logs)
+    return f"{found[0][1]} step={found[0][2]}"
 
 
 def _equal_to_reference(tmp_path: Path, parallel: str, steps: int, got: str) -> None:

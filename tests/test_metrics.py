@@ -6,13 +6,12 @@ import re
 import shutil
 import signal
 import subprocess
-import time
 import urllib.request
 
 import pytest
 from conftest import REPO, clean_env, free_port, tiny
 from elastic_helpers import start_torchrun
-from helpers import final_weights, kill_group, start_cli, wait_for_log
+from helpers import final_weights, kill_group, start_cli, wait_for_log, wait_until
 from servers import PrometheusServer
 
 pytestmark = pytest.mark.skipif(
@@ -53,17 +52,6 @@ def value(prom: PrometheusServer, metric: str) -> float:
     result = prom.query(f"last_over_time({metric}[5m])")
     assert len(result) == 1, (metric, result)
     return float(result[0]["value"][1])
-
-
-def wait_until(condition, what: str, timeout: float = 120):
-    """Poll until `condition()` is truthy: tests wait for the event they need, not for time to pass."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        got = condition()
-        if got:
-            return got
-        time.sleep(0.25)
-    raise AssertionError(f"timed out after {timeout}s waiting for {what}")
 
 
 @pytest.mark.slow

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 import torch
 from conftest import free_port, run_cli, tiny
-from elastic_helpers import rank_of, start_torchrun, worker_pids
+from elastic_helpers import finish, rank_of, standalone, start_torchrun, worker_pids
 from helpers import assert_identical, final_weights, kill_group, start_cli, wait_for_log
 from hypothesis import HealthCheck, given, settings
 from PIL import Image
@@ -470,27 +470,6 @@ def test_s3_neighbouring_samples_are_read_with_one_request_and_gaps_are_fetched_
 
 
 # ---------------------------------------------------------------- torchrun: world-size changes, SIGKILL
-
-
-def standalone(nproc: int, max_restarts: int = 0) -> list[str]:
-    port = free_port()
-    return [
-        f"--nproc-per-node={nproc}",
-        f"--max-restarts={max_restarts}",
-        "--rdzv-backend=c10d",
-        f"--rdzv-endpoint=127.0.0.1:{port}",
-        f"--rdzv-id=test-{port}",
-        "--monitor-interval=0.2",
-    ]
-
-
-def finish(proc, log, timeout=600) -> int:
-    try:
-        return proc.wait(timeout=timeout)
-    except Exception:
-        raise AssertionError(f"torchrun did not finish in {timeout}s:\n{log.read_text()[-4000:]}") from None
-    finally:
-        kill_group(proc)
 
 
 @pytest.mark.slow

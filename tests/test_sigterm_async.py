@@ -26,7 +26,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
-from conftest import clean_env, free_port, run_cli, tiny
+from conftest import clean_env, run_cli, tiny
+from elastic_helpers import standalone
 from helpers import kill_group, wait_for_log
 from servers import S3_CREDENTIALS, S3Server
 
@@ -168,18 +169,6 @@ def _start(argv: list[str], log_path: Path) -> subprocess.Popen:
     )
 
 
-def _torchrun_flags(nproc: int) -> list[str]:
-    port = free_port()
-    return [
-        f"--nproc-per-node={nproc}",
-        "--max-restarts=0",
-        "--rdzv-backend=c10d",
-        f"--rdzv-endpoint=127.0.0.1:{port}",
-        f"--rdzv-id=sigterm-{port}",
-        "--monitor-interval=0.2",
-    ]
-
-
 def _wait(event: threading.Event, what: str, proc: subprocess.Popen, log: Path, timeout: float = 300) -> None:
     deadline = time.monotonic() + timeout
     while not event.wait(0.05):
@@ -255,7 +244,7 @@ def test_sigterm_while_the_next_save_waits_for_a_stalled_one_exits_143_within_gr
 def test_sigterm_under_torchrun_with_an_async_save_stalled_on_the_store_exits_143_within_grace(tmp_path, stalling_s3):
     # Rank 0 writes; rank 1 goes on to the next collective and waits there for rank 0, in C++, where no
     # Python signal handler runs.
-    launcher = lambda: ["launch", *_torchrun_flags(2), "--"]  # noqa: E731 - a fresh rendezvous port per run
+    launcher = lambda: ["launch", *standalone(2), "--"]  # noqa: E731 - a fresh rendezvous port per run
     _sigterm_with_a_stalled_async_save(tmp_path, stalling_s3, launcher, 1, "step=3/")
 
 

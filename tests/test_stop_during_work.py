@@ -23,8 +23,8 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from conftest import clean_env, free_port, tiny
-from elastic_helpers import start_torchrun
+from conftest import clean_env, tiny
+from elastic_helpers import standalone, start_torchrun
 from helpers import final_weights, kill_group, start_cli, wait_for_log
 
 from trainer.elastic import StopRequest, StopRequested
@@ -206,15 +206,7 @@ def test_sigterm_during_the_final_preview_exits_143_keeping_the_final_checkpoint
     ids=["validation-rank-1", "preview-rank-0"],
 )
 def test_sigterm_to_one_rank_inside_its_work_stops_both_ranks_together(tmp_path, fault, work, stop_step):
-    port = free_port()
-    torchrun = [
-        "--nproc-per-node=2",
-        "--max-restarts=0",
-        "--rdzv-backend=c10d",
-        f"--rdzv-endpoint=127.0.0.1:{port}",
-        f"--rdzv-id=stop-{port}",
-        "--monitor-interval=0.2",
-    ]
+    torchrun = standalone(2)
     args = tiny(
         tmp_path,
         f"elastic.grace_seconds={GRACE_SECONDS}",
