@@ -148,7 +148,9 @@ def test_two_stages_under_torchrun_resume_bit_identical_after_sigkill_and_sample
     ref = start_torchrun(standalone(2), args("ref"), ref_log, PYTHONPATH=str(REPO / "tests"))
     assert finish(ref, ref_log) == 0, ref_log.read_text()[-4000:]
     log = tmp_path / "killed.log"
-    proc = start_torchrun(standalone(2), args("killed"), log, PYTHONPATH=str(REPO / "tests"), PROBE_TASK_KILL="1:7")
+    proc = start_torchrun(
+        standalone(2, max_restarts=3), args("killed"), log, PYTHONPATH=str(REPO / "tests"), PROBE_TASK_KILL="1:7"
+    )
     rc = finish(proc, log)
     text = log.read_text()
     assert rc == 0, text[-4000:]

@@ -103,7 +103,7 @@ def test_sigkilled_rank_under_torchrun_resumes_bit_identical_without_unused_para
     log = tmp_path / "killed.log"
     killed = tmp_path / "killed/run/checkpoints"
     proc = start_torchrun(
-        standalone(2),
+        standalone(2, max_restarts=3),
         probe_args(tmp_path / "killed", encoder_url, *common, "checkpoint.async=true", max_steps=steps),
         log,
         PYTHONPATH=str(REPO / "tests"),

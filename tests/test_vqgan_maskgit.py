@@ -231,7 +231,7 @@ def _kill_and_compare(tmp_path, make_args, kill_at: int, steps: int, **env: str)
     assert finish(ref, ref_log) == 0, ref_log.read_text()[-4000:]
     log = tmp_path / "killed.log"
     proc = start_torchrun(
-        standalone(2),
+        standalone(2, max_restarts=3),
         make_args(tmp_path / "killed"),
         log,
         PYTHONPATH=str(REPO / "tests"),
@@ -356,7 +356,9 @@ def test_fsdp_sharded_frozen_tokenizer_trains_bit_identical_to_a_whole_one_acros
         "task=probe_tasks:KillableMaskGIT",
         max_steps=steps,
     )
-    proc = start_torchrun(standalone(2), args, log, PYTHONPATH=str(REPO / "tests"), PROBE_TASK_KILL="1:5")
+    proc = start_torchrun(
+        standalone(2, max_restarts=3), args, log, PYTHONPATH=str(REPO / "tests"), PROBE_TASK_KILL="1:5"
+    )
     rc = finish(proc, log)
     text = log.read_text()
     assert rc == 0, text[-4000:]
