@@ -52,6 +52,8 @@ def _args(sd, images, tmp_path, *extra: str):
             "train.val_every_steps=0",
             "checkpoint.every_steps=2",
             "sample.every_steps=0",
+            "sample.num=1",  # the preview drawn at the end: one image, one step
+            "sample.inference_steps=1",
             f"run.dir={root}/run",
             f"model.text.cache_dir={text}",
             "task=probe_tasks:KillableDDPM",
@@ -158,6 +160,8 @@ def test_a_compiled_lora_run_trains_and_resumes(images, tmp_path):
         "train.compile=true",
         "checkpoint.every_steps=1",
         "sample.every_steps=0",
+        "sample.num=1",
+        "sample.inference_steps=1",
         f"run.dir={tmp_path}/run",
         f"model.text.cache_dir={tmp_path}/text",
         "task=probe_tasks:KillableDDPM",
