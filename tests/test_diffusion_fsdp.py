@@ -10,34 +10,27 @@ import re
 import pytest
 import torch
 from conftest import REPO, clean_env, run_cli, tiny
-from elastic_helpers import start_torchrun
-from test_elastic import finish, standalone
+from elastic_helpers import finish, standalone, start_torchrun
 from test_vqgan_maskgit import _kill_and_compare
+from tiny_backbones import backbone_override
 
 from trainer.checkpoint import CheckpointStore, CheckpointView
 
-_TRANSFORMER = "num_layers: 2, num_attention_heads: 2, attention_head_dim: 8"
-# dit and pixart with dropout (draws from the global RNG, which the checkpoint's RNG files must restore);
-# pixart and mmdit read captions ("a handwritten seven") through the shipped 384-wide sentence encoder.
+# Two blocks each (FSDP units); dit and pixart with dropout (draws from the global RNG, which the checkpoint's
+# RNG files must restore); pixart and mmdit read captions ("a handwritten seven") through the shipped 384-wide
+# sentence encoder.
+_TEXT = ["model.num_classes=null", "model.text={max_tokens: 8, cache_dir: TEXT}"]
 BACKBONES = {
-    "dit": (f"{{kind: dit, {_TRANSFORMER}, dropout: 0.1}}", ["model.num_classes=10"], "DiTTransformer2DModel"),
-    "pixart": (
-        f"{{kind: pixart, {_TRANSFORMER}, dropout: 0.1, caption_channels: 384}}",
-        ["model.num_classes=null", "model.text={max_tokens: 8, cache_dir: TEXT}"],
-        "PixArtTransformer2DModel",
-    ),
-    "mmdit": (
-        f"{{kind: mmdit, {_TRANSFORMER}, caption_channels: 384, pooled_channels: 384}}",
-        ["model.num_classes=null", "model.text={max_tokens: 8, cache_dir: TEXT}"],
-        "SD3Transformer2DModel",
-    ),
+    "dit": (backbone_override("dit", num_layers=2, dropout=0.1), ["model.num_classes=10"], "DiTTransformer2DModel"),
+    "pixart": (backbone_override("pixart", text=True, num_layers=2, dropout=0.1), _TEXT, "PixArtTransformer2DModel"),
+    "mmdit": (backbone_override("mmdit", text=True, num_layers=2), _TEXT, "SD3Transformer2DModel"),
 }
 BLOCKS = {"dit": "BasicTransformerBlock", "pixart": "BasicTransformerBlock", "mmdit": "JointTransformerBlock"}
 
 
 # DiT with 8-bit AdamW state (torchao): 64-wide, so its attention and feed-forward weights (4096 values and
 # more) are quantized; the smaller ones keep float32 state.
-_DIT_8BIT = "{kind: dit, num_layers: 2, num_attention_heads: 2, attention_head_dim: 32, dropout: 0.1}"
+_DIT_8BIT = backbone_override("dit", num_layers=2, attention_head_dim=32, dropout=0.1)
 # DDP runs every backbone through the same engine path (whole replicas, one gradient all-reduce): the DiT
 # case covers it, with 8-bit AdamW state (plain AdamW under DDP is in every other kill test). FSDP shards each
 # backbone's own blocks, so every backbone runs under FSDP.
@@ -48,8 +41,8 @@ CASES = [("dit", "ddp", "adamw8bit"), ("dit", "fsdp", "adamw"), ("pixart", "fsdp
 @pytest.mark.parametrize("backbone, parallel, optimizer", CASES)
 def test_a_sigkilled_rank_resumes_bit_identical(tmp_path, backbone, parallel, optimizer):
     steps = 6
-    spec, extra, cls = BACKBONES[backbone]
-    spec = _DIT_8BIT if optimizer == "adamw8bit" else spec
+    override, extra, cls = BACKBONES[backbone]
+    override = _DIT_8BIT if optimizer == "adamw8bit" else override
     # DiT under FSDP with its blocks checkpointed and compiled inside their units (torchtitan's combination):
     # the recomputation replays dropout's RNG, and the restarted rank's compiled blocks draw what the
     # uninterrupted run's did
@@ -61,7 +54,7 @@ def test_a_sigkilled_rank_resumes_bit_identical(tmp_path, backbone, parallel, op
         return tiny(
             root,
             "task=probe_tasks:KillableDDPM",
-            f"model.backbone={spec}",
+            override,
             *(e.replace("TEXT", text) for e in extra),
             "checkpoint.every_steps=3",
             f"train.parallel={parallel}",
@@ -111,12 +104,12 @@ def test_dit_under_fsdp_takes_the_same_steps_as_under_ddp(tmp_path):
     norm is summed over shards under FSDP), and the weights to the Adam bound of tests/test_fsdp.py (a weight
     moves at most lr * (1 - b1) / sqrt(1 - b2) per step; twice the sum over steps)."""
     steps, lr, warmup = 4, 1e-3, 2
-    spec, extra, _ = BACKBONES["dit"]
+    override, extra, _ = BACKBONES["dit"]
     logs = {}
     for parallel in ("ddp", "fsdp"):
         args = tiny(
             tmp_path / parallel,
-            f"model.backbone={spec}",
+            override,
             *extra,
             f"train.lr={lr}",
             f"train.warmup_steps={warmup}",
@@ -170,7 +163,7 @@ def test_float8_resumes_bit_identical_under_fsdp2(tmp_path):
         return tiny(
             root,
             "task=probe_tasks:KillableDDPM",
-            "model.backbone={kind: dit, num_layers: 2, num_attention_heads: 2, attention_head_dim: 8}",
+            backbone_override("dit", num_layers=2),
             "model.num_classes=10",
             "checkpoint.every_steps=2",
             f"train.parallel={parallel}",

@@ -14,10 +14,11 @@ import pytest
 import torch
 from conftest import REPO, clean_env, run_cli, tiny
 from diffusers import AutoencoderKL
+from elastic_helpers import standalone
 from helpers import assert_tensors_equal
 from PIL import Image
-from test_elastic import standalone
 from test_vqgan_maskgit import _kill_and_compare, _kill_and_resume_one_process, tensors, train_vqgan
+from tiny_backbones import backbone_override
 
 from trainer.checkpoint import CheckpointStore, CheckpointView
 from trainer.cli import main as cli_main
@@ -30,12 +31,14 @@ from trainer.tasks.sampling import SampleRequest
 
 ENV = clean_env(PYTHONPATH=str(REPO / "tests"), HF_HUB_OFFLINE="1")
 CPU = torch.device("cpu")
-_TRANSFORMER = "patch_size: 2, num_layers: 1, num_attention_heads: 2, attention_head_dim: 8"
+# unet: digits-ddpm's own backbone; the transformers one block on 2x2 latent patches, pixart and mmdit reading
+# captions through the shipped 384-wide sentence encoder.
+_ONE_BLOCK = {"patch_size": 2, "num_layers": 1}
 BACKBONES = {
     "unet": [],
-    "dit": [f"model.backbone={{kind: dit, {_TRANSFORMER}}}", "model.num_classes=10"],
-    "pixart": [f"model.backbone={{kind: pixart, {_TRANSFORMER}, caption_channels: 384}}"],
-    "mmdit": [f"model.backbone={{kind: mmdit, {_TRANSFORMER}, caption_channels: 384, pooled_channels: 384}}"],
+    "dit": [backbone_override("dit", **_ONE_BLOCK), "model.num_classes=10"],
+    "pixart": [backbone_override("pixart", text=True, **_ONE_BLOCK)],
+    "mmdit": [backbone_override("mmdit", text=True, **_ONE_BLOCK)],
 }
 
 
