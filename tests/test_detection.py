@@ -279,3 +279,25 @@ def test_a_silent_node_is_noticed_and_the_survivor_restarts_without_it(tmp_path)
 def wait_until_checkpoint(root, step: int, procs, timeout: float = 240) -> None:
     """Until the durable checkpoint of `step` is committed (its manifest written); fail if an agent exits."""
     wait_until(lambda: list(root.glob(f"step-{step:09d}/manifest*.json")), f"checkpoint of step {step}", timeout, procs)
+
+
+@pytest.mark.slow
+def test_the_other_ranks_wait_for_rank_0s_synchronous_save_inside_the_save_not_a_step(tmp_path):
+    """Under DDP rank 0 writes a checkpoint alone. Its write of step 4 takes 6 s here (a slow store:
+    GENTRAIN_FAULT_SLOW_SAVE), far past elastic.step_timeout_seconds=1. Rank 1 waits for it inside the save,
+    where the time is checkpoint stall and the step watchdog does not count it, so the job ends at step 8 with
+    exit 0 (before, rank 1 went on into step 5 and waited in its all-reduce: a 'hung step', exit 3)."""
+    from elastic_helpers import finish, standalone, start_torchrun
+
+    args = tiny(
+        tmp_path,
+        "checkpoint.every_steps=4",
+        "train.log_every_steps=1",
+        "elastic.step_timeout_seconds=1",
+        max_steps=8,
+    )
+    log = tmp_path / "torchrun.log"
+    proc = start_torchrun(standalone(2), args, log, GENTRAIN_FAULT_SLOW_SAVE="4:6")
+    assert finish(proc, log, timeout=600) == 0, log.read_text()[-4000:]
+    text = log.read_text()
+    assert "slowing the save of step 4" in text and "step watchdog" not in text, text[-4000:]

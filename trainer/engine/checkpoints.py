@@ -66,6 +66,16 @@ from trainer.storage import describe_store_error, is_store_error
 log = logging.getLogger("gentrain")
 
 _LOCAL_INDEX = "__local_shard_index__"  # carried from save() to the writer thread, never written
+# Failpoint `GENTRAIN_FAULT_SLOW_SAVE=STEP:SECONDS`: this rank's write of STEP starts SECONDS late (a slow store),
+# for the test that the other ranks wait for rank 0's synchronous write inside the save, not inside a step.
+FAULT_SLOW_SAVE = "GENTRAIN_FAULT_SLOW_SAVE"
+
+
+def _fault_slow_save(step: int) -> None:
+    at, _, seconds = os.environ.get(FAULT_SLOW_SAVE, "").partition(":")
+    if at == str(step):
+        log.warning("slowing the save of step %d by %s s (%s is set)", step, seconds, FAULT_SLOW_SAVE)
+        time.sleep(float(seconds))
 
 
 class CheckpointManager:
@@ -477,13 +487,39 @@ class CheckpointManager:
             meta = {**self._meta(), _LOCAL_INDEX: index}
         else:
             rank_states = gather_objects(capture_rank_state())
+            # Rank 0 writes alone. A synchronous write is waited for here, on every rank (`_rank0_wrote`):
+            # otherwise the others would wait for it inside the next step's all-reduce, where the step
+            # watchdog (elastic.step_timeout_seconds) takes a save longer than that for a hung step, and
+            # the time ledger counts it as training. Here it is checkpoint stall, bounded by
+            # elastic.phase_timeout_seconds like every collective outside a step.
+            waits = self.env.world_size > 1 and (sync or not self.cfg.checkpoint.async_)
             if not self.env.is_main:
+                ok = self._rank0_wrote(None) if waits else True
                 self.metrics.on_checkpoint_stall(time.perf_counter() - t0)
                 self.schedule.on_cost("durable", time.perf_counter() - t0)
-                return True
+                return bool(ok)
             files = snapshot_files(self.progress, self.parts, rank_states, self.frozen)
             meta = self._meta()
+            if waits:
+                try:
+                    ok = self._write(step, files, meta, sync, final, t0)
+                except BaseException:  # the lease lost, a final save that failed: the others go on, then stop
+                    self._rank0_wrote(False)
+                    raise
+                return self._rank0_wrote(ok)
+        return self._write(step, files, meta, sync, final, t0)
+
+    @staticmethod
+    def _rank0_wrote(ok: bool | None) -> bool:
+        """Collective: rank 0's verdict on its synchronous write (True: committed), on every rank."""
+        return bool(broadcast_object(ok))
+
+    def _write(
+        self, step: int, files: Mapping[str, Any], meta: Mapping[str, Any], sync: bool, final: bool, t0: float
+    ) -> bool:
+        """This rank's write of `files` (rank 0's whole checkpoint, or a sharded save's own files)."""
         background = self.writer.async_save and not sync
+        _fault_slow_save(step)
         try:
             # The writer logs the commit and reports it to the metrics itself. A background save copies the
             # parts' weights, optimizer state and EMA while the next step runs (see `fence`).
