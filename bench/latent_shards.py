@@ -40,9 +40,9 @@ from pathlib import Path
 
 import torch
 
-from trainer.data.encode import encode_dataset
 from trainer.data.sampler import SampleRef, StepBatchSampler
 from trainer.elastic import DistEnv
+from trainer.encode import encode_dataset
 from trainer.loop import Trainer
 from trainer.registry import load_config
 from trainer.tasks.base import Batch, StepInfo

@@ -29,11 +29,11 @@ from test_vqgan_maskgit import _kill_and_resume_one_process
 from trainer.data import build_splits, build_train_loader
 from trainer.data.bucket_sources import BucketedShardSplit, _shard_sizes, hf_sizes
 from trainer.data.buckets import BucketPlan, cover_size
-from trainer.data.encode import encode_dataset
 from trainer.data.pack import pack_folder
 from trainer.data.sampler import SampleRef
 from trainer.data.shards import ShardList, ShardSet, ShardSplit
 from trainer.data.shards.latents import decode_encoded_sample
+from trainer.encode import encode_dataset
 from trainer.errors import ConfigError
 from trainer.registry import load_config
 

@@ -28,11 +28,11 @@ from test_latent import vae_folder
 from test_shards import finish, make_folder, pack, standalone
 from test_vqgan_maskgit import _kill_and_resume_one_process
 
-from trainer.data.encode import encode_dataset
 from trainer.data.shards import ShardStream, filesystem
 from trainer.data.shards.tar import scan_tar
 from trainer.diffusion.latent import PART, LatentSpace, frozen_source
 from trainer.elastic import DistEnv
+from trainer.encode import encode_dataset
 from trainer.engine.parts import FrozenPart
 from trainer.loop import Trainer
 from trainer.randomness import Stream, sample_draws
@@ -272,7 +272,7 @@ def test_encoded_shards_without_digests_are_refused_naming_the_fix(tmp_path, enc
 
 _KILLING_ENCODE = """
 import os, signal, sys
-import trainer.data.encode as encode
+import trainer.encode as encode
 commit, tars = encode._commit, []
 def dying_commit(fs, what, url):
     if url.endswith(".tar"):

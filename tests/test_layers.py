@@ -99,9 +99,11 @@ _TABLE = {
     "engine": "accelerate_env checkpoint config data elastic ema eval media metrics models optim randomness "
     "services storage tasks",
     "loop": "checkpoint config data elastic engine hostmem metrics randomness registry runs tasks",
+    # `gentrain data encode`: the data through the frozen autoencoder a training run would load (runs.py's loader)
+    "encode": "conditioning data diffusion engine runs",
     "launch": "accelerate_env config registry",
-    "cli": "checkpoint conditioning config data elastic engine eval launch loop media metrics models registry runs "
-    "storage tasks",
+    "cli": "checkpoint conditioning config data elastic encode engine eval launch loop media metrics models registry "
+    "runs storage tasks",
     "__main__": "cli",
 }
 MAY_IMPORT: dict[str, set[str]] = {name: set(allowed.split()) for name, allowed in _TABLE.items()}
@@ -109,11 +111,6 @@ ROOT_MAY_IMPORT = {"lazy_packages"}  # trainer/__init__.py installs the import h
 
 # Imports against the table that stay, each saying why in a comment at the import: (file, layer it imports).
 JUSTIFIED = {
-    # `gentrain data encode` builds the frozen autoencoder as a training run does, inside its one function.
-    ("trainer/data/encode.py", "runs"),
-    ("trainer/data/encode.py", "conditioning"),
-    ("trainer/data/encode.py", "engine"),
-    ("trainer/data/encode.py", "diffusion"),
     # `gentrain data class-images` reads the pipeline folder through the models' family table before diffusers.
     ("trainer/data/class_images.py", "models"),
 }

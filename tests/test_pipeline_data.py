@@ -20,8 +20,8 @@ from safetensors.torch import load_file, save_file
 from test_pipeline_finetune import _files, _train
 from tiny_pipelines import BUILDERS, captioned_images, pipeline_config
 
-from trainer.data.encode import _source, encode_dataset
 from trainer.data.sampler import SampleRef
+from trainer.encode import _source, encode_dataset
 
 KILL_AT_3 = clean_env(PYTHONPATH=str(REPO / "tests"), PROBE_TASK_KILL="0:3")
 

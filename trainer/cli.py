@@ -784,7 +784,7 @@ def cmd_data_encode(args: argparse.Namespace) -> int:
     # Before the autoencoder is loaded or an image encoded: a file, a path under a file or a folder this
     # user cannot write in is a usage error, not a traceback at the first shard.
     check_output_folder(args.out, f"--out {args.out!r}", "give a folder for the latent shards (it is made if missing)")
-    from trainer.data.encode import encode_dataset  # torch-heavy (see the module doc)
+    from trainer.encode import encode_dataset  # torch-heavy (see the module doc)
 
     summary = encode_dataset(
         cfg,

@@ -1,6 +1,6 @@
 """Reading `gentrain data encode`'s shards: a sample's stored posterior (and caption embeddings) for the loader.
 
-The member layout is written by trainer/data/encode.py (see its docstring); the `encoded` settings come
+The member layout is written by trainer/encode.py (see its docstring); the `encoded` settings come
 from the set's `shards.json`.
 """
 

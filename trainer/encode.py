@@ -63,8 +63,14 @@ from typing import Any
 import numpy as np
 import torch
 
-from trainer.data.buckets import SIZE_CONDITIONS
+from trainer.data import build_dataset, sample_shape
+from trainer.data.bucket_sources import BucketedShardSplit, hf_sizes, shard_sizes
+from trainer.data.buckets import SIZE_CONDITIONS, BucketedSubset, BucketPlan, bucket_list, image_sizes, plan_digest
+from trainer.data.datasets import ImageFolderDataset, Subset
+from trainer.data.hf import HFDataset
 from trainer.data.pack import PackSummary
+from trainer.data.sampler import SampleRef
+from trainer.data.shards import ShardSet, ShardSplit, load_shard_list
 from trainer.data.shards.index import (
     SHARDLIST_NAME,
     digest,
@@ -78,7 +84,10 @@ from trainer.data.shards.index import (
 )
 from trainer.data.shards.latents import ENCODED_FORMAT
 from trainer.data.shards.tar import scan_tar
+from trainer.diffusion.latent import PART, LatentSpace, frozen_source
+from trainer.engine.parts import FrozenPart
 from trainer.errors import ConfigError
+from trainer.runs import load_frozen
 
 log = logging.getLogger(__name__)
 
@@ -111,11 +120,6 @@ class _Source:
 
 
 def _source(cfg) -> _Source:
-    # Imported here: trainer.data imports this package's modules, and `data encode` is the only user.
-    from trainer.data import build_dataset, sample_shape
-    from trainer.data.datasets import ImageFolderDataset, Subset
-    from trainer.data.shards import ShardSet, ShardSplit, load_shard_list
-
     d = cfg.data
     shape = sample_shape(cfg)
     if d.source in ("moving-digits", "video") or d.num_frames > 1:
@@ -284,13 +288,6 @@ def encode_dataset(
     from tqdm.auto import tqdm
     from webdataset import TarWriter
 
-    # Imported here: encoding builds the frozen autoencoder exactly as a training run does (its loader, part
-    # and latent space live above trainer.data); only `gentrain data encode` comes this way.
-    from trainer.data.sampler import SampleRef
-    from trainer.diffusion.latent import PART, LatentSpace, frozen_source
-    from trainer.engine.parts import FrozenPart
-    from trainer.runs import load_frozen
-
     if dtype not in DTYPES:
         raise ConfigError(f"data encode: --dtype={dtype!r}; use one of {', '.join(DTYPES)}")
     if samples_per_shard < 1:
@@ -452,11 +449,6 @@ class _Bucketing:
 def _bucketed_source(cfg, src: _Source, latent) -> tuple[_Source, _Bucketing, dict[str, int]]:
     """The source's samples that have a bucket (data.buckets' rules), each loaded at its bucket's shape; the
     buckets' settings (the list, each one's latent shape, the rules); the skipped ones counted by reason."""
-    # Imported here: trainer.data imports this package's modules, and only a bucketed encode needs these.
-    from trainer.data.bucket_sources import BucketedShardSplit, hf_sizes, shard_sizes
-    from trainer.data.buckets import BucketedSubset, BucketPlan, bucket_list, image_sizes, plan_digest
-    from trainer.data.hf import HFDataset
-
     d = cfg.data
     buckets = bucket_list(d)
     factor = latent.geometry.downsample
