@@ -74,12 +74,18 @@ _STALL = re.compile(r"time of this process.*checkpoint_stall=([0-9.]+)")
 
 def _tokenizer(folder: Path, *, clip: bool, max_length: int) -> None:
     """A word-level tokenizer with CLIP's (`<bos> $A <eos>`) or T5's (`$A </s>`) special tokens, as the tests make
-    theirs (tests/test_text_encoders.py): what AutoTokenizer reads without a download."""
+    theirs (tests/test_text_encoders.py): what AutoTokenizer reads without a download. The SD3 and Flux scripts
+    load them with their own classes (CLIPTokenizer, T5TokenizerFast), which rebuild the pre-tokenizer: their
+    token ids differ from gentrain's, which costs the same on random weights (every prompt is padded to the
+    same lengths on both sides)."""
     from tokenizers import Tokenizer, models, pre_tokenizers, processors
     from transformers import PreTrainedTokenizerFast
 
     special = ["<|endoftext|>", "<|startoftext|>", "<unk>"] if clip else ["<pad>", "</s>", "<unk>"]
-    tok = Tokenizer(models.WordLevel({t: i for i, t in enumerate(special + WORDS)}, unk_token="<unk>"))
+    if clip:
+        tok = Tokenizer(models.WordLevel({t: i for i, t in enumerate(special + WORDS)}, unk_token="<unk>"))
+    else:  # a Unigram model, as T5's: the SD3 and Flux scripts load it with T5TokenizerFast, which reads no other
+        tok = Tokenizer(models.Unigram([(t, 0.0) for t in special] + [(w, -1.0) for w in WORDS], unk_id=2))
     tok.pre_tokenizer = pre_tokenizers.Whitespace()
     if clip:
         tok.post_processor = processors.TemplateProcessing(
