@@ -144,7 +144,7 @@ def classes(sd, instance, tmp_path_factory):
 # exact point, not a race with a running process.
 KILL_AT_THIRD = """
 import os, signal, sys
-import trainer.data.class_images as ci
+import trainer.class_images as ci
 from trainer.cli import main
 real, calls = ci._atomic_write, []
 def write(fs, root, name, data):

@@ -805,11 +805,11 @@ def cmd_data_encode(args: argparse.Namespace) -> int:
 
 
 def cmd_data_class_images(args: argparse.Namespace) -> int:
-    """`gentrain data class-images`: DreamBooth's class images from the base pipeline (trainer.data.class_images)."""
+    """`gentrain data class-images`: DreamBooth's class images from the base pipeline (trainer.class_images)."""
     _setup_logging()
     cfg = load_config(*split_preset([a for a in [args.config, *args.overrides] if a]))
     _REDACT.add_secrets(cfg.to_dict())
-    from trainer.data.class_images import generate_class_images  # torch and diffusers (see the module doc)
+    from trainer.class_images import generate_class_images  # torch and diffusers (see the module doc)
 
     summary = generate_class_images(cfg, args.num, args.batch_size)
     print(f"class images: {summary.line()}")

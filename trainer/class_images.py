@@ -34,6 +34,7 @@ import torch
 
 from trainer.config import Config
 from trainer.errors import ConfigError
+from trainer.models.pipelines import inspect_pipeline
 from trainer.randomness import Stream, stream_seed
 from trainer.storage import filesystem
 
@@ -98,10 +99,6 @@ def _check_config(cfg: Config) -> str:
 def generate_class_images(cfg: Config, num: int, batch_size: int = 4) -> ClassImagesSummary:
     """Fill data.class_images up to `num` images (see the module doc)."""
     local = _check_config(cfg)
-    # Imported here: the family table lives with the models (trainer.models.pipelines); the data layer reads
-    # the folder as data only through it, before diffusers loads anything.
-    from trainer.models.pipelines import inspect_pipeline
-
     folder = inspect_pipeline(cfg.model_cfg.pretrained, digests=False)
     family = folder.family
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
