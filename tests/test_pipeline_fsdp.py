@@ -3,7 +3,7 @@ half-precision base (fp32 adapters, the base never saved) and a full fine-tune, 
 mid-run under `torchrun --nproc-per-node=2` (gloo, CPU) and the restarted job ending bit-identical to an
 uninterrupted one (every tensor of the final checkpoint: adapters or weights, EMA, optimizer, each rank's RNG).
 The LoRA runs checkpoint their blocks (train.activation_checkpointing=blocks) and keep memory-tier snapshots,
-which hold the adapters alone too; one process resumes their checkpoint. LoRA with train.compile trains and
+which hold the adapters alone too and from which the killed run resumes; one process resumes their checkpoint. LoRA with train.compile trains and
 resumes on the tiny PixArt-Sigma pipeline (one transformer block: one compiled graph, the cheapest).
 The pipelines are the tiny random ones of tests/tiny_pipelines.py."""
 
@@ -22,7 +22,7 @@ from tiny_pipelines import BUILDERS, captioned_images
 
 pytestmark = pytest.mark.slow
 
-STEPS, KILL_AT = 4, 3  # checkpoints at 2 and 4: rank 1 dies in step 3, the restart resumes from step 2
+STEPS, KILL_AT = 4, 3  # checkpoints at 2 and 4: rank 1 dies in step 3
 
 
 @pytest.fixture(scope="module")
@@ -69,7 +69,11 @@ def lora(sd, images, tmp_path_factory):
     """The LoRA run, uninterrupted and killed-and-restarted: (final checkpoint tensors, the killed run's log, root)."""
     tmp_path = tmp_path_factory.mktemp("lora-fsdp")
     extra = ["train.activation_checkpointing=blocks", "checkpoint.memory=true", "checkpoint.memory_dir=ROOT/shm"]
-    a = _kill_and_compare(tmp_path, _args(sd, images, tmp_path, *extra), KILL_AT, STEPS, HF_HUB_OFFLINE="1")
+    # Rank 1 dies once its memory-tier piece of step 3 is written: the restart resumes from that snapshot (newer
+    # than the store's step 2).
+    piece = f"{tmp_path}/killed/shm/*/step-{KILL_AT:09d}/piece-r00001.json"
+    make = _args(sd, images, tmp_path, *extra)
+    a = _kill_and_compare(tmp_path, make, KILL_AT, STEPS, HF_HUB_OFFLINE="1", PROBE_TASK_KILL_AFTER=piece)
     return a, (tmp_path / "killed.log").read_text(), tmp_path
 
 
@@ -91,7 +95,8 @@ def _adapters(sd) -> tuple[set[str], set[str]]:
 
 def test_a_sigkilled_rank_of_a_lora_run_on_a_sharded_base_resumes_bit_identical(lora):
     a, log, _ = lora
-    assert re.search(r"world_size=2 restart=1 parallel=fsdp .*resumed_from=\S+step-000000002", log), log[-3000:]
+    resumed = r"world_size=2 restart=1 parallel=fsdp .*resumed_from=memory:\S+step-000000003"  # the adapters' snapshot
+    assert re.search(resumed, log), log[-3000:]
     # On every attempt: the UNet's blocks are the units, the base in bf16 and the adapters in fp32 within them,
     # and its blocks checkpointed.
     units = "fsdp: UNet2DConditionModel sharded as 7 units "
