@@ -138,7 +138,7 @@ def test_sigkilled_fsdp_rank_resumes_bit_identical_from_an_async_save(tmp_path):
     log = tmp_path / "killed.log"
     killed = tmp_path / "killed/run/checkpoints"
     proc = start_torchrun(
-        standalone(2),
+        standalone(2, max_restarts=3),
         probe_args(tmp_path / "killed", encoder, *common, "checkpoint.async=true", max_steps=steps),
         log,
         PROBE_TASK_KILL="1:6",
