@@ -11,10 +11,9 @@ import numpy as np
 import pytest
 import torch
 from conftest import REPO, clean_env, run_cli
-from elastic_helpers import start_torchrun
+from elastic_helpers import finish, standalone, start_torchrun
 from helpers import assert_tensors_equal
 from PIL import Image
-from test_elastic import finish, standalone
 
 from trainer.checkpoint import CheckpointStore, CheckpointView
 from trainer.errors import ConfigError
@@ -445,9 +444,8 @@ def test_cascade_under_fsdp_starts_from_rank_0_weights_built_nowhere_else(tmp_pa
     # by lr * |m / sqrt(v)| <= lr (Kingma & Ba, sec. 2.1) and weight decay multiplies by
     # 1 - 1e-30*wd == 1 in fp32, so runs whose gradients differ in rounding stay within 2e-30 of the
     # folder and of each other; a wrong start would be off by ~0.1.
-    from elastic_helpers import start_torchrun
+    from elastic_helpers import standalone, start_torchrun
     from safetensors.torch import load_file
-    from test_elastic import standalone
 
     from trainer.models.finetune import write_folder
     from trainer.registry import task_class

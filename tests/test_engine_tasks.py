@@ -9,8 +9,7 @@ import shutil
 import pytest
 import torch
 from conftest import REPO, clean_env, run_cli, tiny
-from elastic_helpers import start_torchrun
-from test_elastic import finish, standalone
+from elastic_helpers import finish, standalone, start_torchrun
 
 from trainer.checkpoint import CheckpointStore
 

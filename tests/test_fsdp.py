@@ -15,9 +15,9 @@ from collections import defaultdict
 import pytest
 import torch
 from conftest import REPO, clean_env, run_cli, tiny
-from elastic_helpers import rank_of, start_torchrun, worker_command, worker_pids
+from elastic_helpers import finish, rank_of, standalone, start_torchrun, worker_command, worker_pids
 from helpers import assert_tensors_equal, kill_group, wait_until
-from test_elastic import finish, make_images, standalone
+from test_elastic import make_images
 
 from trainer.checkpoint import CheckpointStore, CheckpointView
 from trainer.checkpoint.format import new_digest

@@ -20,12 +20,12 @@ import numpy as np
 import pytest
 import torch
 from conftest import REPO, clean_env, run_bench, run_cli, tiny
-from elastic_helpers import _start_agent, worker_command
+from elastic_helpers import _start_agent, finish, standalone, worker_command
 from helpers import assert_tensors_equal
 from hypothesis import given, settings
 from hypothesis.extra.numpy import array_shapes, arrays
 from test_latent import vae_folder
-from test_shards import finish, make_folder, pack, standalone
+from test_shards import make_folder, pack
 from test_vqgan_maskgit import _kill_and_resume_one_process
 
 from trainer.data.shards import ShardStream, filesystem

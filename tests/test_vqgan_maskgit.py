@@ -12,10 +12,9 @@ import numpy as np
 import pytest
 import torch
 from conftest import REPO, clean_env, run_cli
-from elastic_helpers import start_torchrun
+from elastic_helpers import finish, standalone, start_torchrun
 from helpers import kill_group, start_cli
 from PIL import Image
-from test_elastic import finish, standalone
 
 from trainer.checkpoint import CheckpointStore
 from trainer.models.gan import adaptive_weight
