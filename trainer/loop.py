@@ -20,7 +20,7 @@ import torch
 from trainer import __version__
 from trainer.config import Config
 from trainer.config.redact import secret_values
-from trainer.data import build_splits, build_train_loader, is_video
+from trainer.data import build_splits, build_train_loader
 from trainer.elastic import (
     EXIT_OK,
     EXIT_PREEMPTED,
@@ -58,9 +58,8 @@ from trainer.errors import ConfigError, CrashLoop
 from trainer.hostmem import keep_freed_memory
 from trainer.metrics import TrainingMetrics
 from trainer.randomness import seed_everything
-from trainer.registry import task_class
-from trainer.runs import load_frozen
-from trainer.tasks.base import FrozenWeights, TaskContext
+from trainer.runs import build_task, load_frozen
+from trainer.tasks.base import FrozenWeights
 
 log = logging.getLogger("gentrain")
 
@@ -110,7 +109,8 @@ class Trainer:
             self.uploader = run_dir_uploader(cfg) if env.is_main else None
             self.train_set, self.val_set, num_classes = build_splits(cfg)
             held_out = self.val_set or self.train_set
-            self.task = task_class(cfg.task)(cfg.model_cfg, self._task_context(num_classes))
+            encoding = getattr(self.train_set, "encoding", None)
+            self.task = build_task(cfg, num_classes=num_classes, encoding=encoding, stages=t.stages)
             self.wrapping = wrapping_for(runtime, t)
             self.parts, self.frozen = self._build_parts()
             self.progress = TrainProgress(
@@ -379,25 +379,6 @@ class Trainer:
         exit_now(code)
 
     # ------------------------------------------------------------------ set-up
-
-    def _task_context(self, num_classes: int | None) -> TaskContext:
-        cfg = self.cfg
-        buckets = None
-        if cfg.data.buckets is not None:
-            from trainer.data.buckets import trained_buckets  # here: only a run with data.buckets imports it
-
-            buckets = trained_buckets(cfg.data)
-        return TaskContext(
-            image_size=cfg.data.image_size,
-            channels=cfg.data.channels,
-            seed=cfg.seed,
-            num_classes=num_classes,
-            storage_options=cfg.checkpoint.storage_options,
-            stages=cfg.train.stages,
-            num_frames=cfg.data.num_frames if is_video(cfg) else 1,
-            encoding=getattr(self.train_set, "encoding", None),
-            buckets=buckets,
-        )
 
     def _order_keys(self) -> dict:
         """The config keys the sample order is a function of (a resume must not change them)."""

@@ -1,6 +1,6 @@
 """A trained run rebuilt from its checkpoint: for sampling, evaluation and export (`load_for_inference`),
 for a frozen part of another run (`load_frozen`), for `verify`'s fit check (`fit_problems`) and for
-`checkpoints consolidate`.
+`checkpoints consolidate`. `build_task` is the one way a config becomes its task, for those and for training.
 
 It sits above `trainer.checkpoint` (the storage library) and beside the engine: it needs the task
 registry, the tasks and the data to rebuild a model, and reads every checkpoint through
@@ -36,7 +36,7 @@ from trainer.data import is_video
 from trainer.errors import CheckpointCorrupt, CheckpointError, ConfigError
 from trainer.models.finetune import CONFIG_NAME, WEIGHTS_NAME, cast_frozen_base, read_folder
 from trainer.registry import check_stored_task, config_from_dict, task_class
-from trainer.tasks.base import FrozenSource, FrozenWeights, TaskContext
+from trainer.tasks.base import FrozenSource, FrozenWeights, Task, TaskContext
 
 log = logging.getLogger(__name__)
 
@@ -45,6 +45,42 @@ def _kind(name: str) -> str | None:
     """ "model" or "ema" for a weights file or group name that `CheckpointView.weights_name` gave."""
     parsed = parse_group(name)
     return parsed.kind if parsed is not None else None
+
+
+def build_task(
+    cfg: Config,
+    *,
+    num_classes: int | None = None,
+    encoding: Mapping[str, Any] | None = None,
+    stages: list[int] | None = None,
+    load_pretrained: bool = True,
+) -> Task:
+    """`cfg`'s task with its context: the one way a config becomes a task, so training, inference
+    (`load_for_inference`) and shape queries (`fit_problems`, `model_shapes`) build the same model.
+
+    From the config: image size, channels, seed, frames (video sources), the trained buckets (`data.buckets`) and
+    the storage options (`checkpoint.storage_options`: a checkpoint's caller sets the user's own there first).
+    From the caller: what only training knows (the data's `num_classes` and `encoding`, the `train.stages` it
+    trains; a rebuilt run builds every stage) and `load_pretrained` (False where a checkpoint's weights replace
+    what `build` would load)."""
+    buckets = None
+    if cfg.data.buckets is not None:
+        from trainer.data.buckets import trained_buckets  # here: only a run with data.buckets imports it
+
+        buckets = trained_buckets(cfg.data)  # checked against the model; the sizes `gentrain sample` takes
+    ctx = TaskContext(
+        image_size=cfg.data.image_size,
+        channels=cfg.data.channels,
+        seed=cfg.seed,
+        num_classes=num_classes,
+        storage_options=cfg.checkpoint.storage_options,
+        stages=stages,
+        num_frames=cfg.data.num_frames if is_video(cfg) else 1,
+        encoding=encoding,
+        buckets=buckets,
+        load_pretrained=load_pretrained,
+    )
+    return task_class(cfg.task)(cfg.model_cfg, ctx)
 
 
 def config_of(view: CheckpointView, task: str | None = None, flag: str | None = "--task") -> Any:
@@ -176,23 +212,7 @@ def load_for_inference(
     # LoRA adapters only needs its frozen base: built from the pinned folder (digest-checked below).
     adapters = view.adapter_only
     check_bases(view)
-    frames = cfg.data.num_frames if is_video(cfg) else 1
-    buckets = None
-    if cfg.data.buckets is not None:
-        from trainer.data.buckets import trained_buckets  # here: only a run trained with data.buckets imports it
-
-        buckets = trained_buckets(cfg.data)  # the sizes it samples at (`gentrain sample --height/--width`)
-    ctx = TaskContext(
-        cfg.data.image_size,
-        cfg.data.channels,
-        cfg.seed,
-        None,
-        options,
-        num_frames=frames,
-        load_pretrained=bool(adapters),
-        buckets=buckets,
-    )
-    task = task_class(cfg.task)(cfg.model_cfg, ctx)
+    task = build_task(cfg, load_pretrained=bool(adapters))
     records = view.frozen_records
     frozen = {
         name: load_frozen(name, source, options, records.get(name)) for name, source in task.frozen_sources().items()
@@ -320,16 +340,12 @@ def _model_facts(
     cfg.checkpoint.storage_options = options
     cfg.data.storage_options = dict(options)
     check_stored_encoders(cfg.model_cfg, text_encoder, f"checkpoint {view.url}")
-    frames = cfg.data.num_frames if is_video(cfg) else 1
-    ctx = TaskContext(
-        cfg.data.image_size, cfg.data.channels, cfg.seed, None, options, num_frames=frames, load_pretrained=False
-    )
     from accelerate import init_empty_weights  # about a second to import: only the fit check needs it
 
     from trainer.optim import param_groups  # diffusers' schedules with it: only the fit check needs it
 
     try:
-        task = task_class(cfg.task)(cfg.model_cfg, ctx)
+        task = build_task(cfg, load_pretrained=False)
         frozen = {name: _frozen_for_shapes(view, name) for name in task.frozen_sources()}
         with init_empty_weights(include_buffers=False):  # buffers stay real: some builds compute with them
             modules = task.build(frozen)
