@@ -393,22 +393,31 @@ def test_the_flux_preset_trains_lora_from_a_flux_folder(flux, images, tmp_path):
     assert any(weights[k].abs().max() > 0 for k in weights if ".lora_B." in k)
 
 
-def _flux_run(flux, images, root, env):
-    return _train(
-        "flux-lora", flux, images, root, "sample.every_steps=0", "task=probe_tasks:KillableDDPM", max_steps=4, env=env
-    )
+LORA_PRESETS = {"sd3": "sd3-lora", "pixart": "pixart-sigma-lora", "flux-dev": "flux-lora"}
 
 
 @pytest.mark.slow
-def test_a_sigkilled_flux_lora_run_resumes_bit_identically(flux, images, tmp_path):
-    """A Flux LoRA run SIGKILLed in step 3 and restarted ends at step 4 with the weights, EMA, optimizer state
-    and RNG of a run never interrupted (bf16 base, fp32 adapters)."""
-    r = _flux_run(flux, images, tmp_path / "straight", ENV)
+@pytest.mark.parametrize("family", sorted(LORA_PRESETS))
+def test_a_sigkilled_lora_run_of_each_transformer_family_resumes_bit_identically(family, request, images, tmp_path):
+    """An SD3, PixArt-Sigma or Flux.1 dev LoRA run SIGKILLed in step 3 and restarted ends at step 4 with the
+    weights, EMA, optimizer state and RNG of a run never interrupted (bf16 base, fp32 adapters). Flux dev:
+    packing, position ids and the guidance embedding; SD 1.x and SDXL: tests/test_pipeline_finetune.py and
+    tests/test_bucket_conditioning.py."""
+    if family == "flux-dev":
+        folder = BUILDERS["flux"](tmp_path / "pipeline", dev=True)
+    else:
+        folder = request.getfixturevalue(family)
+
+    def run(root, env):
+        extra = ("sample.every_steps=0", "task=probe_tasks:KillableDDPM")
+        return _train(LORA_PRESETS[family], folder, images, root, *extra, max_steps=4, env=env)
+
+    r = run(tmp_path / "straight", ENV)
     assert r.returncode == 0, r.stderr[-3000:]
     killed = tmp_path / "killed"
-    r = _flux_run(flux, images, killed, clean_env(PYTHONPATH=str(REPO / "tests"), PROBE_TASK_KILL="0:3"))
+    r = run(killed, clean_env(PYTHONPATH=str(REPO / "tests"), PROBE_TASK_KILL="0:3"))
     assert r.returncode == -9, r.stderr[-3000:]
-    r = _flux_run(flux, images, killed, ENV)
+    r = run(killed, ENV)
     assert r.returncode == 0 and "resumed_from=" in r.stderr, r.stderr[-3000:]
     a, b = (CheckpointStore(str(root / "checkpoints"), {}) for root in (tmp_path / "straight", killed))
     ia, ib = a.check(4), b.check(4)
