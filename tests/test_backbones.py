@@ -25,6 +25,7 @@ from trainer.tasks.ddpm import DiffusionModelConfig
 REPO = Path(__file__).resolve().parents[1]
 TASKS = REPO / "trainer" / "tasks"
 
+
 def test_the_literal_registry_lists_every_module_of_the_package_that_sets_backbone():
     found = {}
     for info in pkgutil.iter_modules(backbones_pkg.__path__):

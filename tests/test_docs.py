@@ -4,7 +4,7 @@
 (mkdocs.yml's `validation`), so a page that moves or a heading that is renamed fails here, not on
 a reader. The contract (docs/contract.md) is checked against the code it describes: every config
 key of the core schema and of each built-in task's model schema, and every command and flag of
-the command line, must be named there.
+the command line, must be named there. Every test docs/reliability.md points a guarantee at exists.
 """
 
 from __future__ import annotations
@@ -256,3 +256,47 @@ def test_no_python_file_needs_a_hand_layout_kept_from_the_formatter():
         if marker.search(line)
     ]
     assert not found, f"formatter escapes left: {found}"
+
+
+RELIABILITY = REPO / "docs" / "reliability.md"
+_TEST_REF = re.compile(r"(?:(?:tests/)?(?P<file>test_\w+\.py))?(?P<sep>::)?(?P<name>test_\w+)?(?:\[[^\]]*\])?")
+
+
+def _test_functions() -> dict[str, set[str]]:
+    """Each tests/test_*.py file's test function names (module level and in classes)."""
+    import ast  # only this check parses the suite
+
+    return {
+        path.name: {
+            node.name
+            for node in ast.walk(ast.parse(path.read_text()))
+            if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef) and node.name.startswith("test_")
+        }
+        for path in (REPO / "tests").glob("test_*.py")
+    }
+
+
+def test_every_test_reliability_md_names_exists():
+    """Each guarantee in docs/reliability.md points at the tests that hold it: `tests/test_x.py`,
+    `tests/test_x.py::test_name`, `::test_name` or `...::test_name` (in the file named last before it) and a
+    bare `test_name` (in any test file) must name a test file and function that exist, so a renamed or
+    removed test cannot leave a guarantee pointing at nothing."""
+    tests = _test_functions()
+    missing, last = [], None
+    for token in _BACKTICKED.findall(RELIABILITY.read_text()):
+        m = _TEST_REF.fullmatch(token.removeprefix("..."))
+        if m is None or not (m["file"] or m["name"]):
+            continue
+        if m["file"]:
+            last = m["file"]
+            if last not in tests:
+                missing.append(f"{token} (no such file)")
+                continue
+        if m["name"] is None:
+            continue
+        if m["sep"]:  # a test of the file named (or named last)
+            if m["name"] not in tests.get(last or "", ()):
+                missing.append(f"{token} (not in {last})")
+        elif not any(m["name"] in names for names in tests.values()):
+            missing.append(f"{token} (no test file defines it)")
+    assert not missing, f"docs/reliability.md names tests that do not exist: {missing}"
