@@ -2,9 +2,8 @@
 the Trainer from a tiny digits preset (its task, parts, splits and runtime; nothing of the phase replaced):
 
 - validation (trainer/engine/validate.py): the reported value of each metric is the mean of the task's
-  per-sample values over the held-out batches, whatever the chunking; its draws do not depend on where the
-  global RNG stands;
-  weights and train mode unchanged;
+  per-sample values over the held-out batches, whatever the chunking, computed in eval mode (a DiT's dropout
+  off); its draws do not depend on where the global RNG stands; weights and train mode unchanged;
 - previews (trainer/engine/preview.py): `samples/step-N.png` holds the seeded samples of the EMA weights (or
   the online ones with sample.use_ema=false), the same at every call; reconstructions are of the same held-out
   batch every time; `sample.prompts` on a model without captions is refused;
