@@ -14,7 +14,7 @@ from conftest import REPO, clean_env, run_cli
 from PIL import Image
 from safetensors.torch import load_file, save_file
 from test_text_encoders import WORDS
-from tiny_pipelines import BUILDERS, captioned_images, pipeline_config
+from tiny_pipelines import BUILDERS, captioned_images, draw, pipeline_config, train_args
 
 from trainer.checkpoint import CheckpointStore
 from trainer.errors import ConfigError
@@ -152,27 +152,17 @@ def test_the_sdxl_preset_trains_and_samples_from_an_sdxl_folder(sdxl, images, tm
 
 
 def _train(sd, images, root, *extra: str, steps: int = 4, env=None, preset: str = "sd15-lora"):
-    args = [
-        "train",
+    args = train_args(
         preset,
-        f"model.pretrained={sd}",
-        f"data.path={images}",
-        "data.image_size=16",
+        sd,
+        images,
+        root,
         "data.buckets=null",  # sdxl-lora's buckets (auto, step 64) hold no 16 px bucket: square crops
-        "data.val_fraction=0",
-        f"train.max_steps={steps}",
-        "train.batch_size=2",
-        "train.lr=1e-2",
-        "train.num_workers=0",
-        "train.val_every_steps=0",
-        "checkpoint.every_steps=2",
-        "sample.every_steps=0",
-        f"run.dir={root}",
-        f"model.text.cache_dir={root}-text",
         "task=probe_tasks:KillableDDPM",
         *extra,
-    ]
-    return run_cli(*args, env=env or ENV)
+        max_steps=steps,
+    )
+    return run_cli("train", *args, env=env or ENV)
 
 
 def _files(root, step: int) -> dict[str, dict[str, torch.Tensor]]:
@@ -377,29 +367,12 @@ def test_the_exported_lora_loads_into_the_base_pipeline_and_draws_what_gentrain_
     pipe.scheduler = scheduler
     pipe.load_lora_weights(str(out / "unet-lora"))
     assert pipe.unet.peft_config, "diffusers loaded no adapter"
-    theirs = pipe(
-        [prompt] * 2,
-        height=16,
-        width=16,
-        num_inference_steps=steps,
-        guidance_scale=scale,
-        eta=0.0,
-        generator=torch.Generator().manual_seed(7),
-        output_type="pt",
-    ).images
+    theirs = draw(pipe, prompt, steps, scale, eta=0.0)
     assert ours.shape == theirs.shape
     assert (ours - theirs).abs().max() <= 1 / 255
     # The adapters matter: without them diffusers draws something else.
     pipe.unload_lora_weights()
-    without = pipe(
-        [prompt] * 2,
-        height=16,
-        width=16,
-        num_inference_steps=steps,
-        guidance_scale=scale,
-        generator=torch.Generator().manual_seed(7),
-        output_type="pt",
-    ).images
+    without = draw(pipe, prompt, steps, scale)
     assert (without - ours).abs().max() > 1 / 255
 
 

@@ -18,7 +18,7 @@ import torch
 from conftest import REPO, clean_env, run_cli
 from safetensors.torch import load_file
 from test_text_encoders import WORDS
-from tiny_pipelines import BUILDERS, captioned_images, pipeline_config
+from tiny_pipelines import BUILDERS, captioned_images, draw, pipeline_config, train_args
 
 from trainer.checkpoint import CheckpointStore
 from trainer.diffusion.backbones import MMDiTBackbone
@@ -29,6 +29,9 @@ from trainer.tasks.base import TaskContext
 
 CPU = torch.device("cpu")
 ENV = clean_env(PYTHONPATH=str(REPO / "tests"))
+# Every training run here: square 16 px crops (the presets' buckets, auto at step 64, hold no 16 px bucket) and
+# 8 T5 tokens.
+TINY = ("data.buckets=null", "model.text.max_tokens=8")
 
 
 @pytest.fixture(scope="module")
@@ -132,28 +135,18 @@ def images(tmp_path_factory):
 def _train(preset: str, folder, images, root, *extra: str, max_steps: int = 2, env=None):
     """`gentrain train PRESET` on a tiny pipeline folder and captioned images: a few steps, a checkpoint and a
     preview grid at step 2 (unless `extra` says otherwise)."""
-    return run_cli(
-        "train",
+    args = train_args(
         preset,
-        f"model.pretrained={folder}",
-        f"data.path={images}",
-        "data.image_size=16",
-        "data.buckets=null",  # the presets' buckets (auto, step 64) hold no 16 px bucket: square crops
-        "data.val_fraction=0",
-        "model.text.max_tokens=8",
-        f"train.max_steps={max_steps}",
-        "train.batch_size=2",
-        "train.lr=1e-2",
-        "train.num_workers=0",
-        "train.val_every_steps=0",
-        "checkpoint.every_steps=2",
+        folder,
+        images,
+        root,
+        *TINY,
         "sample.every_steps=2",
         "sample.inference_steps=2",
-        f"run.dir={root}",
-        f"model.text.cache_dir={root}-text",
         *extra,
-        env=env or ENV,
+        max_steps=max_steps,
     )
+    return run_cli("train", *args, env=env or ENV)
 
 
 def _trained_lora(root) -> tuple:
@@ -196,27 +189,7 @@ def test_the_exported_sd3_lora_loads_into_the_base_pipeline_and_draws_what_gentr
     from trainer.tasks.sampling import SampleRequest
 
     root = tmp_path / "run"
-    r = run_cli(
-        "train",
-        "sd3-lora",
-        f"model.pretrained={sd3}",
-        f"data.path={images}",
-        "data.image_size=16",
-        "data.buckets=null",
-        "data.val_fraction=0",
-        "model.text.max_tokens=8",
-        "train.precision=no",
-        "train.max_steps=2",
-        "train.batch_size=2",
-        "train.lr=1e-2",
-        "train.num_workers=0",
-        "train.val_every_steps=0",
-        "checkpoint.every_steps=2",
-        "sample.every_steps=0",
-        f"run.dir={root}",
-        f"model.text.cache_dir={root}-text",
-        env=ENV,
-    )
+    r = run_cli("train", *train_args("sd3-lora", sd3, images, root, *TINY, "train.precision=no"), env=ENV)
     assert r.returncode == 0, r.stderr[-3000:]
     out = tmp_path / "export"
     r = run_cli("checkpoints", "export", str(root / "checkpoints"), str(out), env=ENV)
@@ -234,23 +207,11 @@ def test_the_exported_sd3_lora_loads_into_the_base_pipeline_and_draws_what_gentr
     pipe.load_lora_weights(str(out / "transformer-lora"))
     assert pipe.transformer.peft_config, "diffusers loaded no adapter"
 
-    def draw():
-        return pipe(
-            [prompt] * 2,
-            height=16,
-            width=16,
-            num_inference_steps=steps,
-            guidance_scale=scale,
-            max_sequence_length=8,
-            generator=torch.Generator().manual_seed(7),
-            output_type="pt",
-        ).images
-
-    theirs = draw()
+    theirs = draw(pipe, prompt, steps, scale, max_sequence_length=8)
     assert ours.shape == theirs.shape
     assert (ours - theirs).abs().max() <= 1 / 255
     pipe.unload_lora_weights()  # the adapters matter: without them diffusers draws something else
-    assert (draw() - ours).abs().max() > 1 / 255
+    assert (draw(pipe, prompt, steps, scale, max_sequence_length=8) - ours).abs().max() > 1 / 255
 
 
 # ---------------------------------------------------------------- PixArt-Sigma
@@ -472,26 +433,18 @@ def test_the_exported_flux_lora_loads_into_the_base_pipeline_and_draws_what_gent
     probe = objective.inference_scheduler("ddim")
     probe.set_timesteps(steps)
 
-    def draw():
-        return pipe(
-            ["the red photo"] * 2,
-            negative_prompt="",
-            true_cfg_scale=scale,
-            guidance_scale=3.5,  # dev's embedded guidance (model.backbone.guidance_scale); schnell ignores it
-            height=16,
-            width=16,
-            num_inference_steps=steps,
-            sigmas=probe.sigmas[:-1].tolist(),
-            max_sequence_length=8,
-            generator=torch.Generator().manual_seed(7),
-            output_type="pt",
-        ).images
+    def draw_flux():
+        # guidance_scale: dev's embedded guidance (model.backbone.guidance_scale; schnell ignores it); the run's
+        # classifier-free guidance is the pipeline's true_cfg_scale.
+        sigmas = probe.sigmas[:-1].tolist()
+        kwargs = dict(negative_prompt="", true_cfg_scale=scale, sigmas=sigmas, max_sequence_length=8)
+        return draw(pipe, "the red photo", steps, 3.5, **kwargs)
 
-    theirs = draw()
+    theirs = draw_flux()
     assert ours.shape == theirs.shape
     assert (ours - theirs).abs().max() <= 1 / 255
     pipe.unload_lora_weights()
-    assert (draw() - ours).abs().max() > 1 / 255
+    assert (draw_flux() - ours).abs().max() > 1 / 255
 
 
 @pytest.mark.slow
@@ -504,24 +457,13 @@ def test_the_exported_pixart_sigma_transformer_draws_what_gentrain_samples(pixar
     steps, scale = 2, 3.0
     out, objective, ours = _exported("pixart-sigma-lora", pixart, images, tmp_path, steps, scale)
 
-    def draw(pipe):
+    def draw_pixart(pipe):
         pipe.scheduler = objective.inference_scheduler("ddim")
-        return pipe(
-            ["the red photo"] * 2,
-            height=16,
-            width=16,
-            num_inference_steps=steps,
-            guidance_scale=scale,
-            eta=0.0,
-            use_resolution_binning=False,
-            clean_caption=False,
-            max_sequence_length=8,
-            generator=torch.Generator().manual_seed(7),
-            output_type="pt",
-        ).images
+        kwargs = dict(eta=0.0, use_resolution_binning=False, clean_caption=False, max_sequence_length=8)
+        return draw(pipe, "the red photo", steps, scale, **kwargs)
 
     merged = PixArtTransformer2DModel.from_pretrained(out / "transformer")
-    theirs = draw(PixArtSigmaPipeline.from_pretrained(pixart, transformer=merged))
+    theirs = draw_pixart(PixArtSigmaPipeline.from_pretrained(pixart, transformer=merged))
     assert ours.shape == theirs.shape
     assert (ours - theirs).abs().max() <= 1 / 255
-    assert (draw(PixArtSigmaPipeline.from_pretrained(pixart)) - ours).abs().max() > 1 / 255  # the base alone
+    assert (draw_pixart(PixArtSigmaPipeline.from_pretrained(pixart)) - ours).abs().max() > 1 / 255  # the base alone

@@ -237,6 +237,46 @@ def pipeline_config(preset: str, folder: Path, tmp_path: Path, *overrides: str):
     return load_config(preset, [*keys, *overrides], {})
 
 
+def train_args(preset: str, folder, images, root, *extra: str, max_steps: int = 2) -> list[str]:
+    """The arguments after `gentrain train` for PRESET on a tiny pipeline folder and captioned images: 16 px,
+    batch 2, lr 1e-2, no validation, a checkpoint every 2 steps, no previews, the run in ROOT and its caption
+    cache beside it (ROOT-text). `extra` comes last: in gentrain a later key=value wins, so it holds each test's
+    own keys and any of these it sets otherwise."""
+    return [
+        preset,
+        f"model.pretrained={folder}",
+        f"data.path={images}",
+        "data.image_size=16",
+        "data.val_fraction=0",
+        f"train.max_steps={max_steps}",
+        "train.batch_size=2",
+        "train.lr=1e-2",
+        "train.num_workers=0",
+        "train.val_every_steps=0",
+        "checkpoint.every_steps=2",
+        "sample.every_steps=0",
+        f"run.dir={root}",
+        f"model.text.cache_dir={root}-text",
+        *extra,
+    ]
+
+
+def draw(pipe, prompt: str, steps: int, scale: float, **kwargs) -> torch.Tensor:
+    """What diffusers' `pipe` draws for `prompt` x 2 at 16 x 16 px, `steps` steps, guidance `scale`, seed 7, as
+    a tensor (output_type="pt"): the images the tests compare with gentrain's samples of the same request.
+    `kwargs` are the family's own (eta, max_sequence_length, true_cfg_scale, ...)."""
+    return pipe(
+        [prompt] * 2,
+        height=16,
+        width=16,
+        num_inference_steps=steps,
+        guidance_scale=scale,
+        generator=torch.Generator().manual_seed(7),
+        output_type="pt",
+        **kwargs,
+    ).images
+
+
 BUILDERS = {"sd": sd, "sdxl": sdxl, "sd3": sd3, "flux": flux, "pixart-sigma": pixart_sigma}
 
-__all__ = ["BUILDERS", "_tokenizer", "captioned_images", "pipeline_config"]
+__all__ = ["BUILDERS", "_tokenizer", "captioned_images", "draw", "pipeline_config", "train_args"]
