@@ -426,14 +426,8 @@ class CheckpointManager:
         assert self.memory is not None and self.memory_writer is not None
         self.saved_step = max(step, self.saved_step or 0)
         t0 = time.perf_counter()
-        if self.sharded:
-            files, index = sharded_snapshot_files(self.progress, self.parts, self.frozen, self.env.rank)
-            owner: int | None = self.env.rank
-        else:
-            rank_states = gather_objects(capture_rank_state())
-            files, index, owner = {}, None, None
-            if self.memory.is_leader:  # every node writes the whole state from its own replica
-                files, owner = snapshot_files(self.progress, self.parts, rank_states, self.frozen), 0
+        # Every node writes the whole state from its own replica (its leader), unlike the durable tier.
+        files, index, owner = self._snapshot(writes_whole=self.memory.is_leader)
         if self._memory_meta is None:
             self._memory_meta = self._meta()
         meta = {**(self._memory_meta if owner == 0 else {}), OWNER: owner, INDEX: index}
@@ -443,6 +437,20 @@ class CheckpointManager:
             self._count_memory_failure(e)
         self._stall = (self._stall or 0.0) + time.perf_counter() - t0
         self._tier_stall["memory"] += time.perf_counter() - t0
+
+    def _snapshot(self, writes_whole: bool) -> tuple[dict[str, Any], dict[str, Any] | None, int | None]:
+        """Collective: this rank's files of the state now, for either tier, as (files, shard index, owner).
+
+        Sharded (FSDP): every rank's own slices and their index; the owner is its rank. Otherwise every
+        rank's RNG state is gathered, and a rank that `writes_whole` (rank 0 for the durable tier, each
+        node's leader for the memory tier) gets the whole state (owner 0); the others nothing (owner None)."""
+        if self.sharded:
+            files, index = sharded_snapshot_files(self.progress, self.parts, self.frozen, self.env.rank)
+            return files, index, self.env.rank
+        rank_states = gather_objects(capture_rank_state())
+        if not writes_whole:
+            return {}, None, None
+        return snapshot_files(self.progress, self.parts, rank_states, self.frozen), None, 0
 
     def _count_memory_failure(self, err: BaseException) -> None:
         self.memory_failures += 1
@@ -482,11 +490,10 @@ class CheckpointManager:
         self._stop_if_lease_lost()
         self.saved_step = max(step, self.saved_step or 0)
         t0 = time.perf_counter()
+        files, index, _ = self._snapshot(writes_whole=self.env.is_main)
         if self.sharded:
-            files, index = sharded_snapshot_files(self.progress, self.parts, self.frozen, self.env.rank)
             meta = {**self._meta(), _LOCAL_INDEX: index}
         else:
-            rank_states = gather_objects(capture_rank_state())
             # Rank 0 writes alone. A synchronous write is waited for here, on every rank (`_rank0_wrote`):
             # otherwise the others would wait for it inside the next step's all-reduce, where the step
             # watchdog (elastic.step_timeout_seconds) takes a save longer than that for a hung step, and
@@ -498,7 +505,6 @@ class CheckpointManager:
                 self.metrics.on_checkpoint_stall(time.perf_counter() - t0)
                 self.schedule.on_cost("durable", time.perf_counter() - t0)
                 return bool(ok)
-            files = snapshot_files(self.progress, self.parts, rank_states, self.frozen)
             meta = self._meta()
             if waits:
                 try:
