@@ -16,7 +16,7 @@ from __future__ import annotations
 import pytest
 import torch
 from conftest import REPO, clean_env, run_cli
-from tiny_pipelines import BUILDERS, captioned_images
+from tiny_pipelines import BUILDERS, captioned_images, draw, train_args
 
 from trainer.models.finetune import LoraSettings, apply_lora, saved_keys
 
@@ -134,26 +134,11 @@ def sd_run(tmp_path_factory):
     root = tmp_path_factory.mktemp("sd-lora")
     base = BUILDERS["sd"](root)
     images = captioned_images(tmp_path_factory.mktemp("images"), 4)
-    r = run_cli(
-        "train",
-        "sd15-lora",
-        f"model.pretrained={base}",
-        f"data.path={images}",
-        "data.image_size=16",
-        "data.val_fraction=0",
-        "train.precision=no",
-        "train.max_steps=2",
-        "train.batch_size=2",
-        "train.lr=1e-2",
-        "train.num_workers=0",
-        "train.val_every_steps=0",
-        "checkpoint.every_steps=2",
-        "sample.every_steps=0",
-        f"run.dir={root / 'run'}",
-        f"model.text.cache_dir={root / 'text'}",
-        "model.lora.text_encoder=true",
-        env=ENV,
+    text = f"model.text.cache_dir={root / 'text'}"
+    args = train_args(
+        "sd15-lora", base, images, root / "run", "train.precision=no", text, "model.lora.text_encoder=true"
     )
+    r = run_cli("train", *args, env=ENV)
     assert r.returncode == 0, r.stderr[-3000:]
     return base, root / "run"
 
@@ -200,22 +185,11 @@ def test_the_merged_export_is_the_whole_pipeline_and_draws_what_gentrain_samples
     pipe = DiffusionPipeline.from_pretrained(out)
     assert isinstance(pipe, StableDiffusionPipeline) and not getattr(pipe.unet, "peft_config", None)
 
-    def draw(p):
-        return p(
-            [prompt] * 2,
-            height=16,
-            width=16,
-            num_inference_steps=steps,
-            guidance_scale=scale,
-            generator=torch.Generator().manual_seed(7),
-            output_type="pt",
-        ).images
-
-    theirs = draw(pipe)
+    theirs = draw(pipe, prompt, steps, scale)
     assert ours.shape == theirs.shape
     assert (ours - theirs).abs().max() <= 1 / 255
     original = StableDiffusionPipeline.from_pretrained(base, scheduler=pipe.scheduler)
-    assert (draw(original) - ours).abs().max() > 1 / 255  # the merged adapters matter
+    assert (draw(original, prompt, steps, scale) - ours).abs().max() > 1 / 255  # the merged adapters matter
 
 
 def test_merged_export_of_a_run_without_a_pipeline_folder_is_refused():
@@ -294,27 +268,16 @@ def test_text_encoder_lora_trains_checkpoints_adapters_only_and_loads_into_diffu
     pipe = StableDiffusionPipeline.from_pretrained(base, safety_checker=None)
     pipe.scheduler = task.objective.inference_scheduler("ddim")  # after construction: it resets steps_offset
 
-    def draw():
-        return pipe(
-            [prompt] * 2,
-            height=16,
-            width=16,
-            num_inference_steps=steps,
-            guidance_scale=scale,
-            eta=0.0,
-            generator=torch.Generator().manual_seed(7),
-            output_type="pt",
-        ).images
-
     pipe.load_lora_weights(str(out / "unet-lora"))
     assert pipe.unet.peft_config and pipe.text_encoder.peft_config, "diffusers loaded no text encoder adapter"
-    theirs = draw()
+    theirs = draw(pipe, prompt, steps, scale, eta=0.0)
     assert ours.shape == theirs.shape
     assert (ours - theirs).abs().max() <= 1 / 255
     pipe.unload_lora_weights()
     unet_only = {k: v for k, v in adapters.items() if k.startswith("unet.")}
     pipe.load_lora_weights(unet_only)
-    assert (draw() - ours).abs().max() > 1 / 255  # the text encoder's adapters matter
+    # The text encoder's adapters matter.
+    assert (draw(pipe, prompt, steps, scale, eta=0.0) - ours).abs().max() > 1 / 255
 
 
 @pytest.mark.slow
@@ -332,27 +295,13 @@ def test_sdxl_text_encoder_lora_loads_into_diffusers_on_both_clips(tmp_path):
     base = BUILDERS["sdxl"](tmp_path)
     images = captioned_images(tmp_path, 4)
     root = tmp_path / "run"
-    r = run_cli(
-        "train",
-        "sdxl-lora",
-        f"model.pretrained={base}",
-        f"data.path={images}",
-        "data.image_size=16",
-        "data.val_fraction=0",
+    extra = [
         "train.precision=no",
-        "train.max_steps=2",
-        "train.batch_size=2",
-        "train.lr=1e-2",
-        "train.num_workers=0",
-        "train.val_every_steps=0",
-        "checkpoint.every_steps=2",
-        "sample.every_steps=0",
-        f"run.dir={root}",
         f"model.text.cache_dir={tmp_path / 'text'}",
         "model.lora.text_encoder=true",
         "data.buckets=null",  # sdxl-lora's buckets (auto, step 64) hold no 16 px bucket: square crops
-        env=ENV,
-    )
+    ]
+    r = run_cli("train", *train_args("sdxl-lora", base, images, root, *extra), env=ENV)
     assert r.returncode == 0, r.stderr[-3000:]
     out = tmp_path / "export"
     r = run_cli("checkpoints", "export", str(root / "checkpoints"), str(out), env=ENV)
@@ -368,21 +317,10 @@ def test_sdxl_text_encoder_lora_loads_into_diffusers_on_both_clips(tmp_path):
     pipe.load_lora_weights(str(out / "unet-lora"))
     assert pipe.text_encoder.peft_config and pipe.text_encoder_2.peft_config
 
-    def draw():
-        return pipe(
-            ["the red photo"] * 2,
-            height=16,
-            width=16,
-            num_inference_steps=3,
-            guidance_scale=1.0,
-            eta=0.0,
-            generator=torch.Generator().manual_seed(7),
-            output_type="pt",
-        ).images
-
-    theirs = draw()
+    theirs = draw(pipe, "the red photo", 3, 1.0, eta=0.0)
     assert ours.shape == theirs.shape
     assert (ours - theirs).abs().max() <= 1 / 255
     pipe.unload_lora_weights()
     pipe.load_lora_weights({k: v for k, v in adapters.items() if k.startswith("unet.")})
-    assert (draw() - ours).abs().max() > 1 / 255  # the text encoders' adapters matter
+    # The text encoders' adapters matter.
+    assert (draw(pipe, "the red photo", 3, 1.0, eta=0.0) - ours).abs().max() > 1 / 255
