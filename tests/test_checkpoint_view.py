@@ -70,7 +70,7 @@ def written(tmp_path):
     frozen["autoencoder"]["digest"] = "blake3:" + "a" * 64
     inputs = {"text_encoder": {"url": "/enc", "digest": "blake3:" + "b" * 64, "pin": True}}
     meta = {"config": {"task": "ddpm", "seed": 7}, "frozen": frozen, "inputs": inputs, "world_size": 2}
-    info = store.write(5, files, meta).info
+    info = store.write(5, files, {**meta, **store.timeline.fields()}).info  # as CheckpointManager._meta records it
     return CheckpointView(CheckpointReader(store.url), info), files, tmp_path / "root" / "step-000000005"
 
 

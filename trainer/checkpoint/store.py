@@ -124,9 +124,11 @@ class CheckpointStore(CheckpointRetention):
         keep_every_steps: int = 0,
     ):
         super().__init__(url, storage_options, keep, keep_every_steps)
-        # A training process sets both: the timeline its saves belong to (recorded in every manifest; None:
-        # a tool or test writing a root, which keeps any valid step), and the lease check run before every
-        # manifest write and before removing a committed step (trainer.checkpoint.lease.Lease.check).
+        # A training process sets both: the timeline its saves belong to (None: a tool or test writing a root,
+        # which keeps any valid step), and the lease check run before every manifest write and before removing
+        # a committed step (trainer.checkpoint.lease.Lease.check). The timeline's fields reach the manifest in
+        # the meta the caller commits, merged there once (CheckpointManager._meta): the memory tier carries
+        # them in its snapshots' pieces before any commit, so the store does not add them again.
         self.timeline: Timeline | None = None
         self.fence: Callable[[], None] | None = None
 
@@ -242,8 +244,7 @@ class CheckpointStore(CheckpointRetention):
             "step": step,
             "time_utc": datetime.now(timezone.utc).isoformat(timespec="seconds"),
             "digest": DIGEST,
-            **dict(meta),
-            **(self.timeline.fields() if self.timeline is not None else {}),
+            **dict(meta),  # the run's record, its timeline's fields among them (the caller's, see `timeline`)
             "files": dict(entries),
         }
         if self.fence is not None:

@@ -475,6 +475,8 @@ class CheckpointManager:
             "config": self.cfg.to_dict(),
             "frozen": dict(self.frozen),
             "inputs": dict(self.inputs),
+            # Who wrote it, for both tiers: the one place the timeline's fields are merged (the store commits
+            # what it is given; the memory tier's pieces carry them before any commit).
             **(self.store.timeline.fields() if self.store.timeline is not None else {}),
         }
         # LoRA parts whose files hold the adapters only (Part.saved_keys), each with the `inputs` entry that
