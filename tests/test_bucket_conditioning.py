@@ -12,7 +12,7 @@ import pytest
 import torch
 from conftest import REPO, clean_env, run_cli
 from PIL import Image
-from tiny_pipelines import BUILDERS
+from tiny_pipelines import folder_fixture, train_args
 
 from trainer.data import build_splits, collate
 from trainer.data.buckets import bucket_list, cover_crop, cover_size
@@ -33,9 +33,7 @@ BUCKETS = [(12, 20), (16, 16), (20, 12)]
 BUCKETED = ["data.buckets=auto", "data.bucket_step=4", "data.bucket_max_ratio=2", "data.crop=random"]
 
 
-@pytest.fixture(scope="module")
-def sdxl(tmp_path_factory):
-    return BUILDERS["sdxl"](tmp_path_factory.mktemp("pipelines-xl"))
+sdxl = folder_fixture("sdxl")
 
 
 @pytest.fixture(scope="module")
@@ -160,27 +158,10 @@ def test_the_pipeline_presets_train_on_buckets_where_their_family_did(preset):
 
 
 def _train(sdxl, images, root, *extra: str, steps: int = 4, env=None):
-    args = [
-        "train",
-        "sdxl-lora",
-        f"model.pretrained={sdxl}",
-        f"data.path={images}",
-        "data.image_size=16",
-        "data.val_fraction=0",
-        *BUCKETED,
-        f"train.max_steps={steps}",
-        "train.batch_size=2",
-        "train.lr=1e-2",
-        "train.num_workers=0",
-        "train.val_every_steps=0",
-        "checkpoint.every_steps=2",
-        "sample.every_steps=0",
-        f"run.dir={root}",
-        f"model.text.cache_dir={root}-text",
-        "task=probe_tasks:KillableDDPM",
-        *extra,
-    ]
-    return run_cli(*args, env=env or ENV)
+    args = train_args(
+        "sdxl-lora", sdxl, images, root, *BUCKETED, "task=probe_tasks:KillableDDPM", *extra, max_steps=steps
+    )
+    return run_cli("train", *args, env=env or ENV)
 
 
 @pytest.mark.slow

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 import torch
 from test_text_encoders import _tokenizer, tiny_clip, tiny_t5
 
@@ -279,4 +280,16 @@ def draw(pipe, prompt: str, steps: int, scale: float, **kwargs) -> torch.Tensor:
 
 BUILDERS = {"sd": sd, "sdxl": sdxl, "sd3": sd3, "flux": flux, "pixart-sigma": pixart_sigma}
 
-__all__ = ["BUILDERS", "_tokenizer", "captioned_images", "draw", "pipeline_config", "train_args"]
+
+def folder_fixture(family: str):
+    """A module-scoped fixture of the tiny `family` pipeline folder, built once per test module: `sd =
+    folder_fixture("sd")` in a test module (pytest names the fixture after the variable)."""
+
+    @pytest.fixture(scope="module")
+    def folder(tmp_path_factory):
+        return BUILDERS[family](tmp_path_factory.mktemp(f"pipelines-{family}"))
+
+    return folder
+
+
+__all__ = ["BUILDERS", "_tokenizer", "captioned_images", "draw", "folder_fixture", "pipeline_config", "train_args"]
