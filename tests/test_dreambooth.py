@@ -18,7 +18,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from PIL import Image
 from safetensors.torch import load_file
-from tiny_pipelines import BUILDERS, captioned_images
+from tiny_pipelines import captioned_images, folder_fixture
 
 from trainer.data.datasets import Subset
 from trainer.data.dreambooth import DreamBoothSet, Prompted
@@ -95,9 +95,7 @@ def test_sample_prompts_need_a_caption_conditioned_model():
     assert load_config("digits-cascade-text", ["sample.prompts=[a seven]"], {}).sample.prompts == ["a seven"]
 
 
-@pytest.fixture(scope="module")
-def sd(tmp_path_factory):
-    return BUILDERS["sd"](tmp_path_factory.mktemp("pipelines"))
+sd = folder_fixture("sd")
 
 
 @pytest.fixture(scope="module")

@@ -14,7 +14,7 @@ from conftest import REPO, clean_env, run_cli
 from PIL import Image
 from safetensors.torch import load_file, save_file
 from test_text_encoders import WORDS
-from tiny_pipelines import BUILDERS, captioned_images, draw, pipeline_config, train_args
+from tiny_pipelines import captioned_images, draw, folder_fixture, pipeline_config, train_args
 
 from trainer.checkpoint import CheckpointStore
 from trainer.errors import ConfigError
@@ -26,9 +26,7 @@ CPU = torch.device("cpu")
 ENV = clean_env(PYTHONPATH=str(REPO / "tests"))  # probe_tasks: KillableDDPM dies where PROBE_TASK_KILL says
 
 
-@pytest.fixture(scope="module")
-def sd(tmp_path_factory):
-    return BUILDERS["sd"](tmp_path_factory.mktemp("pipelines"))
+sd = folder_fixture("sd")
 
 
 @pytest.fixture(scope="module")
@@ -105,9 +103,7 @@ def test_the_unet_predicts_what_diffusers_unet_predicts(sd, tmp_path, lora):
     )
 
 
-@pytest.fixture(scope="module")
-def sdxl(tmp_path_factory):
-    return BUILDERS["sdxl"](tmp_path_factory.mktemp("pipelines-xl"))
+sdxl = folder_fixture("sdxl")
 
 
 def test_an_sdxl_folder_trains_on_both_clips_pooled_caption_and_size_conditions(sdxl, tmp_path):

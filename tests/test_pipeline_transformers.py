@@ -18,7 +18,7 @@ import torch
 from conftest import REPO, clean_env, run_cli
 from safetensors.torch import load_file
 from test_text_encoders import WORDS
-from tiny_pipelines import BUILDERS, captioned_images, draw, pipeline_config, train_args
+from tiny_pipelines import BUILDERS, captioned_images, draw, folder_fixture, pipeline_config, train_args
 
 from trainer.checkpoint import CheckpointStore
 from trainer.diffusion.backbones import MMDiTBackbone
@@ -34,9 +34,7 @@ ENV = clean_env(PYTHONPATH=str(REPO / "tests"))
 TINY = ("data.buckets=null", "model.text.max_tokens=8")
 
 
-@pytest.fixture(scope="module")
-def sd3(tmp_path_factory):
-    return BUILDERS["sd3"](tmp_path_factory.mktemp("pipelines-sd3"))
+sd3 = folder_fixture("sd3")
 
 
 def _config(folder, tmp_path, *overrides: str, preset: str = "sd3-lora"):
@@ -217,9 +215,7 @@ def test_the_exported_sd3_lora_loads_into_the_base_pipeline_and_draws_what_gentr
 # ---------------------------------------------------------------- PixArt-Sigma
 
 
-@pytest.fixture(scope="module")
-def pixart(tmp_path_factory):
-    return BUILDERS["pixart-sigma"](tmp_path_factory.mktemp("pipelines-pixart"))
+pixart = folder_fixture("pixart-sigma")
 
 
 def test_a_pixart_sigma_folder_sets_the_model_keys(pixart, tmp_path):
