@@ -216,7 +216,7 @@ def test_a_paused_holder_loses_its_lease_after_the_ttl_and_never_commits_again(t
     text = log.read_text()
     assert code == 2, text[-3000:]
     assert "lost its lease" in text and "Traceback" not in text, text[-3000:]
-    assert len(_commits(log)) == commits_before, "the fenced trainer committed after losing the lease"
+    assert len(_commits(log)) == commits_before, "the trainer that lost the lease committed after its lease check"
     written = {int(d.name[5:]): json.loads((d / "manifest.json").read_text()) for d in root.glob("step-*")}
     assert [s for s, m in written.items() if m["timeline"] == mine and s > 20] == []
     assert all(written[s]["timeline"] != mine for s in (22, 24))

@@ -16,7 +16,7 @@ is the engine's (`trainer/engine/checkpoints.py`, CheckpointManager).
     writer.py   Checkpointer: sync or background saves of a snapshot, one in flight
     state.py    which Stateful object goes to which file; restore from them
     sharded.py  a sharded (FSDP) checkpoint: every rank's slices, their index, reading them at any world size
-    lease.py    one trainer per run: an exclusive, renewed, fenced lease on a checkpoint root
+    lease.py    one trainer per run: an exclusive, renewed lease on a checkpoint root, checked before commits
     attempts.py attempts.json: the last crash and its resume point, read as data only (the engine counts them)
     validity.py what a valid checkpoint is: manifest, payload and JSON state schemas, checked before use
     memory.py   the memory tier: snapshots in node-local shared memory, a buddy node's copy, the

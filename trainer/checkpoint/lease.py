@@ -1,4 +1,4 @@
-"""One trainer per run: an exclusive, renewed, fenced lease on a checkpoint root.
+"""One trainer per run: an exclusive, renewed lease on a checkpoint root, checked before every commit.
 
 Two trainers on one root (two pods of a Job after a scheduler hiccup, a user's second launch) would
 both save, resume and prune there, and one's work would be lost without a word. So the first one
@@ -29,11 +29,12 @@ Every write is conditional where the store can make it so, so two contenders nev
   one round trip can still let two contenders believe they won; the loser finds out at its next
   renewal or commit and stops).
 
-Fencing: a holder checks its lease before every manifest write (`check`): if another trainer took it
-over it raises `LeaseLost` (exit 2, never retried: the other trainer owns the run now) and never
-commits again; if it could not renew it for `0.75 * lease_seconds` it refuses that commit (a failed
-save, retried at the next one) because a contender may be taking it over. Clocks of different hosts are
-never compared: a contender watches for a change of the lease, it does not read its time.
+The lease check: a holder checks its lease before every manifest write (`check`, the store's
+`check_lease`): if another trainer took it over it raises `LeaseLost` (exit 2, never retried: the other
+trainer owns the run now) and never commits again; if it could not renew it for `0.75 * lease_seconds` it
+refuses that commit (a failed save, retried at the next one) because a contender may be taking it over.
+Clocks of different hosts are never compared: a contender watches for a change of the lease, it does not
+read its time.
 
 The lease file is data from the store, never trusted: it is opened without following a link (local disks:
 `O_NOFOLLOW | O_NONBLOCK`, so a FIFO there never blocks), must be a regular file (object stores: an object,
@@ -670,7 +671,7 @@ class Lease:
             except _Conflict:
                 self._mark_lost(self.file.read())
                 return False
-            except Exception as e:  # noqa: BLE001 - an outage: retried at the next beat; `check` fences meanwhile
+            except Exception as e:  # noqa: BLE001 - an outage: retried at the next beat; `check` refuses commits meanwhile
                 log.warning("could not renew the lease on %s (retrying): %s", self.url, e)
                 return True
 
@@ -687,7 +688,7 @@ class Lease:
         log.error("%s", self.lost)
 
     def check(self) -> None:
-        """Fencing, before every commit: LeaseLost if another trainer took over, CheckpointError if the lease
+        """The lease check, before every commit (`CheckpointStore.check_lease`): LeaseLost if another trainer took over, CheckpointError if the lease
         could not be renewed lately (a contender may be taking it over now)."""
         if self.lost is not None:
             raise LeaseLost(self.lost)

@@ -14,7 +14,7 @@ Ownership: a save belongs to one run and one timeline of it (`Timeline`; docs/ch
 timelines and the lease"). A step committed by another timeline (an older run, or the part of this run
 a resume fell back past) is replaced, never kept: its manifest goes first (the step is uncommitted),
 then its files, then the new payload and manifest. Only a step this timeline already wrote, or the one
-it started from, is not written again. `fence` (the lease's check) runs before every manifest write
+it started from, is not written again. `check_lease` (the lease's check) runs before every manifest write
 and before such a removal, so a trainer that lost the root to another never commits or deletes there.
 
 Limits: one committer per root (rank 0 of one job; the lease keeps other jobs out). In a sharded save every
@@ -130,7 +130,7 @@ class CheckpointStore(CheckpointRetention):
         # the meta the caller commits, merged there once (CheckpointManager._meta): the memory tier carries
         # them in its snapshots' pieces before any commit, so the store does not add them again.
         self.timeline: Timeline | None = None
-        self.fence: Callable[[], None] | None = None
+        self.check_lease: Callable[[], None] | None = None
 
     # -- writing
     def _put_small(self, path: str, data: bytes) -> None:
@@ -176,8 +176,8 @@ class CheckpointStore(CheckpointRetention):
         if valid and (self.timeline is None or self.timeline.wrote(info)):
             log.info("checkpoint %s is already committed and valid; not writing it again", info.url)
             return info
-        if self.fence is not None:
-            self.fence()  # a trainer that lost the root deletes nothing there
+        if self.check_lease is not None:
+            self.check_lease()  # a trainer that lost the root deletes nothing there
         if valid:
             log.warning(
                 "checkpoint %s was written by %s, not by this timeline (%s): replacing it",
@@ -247,8 +247,8 @@ class CheckpointStore(CheckpointRetention):
             **dict(meta),  # the run's record, its timeline's fields among them (the caller's, see `timeline`)
             "files": dict(entries),
         }
-        if self.fence is not None:
-            self.fence()  # fencing: never commit once another trainer holds the root
+        if self.check_lease is not None:
+            self.check_lease()  # never commit once another trainer holds the root
         self._put_small(posixpath.join(d, MANIFEST), json.dumps(manifest, indent=1).encode())
         info = self.check(step)
         if not info.valid:

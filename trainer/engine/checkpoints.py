@@ -740,7 +740,7 @@ class CheckpointManager:
         if refusal is not None:
             raise LeaseError(refusal)
         if lease is not None:
-            self.store.fence = lease.check
+            self.store.check_lease = lease.check
             atexit.register(lease.release)  # an exit on an error: the next launch need not wait for it to lapse
         return lease
 
