@@ -18,16 +18,14 @@ from conftest import REPO, clean_env, run_cli
 from safetensors.torch import load_file
 from test_pipeline_finetune import _raw_header
 from test_vqgan_maskgit import _kill_and_compare
-from tiny_pipelines import BUILDERS, captioned_images
+from tiny_pipelines import BUILDERS, captioned_images, folder_fixture, train_args
 
 pytestmark = pytest.mark.slow
 
 STEPS, KILL_AT = 4, 3  # checkpoints at 2 and 4: rank 1 dies in step 3
 
 
-@pytest.fixture(scope="module")
-def sd(tmp_path_factory):
-    return BUILDERS["sd"](tmp_path_factory.mktemp("pipelines"))
+sd = folder_fixture("sd")
 
 
 @pytest.fixture(scope="module")
@@ -39,27 +37,19 @@ def _args(sd, images, tmp_path, *extra: str):
     text = tmp_path / "text"  # one caption cache for both runs: each caption encoded alone, so the same bytes
 
     def make(root):
-        return [
+        return train_args(
             "sd15-lora",  # bf16: the LoRA base in bf16, a full fine-tune's fp32 weights gathered in bf16
-            f"model.pretrained={sd}",
-            f"data.path={images}",
-            "data.image_size=16",
-            "data.val_fraction=0",
-            f"train.max_steps={STEPS}",
-            "train.batch_size=2",
-            "train.lr=1e-2",
-            "train.num_workers=0",
-            "train.val_every_steps=0",
-            "checkpoint.every_steps=2",
-            "sample.every_steps=0",
+            sd,
+            images,
+            f"{root}/run",
             "sample.num=1",  # the preview drawn at the end: one image, one step
             "sample.inference_steps=1",
-            f"run.dir={root}/run",
             f"model.text.cache_dir={text}",
             "task=probe_tasks:KillableDDPM",
             "train.parallel=fsdp",
             *(e.replace("ROOT", str(root)) for e in extra),
-        ]
+            max_steps=STEPS,
+        )
 
     return make
 
