@@ -21,7 +21,7 @@ from helpers import assert_tensors_equal
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from PIL import Image
-from test_buckets import make_folder
+from test_buckets import FOLDER_BUCKETS, make_folder
 from test_latent import vae_folder
 from test_latent_shards import ENV
 from test_vqgan_maskgit import _kill_and_resume_one_process
@@ -37,18 +37,8 @@ from trainer.encode import encode_dataset
 from trainer.errors import ConfigError
 from trainer.registry import load_config
 
-# make_folder's images at data.image_size 16, step 4, ratio 2: buckets 12x20, 16x16, 20x12; 10x50 too extreme
-BUCKETS = [
-    "data.image_size=16",
-    "data.channels=3",
-    "data.buckets=auto",
-    "data.bucket_step=4",
-    "data.bucket_max_ratio=2",
-    "data.bucket_min_fraction=0.25",
-    "data.crop=random",
-    "data.flip=true",
-    "train.batch_size=4",
-]
+# make_folder's buckets (12x20, 16x16, 20x12), random crops and flips
+BUCKETS = [*FOLDER_BUCKETS, "data.crop=random", "data.flip=true", "train.batch_size=4"]
 
 
 def config(*args: str):

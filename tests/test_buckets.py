@@ -182,18 +182,24 @@ def make_folder(root, copies: int = 5):
     return root
 
 
+# make_folder's images at data.image_size 16, step 4, ratio 2: buckets 12x20, 16x16, 20x12; 10x50 too extreme
+FOLDER_BUCKETS = [
+    "data.image_size=16",
+    "data.channels=3",
+    "data.buckets=auto",
+    "data.bucket_step=4",
+    "data.bucket_max_ratio=2",
+    "data.bucket_min_fraction=0.25",
+]
+
+
 def folder_config(tmp_path, *extra: str):
     return load_config(
         None,
         [
             "data.source=folder",
             f"data.path={tmp_path / 'images'}",
-            "data.image_size=16",
-            "data.channels=3",
-            "data.buckets=auto",
-            "data.bucket_step=4",
-            "data.bucket_max_ratio=2",
-            "data.bucket_min_fraction=0.25",
+            *FOLDER_BUCKETS,
             "data.val_fraction=0",
             "train.batch_size=4",
             f"run.dir={tmp_path / 'run'}",

@@ -39,7 +39,14 @@ import blake3
 import numpy as np
 from PIL import Image
 
-from trainer.data.buckets import BucketPlan, bucket_list, cached_sizes, plan_digest
+from trainer.data.buckets import (
+    BucketPlan,
+    bucket_list,
+    bucket_summary,
+    cached_sizes,
+    plan_digest,
+    refuse_all_skipped,
+)
 from trainer.data.datasets import IMAGE_EXTENSIONS
 from trainer.data.sampler import BucketStream, SampleRef
 from trainer.data.shards.index import digest as blob_digest
@@ -293,11 +300,7 @@ class BucketedShardSplit:
         self.members = [np.flatnonzero(self.bucket == k) for k in range(len(plan.buckets))]
         self.image_shape = shapes[0]
         self.held = self.members[int(np.argmax([len(m) for m in self.members]))]
-        if len(self.local) == 0:
-            raise ConfigError(
-                f"data.buckets: every training sample was skipped ({_counts_text(self.skipped)}): check "
-                "data.bucket_max_ratio and data.bucket_min_fraction against the images"
-            )
+        refuse_all_skipped(len(self.local), self.skipped, "sample")
 
     def __len__(self) -> int:
         return len(self.local)
@@ -314,9 +317,7 @@ class BucketedShardSplit:
         return {"data.buckets": self.digest, "train.batch_size": self.global_batch}
 
     def summary(self) -> str:
-        used = sum(1 for m in self.members if len(m))
-        skipped = f"; skipped {_counts_text(self.skipped)}" if self.skipped else ""
-        return f"{len(self)} training samples in {used} of {len(self.plan.buckets)} aspect-ratio buckets{skipped}"
+        return bucket_summary(len(self), self.members, len(self.plan.buckets), self.skipped, "sample")
 
     def __getitem__(self, ref: SampleRef):
         return self.__getitems__([ref])[0]
@@ -364,10 +365,6 @@ class OneBucketSplit:
     def __getitems__(self, refs: list[SampleRef]):
         inner = [replace(r, index=int(self.local[r.index]), fixed_aug_seed=r.aug_seed) for r in refs]
         return self.split.load_refs(inner, [self.size] * len(refs), [self.image_shape] * len(refs))
-
-
-def _counts_text(counts: dict[str, int]) -> str:
-    return ", ".join(f"{n} {why}" for why, n in counts.items()) or "none"
 
 
 def bucketed_shards(cfg, train, val):

@@ -334,11 +334,7 @@ class BucketedSubset:
         self.image_shape = (channels, *plan.buckets[0])  # one bucket's; each sample's is its own bucket's
         local = plan.assign[self.indices]
         self.members = [np.flatnonzero(local == k) for k in range(len(plan.buckets))]
-        if len(self.indices) == 0:
-            raise ConfigError(
-                f"data.buckets: every training image was skipped ({_counts_text(self.skipped)}): check "
-                "data.bucket_max_ratio and data.bucket_min_fraction against the images"
-            )
+        refuse_all_skipped(len(self.indices), self.skipped, "image")
 
     def __len__(self) -> int:
         return len(self.indices)
@@ -355,9 +351,7 @@ class BucketedSubset:
         return {"data.buckets": self.digest, "train.batch_size": self.global_batch}
 
     def summary(self) -> str:
-        used = sum(1 for m in self.members if len(m))
-        skipped = f"; skipped {_counts_text(self.skipped)}" if self.skipped else ""
-        return f"{len(self)} training images in {used} of {len(self.plan.buckets)} aspect-ratio buckets{skipped}"
+        return bucket_summary(len(self), self.members, len(self.plan.buckets), self.skipped, "image")
 
     def __getitem__(self, ref: SampleRef):
         """A training ref (it carries the run's seed) loads at its bucket's shape; a held-out ref (no seed:
@@ -380,3 +374,19 @@ class BucketedSubset:
 
 def _counts_text(counts: dict[str, int]) -> str:
     return ", ".join(f"{n} {why}" for why, n in counts.items()) or "none"
+
+
+def refuse_all_skipped(kept: int, skipped: dict[str, int], what: str) -> None:
+    """Exit 2 when a bucketed training split kept no `what` (image: a folder's, sample: a shard source's)."""
+    if kept == 0:
+        raise ConfigError(
+            f"data.buckets: every training {what} was skipped ({_counts_text(skipped)}): check "
+            "data.bucket_max_ratio and data.bucket_min_fraction against the images"
+        )
+
+
+def bucket_summary(kept: int, members: list, n_buckets: int, skipped: dict[str, int], what: str) -> str:
+    """A bucketed training split's log line: its `what`s (image, sample), the buckets they fill, the skips."""
+    used = sum(1 for m in members if len(m))
+    skips = f"; skipped {_counts_text(skipped)}" if skipped else ""
+    return f"{kept} training {what}s in {used} of {n_buckets} aspect-ratio buckets{skips}"
