@@ -182,24 +182,8 @@ def test_the_exported_sd3_lora_loads_into_the_base_pipeline_and_draws_what_gentr
     schedule, draws the images gentrain draws within 1/255 (same seed, steps, guidance, prompt)."""
     from diffusers import StableDiffusion3Pipeline
 
-    from trainer.checkpoint import CheckpointView
-    from trainer.runs import load_for_inference
-    from trainer.tasks.sampling import SampleRequest
-
-    root = tmp_path / "run"
-    r = run_cli("train", *train_args("sd3-lora", sd3, images, root, *TINY, "train.precision=no"), env=ENV)
-    assert r.returncode == 0, r.stderr[-3000:]
-    out = tmp_path / "export"
-    r = run_cli("checkpoints", "export", str(root / "checkpoints"), str(out), env=ENV)
-    assert r.returncode == 0, r.stderr[-3000:]
-    adapters = load_file(out / "transformer-lora" / "pytorch_lora_weights.safetensors")
-    assert adapters and all(k.startswith("transformer.") for k in adapters)
-
-    store = CheckpointStore(str(root / "checkpoints"), {})
-    _, task, modules = load_for_inference(CheckpointView(store, store.check(2)), use_ema=True, device=CPU)
     prompt, steps, scale = "the red photo", 4, 3.0
-    request = SampleRequest(num=2, seed=7, prompts=[prompt], inference_steps=steps, guidance_scale=scale)
-    ours = task.sample(modules, request, CPU)
+    out, _, ours = _exported("sd3-lora", sd3, images, tmp_path, steps, scale)
 
     pipe = StableDiffusion3Pipeline.from_pretrained(sd3)
     pipe.load_lora_weights(str(out / "transformer-lora"))
@@ -390,15 +374,16 @@ def test_a_sigkilled_lora_run_of_each_transformer_family_resumes_bit_identically
 # ---------------------------------------------------------------- LoRA files out, drawn by diffusers
 
 
-def _exported(preset: str, folder, images, tmp_path, steps: int = 2, scale: float = 3.0):
-    """A 2-step fp32 LoRA run of `preset` on `folder`, exported: (export folder, the run's objective, gentrain's
-    images for "the red photo" x 2 at seed 7, `steps` steps and guidance `scale`)."""
+def _exported(preset: str, folder, images, tmp_path, steps: int, scale: float, *train: str):
+    """A 2-step fp32 LoRA run of `preset` on `folder` (no previews; `train`: its own keys), exported: (export
+    folder, the run's objective, gentrain's images for "the red photo" x 2 at seed 7, `steps` steps and guidance
+    `scale`)."""
     from trainer.checkpoint import CheckpointView
     from trainer.runs import load_for_inference
     from trainer.tasks.sampling import SampleRequest
 
     root = tmp_path / "run"
-    r = _train(preset, folder, images, root, "train.precision=no", "sample.every_steps=0")
+    r = run_cli("train", *train_args(preset, folder, images, root, *TINY, "train.precision=no", *train), env=ENV)
     assert r.returncode == 0, r.stderr[-3000:]
     out = tmp_path / "export"
     r = run_cli("checkpoints", "export", str(root / "checkpoints"), str(out), env=ENV)
@@ -421,7 +406,7 @@ def test_the_exported_flux_lora_loads_into_the_base_pipeline_and_draws_what_gent
     from diffusers import FluxPipeline
 
     steps, scale = 2, 3.0
-    out, objective, ours = _exported("flux-lora", flux, images, tmp_path, steps, scale)
+    out, objective, ours = _exported("flux-lora", flux, images, tmp_path, steps, scale, "sample.inference_steps=2")
     pipe = FluxPipeline.from_pretrained(flux)
     pipe.load_lora_weights(str(out / "transformer-lora"))
     assert pipe.transformer.peft_config, "diffusers loaded no adapter"
@@ -451,7 +436,9 @@ def test_the_exported_pixart_sigma_transformer_draws_what_gentrain_samples(pixar
     from diffusers import PixArtSigmaPipeline, PixArtTransformer2DModel
 
     steps, scale = 2, 3.0
-    out, objective, ours = _exported("pixart-sigma-lora", pixart, images, tmp_path, steps, scale)
+    out, objective, ours = _exported(
+        "pixart-sigma-lora", pixart, images, tmp_path, steps, scale, "sample.inference_steps=2"
+    )
 
     def draw_pixart(pipe):
         pipe.scheduler = objective.inference_scheduler("ddim")
