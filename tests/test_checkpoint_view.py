@@ -41,6 +41,18 @@ def test_no_module_outside_the_checkpoint_library_reads_a_manifest():
     assert found == [], "read the checkpoint through trainer.checkpoint.view.CheckpointView instead"
 
 
+def test_views_come_from_their_reader_outside_the_checkpoint_library():
+    """`reader.view(info)` (or `candidate_views`), never `CheckpointView(reader, info)` by hand (issue 51)."""
+    outside = [p for p in sorted(PACKAGE.rglob("*.py")) if PACKAGE / "checkpoint" not in p.parents]
+    found = [
+        f"{path.relative_to(REPO)}:{node.lineno}"
+        for path in outside
+        for node in ast.walk(ast.parse(path.read_text("utf-8")))
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "CheckpointView"
+    ]
+    assert found == [], "get the view from its reader or store: reader.view(info)"
+
+
 def test_the_manifest_check_finds_reads_and_leaves_writes_alone():
     source = "def f(info, other):\n    other.manifest = 1\n    return info.manifest['files'], g(info.manifest)\n"
     assert _manifest_reads(source) == [3, 3]

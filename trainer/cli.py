@@ -575,7 +575,6 @@ def _check(store, info, args: argparse.Namespace, cache: dict | None = None) -> 
     checked against a model, or None). Files first (sizes, digests, structure), then whether the weights fit
     the model the checkpoint's config builds, as sampling and resuming need them to."""
     # Imports torch and the tasks: only `checkpoints list` and `verify` get here.
-    from trainer.checkpoint import CheckpointView
     from trainer.runs import fit_problems
 
     problems = [info.reason] if not info.valid else store.verify(info)
@@ -585,10 +584,10 @@ def _check(store, info, args: argparse.Namespace, cache: dict | None = None) -> 
         from trainer.runs import verify_bases  # torch-heavy (see the module doc)
 
         # LoRA adapters alone: their pinned base folder must be there, unchanged (exit 2 naming it otherwise).
-        for base in verify_bases(CheckpointView(store, info)):
+        for base in verify_bases(store.view(info)):
             print(f"base: {base} as pinned")
     try:
-        return fit_problems(CheckpointView(store, info), args.task, args.text_encoder, cache), None
+        return fit_problems(store.view(info), args.task, args.text_encoder, cache), None
     except ConfigError as e:  # no model to compare with (an import-path task without --task, no config, ...)
         return [], _REDACT.clean(str(e))
     except CheckpointError as e:
@@ -645,7 +644,7 @@ def _list_checkpoints(args: argparse.Namespace, store) -> int:
 def cmd_checkpoints(args: argparse.Namespace) -> int:
     _setup_logging()
     # torch-heavy (see the module doc)
-    from trainer.checkpoint import CheckpointReader, CheckpointView, resolve_checkpoint
+    from trainer.checkpoint import CheckpointReader, resolve_checkpoint
 
     if args.action == "list":
         from trainer.storage import store_errors  # fsspec (see the module doc)
@@ -679,7 +678,7 @@ def cmd_checkpoints(args: argparse.Namespace) -> int:
     if args.action == "consolidate":
         from trainer.runs import consolidate  # torch-heavy (see the module doc)
 
-        view = CheckpointView(store, info)
+        view = store.view(info)
         copy = consolidate(view, args.out, args.storage_options)
         print(
             f"wrote {copy.url}: {len(copy.file_names)} files, "
@@ -692,7 +691,7 @@ def cmd_checkpoints(args: argparse.Namespace) -> int:
         for p in problems:
             print(f"  {p}")
         return EXIT_INVALID_CHECKPOINT
-    view = CheckpointView(store, info)
+    view = store.view(info)
     fit = "weights fit the model" if skipped is None else "weights not checked against a model"
     print(
         f"valid: {view.url} (step {view.step}, {len(view.file_names)} files, {_human_bytes(view.total_bytes)}, "
@@ -825,7 +824,7 @@ def cmd_presets(args: argparse.Namespace) -> int:
 def cmd_runs(args: argparse.Namespace) -> int:
     """`runs goodput ROOT`: the time accounting the run keeps in its newest checkpoint (trainer.engine.goodput)."""
     _setup_logging()
-    from trainer.checkpoint import CheckpointReader, CheckpointView  # torch-heavy (see the module doc)
+    from trainer.checkpoint import CheckpointReader  # torch-heavy (see the module doc)
     from trainer.engine.goodput import parse_record, table
     from trainer.storage import store_errors
 
@@ -837,7 +836,7 @@ def cmd_runs(args: argparse.Namespace) -> int:
                 f"{args.root} holds no valid checkpoint, so no time accounting: give a run's checkpoint root "
                 "(its checkpoint.url) once it has saved a checkpoint"
             )
-        view = CheckpointView(reader, info)
+        view = reader.view(info)
         progress = view.trainer_state().get("progress") or {}
     record = parse_record(progress.get("goodput"))
     if record is None:

@@ -120,7 +120,7 @@ def _resolve(url: str, storage_options: Mapping[str, Any]) -> CheckpointView | N
         reader, info = resolve_checkpoint(url, storage_options)
     except (OSError, ValueError) as e:
         raise ConfigError(f"cannot open checkpoint URL {url!r}: {e}") from None
-    return CheckpointView(reader, info) if info is not None and info.valid else None
+    return reader.view(info) if info is not None and info.valid else None
 
 
 def _part_digest(view: CheckpointView, source: FrozenSource) -> str:
@@ -311,7 +311,7 @@ def _frozen_for_shapes(view: CheckpointView, name: str) -> FrozenWeights:
         raise ConfigError(f"frozen part {name!r}: cannot open its recorded source {url!r}: {e}") from None
     if not source.valid:
         raise ConfigError(f"frozen part {name!r}: its recorded source {url} is not valid ({source.reason})")
-    return FrozenWeights(config_of(CheckpointView(reader, source), flag=None), {}, record)
+    return FrozenWeights(config_of(reader.view(source), flag=None), {}, record)
 
 
 def model_shapes(
@@ -444,4 +444,4 @@ def consolidate(view: CheckpointView, out_url: str, storage_options: Mapping[str
     meta["consolidated_from"] = view.url
     meta["world_size"] = 1
     store = CheckpointStore(out_url, storage_options)
-    return CheckpointView(store, store.write(view.step, files, meta).info)
+    return store.view(store.write(view.step, files, meta).info)

@@ -21,7 +21,7 @@ This is the reading side of the store: it never writes or deletes, so sampling, 
 frozen part's source run get a reader (`resolve_checkpoint`), and only a training run or a tool that
 writes a root makes a `CheckpointStore` (store.py: committing; retention.py: pruning). What a manifest
 *means* (a part's weights, digests, part steps, the run's config) is read through
-`trainer.checkpoint.view.CheckpointView`, not from the manifest dict.
+`trainer.checkpoint.view.CheckpointView` (`view(info)`), not from the manifest dict.
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ import posixpath
 from collections import Counter
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from fsspec.implementations.local import LocalFileSystem
@@ -65,6 +65,9 @@ from trainer.checkpoint.validity import (
 )
 from trainer.errors import CheckpointCorrupt
 from trainer.storage import filesystem
+
+if TYPE_CHECKING:
+    from trainer.checkpoint.view import CheckpointView
 
 log = logging.getLogger(__name__)
 
@@ -109,6 +112,14 @@ class CheckpointReader:
         self._local = isinstance(self.fs, LocalFileSystem)
         self._verified: set[tuple[int, str]] = set()  # (step, manifest fingerprint) found valid by `verify`
         self._digests_ok: set[tuple[int, str, str]] = set()  # (step, fingerprint, file) whose digest matched
+
+    def view(self, info: CheckpointInfo) -> CheckpointView:
+        """`info` read through this reader, its manifest interpreted (trainer.checkpoint.view): the one way
+        code outside `trainer.checkpoint` gets a view. CheckpointCorrupt for a step that has no manifest."""
+        # view.py builds on this module (a view reads through a reader): imported when a view is made.
+        from trainer.checkpoint.view import CheckpointView
+
+        return CheckpointView(self, info)
 
     # -- paths
     def _path(self, *parts: str) -> str:

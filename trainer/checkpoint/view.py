@@ -298,12 +298,12 @@ def candidate_views(
     step = parse_step_dir(base)
     if step is None:
         reader = CheckpointReader(url, storage_options)
-        return True, (CheckpointView(reader, info) for info in reader.valid_candidates(deep=False))
+        return True, (reader.view(info) for info in reader.valid_candidates(deep=False))
     reader = CheckpointReader(url[: -len(base) - 1] or ".", storage_options)
     info = reader.check(step)
     if not info.valid:
         raise CheckpointCorrupt(info.reason)
-    return False, iter([CheckpointView(reader, info)])
+    return False, iter([reader.view(info)])
 
 
 def check_pinned_inputs(recorded: Mapping[str, Any], current: Mapping[str, Any], where: str) -> None:

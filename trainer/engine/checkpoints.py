@@ -45,7 +45,7 @@ from trainer.checkpoint.store import (
     Timeline,
     new_owner_id,
 )
-from trainer.checkpoint.view import CheckpointView, check_pinned_inputs
+from trainer.checkpoint.view import check_pinned_inputs
 from trainer.checkpoint.writer import Checkpointer, SnapshotError
 from trainer.config import Config
 from trainer.config.redact import REDACTED, redact
@@ -250,7 +250,7 @@ class CheckpointManager:
         first = True
         while True:
             info = next(candidates, None) if candidates is not None else None
-            inputs = CheckpointView(self.store, info).inputs if info is not None and first else None
+            inputs = self.store.view(info).inputs if info is not None and first else None
             step, recorded = broadcast_object((info.step if info is not None else None, inputs))
             if step is None:
                 self._start_timeline(None)
@@ -344,7 +344,7 @@ class CheckpointManager:
         when the root holds no run (a new root, or one deleted to start over); None: not known (a checkpoint
         from before runs were recorded), no check."""
         if newest is not None:
-            run = CheckpointView(self.store, newest).run
+            run = self.store.view(newest).run
             return ("run", run) if run else None
         if self.lease is not None and self.lease.previous_run:
             return ("run", self.lease.previous_run)
@@ -761,7 +761,7 @@ class CheckpointManager:
         if self.env.is_main:
             newest = next(iter(self.store.valid_candidates()), None)
             if newest is not None:
-                job = CheckpointView(self.store, newest).job
+                job = self.store.view(newest).job
                 if self.env.restart_count > 0 and self.env.run_id not in ("", "local") and job == self.env.run_id:
                     log.warning(
                         "checkpoint.resume=false, but this is restart %d of torchrun job %s, which wrote %s: "
@@ -775,7 +775,7 @@ class CheckpointManager:
                     verdict = (
                         False,
                         f"checkpoint.resume=false, but {self.store.url} holds checkpoints of another run (newest "
-                        f"{newest.url}, written by {CheckpointView(self.store, newest).owner}): gentrain does not write two "
+                        f"{newest.url}, written by {self.store.view(newest).owner}): gentrain does not write two "
                         "runs into one root. To start over, give this run its own checkpoint.url (or name), or "
                         f"delete {self.store.url}; to continue that run, leave checkpoint.resume=true",
                     )
@@ -787,7 +787,7 @@ class CheckpointManager:
     def _start_timeline(self, info: CheckpointInfo | None, origin: bool = True) -> None:
         """Collective: mint this process's timeline, carrying the run id of the checkpoint `info` it resumed
         from (a fresh run id when it starts fresh, or from a checkpoint that recorded none)."""
-        run = CheckpointView(self.store, info).run if info is not None else None
+        run = self.store.view(info).run if info is not None else None
         timeline = Timeline(
             run=run or new_owner_id(),
             timeline=new_owner_id(),
