@@ -289,8 +289,11 @@ def test_pack_round_trip_keeps_pixels_captions_classes_and_embeddings_and_index_
     assert pack(src, tmp_path / "cli", 4).splitlines()[-1].endswith("1 skipped")
     assert (tmp_path / "cli" / "000000.tar").read_bytes() == (tmp_path / "shuffled" / "000000.tar").read_bytes()
 
-    # `data index` on the same shards (as if made elsewhere) writes the same offsets.
+    # `data index` on the same shards (as if made elsewhere) writes the same offsets. `data pack` also lists each
+    # image's [height, width] (aspect-ratio buckets read them); `data index` reads tar headers only, so its
+    # indexes have no sizes and a bucketed run reads the images' headers once instead (docs/data.md).
     packed = {p.name: json.loads(p.read_text()) for p in out.glob("*.idx.json")}
+    assert all(len(index.pop("sizes")) == len(index["offsets"]) - 1 for index in packed.values()), packed
     for p in out.glob("*.json"):
         p.unlink()
     r = run_cli("data", "index", f"{out}/{{000000..000002}}.tar")

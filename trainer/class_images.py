@@ -177,7 +177,7 @@ def _write_image(fs, root: str, name: str, image) -> None:
 def _load(pipeline_class: str, local: str, ignored: tuple[str, ...], dtype: torch.dtype, device: torch.device):
     """diffusers' pipeline class of the family, from the local folder, offline; the slots gentrain never reads (a
     safety checker, an image processor) are not loaded."""
-    import diffusers  # the `gentrain[diffusers]` dependency, only for generating
+    import diffusers  # a core dependency, imported here only: the pipeline classes are for generating
 
     with open(posixpath.join(local, "model_index.json"), encoding="utf-8") as f:
         index = json.load(f)
