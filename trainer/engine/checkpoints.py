@@ -291,13 +291,19 @@ class CheckpointManager:
             tier.reached() if tier.is_leader else None,
             self.env.rank,
         )
-        gathered = gather_objects((report, durable, belongs))
+        # A worker-group restart of this torchrun job, as any rank's agent counts it: rank 0 may be on a
+        # replacement node whose agent counts from 0 while a survivor's agent has restarted (then the root
+        # holding no checkpoint yet is this job's, not a new one's).
+        restarted = self.env.restart_count > 0 and self.env.run_id not in ("", "local")
+        gathered = gather_objects((report, durable, belongs, restarted))
         durable, belongs = gathered[0][1], gathered[0][2]
+        if belongs == ("none", "") and any(g[3] for g in gathered):
+            belongs = ("job", self.env.run_id)
         if belongs == ("none", ""):  # the root holds no run: whatever the memory tier holds is another's
-            if any(r[0] for r, _, _ in gathered):
+            if any(r[0] for r, _, _, _ in gathered):
                 self._stale_memory("the checkpoint root holds no run (a new root, or one deleted to start over)")
             return None
-        plan = agree([r for r, _, _ in gathered], durable)
+        plan = agree([r for r, _, _, _ in gathered], durable)
         self.steps_reached = plan.reached
         leaders = [n[0] for n in tier.topology.nodes]
         for step in plan.candidates:
