@@ -64,6 +64,7 @@ class Family:
     required: Mapping[str, Any]  # slot -> (library, classes) | _TOKENIZER | _SCHEDULER
     optional: Mapping[str, Any] = field(default_factory=dict)  # slots a folder may hold or set to null
     ignored: tuple[str, ...] = ()  # slots gentrain never reads (a safety checker, an image processor)
+    text_kind: str = ""  # model.text.kind its text encoders fill in (the expand_* functions below)
 
 
 _SD_IGNORED = ("safety_checker", "feature_extractor", "image_encoder")
@@ -76,6 +77,7 @@ FAMILIES: tuple[Family, ...] = (
         "UNet2DConditionModel",
         {"vae": _VAE, "text_encoder": _CLIP, "tokenizer": _TOKENIZER, "scheduler": _SCHEDULER},
         ignored=_SD_IGNORED,
+        text_kind="sd",
     ),
     Family(
         "sdxl",
@@ -91,6 +93,7 @@ FAMILIES: tuple[Family, ...] = (
             "scheduler": _SCHEDULER,
         },
         ignored=_SD_IGNORED,
+        text_kind="sdxl",
     ),
     Family(
         "sd3",
@@ -108,6 +111,7 @@ FAMILIES: tuple[Family, ...] = (
         # SD3 runs without T5 (its slot null): diffusers' encode_prompt then pads with zeros.
         optional={"text_encoder_3": _T5, "tokenizer_3": _TOKENIZER},
         ignored=("image_encoder", "feature_extractor"),
+        text_kind="sd3",
     ),
     Family(
         "flux",
@@ -123,6 +127,7 @@ FAMILIES: tuple[Family, ...] = (
             "scheduler": _SCHEDULER,
         },
         ignored=("image_encoder", "feature_extractor"),
+        text_kind="flux",
     ),
     Family(
         "pixart-sigma",
@@ -130,6 +135,7 @@ FAMILIES: tuple[Family, ...] = (
         "transformer",
         "PixArtTransformer2DModel",
         {"vae": _VAE, "text_encoder": _T5, "tokenizer": _TOKENIZER, "scheduler": _SCHEDULER},
+        text_kind="t5",
     ),
 )
 
@@ -194,6 +200,11 @@ class PipelineFolder:
 
 def family_of(pipeline_class: str) -> Family | None:
     return next((f for f in FAMILIES if pipeline_class in f.pipelines), None)
+
+
+def pipeline_for_text(text_kind: str) -> str | None:
+    """The diffusers pipeline class a fine-tune whose captions are encoded as `text_kind` loads back into."""
+    return next((f.pipelines[0] for f in FAMILIES if f.text_kind == text_kind), None)
 
 
 def _known() -> str:

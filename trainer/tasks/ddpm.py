@@ -42,7 +42,7 @@ from trainer.diffusion.config import LatentAutoencoderConfig, NoiseConfig, froze
 from trainer.errors import ConfigError
 from trainer.models.export import DIT_PIPELINE_NULL_CLASS, dit_for_pipeline
 from trainer.models.finetune import attach_text_lora, prepare_unet
-from trainer.models.pipelines import expand_ddpm_model, inspect_pipeline, is_pipeline_folder
+from trainer.models.pipelines import expand_ddpm_model, inspect_pipeline, is_pipeline_folder, pipeline_for_text
 from trainer.randomness import sample_draws
 from trainer.tasks.base import Batch, Export, FrozenSource, Loss, Phase, PreviewContext, StepInfo, Task, TaskContext
 from trainer.tasks.sampling import SampleRequest
@@ -326,7 +326,7 @@ class DDPMTask(Task):
         c, kind, objective = self.cfg, self.cfg.denoiser.kind, self.objective.name
         offered = c.denoiser_class.pipeline  # the pipeline its backbone declares, if the rest allows
         if self._from_pipeline:
-            pipe = _PIPELINES[c.text.kind]
+            pipe = pipeline_for_text(c.text.kind)
             part, cls = self.part, type(self.backbone.model).__name__ if self.backbone else "UNet2DConditionModel"
             lora = f", or the adapters alone onto it: pipe.load_lora_weights('OUT/{part}-lora')" if c.lora else ""
             return (
@@ -479,7 +479,12 @@ class DDPMTask(Task):
         in: the denoiser's diffusers config and the pipeline's text encoders)."""
         c = self.cfg
         built_from = getattr(c.denoiser, "unet_config", None) or getattr(c.denoiser, "transformer_config", None)
-        return c.pretrained is not None and built_from is not None and c.text is not None and c.text.kind in _PIPELINES
+        return (
+            c.pretrained is not None
+            and built_from is not None
+            and c.text is not None
+            and pipeline_for_text(c.text.kind) is not None
+        )
 
     def _net(self, module: nn.Module):
         """The part as the core calls a network: (x, t, conditions) -> output."""
@@ -646,16 +651,6 @@ class DDPMTask(Task):
         if self.latent is not None:
             x = self.latent.decode(modules[AUTOENCODER], x)
         return ((x.float().clamp(-1, 1) + 1) / 2).cpu()
-
-
-# The diffusers pipeline a released pipeline's fine-tune loads back into, by its text kind.
-_PIPELINES = {
-    "sd": "StableDiffusionPipeline",
-    "sdxl": "StableDiffusionXLPipeline",
-    "sd3": "StableDiffusion3Pipeline",
-    "t5": "PixArtSigmaPipeline",
-    "flux": "FluxPipeline",
-}
 
 
 def prior_weighted(out: Loss, prior: torch.Tensor, weight: float) -> Loss:
