@@ -28,6 +28,7 @@ import logging
 import math
 import os
 import threading
+import time
 from collections import defaultdict
 from collections.abc import Mapping
 from typing import Any
@@ -57,7 +58,7 @@ from trainer.checkpoint.layout import (
 )
 from trainer.checkpoint.reader import CheckpointReader
 from trainer.checkpoint.store import CheckpointCorrupt, CheckpointError, CheckpointInfo, CheckpointStore, SaveResult
-from trainer.elastic import gather_objects
+from trainer.elastic import broadcast_object, gather_objects
 
 log = logging.getLogger(__name__)
 
@@ -134,6 +135,49 @@ def merge_indexes(reports: list[Mapping[str, Mapping[str, Any]]]) -> dict[str, d
         for entry in tensors.values():
             entry["chunks"].sort(key=lambda c: c["offsets"])
     return out
+
+
+# The meta key that carries a rank's own index entries (`local_slices`) from its snapshot to its write, in
+# the same dict as the manifest's fields (a Checkpointer hands a write `step, files, meta`); never written.
+LOCAL_INDEX = "__local_shard_index__"
+
+
+def write_sharded_step(
+    store: CheckpointStore,
+    step: int,
+    files: Mapping[str, Any],
+    meta: Mapping[str, Any],
+    rank: int,
+    world_size: int,
+    group: Any,
+    failed: str | None = None,
+) -> SaveResult | None:
+    """A sharded save of `step`, collective over `group`: a Checkpointer's `write` on every rank (bound
+    with functools.partial), `meta` carrying this rank's index under LOCAL_INDEX. Rank 0 claims the step
+    dir and tells the others; then `write_sharded`. Returns the result on rank 0, None elsewhere and when
+    the step is committed already.
+
+    Runs in the writer thread on every rank; its collectives use `group` only. A rank that fails (or
+    dies: the others then wait in the gather until torchrun restarts the group) leaves no manifest, so
+    the previous checkpoint stays the newest valid one.
+    """
+    t0 = time.perf_counter()
+    meta = dict(meta)
+    local_index = meta.pop(LOCAL_INDEX)
+    # Rank 0's view decides: its previous save (and commit) has finished before this one starts. A step
+    # dir that holds an invalid checkpoint (one resume fell back from) is cleared first, then rewritten.
+    verdict: tuple[bool, BaseException | None] = (False, None)
+    if rank == 0:
+        try:
+            verdict = (store.claim(step) is not None, None)  # this timeline's already, or cleared for it
+        except Exception as e:  # noqa: BLE001 - raised on every rank below, together
+            verdict = (False, e)
+    committed, error = broadcast_object(verdict, group=group)
+    if error is not None:
+        raise error
+    if committed:
+        return None
+    return write_sharded(store, step, files, local_index, meta, rank, world_size, group, t0=t0, failed=failed)
 
 
 def write_sharded(

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import atexit
 import errno
+import functools
 import logging
 import os
 import re
@@ -26,7 +27,7 @@ import torch
 from trainer import __version__
 from trainer.checkpoint.lease import Holder, Lease, LeaseError, LeaseLost, present_holder
 from trainer.checkpoint.memory import INDEX, OWNER, MemoryTier, agree, make_root, memory_root
-from trainer.checkpoint.sharded import write_sharded
+from trainer.checkpoint.sharded import LOCAL_INDEX, write_sharded_step
 from trainer.checkpoint.state import (
     Stateful,
     capture_rank_state,
@@ -65,7 +66,6 @@ from trainer.storage import describe_store_error, is_store_error
 
 log = logging.getLogger("gentrain")
 
-_LOCAL_INDEX = "__local_shard_index__"  # carried from save() to the writer thread, never written
 # Failpoint `GENTRAIN_FAULT_SLOW_SAVE=STEP:SECONDS`: this rank's write of STEP starts SECONDS late (a slow store),
 # for the test that the other ranks wait for rank 0's synchronous write inside the save, not inside a step.
 FAULT_SLOW_SAVE = "GENTRAIN_FAULT_SLOW_SAVE"
@@ -112,11 +112,18 @@ class CheckpointManager:
         self.resuming = self._decide_resume()
         if self.sharded:
             self.writer = Checkpointer(
+            write = functools.partial(
+                write_sharded_step,
+                self.store,
+                rank=self.env.rank,
+                world_size=self.env.world_size,
+                group=self.group,
+            )
                 self.store,
                 c.async_,
                 on_done=self._on_committed,
-                write=self._write_sharded,
-                on_copy_failure=lambda step, meta, e: self._write_sharded(step, {}, meta, failed=repr(e)),
+                write=write,
+                on_copy_failure=lambda step, meta, e: write(step, {}, meta, failed=repr(e)),
             )
         else:
             self.writer = Checkpointer(self.store, c.async_, on_done=self._on_committed) if self.env.is_main else None
@@ -173,13 +180,12 @@ class CheckpointManager:
         if runtime.env.is_main:
             log.info("%s", tier.describe())
 
-        def write(step: int, files: Mapping[str, Any], meta: Mapping[str, Any]) -> None:
-            tier.write(step, files, meta)
-
-        def on_copy_failure(step: int, meta: Mapping[str, Any], e: BaseException) -> None:
-            tier.write(step, {}, meta, failed=repr(e))
-
-        writer = Checkpointer(tier.store, True, write=write, on_copy_failure=on_copy_failure)
+        writer = Checkpointer(
+            tier.store,
+            True,
+            write=tier.write,
+            on_copy_failure=lambda step, meta, e: tier.write(step, {}, meta, failed=repr(e)),
+        )
         return tier, writer
 
     def attach(
@@ -500,7 +506,7 @@ class CheckpointManager:
         t0 = time.perf_counter()
         files, index, _ = self._snapshot(writes_whole=self.env.is_main)
         if self.sharded:
-            meta = {**self._meta(), _LOCAL_INDEX: index}
+            meta = {**self._meta(), LOCAL_INDEX: index}
         else:
             # Rank 0 writes alone. A synchronous write is waited for here, on every rank (`_rank0_wrote`):
             # otherwise the others would wait for it inside the next step's all-reduce, where the step
@@ -582,45 +588,6 @@ class CheckpointManager:
                 if stall:  # one save's (or snapshot's) whole cost to the training thread, for `auto` intervals
                     self.schedule.on_cost(tier, stall + waited[tier])
             self._tier_stall = {"durable": 0.0, "memory": 0.0}
-
-    def _write_sharded(
-        self, step: int, files: Mapping[str, Any], meta: Mapping[str, Any], failed: str | None = None
-    ) -> SaveResult | None:
-        """Every rank: write own files, report them; rank 0: index, then manifest (commit), LATEST, retention.
-
-        Runs in the writer thread on every rank; its collectives use the
-        checkpoint group only. A rank that fails (or dies: the others then
-        wait in the gather until torchrun restarts the group) leaves no
-        manifest, so the previous checkpoint stays the newest valid one.
-        """
-        t0 = time.perf_counter()
-        meta = dict(meta)
-        local_index = meta.pop(_LOCAL_INDEX)
-        # Rank 0's view decides: its previous save (and commit) has finished before this one starts. A step
-        # dir that holds an invalid checkpoint (one resume fell back from) is cleared first, then rewritten.
-        verdict: tuple[bool, BaseException | None] = (False, None)
-        if self.env.is_main:
-            try:
-                verdict = (self.store.claim(step) is not None, None)  # this timeline's already, or cleared for it
-            except Exception as e:  # noqa: BLE001 - raised on every rank below, together
-                verdict = (False, e)
-        committed, error = broadcast_object(verdict, group=self.group)
-        if error is not None:
-            raise error
-        if committed:
-            return None
-        return write_sharded(
-            self.store,
-            step,
-            files,
-            local_index,
-            meta,
-            rank=self.env.rank,
-            world_size=self.env.world_size,
-            group=self.group,
-            t0=t0,
-            failed=failed,
-        )
 
     def _on_committed(self, result: SaveResult) -> None:
         """A save this process committed (from the writer, its thread when async)."""
