@@ -111,7 +111,6 @@ class CheckpointManager:
         self.lease = self._take_lease(cfg)
         self.resuming = self._decide_resume()
         if self.sharded:
-            self.writer = Checkpointer(
             write = functools.partial(
                 write_sharded_step,
                 self.store,
@@ -119,6 +118,7 @@ class CheckpointManager:
                 world_size=self.env.world_size,
                 group=self.group,
             )
+            self.writer = Checkpointer(
                 self.store,
                 c.async_,
                 on_done=self._on_committed,
