@@ -23,7 +23,7 @@ import torch
 sys.path.insert(0, os.path.dirname(__file__))
 from digits_classifier import class_accuracy, fit_digits_classifier  # noqa: E402
 
-from trainer.checkpoint import CheckpointView, resolve_checkpoint  # noqa: E402
+from trainer.checkpoint import resolve_checkpoint  # noqa: E402
 from trainer.data import build_splits  # noqa: E402
 from trainer.data.sampler import SampleRef  # noqa: E402
 from trainer.runs import load_for_inference  # noqa: E402
@@ -39,9 +39,10 @@ def main() -> None:
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args()
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "2")))
-    store, info = resolve_checkpoint(args.checkpoint)
+    view = resolve_checkpoint(args.checkpoint)
+    if view is None:
+        raise SystemExit(f"{args.checkpoint}: no valid checkpoint under this root")
     device = torch.device("cpu")
-    view = CheckpointView(store, info)
     cfg, task, modules = load_for_inference(view, use_ema=True, device=device)
     if task.image_encoder is None:
         raise SystemExit("this checkpoint has no model.image_encoder: not a digits-decoder run")
@@ -54,8 +55,8 @@ def main() -> None:
     guidance = cfg.sample.guidance_scale if args.guidance_scale is None else args.guidance_scale
     clf = fit_digits_classifier()
     out = {
-        "checkpoint": info.url,
-        "step": info.step,
+        "checkpoint": view.url,
+        "step": view.step,
         "part_steps": steps,
         "samples": len(refs),
         "chance": 0.1,

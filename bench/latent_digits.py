@@ -22,7 +22,7 @@ import torch
 sys.path.insert(0, os.path.dirname(__file__))
 from digits_classifier import class_accuracy, fit_digits_classifier  # noqa: E402
 
-from trainer.checkpoint import CheckpointView, resolve_checkpoint  # noqa: E402
+from trainer.checkpoint import resolve_checkpoint  # noqa: E402
 from trainer.data import build_splits  # noqa: E402
 from trainer.data.datasets import digit_caption  # noqa: E402
 from trainer.data.sampler import SampleRef  # noqa: E402
@@ -41,9 +41,11 @@ def main() -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--grid", default=None, help="write the samples here (one row per digit)")
     args = p.parse_args()
-    store, info = resolve_checkpoint(args.checkpoint)
+    view = resolve_checkpoint(args.checkpoint)
+    if view is None:
+        raise SystemExit(f"{args.checkpoint}: no valid checkpoint under this root")
     device = torch.device("cpu")
-    cfg, task, modules = load_for_inference(CheckpointView(store, info), use_ema=True, device=device)
+    cfg, task, modules = load_for_inference(view, use_ema=True, device=device)
     s = cfg.sample
     labels = torch.arange(10).repeat_interleave(args.per_class)
     captioned = cfg.model_cfg.text is not None
@@ -65,8 +67,8 @@ def main() -> None:
         scale, shift = latent._scale_shift(ae)
         rebuilt = latent.decode(ae, (mean - shift) * scale)
     out = {
-        "checkpoint": info.url,
-        "step": info.step,
+        "checkpoint": view.url,
+        "step": view.step,
         "conditioning": "caption" if captioned else "class",
         "samples": len(labels),
         "inference_steps": steps,

@@ -34,7 +34,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from trainer.checkpoint import CheckpointView, resolve_checkpoint
+from trainer.checkpoint import resolve_checkpoint
 from trainer.conditioning.feature_cnn import build_cnn, shipped_digits
 from trainer.data import build_splits
 from trainer.data.sampler import SampleRef
@@ -159,14 +159,16 @@ def main() -> None:
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     device = torch.device("cpu")
-    store, info = resolve_checkpoint(args.checkpoint)
-    cfg, task, modules = load_for_inference(CheckpointView(store, info), use_ema=True, device=device)
+    view = resolve_checkpoint(args.checkpoint)
+    if view is None:
+        raise SystemExit(f"{args.checkpoint}: no valid checkpoint under this root")
+    cfg, task, modules = load_for_inference(view, use_ema=True, device=device)
     if cfg.data.source != "moving-digits":
         raise SystemExit(f"{args.checkpoint}: trained on data.source={cfg.data.source}, not moving-digits")
     net = digits_classifier()
     out: dict = {
-        "checkpoint": info.url,
-        "step": info.step,
+        "checkpoint": view.url,
+        "step": view.step,
         "task": cfg.task,
         "chance": {"digit": 0.1, "direction": 0.25, "both": 0.025},
     }

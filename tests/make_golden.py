@@ -123,13 +123,12 @@ def train(name: str, root: Path, max_steps: int) -> None:
 def sample(name: str, checkpoints: Path, use_ema: bool) -> torch.Tensor:
     """What `gentrain sample CHECKPOINTS` computes for the case's options (before it writes a PNG)."""
     # The checkpoint layer loads the task: torch-heavy, as in trainer/cli.py.
-    from trainer.checkpoint import CheckpointView, resolve_checkpoint
+    from trainer.checkpoint import resolve_checkpoint
     from trainer.runs import load_for_inference
     from trainer.tasks.sampling import SampleRequest
 
-    store, info = resolve_checkpoint(str(checkpoints), {})
-    assert info is not None and info.valid, f"{checkpoints}: {info.reason if info else 'no checkpoint'}"
-    view = CheckpointView(store, info)
+    view = resolve_checkpoint(str(checkpoints), {})
+    assert view is not None, f"{checkpoints}: no valid checkpoint"
     _, task, modules = load_for_inference(view, use_ema, torch.device("cpu"))
     request = SampleRequest(**CASES[name].sample, part_steps=view.part_steps())
     return task.sample(modules, request, torch.device("cpu"))

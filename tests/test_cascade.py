@@ -15,7 +15,7 @@ from elastic_helpers import finish, standalone, start_torchrun
 from helpers import assert_tensors_equal
 from PIL import Image
 
-from trainer.checkpoint import CheckpointStore, CheckpointView
+from trainer.checkpoint import CheckpointStore
 from trainer.errors import ConfigError
 from trainer.registry import load_config
 from trainer.runs import load_for_inference
@@ -100,7 +100,7 @@ def test_sampling_refuses_never_trained_stages_and_stops_at_a_stage(tmp_path):
 def test_guidance_changes_samples_and_chunking_does_not(both_stages):
     store = CheckpointStore(f"{both_stages}/run/checkpoints")
     info = store.latest_valid()
-    _, task, modules = load_for_inference(CheckpointView(store, info), use_ema=True, device=torch.device("cpu"))
+    _, task, modules = load_for_inference(store.view(info), use_ema=True, device=torch.device("cpu"))
     steps = {"stage1": 3, "stage2": 3}
     cpu = torch.device("cpu")
     request = SampleRequest(num=4, inference_steps=3, part_steps=steps, labels=torch.tensor([1, 7, 7, 3]))
@@ -342,9 +342,7 @@ def test_digits_cascade_preset_trained_briefly_draws_the_requested_digits_above_
     )
     assert r.returncode == 0, r.stderr[-3000:]
     store = CheckpointStore(f"{tmp_path}/run/checkpoints")
-    _, task, modules = load_for_inference(
-        CheckpointView(store, store.latest_valid()), use_ema=True, device=torch.device("cpu")
-    )
+    _, task, modules = load_for_inference(store.view(store.latest_valid()), use_ema=True, device=torch.device("cpu"))
     labels = torch.arange(10).repeat_interleave(10)
     request = SampleRequest(
         num=100, labels=labels, stop_at_stage=1, inference_steps=20, guidance_scale=3.0, part_steps={"stage1": 200}
@@ -390,7 +388,7 @@ def test_a_run_refuses_to_resume_or_sample_with_different_text_encoder_weights(t
     assert "Use the same weights again, or start a new run" in r.stderr
     assert store.latest_valid().step == 2  # nothing was written
     with pytest.raises(ConfigError, match="text_encoder: checkpoint .* was trained with"):
-        load_for_inference(CheckpointView(store, store.latest_valid()), use_ema=True, device=torch.device("cpu"))
+        load_for_inference(store.view(store.latest_valid()), use_ema=True, device=torch.device("cpu"))
 
 
 @pytest.mark.slow
@@ -426,9 +424,7 @@ def test_digits_decoder_preset_embeds_images_with_the_shipped_cnn_and_samples_fr
     code = cli_main(["sample", root, "--embeddings", str(emb), "--num", "10", "--steps", "2", "--out", str(out)])
     assert code == 0 and Image.open(out).size[0] >= 32
     store = CheckpointStore(root)
-    _, task, modules = load_for_inference(
-        CheckpointView(store, store.latest_valid()), use_ema=True, device=torch.device("cpu")
-    )
+    _, task, modules = load_for_inference(store.view(store.latest_valid()), use_ema=True, device=torch.device("cpu"))
     request = SampleRequest(num=2, inference_steps=2, guidance_scale=3.0, part_steps={"stage1": 3, "stage2": 3})
     a = task.sample(modules, request.replace(image_embeds=e[:2]), torch.device("cpu"))
     b = task.sample(modules, request.replace(image_embeds=e[2:4]), torch.device("cpu"))
@@ -487,7 +483,7 @@ def test_cascade_under_fsdp_starts_from_rank_0_weights_built_nowhere_else(tmp_pa
         out = {}
         for stage in ("stage1", "stage2"):
             name = f"{stage}.model.safetensors"
-            for k, v in CheckpointView(store, info).read_weights(name if name in files else f"{stage}.model").items():
+            for k, v in store.view(info).read_weights(name if name in files else f"{stage}.model").items():
                 out[f"{stage}.{k}"] = v
         return out
 

@@ -17,7 +17,7 @@ from ckpt_tamper import edit_json, edit_tensors, flip_byte, manifest, read_tenso
 from conftest import REPO, TINY, clean_env, run_cli, tiny
 from helpers import assert_tensors_equal
 
-from trainer.checkpoint import CheckpointStore, CheckpointView
+from trainer.checkpoint import CheckpointStore
 from trainer.checkpoint.format import DTYPE_NAMES
 from trainer.checkpoint.layout import eval_result_name
 from trainer.errors import CheckpointCorrupt, ConfigError
@@ -455,12 +455,12 @@ def _fit_checkpoint(root: Path, step: int, grown: bool, sharded: bool = False, t
 def test_fit_problems_name_each_file_and_key_that_does_not_fit_the_model(tmp_path, sharded):
     store, info, *_ = _fit_checkpoint(tmp_path, 2, grown=False, sharded=sharded)
     cache: dict = {}
-    assert fit_problems(CheckpointView(store, info), cache=cache) == []
+    assert fit_problems(store.view(info), cache=cache) == []
     store, info, key, shape = _fit_checkpoint(tmp_path, 4, grown=True, sharded=sharded)
     files = ["unet.model", "unet.ema"] if sharded else ["unet.model.safetensors", "unet.ema.safetensors"]
     want = [f"{name}: {key} has shape {[shape[0] + 1, *shape[1:]]}, the model's is {shape}" for name in files]
-    assert fit_problems(CheckpointView(store, info)) == want
-    assert fit_problems(CheckpointView(store, info), cache=cache) == want and len(cache) == 1  # one config: built once
+    assert fit_problems(store.view(info)) == want
+    assert fit_problems(store.view(info), cache=cache) == want and len(cache) == 1  # one config: built once
 
 
 @pytest.mark.slow
@@ -473,9 +473,9 @@ def test_verify_refuses_optimizer_groups_that_do_not_fit_the_model(root):
         return doc
 
     store = CheckpointStore(str(root))
-    assert fit_problems(CheckpointView(store, store.check(4))) == []
+    assert fit_problems(store.view(store.check(4))) == []
     edit_json(root, 4, "trainer.json", edit)
-    problems = fit_problems(CheckpointView(store, store.check(4)))
+    problems = fit_problems(store.view(store.check(4)))
     assert len(problems) == 1 and "parts.unet.optimizer has parameter groups of" in problems[0], problems
     r = run_cli("checkpoints", "verify", str(root))
     assert r.returncode == 1 and "parameter groups" in r.stdout + r.stderr, r.stdout + r.stderr
@@ -496,10 +496,10 @@ def test_verify_says_invalid_for_optimizer_settings_of_the_wrong_type(root, case
 def test_fit_problems_import_no_task_a_checkpoint_names_by_import_path_unless_the_user_names_it(tmp_path):
     store, info, *_ = _fit_checkpoint(tmp_path, 2, grown=True, task="nowhere_module_xyz:Task")
     with pytest.raises(ConfigError, match="import path"):
-        fit_problems(CheckpointView(store, info))
+        fit_problems(store.view(info))
     assert "nowhere_module_xyz" not in sys.modules
     with pytest.raises(ConfigError, match="must be the same"):
-        fit_problems(CheckpointView(store, info), "ddpm")
+        fit_problems(store.view(info), "ddpm")
 
 
 def test_fit_problems_skip_a_frozen_part_and_shape_the_others_from_its_recorded_sources_config(tmp_path):
@@ -515,17 +515,17 @@ def test_fit_problems_skip_a_frozen_part_and_shape_the_others_from_its_recorded_
     store = CheckpointStore(str(tmp_path / "mg"))
     meta = {"config": cfg.to_dict(), "frozen": {"tokenizer": record}}
     store.write(2, {"transformer.model.safetensors": weights, "transformer.ema.safetensors": weights}, meta)
-    assert fit_problems(CheckpointView(store, store.check(2))) == []  # no tokenizer files: frozen parts are skipped
+    assert fit_problems(store.view(store.check(2))) == []  # no tokenizer files: frozen parts are skipped
     key = sorted(k for k, t in weights.items() if t.ndim == 2)[0]
     grown = {**weights, key: torch.zeros(weights[key].shape[0] + 1, weights[key].shape[1])}
     store.write(4, {"transformer.model.safetensors": grown, "transformer.ema.safetensors": weights}, meta)
-    assert fit_problems(CheckpointView(store, store.check(4))) == [
+    assert fit_problems(store.view(store.check(4))) == [
         f"transformer.model.safetensors: {key} has shape {list(grown[key].shape)}, "
         f"the model's is {list(weights[key].shape)}"
     ]
     shutil.rmtree(tmp_path / "vq")
     with pytest.raises(ConfigError, match="frozen part 'tokenizer': its recorded source .* is not valid"):
-        fit_problems(CheckpointView(store, store.check(2)))
+        fit_problems(store.view(store.check(2)))
 
 
 def test_fit_problems_load_no_text_encoder_a_checkpoint_names_unless_the_user_names_it(tmp_path):
@@ -534,7 +534,7 @@ def test_fit_problems_load_no_text_encoder_a_checkpoint_names_unless_the_user_na
     store = CheckpointStore(str(tmp_path / "ckpt"))
     store.write(2, {"a.json": b"{}"}, {"config": doc})
     with pytest.raises(ConfigError, match="--text-encoder"):
-        fit_problems(CheckpointView(store, store.check(2)))
+        fit_problems(store.view(store.check(2)))
 
 
 def test_fit_problems_says_when_the_checkpoints_config_builds_no_model(tmp_path, monkeypatch):
@@ -543,7 +543,7 @@ def test_fit_problems_says_when_the_checkpoints_config_builds_no_model(tmp_path,
     with pytest.raises(
         CheckpointCorrupt, match=r"(?s)config in its manifest is not valid.*divisible by model.norm_num_groups=5"
     ):
-        fit_problems(CheckpointView(store, info))
+        fit_problems(store.view(info))
     store, info, *_ = _fit_checkpoint(tmp_path, 4, grown=False)
 
     def fails(self, frozen):  # a config that passes the schema and fails in a model's constructor
@@ -551,7 +551,7 @@ def test_fit_problems_says_when_the_checkpoints_config_builds_no_model(tmp_path,
 
     monkeypatch.setattr(task_class("ddpm"), "build", fails)
     with pytest.raises(ConfigError, match=r"builds no model \(ValueError: 8 channels in 5 groups\)"):
-        fit_problems(CheckpointView(store, info))
+        fit_problems(store.view(info))
 
 
 @pytest.mark.slow

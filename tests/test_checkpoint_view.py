@@ -12,7 +12,7 @@ import torch
 from conftest import REPO
 
 import trainer.runs
-from trainer.checkpoint import CheckpointReader, CheckpointStore, CheckpointView, resolve_checkpoint
+from trainer.checkpoint import CheckpointReader, CheckpointStore, CheckpointView, InvalidCheckpoint, resolve_checkpoint
 from trainer.checkpoint.format import new_digest
 from trainer.checkpoint.store import Timeline
 from trainer.cli import main as cli_main
@@ -42,13 +42,17 @@ def test_no_module_outside_the_checkpoint_library_reads_a_manifest():
 
 
 def test_views_come_from_their_reader_outside_the_checkpoint_library():
-    """`reader.view(info)` (or `candidate_views`), never `CheckpointView(reader, info)` by hand (issue 51)."""
+    """`reader.view(info)` (or `resolve_checkpoint`, `candidate_views`), never `CheckpointView(reader, info)` by
+    hand (issue 51): in the package, its tests and its benchmarks."""
     outside = [p for p in sorted(PACKAGE.rglob("*.py")) if PACKAGE / "checkpoint" not in p.parents]
+    outside += sorted((REPO / "tests").rglob("*.py")) + sorted((REPO / "bench").rglob("*.py"))
+    assert REPO / "tests" / "test_export.py" in outside and REPO / "bench" / "latent_digits.py" in outside
     found = [
         f"{path.relative_to(REPO)}:{node.lineno}"
         for path in outside
         for node in ast.walk(ast.parse(path.read_text("utf-8")))
-        if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "CheckpointView"
+        if isinstance(node, ast.Call)
+        and getattr(node.func, "id", getattr(node.func, "attr", None)) == "CheckpointView"  # a name or module.name
     ]
     assert found == [], "get the view from its reader or store: reader.view(info)"
 
@@ -83,7 +87,7 @@ def written(tmp_path):
     inputs = {"text_encoder": {"url": "/enc", "digest": "blake3:" + "b" * 64, "pin": True}}
     meta = {"config": {"task": "ddpm", "seed": 7}, "frozen": frozen, "inputs": inputs, "world_size": 2}
     info = store.write(5, files, {**meta, **store.timeline.fields()}).info  # as CheckpointManager._meta records it
-    return CheckpointView(CheckpointReader(store.url), info), files, tmp_path / "root" / "step-000000005"
+    return CheckpointReader(store.url).view(info), files, tmp_path / "root" / "step-000000005"
 
 
 def test_the_view_gives_part_weights_digests_identity_and_what_the_run_recorded(written):
@@ -121,7 +125,7 @@ def test_the_view_gives_part_weights_digests_identity_and_what_the_run_recorded(
 def test_the_view_of_a_sharded_part_names_its_group_and_digests_its_shards(tmp_path):
     store = CheckpointStore(str(tmp_path))
     shards = {f"unet.model.rank-{r:05d}.safetensors": _tensors(r) for r in range(2)}
-    view = CheckpointView(store, store.write(1, shards, {}).info)
+    view = store.view(store.write(1, shards, {}).info)
     assert view.weights_name("unet", use_ema=True) == "unet.model"
     h = new_digest("blake3")
     for name in sorted(shards):
@@ -137,18 +141,30 @@ def test_a_view_needs_a_committed_checkpoint(tmp_path):
     info = store.check(4)
     assert not info.valid
     with pytest.raises(CheckpointCorrupt, match="no manifest.json"):
-        CheckpointView(store, info)
+        store.view(info)
+
+
+def test_resolve_checkpoint_gives_a_checked_view_or_says_why_there_is_none(tmp_path):
+    store = CheckpointStore(str(tmp_path))
+    assert resolve_checkpoint(str(tmp_path)) is None  # an empty root
+    info = store.write(3, {"unet.model.safetensors": _tensors(1)}, {}).info
+    (tmp_path / "step-000000004").mkdir()  # newer, never committed: not the root's checkpoint
+    view = resolve_checkpoint(str(tmp_path))
+    assert isinstance(view, CheckpointView) and view.step == 3 and view.reader.url == store.url
+    assert resolve_checkpoint(info.url).step == 3
+    with pytest.raises(InvalidCheckpoint, match="step-000000004: no manifest.json") as e:
+        resolve_checkpoint(str(tmp_path / "step-000000004"))
+    assert e.value.info.step == 4 and not e.value.info.valid
 
 
 def test_a_config_is_parsed_once_per_view_and_part_steps_come_from_trainer_json(monkeypatch):
     parses = []
     real = trainer.runs.config_from_dict
     monkeypatch.setattr(trainer.runs, "config_from_dict", lambda tree: parses.append(1) or real(tree))
-    reader, info = resolve_checkpoint(str(GOLDEN))
-    view = CheckpointView(reader, info)
+    view = resolve_checkpoint(str(GOLDEN))
     cfg = config_of(view)
     assert config_of(view) is cfg and cfg.task == "ddpm" and len(parses) == 1
-    assert config_of(CheckpointView(reader, info)) is not cfg and len(parses) == 2  # a new view parses again
+    assert config_of(view.reader.view(view.info)) is not cfg and len(parses) == 2  # a new view parses again
     assert view.holds_training_state and view.part_steps() == {"unet": 2}
 
 
@@ -162,7 +178,8 @@ def test_gentrain_sample_parses_the_config_once(monkeypatch, tmp_path, capsys):
 
 
 def test_readers_get_a_store_that_cannot_write_or_prune():
-    reader, info = resolve_checkpoint(str(GOLDEN))
+    view = resolve_checkpoint(str(GOLDEN))
+    reader, info = view.reader, view.info
     assert isinstance(reader, CheckpointReader) and not isinstance(reader, CheckpointStore)
     assert not any(hasattr(reader, m) for m in ("write", "commit", "claim", "apply_retention", "_remove_step"))
     assert info.valid and reader.latest_valid().step == info.step == 2

@@ -546,7 +546,7 @@ def test_ddpm_with_a_transformer_backbone_trains_checkpoints_and_samples_through
     # The engine and checkpoint layers: an in-process training run.
     from conftest import tiny
 
-    from trainer.checkpoint import CheckpointStore, CheckpointView
+    from trainer.checkpoint import CheckpointStore
     from trainer.elastic import DistEnv
     from trainer.loop import Trainer
     from trainer.registry import load_config
@@ -563,7 +563,7 @@ def test_ddpm_with_a_transformer_backbone_trains_checkpoints_and_samples_through
     store = CheckpointStore(str(tmp_path / "run" / "checkpoints"))
     info = store.latest_valid()
     assert {"transformer.model.safetensors", "transformer.ema.safetensors"} <= set(info.manifest["files"])
-    _, task, modules = load_for_inference(CheckpointView(store, info), True, CPU)
+    _, task, modules = load_for_inference(store.view(info), True, CPU)
     assert list(modules) == ["transformer"] and type(modules["transformer"]).__name__ == cls
     text = task.text is not None
     if text:
@@ -736,7 +736,7 @@ def test_cascade_with_transformer_stages_trains_checkpoints_and_samples_through_
     # The engine and checkpoint layers: an in-process training run.
     from conftest import REPO
 
-    from trainer.checkpoint import CheckpointStore, CheckpointView
+    from trainer.checkpoint import CheckpointStore
     from trainer.elastic import DistEnv
     from trainer.loop import Trainer
     from trainer.registry import load_config
@@ -751,7 +751,7 @@ def test_cascade_with_transformer_stages_trains_checkpoints_and_samples_through_
     store = CheckpointStore(str(tmp_path / "run" / "checkpoints"))
     info = store.latest_valid()
     assert {"stage1.model.safetensors", "stage2.model.safetensors"} <= set(info.manifest["files"])
-    _, task, modules = load_for_inference(CheckpointView(store, info), True, CPU)
+    _, task, modules = load_for_inference(store.view(info), True, CPU)
     request = SampleRequest(num=4, seed=1, inference_steps=2, **conditions)
     guided = task.sample(modules, request.replace(guidance_scale=3.0), CPU)
     assert guided.shape == (4, 1, 8, 8) and torch.isfinite(guided).all()

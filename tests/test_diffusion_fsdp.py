@@ -14,7 +14,7 @@ from elastic_helpers import finish, standalone, start_torchrun
 from test_vqgan_maskgit import _kill_and_compare
 from tiny_backbones import backbone_override
 
-from trainer.checkpoint import CheckpointStore, CheckpointView
+from trainer.checkpoint import CheckpointStore
 
 # Two blocks each (FSDP units); dit and pixart with dropout (draws from the global RNG, which the checkpoint's
 # RNG files must restore); pixart and mmdit read captions ("a handwritten seven") through the shipped 384-wide
@@ -142,7 +142,7 @@ def full_weights(root: str) -> dict[str, torch.Tensor]:
     store = CheckpointStore(root)
     info = store.latest_valid()
     files = info.manifest["files"]
-    return CheckpointView(store, info).read_weights(
+    return store.view(info).read_weights(
         "transformer.model.safetensors" if "transformer.model.safetensors" in files else "transformer.model",
     )
 

@@ -34,7 +34,7 @@ from diffusers import (
     UNet2DModel,
 )
 
-from trainer.checkpoint import CheckpointView, resolve_checkpoint
+from trainer.checkpoint import resolve_checkpoint
 from trainer.cli import main as cli_main
 from trainer.elastic import DistEnv
 from trainer.errors import ConfigError
@@ -62,8 +62,7 @@ def _pipeline(out: Path):
 
 
 def _loaded(checkpoints: str):
-    store, info = resolve_checkpoint(checkpoints, {})
-    return load_for_inference(CheckpointView(store, info), True, CPU)
+    return load_for_inference(resolve_checkpoint(checkpoints, {}), True, CPU)
 
 
 def test_an_unconditional_pixel_unet_exports_as_a_ddim_pipeline_that_samples_like_gentrain(tmp_path, capsys):
@@ -291,8 +290,7 @@ def _digits(cfg, n: int = 8) -> torch.Tensor:
 
 
 def _card_names_the_generator_digest(out: Path, root: str) -> str:
-    store, info = resolve_checkpoint(root, {})
-    entry = info.manifest["files"]["generator.ema.safetensors"]
+    entry = resolve_checkpoint(root, {}).info.manifest["files"]["generator.ema.safetensors"]
     card = (out / "README.md").read_text()
     assert f"`generator.ema.safetensors`: `blake3:{entry['blake3']}`" in card, card
     assert "discriminator" not in {p.name for p in out.iterdir()}

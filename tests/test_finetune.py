@@ -12,7 +12,7 @@ import torch
 from conftest import REPO, clean_env, run_cli
 from safetensors.torch import load as load_safetensors
 
-from trainer.checkpoint import CheckpointStore, CheckpointView
+from trainer.checkpoint import CheckpointStore
 from trainer.cli import main as cli_main
 from trainer.errors import ConfigError
 from trainer.registry import load_config, task_class
@@ -115,8 +115,9 @@ def test_pretrained_folders_on_s3_start_the_run_and_lora_trains_only_the_adapter
     assert any(stage2[k].abs().max() > 0 for k in lora if ".lora_B." in k)
     assert manifest["adapter_only"] == {"stage2": "stage2.pretrained"}
     assert manifest["inputs"]["stage2.pretrained"]["pin"] is True
+    store = CheckpointStore(url, options)
     _, _, modules = load_for_inference(
-        CheckpointView(CheckpointStore(url, options), CheckpointStore(url, options).check(6)),
+        store.view(store.check(6)),
         use_ema=False,
         device=CPU,
         task_name="cascade_probe:KillableCascadeTask",
@@ -179,7 +180,7 @@ def test_exported_lora_loads_back_in_diffusers_and_samples_like_the_merged_model
 
     store = CheckpointStore(url, options)
     _, task, modules = load_for_inference(
-        CheckpointView(store, store.check(6)), use_ema=True, device=CPU, task_name="cascade_probe:KillableCascadeTask"
+        store.view(store.check(6)), use_ema=True, device=CPU, task_name="cascade_probe:KillableCascadeTask"
     )
     request = SampleRequest(num=3, labels=torch.tensor([1, 7, 3]), inference_steps=3, guidance_scale=2.0)
 

@@ -19,7 +19,7 @@ from elastic_helpers import finish, rank_of, standalone, start_torchrun, worker_
 from helpers import assert_tensors_equal, kill_group, wait_until
 from test_elastic import make_images
 
-from trainer.checkpoint import CheckpointStore, CheckpointView
+from trainer.checkpoint import CheckpointStore
 from trainer.checkpoint.format import new_digest
 
 pytestmark = pytest.mark.slow
@@ -35,7 +35,7 @@ def full_state(root: str, step: int | None = None, storage_options=None) -> dict
     out = {}
     for kind in ("model", "ema", "optimizer"):
         name = f"unet.{kind}.safetensors"
-        view = CheckpointView(store, info)
+        view = store.view(info)
         out[kind] = view.read_weights(name if view.has(name) else f"unet.{kind}")
     return out
 

@@ -20,7 +20,7 @@ from PIL import Image
 from test_vqgan_maskgit import _kill_and_compare, _kill_and_resume_one_process, tensors, train_vqgan
 from tiny_backbones import backbone_override
 
-from trainer.checkpoint import CheckpointStore, CheckpointView
+from trainer.checkpoint import CheckpointStore
 from trainer.cli import main as cli_main
 from trainer.elastic import DistEnv
 from trainer.errors import ConfigError
@@ -84,7 +84,7 @@ def train(tmp_path, url: str, *extra: str, max_steps: int = 2) -> Trainer:
 
 def sample(root: str, storage_options=None) -> torch.Tensor:
     store = CheckpointStore(root, storage_options)
-    _, task, modules = load_for_inference(CheckpointView(store, store.latest_valid()), True, CPU)
+    _, task, modules = load_for_inference(store.view(store.latest_valid()), True, CPU)
     request = SampleRequest(num=4, seed=0, inference_steps=2)
     images = task.sample(modules, request, CPU)
     assert torch.equal(images, task.sample(modules, request, CPU))  # the seed fixes them
@@ -109,7 +109,7 @@ def test_latent_ddpm_trains_checkpoints_without_the_autoencoder_and_samples_pixe
     assert all(not (set(ts) & ae_keys) for ts in saved.values())  # no autoencoder tensor in any file
     manifest = json.loads((tmp_path / "run/checkpoints/step-000000002/manifest.json").read_text())
     ae_store = CheckpointStore(autoencoder_run)
-    assert manifest["frozen"]["autoencoder"]["digest"] == CheckpointView(ae_store, ae_store.check(3)).file_digest(
+    assert manifest["frozen"]["autoencoder"]["digest"] == ae_store.view(ae_store.check(3)).file_digest(
         "generator.ema.safetensors"
     )
     images = sample(root)

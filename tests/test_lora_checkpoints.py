@@ -153,7 +153,7 @@ def test_the_merged_export_is_the_whole_pipeline_and_draws_what_gentrain_samples
 
     from diffusers import DiffusionPipeline, StableDiffusionPipeline
 
-    from trainer.checkpoint import CheckpointStore, CheckpointView
+    from trainer.checkpoint import CheckpointStore
     from trainer.runs import load_for_inference
     from trainer.tasks.sampling import SampleRequest
 
@@ -175,7 +175,7 @@ def test_the_merged_export_is_the_whole_pipeline_and_draws_what_gentrain_samples
     assert json.loads((out / "gentrain-export.json").read_text())["complete"] is True
 
     store = CheckpointStore(str(root / "checkpoints"), {})
-    _, task, modules = load_for_inference(CheckpointView(store, store.check(2)), use_ema=True, device=CPU)
+    _, task, modules = load_for_inference(store.view(store.check(2)), use_ema=True, device=CPU)
     prompt, steps, scale = "the red photo", 3, 3.0
     request = SampleRequest(
         num=2, seed=7, prompts=[prompt], inference_steps=steps, guidance_scale=scale, scheduler="dpm"
@@ -243,7 +243,7 @@ def test_text_encoder_lora_trains_checkpoints_adapters_only_and_loads_into_diffu
     from diffusers import StableDiffusionPipeline
     from safetensors.torch import load_file
 
-    from trainer.checkpoint import CheckpointStore, CheckpointView
+    from trainer.checkpoint import CheckpointStore
     from trainer.runs import load_for_inference
     from trainer.tasks.sampling import SampleRequest
 
@@ -261,7 +261,7 @@ def test_text_encoder_lora_trains_checkpoints_adapters_only_and_loads_into_diffu
     assert {k.split(".", 1)[0] for k in adapters} == {"unet", "text_encoder"}
 
     store = CheckpointStore(str(root / "checkpoints"), {})
-    _, task, modules = load_for_inference(CheckpointView(store, store.check(2)), use_ema=True, device=CPU)
+    _, task, modules = load_for_inference(store.view(store.check(2)), use_ema=True, device=CPU)
     prompt, steps, scale = "the red photo", 3, 3.0
     request = SampleRequest(num=2, seed=7, prompts=[prompt], inference_steps=steps, guidance_scale=scale)
     ours = task.sample(modules, request, CPU)
@@ -288,7 +288,7 @@ def test_sdxl_text_encoder_lora_loads_into_diffusers_on_both_clips(tmp_path):
     from diffusers import StableDiffusionXLPipeline
     from safetensors.torch import load_file
 
-    from trainer.checkpoint import CheckpointStore, CheckpointView
+    from trainer.checkpoint import CheckpointStore
     from trainer.runs import load_for_inference
     from trainer.tasks.sampling import SampleRequest
 
@@ -309,7 +309,7 @@ def test_sdxl_text_encoder_lora_loads_into_diffusers_on_both_clips(tmp_path):
     adapters = load_file(out / "unet-lora" / "pytorch_lora_weights.safetensors")
     assert {k.split(".", 1)[0] for k in adapters} == {"unet", "text_encoder", "text_encoder_2"}
     store = CheckpointStore(str(root / "checkpoints"), {})
-    _, task, modules = load_for_inference(CheckpointView(store, store.check(2)), use_ema=True, device=CPU)
+    _, task, modules = load_for_inference(store.view(store.check(2)), use_ema=True, device=CPU)
     request = SampleRequest(num=2, seed=7, prompts=["the red photo"], inference_steps=3, guidance_scale=1.0)
     ours = task.sample(modules, request, CPU)
     pipe = StableDiffusionXLPipeline.from_pretrained(base)

@@ -210,7 +210,6 @@ def test_a_lora_checkpoint_holds_the_adapters_only_and_resumes_on_the_folders_ba
     rebuild the base from the folder (in the dtype it trained in) and load the adapters over it."""
     import json
 
-    from trainer.checkpoint import CheckpointView
     from trainer.runs import load_for_inference
 
     store = CheckpointStore(str(runs["lora"] / "checkpoints"), {})
@@ -240,7 +239,7 @@ def test_a_lora_checkpoint_holds_the_adapters_only_and_resumes_on_the_folders_ba
         f"{sum(t.numel() * t.element_size() for t in folder.values())} bytes of tensors)"
     )
     # The base is rebuilt from the folder, in bf16 as it trained; the adapters moved off B = 0.
-    view = CheckpointView(store, info)
+    view = store.view(info)
     _, _, modules = load_for_inference(view, use_ema=False, device=CPU, task_name="probe_tasks:KillableDDPM")
     state = modules["unet"].state_dict()
     assert all(
@@ -336,7 +335,6 @@ def test_the_exported_lora_loads_into_the_base_pipeline_and_draws_what_gentrain_
     the images gentrain draws within 1/255 (same seed, steps, guidance, prompt)."""
     from diffusers import DDIMScheduler, StableDiffusionPipeline
 
-    from trainer.checkpoint import CheckpointView
     from trainer.runs import load_for_inference
     from trainer.tasks.sampling import SampleRequest
 
@@ -349,7 +347,7 @@ def test_the_exported_lora_loads_into_the_base_pipeline_and_draws_what_gentrain_
     assert all(k.startswith("unet.") for k in load_file(out / "unet-lora" / "pytorch_lora_weights.safetensors"))
 
     store = CheckpointStore(str(tmp_path / "run" / "checkpoints"), {})
-    view = CheckpointView(store, store.check(2))
+    view = store.view(store.check(2))
     _, task, modules = load_for_inference(view, use_ema=True, device=CPU, task_name="probe_tasks:KillableDDPM")
     prompt, steps, scale = "the red photo", 4, 3.0
     request = SampleRequest(num=2, seed=7, prompts=[prompt], inference_steps=steps, guidance_scale=scale)

@@ -378,7 +378,6 @@ def _exported(preset: str, folder, images, tmp_path, steps: int, scale: float, *
     """A 2-step fp32 LoRA run of `preset` on `folder` (no previews; `train`: its own keys), exported: (export
     folder, the run's objective, gentrain's images for "the red photo" x 2 at seed 7, `steps` steps and guidance
     `scale`)."""
-    from trainer.checkpoint import CheckpointView
     from trainer.runs import load_for_inference
     from trainer.tasks.sampling import SampleRequest
 
@@ -391,7 +390,7 @@ def _exported(preset: str, folder, images, tmp_path, steps: int, scale: float, *
     adapters = load_file(out / "transformer-lora" / "pytorch_lora_weights.safetensors")
     assert adapters and all(k.startswith("transformer.") for k in adapters)
     store = CheckpointStore(str(root / "checkpoints"), {})
-    _, task, modules = load_for_inference(CheckpointView(store, store.check(2)), use_ema=True, device=CPU)
+    _, task, modules = load_for_inference(store.view(store.check(2)), use_ema=True, device=CPU)
     request = SampleRequest(num=2, seed=7, prompts=["the red photo"], inference_steps=steps, guidance_scale=scale)
     return out, task.objective, task.sample(modules, request, CPU)
 

@@ -419,7 +419,7 @@ def test_an_mmdit_trains_on_sd3_encoders_samples_and_refuses_a_changed_t5_on_res
     a prompt; a T5 with other weights at the same folder is exit 2 on resume, nothing written."""
     from conftest import clean_env, run_cli
 
-    from trainer.checkpoint import CheckpointStore, CheckpointView
+    from trainer.checkpoint import CheckpointStore
     from trainer.runs import load_for_inference
     from trainer.tasks.sampling import SampleRequest
 
@@ -440,7 +440,7 @@ def test_an_mmdit_trains_on_sd3_encoders_samples_and_refuses_a_changed_t5_on_res
     store = CheckpointStore(root)
     recorded = store.latest_valid().manifest["inputs"]["text_encoder"]
     assert recorded["pin"] and recorded["source"].startswith(f"encoder={folders['clip_l']}, ")
-    _, task, modules = load_for_inference(CheckpointView(store, store.latest_valid()), True, torch.device("cpu"))
+    _, task, modules = load_for_inference(store.view(store.latest_valid()), True, torch.device("cpu"))
     assert task.text.digest == recorded["digest"] and task.cfg.text.kind == "sd3"
     request = SampleRequest(num=2, seed=1, inference_steps=2, prompts=["a handwritten seven"], guidance_scale=3.0)
     images = task.sample(modules, request, torch.device("cpu"))

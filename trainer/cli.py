@@ -644,7 +644,7 @@ def _list_checkpoints(args: argparse.Namespace, store) -> int:
 def cmd_checkpoints(args: argparse.Namespace) -> int:
     _setup_logging()
     # torch-heavy (see the module doc)
-    from trainer.checkpoint import CheckpointReader, resolve_checkpoint
+    from trainer.checkpoint import CheckpointReader, InvalidCheckpoint, resolve_checkpoint
 
     if args.action == "list":
         from trainer.storage import store_errors  # fsspec (see the module doc)
@@ -667,31 +667,33 @@ def cmd_checkpoints(args: argparse.Namespace) -> int:
         return EXIT_INVALID_CHECKPOINT if opened is None else _export(args, *opened)
     from trainer.storage import store_errors  # fsspec (see the module doc)
 
-    with store_errors(args.url, "read checkpoints from"):  # an unreachable store: one line, exit 1
-        store, info = resolve_checkpoint(args.url, args.storage_options)
-    if info is None:
-        print(f"INVALID: no valid checkpoint under {args.url}")
+    try:
+        with store_errors(args.url, "read checkpoints from"):  # an unreachable store: one line, exit 1
+            view = resolve_checkpoint(args.url, args.storage_options)
+    except InvalidCheckpoint as e:  # the step dir URL names is not valid
+        if args.action == "consolidate":
+            print(_REDACT.clean(f"INVALID: {e}"), file=sys.stderr)
+        else:
+            print(f"INVALID: {e.info.url}\n  {e.info.reason}")
         return EXIT_INVALID_CHECKPOINT
-    if args.action == "consolidate" and not info.valid:
-        print(_REDACT.clean(f"INVALID: {info.url}: {info.reason}"), file=sys.stderr)
+    if view is None:
+        print(f"INVALID: no valid checkpoint under {args.url}")
         return EXIT_INVALID_CHECKPOINT
     if args.action == "consolidate":
         from trainer.runs import consolidate  # torch-heavy (see the module doc)
 
-        view = store.view(info)
         copy = consolidate(view, args.out, args.storage_options)
         print(
             f"wrote {copy.url}: {len(copy.file_names)} files, "
             f"{_human_bytes(copy.total_bytes)}, from {view.url} (world size {view.world_size})"
         )
         return EXIT_OK
-    problems, skipped = _check(store, info, args)
+    problems, skipped = _check(view.reader, view.info, args)
     if problems:
-        print(f"INVALID: {info.url}")
+        print(f"INVALID: {view.url}")
         for p in problems:
             print(f"  {p}")
         return EXIT_INVALID_CHECKPOINT
-    view = store.view(info)
     fit = "weights fit the model" if skipped is None else "weights not checked against a model"
     print(
         f"valid: {view.url} (step {view.step}, {len(view.file_names)} files, {_human_bytes(view.total_bytes)}, "

@@ -26,7 +26,7 @@ from typing import Any
 import fsspec
 
 from trainer.checkpoint.layout import group_name, parse_group, parse_step_dir, whole_file
-from trainer.checkpoint.reader import CheckpointReader, resolve_checkpoint
+from trainer.checkpoint.reader import CheckpointReader, InvalidCheckpoint, resolve_checkpoint
 from trainer.checkpoint.store import CheckpointStore
 from trainer.checkpoint.view import CheckpointView, check_pinned_inputs
 from trainer.conditioning.text import check_stored_encoders
@@ -117,10 +117,11 @@ def _load(view: CheckpointView, source: FrozenSource) -> FrozenWeights:
 
 def _resolve(url: str, storage_options: Mapping[str, Any]) -> CheckpointView | None:
     try:
-        reader, info = resolve_checkpoint(url, storage_options)
+        return resolve_checkpoint(url, storage_options)
+    except InvalidCheckpoint:  # a step dir that is not valid: as a root without a valid checkpoint
+        return None
     except (OSError, ValueError) as e:
         raise ConfigError(f"cannot open checkpoint URL {url!r}: {e}") from None
-    return reader.view(info) if info is not None and info.valid else None
 
 
 def _part_digest(view: CheckpointView, source: FrozenSource) -> str:

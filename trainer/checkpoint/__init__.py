@@ -25,7 +25,7 @@ is the engine's (`trainer/engine/checkpoints.py`, CheckpointManager).
 
 from trainer.checkpoint.format import join_tensors, split_tensors, write_safetensors
 from trainer.checkpoint.layout import step_dir_name
-from trainer.checkpoint.reader import CheckpointReader
+from trainer.checkpoint.reader import CheckpointReader, InvalidCheckpoint
 from trainer.checkpoint.store import (
     CheckpointCorrupt,
     CheckpointError,
@@ -44,6 +44,7 @@ __all__ = [
     "CheckpointReader",
     "CheckpointStore",
     "CheckpointView",
+    "InvalidCheckpoint",
     "Payload",
     "SaveResult",
     "candidate_views",

@@ -18,9 +18,9 @@ and nothing in a root is trusted: a stray file, a link or a malformed entry is
 one invalid candidate, never an error of the whole root.
 
 This is the reading side of the store: it never writes or deletes, so sampling, export, `verify` and a
-frozen part's source run get a reader (`resolve_checkpoint`), and only a training run or a tool that
-writes a root makes a `CheckpointStore` (store.py: committing; retention.py: pruning). What a manifest
-*means* (a part's weights, digests, part steps, the run's config) is read through
+frozen part's source run get a reader (`resolve_checkpoint` returns a view through one), and only a training
+run or a tool that writes a root makes a `CheckpointStore` (store.py: committing; retention.py: pruning).
+What a manifest *means* (a part's weights, digests, part steps, the run's config) is read through
 `trainer.checkpoint.view.CheckpointView` (`view(info)`), not from the manifest dict.
 """
 
@@ -445,13 +445,22 @@ def _ema_mismatch(
     )
 
 
-def resolve_checkpoint(
-    url: str, storage_options: Mapping[str, Any] | None = None
-) -> tuple[CheckpointReader, CheckpointInfo | None]:
-    """A URL that is either one checkpoint (step-NNN) or a root; returns its reader and checkpoint.
+class InvalidCheckpoint(CheckpointCorrupt):
+    """The step dir a URL names is not a valid checkpoint; `info` says which and why (`info.reason`)."""
+
+    def __init__(self, info: CheckpointInfo):
+        super().__init__(f"{info.url}: {info.reason}")
+        self.info = info
+
+
+def resolve_checkpoint(url: str, storage_options: Mapping[str, Any] | None = None) -> CheckpointView | None:
+    """A URL that is either one checkpoint (step-NNN) or a root; returns the view of its checkpoint (the view's
+    `reader` reads the rest of the root), fully checked: what `checkpoints verify` and a frozen part's source
+    run read from.
 
     For a root, the newest valid checkpoint (digests and structure verified: a corrupt newest one is
-    skipped with a warning); for a step dir, that one, valid or not (`reason` says why not).
+    skipped with a warning), None when it has none; for a step dir, that one, or InvalidCheckpoint
+    saying why it is not valid.
     """
     url = url.rstrip("/")
     base = posixpath.basename(url)
@@ -462,6 +471,9 @@ def resolve_checkpoint(
         problems = reader.verify(info) if info.valid else []
         if problems:
             info = CheckpointInfo(info.url, info.step, False, "; ".join(problems), info.manifest, info.fingerprint)
-        return reader, info
+        if not info.valid:
+            raise InvalidCheckpoint(info)
+        return reader.view(info)
     reader = CheckpointReader(url, storage_options)
-    return reader, reader.latest_valid(deep=True)
+    info = reader.latest_valid(deep=True)
+    return reader.view(info) if info is not None else None

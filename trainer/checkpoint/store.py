@@ -6,9 +6,9 @@ The store has three parts, one module each, stacked so each adds one seam:
     retention.py  CheckpointRetention: which old checkpoints go after a commit; removing a step dir
     store.py      CheckpointStore: payload files, then the manifest (the commit point), then LATEST
 
-Readers (sampling, export, `verify`, a frozen part's source run) need only a reader (`resolve_checkpoint`)
-and read what a checkpoint holds through `trainer.checkpoint.view.CheckpointView`. The layout and what
-committed and valid mean are in reader.py and docs/contract.md ("Checkpoint layout").
+Readers (sampling, export, `verify`, a frozen part's source run) need only a reader (`resolve_checkpoint`
+returns a view through one) and read what a checkpoint holds through `trainer.checkpoint.view.CheckpointView`.
+The layout and what committed and valid mean are in reader.py and docs/contract.md ("Checkpoint layout").
 
 Ownership: a save belongs to one run and one timeline of it (`Timeline`; docs/checkpoints.md, "Runs,
 timelines and the lease"). A step committed by another timeline (an older run, or the part of this run
