@@ -20,6 +20,7 @@ from helpers import assert_tensors_equal
 from trainer.checkpoint import CheckpointStore
 from trainer.checkpoint.format import DTYPE_NAMES
 from trainer.checkpoint.layout import eval_result_name
+from trainer.checkpoint.validity import FrozenRecord
 from trainer.errors import CheckpointCorrupt, ConfigError
 from trainer.registry import load_config, task_class
 from trainer.runs import fit_problems
@@ -507,13 +508,13 @@ def test_fit_problems_skip_a_frozen_part_and_shape_the_others_from_its_recorded_
     source = CheckpointStore(str(tmp_path / "vq"))
     source.write(2, {"a.json": b"{}"}, {"config": vq_cfg.to_dict()})  # its config only: no weights are read
     cfg = load_config("digits-maskgit", [f"model.tokenizer.url={tmp_path / 'vq'}", "model.dim=16", "model.depth=1"])
-    record = {"url": source.url_for(2), "step": 2, "file": "generator.ema.safetensors", "digest": "blake3:00"}
+    record = FrozenRecord(url=source.url_for(2), step=2, file="generator.ema.safetensors", digest="blake3:00")
     ctx = TaskContext(cfg.data.image_size, cfg.data.channels, cfg.seed, load_pretrained=False)
     modules = task_class(cfg.task)(cfg.model_cfg, ctx).build({"tokenizer": FrozenWeights(vq_cfg, {}, record)})
     assert set(modules) == {"tokenizer", "transformer"}
     weights = dict(modules["transformer"].state_dict())
     store = CheckpointStore(str(tmp_path / "mg"))
-    meta = {"config": cfg.to_dict(), "frozen": {"tokenizer": record}}
+    meta = {"config": cfg.to_dict(), "frozen": {"tokenizer": record.model_dump()}}
     store.write(2, {"transformer.model.safetensors": weights, "transformer.ema.safetensors": weights}, meta)
     assert fit_problems(store.view(store.check(2))) == []  # no tokenizer files: frozen parts are skipped
     key = sorted(k for k, t in weights.items() if t.ndim == 2)[0]

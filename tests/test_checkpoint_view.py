@@ -110,12 +110,12 @@ def test_the_view_gives_part_weights_digests_identity_and_what_the_run_recorded(
         "unet.ema.safetensors": _blake3(step_dir / "unet.ema.safetensors")
     }
     # The digests of what the run was trained with: its frozen autoencoder and its pinned text encoder.
-    assert view.frozen_record("autoencoder")["digest"] == "blake3:" + "a" * 64
+    assert view.frozen_record("autoencoder").digest == "blake3:" + "a" * 64
     assert view.inputs["text_encoder"]["digest"] == "blake3:" + "b" * 64
-    view.frozen_records["autoencoder"]["digest"] = "changed"  # a read-only view: callers get copies
+    view.frozen_records["autoencoder"].digest = "changed"  # a read-only view: callers get copies
     view.inputs["text_encoder"]["pin"] = False
     view.config_tree["seed"] = 8
-    assert view.frozen_record("autoencoder")["digest"] == "blake3:" + "a" * 64 and view.inputs["text_encoder"]["pin"]
+    assert view.frozen_record("autoencoder").digest == "blake3:" + "a" * 64 and view.inputs["text_encoder"]["pin"]
     assert view.config_tree == {"task": "ddpm", "seed": 7}
     assert "files" not in view.metadata() and view.metadata()["world_size"] == 2
     # Weights only (no trainer.json): no part steps, as for a consolidated copy.

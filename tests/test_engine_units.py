@@ -17,6 +17,7 @@ from conftest import REPO, clean_env, run_cli, tiny
 from torch import nn
 
 from trainer import __version__
+from trainer.checkpoint.validity import FrozenRecord
 from trainer.config.redact import REDACTED
 from trainer.elastic import DistEnv
 from trainer.engine.checkpoints import CheckpointManager
@@ -339,14 +340,14 @@ SECRET = "hunter2-secret"
 STORE = "store.example:9000"
 
 
-def frozen_record(digest: str = "ab") -> dict:
+def frozen_record(digest: str = "ab") -> FrozenRecord:
     """What load_frozen records for a part whose source URL carries credentials."""
-    return {
-        "url": f"s3://alice:{SECRET}@{STORE}/bucket/encoder/step-000000003",
-        "step": 3,
-        "file": "unet.ema.safetensors",
-        "digest": "blake3:" + digest * 32,
-    }
+    return FrozenRecord(
+        url=f"s3://alice:{SECRET}@{STORE}/bucket/encoder/step-000000003",
+        step=3,
+        file="unet.ema.safetensors",
+        digest="blake3:" + digest * 32,
+    )
 
 
 def checkpoint_manager(cfg, digest: str = "ab", seed: int = 0):
@@ -370,16 +371,16 @@ def test_frozen_records_are_stored_redacted_and_a_resume_matches_them_by_digest(
     for name in ("trainer.json", "manifest.json"):
         assert SECRET not in (step_dir / name).read_text(), name
     stored = json.loads((step_dir / "trainer.json").read_text())["frozen"]["encoder"]
-    assert stored == {**frozen_record(), "url": f"s3://{REDACTED}@{STORE}/bucket/encoder/step-000000003"}
+    assert stored == {**frozen_record().model_dump(), "url": f"s3://{REDACTED}@{STORE}/bucket/encoder/step-000000003"}
 
     # The pinned record gets the credentials this run's config gives for the same store (for opening
     # the pinned step when the source run has moved on); another store's are not handed over.
     again, resumed, _ = checkpoint_manager(cfg, seed=1)
     pinned = again.pinned_frozen_sources({"encoder": f"s3://alice:rotated@{STORE}/bucket/encoder"})
-    assert pinned["encoder"]["url"] == f"s3://alice:rotated@{STORE}/bucket/encoder/step-000000003"
-    assert pinned["encoder"]["digest"] == frozen_record()["digest"]
+    assert pinned["encoder"].url == f"s3://alice:rotated@{STORE}/bucket/encoder/step-000000003"
+    assert pinned["encoder"].digest == frozen_record().digest
     elsewhere = again.pinned_frozen_sources({"encoder": f"s3://bob:{SECRET}@other.example/bucket/encoder"})
-    assert elsewhere["encoder"]["url"] == stored["url"]
+    assert elsewhere["encoder"].url == stored["url"]
 
     # Same frozen weights (the record as loaded, credentials and all): the checkpoint is resumed.
     assert again.resume() == str(step_dir)

@@ -176,14 +176,14 @@ def test_a_run_root_is_pinned_to_its_step_when_the_autoencoder_run_moves_on_and_
     autoencoder(2)
     root = f"{tmp_path}/ae/run/checkpoints"
     first = train(tmp_path / "ld", root, "checkpoint.every_steps=2", max_steps=2)
-    assert first.frozen["autoencoder"].record["url"] == f"{root}/step-000000002"
+    assert first.frozen["autoencoder"].record.url == f"{root}/step-000000002"
     autoencoder(4)  # the autoencoder run trains on: its root now resolves to step 4
     resumed = train(tmp_path / "ld", root, "checkpoint.every_steps=2", max_steps=3)
     assert resumed.checkpoints.resumed_from.endswith("step-000000002")
     assert resumed.frozen["autoencoder"].record == first.frozen["autoencoder"].record  # the pinned step's weights
     fresh = train(tmp_path / "step", f"{root}/step-000000004", max_steps=1)
-    assert fresh.frozen["autoencoder"].record["url"] == f"{root}/step-000000004"
-    assert fresh.frozen["autoencoder"].record["digest"] != first.frozen["autoencoder"].record["digest"]
+    assert fresh.frozen["autoencoder"].record.url == f"{root}/step-000000004"
+    assert fresh.frozen["autoencoder"].record.digest != first.frozen["autoencoder"].record.digest
 
 
 def test_geometry_mismatches_are_refused_naming_both_numbers(tmp_path, autoencoder_run):

@@ -93,7 +93,7 @@ def test_encoded_shards_hold_the_autoencoders_posterior_of_each_source_sample_an
     settings = listed["encoded"]
     cfg = config(latent_args(tmp_path, vae))
     weights = load_frozen(PART, frozen_source(cfg.model_cfg.autoencoder), {})
-    assert settings["autoencoder"]["digest"] == weights.record["digest"]
+    assert settings["autoencoder"]["digest"] == weights.record.digest
     assert settings["latent_shape"] == [4, 4, 4] and settings["dtype"] == "float32" and settings["flip"] is True
     latent = LatentSpace(cfg.model_cfg.autoencoder, weights, 8, 1, 0)
     module = latent.build()
@@ -193,7 +193,7 @@ def other_vae(tmp_path_factory) -> str:
 
 
 def _digest(cfg) -> str:
-    return load_frozen(PART, frozen_source(cfg.model_cfg.autoencoder), {}).record["digest"]
+    return load_frozen(PART, frozen_source(cfg.model_cfg.autoencoder), {}).record.digest
 
 
 @pytest.mark.slow

@@ -436,3 +436,44 @@ def test_every_test_that_starts_a_process_is_marked_slow():
             if name.startswith("test_") and not marked and _starts_processes(funcs, name):
                 unmarked.append(f"{path.name}::{name}")
     assert unmarked == [], f"these tests start processes but are not marked slow: {unmarked}"
+
+
+# ---------------------------------------------------------------- typed checkpoint documents
+
+# Issue 51: a checkpoint's documents are pydantic models from parse to use (trainer.checkpoint.validity), read by
+# attribute outside trainer/checkpoint/; what reads them there by string key, per document.
+_STRING_KEY_READS = {
+    # FrozenRecord: a frozen part's source (FrozenWeights.record, CheckpointView.frozen_records, pinned records).
+    "frozen records": [
+        r'\[\s*"frozen"\s*\]',
+        r'\.get\(\s*"frozen"',
+        r"\bweights\.record\[",
+        r"\]\.record\[",
+    ],
+}
+
+
+def _string_key_reads(text: str) -> dict[str, list[int]]:
+    """{document: lines} of the string-key reads of `_STRING_KEY_READS` in a module's source."""
+    found: dict[str, list[int]] = {}
+    for number, line in enumerate(text.splitlines(), 1):
+        for document, patterns in _STRING_KEY_READS.items():
+            if any(re.search(p, line) for p in patterns):
+                found.setdefault(document, []).append(number)
+    return found
+
+
+def test_checkpoint_documents_are_read_by_attribute_outside_the_checkpoint_library():
+    """Outside trainer/checkpoint/ the manifest's frozen records are models (`record.url`, `record.digest`), never
+    dicts indexed by key: the JSON's keys are the store's format, checked once where it is parsed."""
+    assert _string_key_reads('x = weights.record["url"]\ny = view.frozen_records[p].digest\n') == {
+        "frozen records": [1]
+    }
+    found = [
+        f"{path.relative_to(REPO)}:{line} ({document})"
+        for path in MODULES
+        if PACKAGE / "checkpoint" not in path.parents
+        for document, lines in _string_key_reads(path.read_text(encoding="utf-8")).items()
+        for line in lines
+    ]
+    assert found == [], "read the document's model by attribute (trainer.checkpoint.validity)"

@@ -146,7 +146,7 @@ def _source(cfg) -> _Source:
     return _Source(items, lambda i: f"{i:09d}", None, num_classes)
 
 
-def _settings(cfg, ae_record: dict, geometry: tuple[int, ...], text, dtype: str, flip: bool, **how) -> dict:
+def _settings(cfg, ae_record, geometry: tuple[int, ...], text, dtype: str, flip: bool, **how) -> dict:
     d = cfg.data
     where = {"source": d.source}
     for k in ("path", "urls", "hf_split", "image_column", "caption_column", "label_column"):
@@ -155,7 +155,7 @@ def _settings(cfg, ae_record: dict, geometry: tuple[int, ...], text, dtype: str,
     return {
         "format": ENCODED_FORMAT,
         "kind": "latents",
-        "autoencoder": {"url": ae_record["url"], "digest": ae_record["digest"]},
+        "autoencoder": {"url": ae_record.url, "digest": ae_record.digest},
         "image_size": d.image_size,
         "channels": d.channels,
         "latent_shape": list(geometry),

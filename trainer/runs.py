@@ -28,6 +28,7 @@ import fsspec
 from trainer.checkpoint.layout import group_name, parse_group, parse_step_dir, whole_file
 from trainer.checkpoint.reader import CheckpointReader, InvalidCheckpoint, resolve_checkpoint
 from trainer.checkpoint.store import CheckpointStore
+from trainer.checkpoint.validity import FrozenRecord
 from trainer.checkpoint.view import CheckpointView, check_pinned_inputs
 from trainer.conditioning.text import check_stored_encoders
 from trainer.config import Config
@@ -109,7 +110,7 @@ def _parse_config(view: CheckpointView, task: str | None, flag: str | None) -> A
 
 def _load(view: CheckpointView, source: FrozenSource) -> FrozenWeights:
     name = view.weights_name(source.part, source.use_ema)
-    record = {"url": view.url, "step": view.step, "file": name, "digest": view.file_digest(name)}
+    record = FrozenRecord(url=view.url, step=view.step, file=name, digest=view.file_digest(name))
     # A frozen part's source run is named by a URL, not by the user's config: only built-in tasks.
     config = config_of(view, flag=None)
     return FrozenWeights(config, view.read_weights(name), record)
@@ -138,7 +139,7 @@ def _is_folder(url: str, storage_options: Mapping[str, Any]) -> bool:
 
 
 def _load_folder(
-    part: str, source: FrozenSource, storage_options: Mapping[str, Any], pinned: Mapping[str, Any] | None
+    part: str, source: FrozenSource, storage_options: Mapping[str, Any], pinned: FrozenRecord | None
 ) -> FrozenWeights:
     """A frozen part from a diffusers folder of `source.folder_class`: its config.json (as the weights' config)
     and weights, pinned by the blake3 digest of both files (a changed config, e.g. a VAE's scaling_factor,
@@ -149,20 +150,19 @@ def _load_folder(
         raise ConfigError(
             f"frozen part {part!r}: the diffusers folder {source.url} holds a {found}, not a {source.folder_class}"
         )
-    record = {"url": source.url, "step": 0, "file": WEIGHTS_NAME, "digest": folder.record["digest"]}
-    record["format"] = "diffusers"
-    if pinned is not None and pinned["digest"] != record["digest"]:
+    record = FrozenRecord(url=source.url, step=0, file=WEIGHTS_NAME, digest=folder.record["digest"], format="diffusers")
+    if pinned is not None and pinned.digest != record.digest:
         raise ConfigError(
-            f"frozen part {part!r}: this run was trained with {pinned['url']} ({pinned['digest']}), but {source.url} "
-            f"now gives {record['digest']}. Resuming would train on different frozen weights. Restore that "
+            f"frozen part {part!r}: this run was trained with {pinned.url} ({pinned.digest}), but {source.url} "
+            f"now gives {record.digest}. Resuming would train on different frozen weights. Restore that "
             "folder, or start a new run (a new checkpoint.url)."
         )
-    log.info("frozen part %s: diffusers %s at %s (%s)", part, found, source.url, record["digest"])
+    log.info("frozen part %s: diffusers %s at %s (%s)", part, found, source.url, record.digest)
     return FrozenWeights(folder.config, folder.tensors, record)
 
 
 def load_frozen(
-    part: str, source: FrozenSource, storage_options: Mapping[str, Any], pinned: Mapping[str, Any] | None = None
+    part: str, source: FrozenSource, storage_options: Mapping[str, Any], pinned: FrozenRecord | None = None
 ) -> FrozenWeights:
     """Resolve and load a frozen part; with `pinned` (a resume), insist on the recorded digest. A source with a
     `folder_class` may name a diffusers folder of that class instead of a run."""
@@ -176,19 +176,19 @@ def load_frozen(
                 "URL at a run root or one step-NNNNNNNNN dir of it."
             )
         weights = _load(view, source)
-        log.info("frozen part %s: %s/%s (%s)", part, view.url, weights.record["file"], weights.record["digest"])
+        log.info("frozen part %s: %s/%s (%s)", part, view.url, weights.record.file, weights.record.digest)
         return weights
-    want = pinned["digest"]
+    want = pinned.digest
     if view is not None and _part_digest(view, source) == want:
         return _load(view, source)
     # The source run moved on (or the URL changed): the pinned step still holds the same weights?
-    pin_view = _resolve(pinned["url"], storage_options)
-    if pin_view is not None and pin_view.file_digest(pinned["file"]) == want:
-        log.info("frozen part %s: %s now resolves elsewhere; using the pinned %s", part, source.url, pinned["url"])
-        return _load(pin_view, FrozenSource(pinned["url"], source.part, _kind(pinned["file"]) == "ema"))
+    pin_view = _resolve(pinned.url, storage_options)
+    if pin_view is not None and pin_view.file_digest(pinned.file) == want:
+        log.info("frozen part %s: %s now resolves elsewhere; using the pinned %s", part, source.url, pinned.url)
+        return _load(pin_view, FrozenSource(pinned.url, source.part, _kind(pinned.file) == "ema"))
     found = _part_digest(view, source) if view is not None else "nothing valid"
     raise ConfigError(
-        f"frozen part {part!r}: this run was trained with {pinned['url']}/{pinned['file']} ({want}), but "
+        f"frozen part {part!r}: this run was trained with {pinned.url}/{pinned.file} ({want}), but "
         f"{source.url} now gives {found} and the pinned checkpoint is gone or changed. Resuming would train on "
         "different frozen weights. Restore that checkpoint, or start a new run (a new checkpoint.url)."
     )
@@ -300,7 +300,7 @@ def _frozen_for_shapes(view: CheckpointView, name: str) -> FrozenWeights:
     record = view.frozen_record(name)
     if record is None:
         raise ConfigError(f"frozen part {name!r}: {view.url} records no source for it")
-    url = str(record["url"]).rstrip("/")
+    url = record.url.rstrip("/")
     base = posixpath.basename(url)
     step = parse_step_dir(base)
     if step is None:
@@ -333,7 +333,8 @@ def _model_facts(
 ) -> tuple[dict[str, dict[str, list[int]]], dict[str, list[int]]]:
     """(`model_shapes`, {part: how many parameters each of its optimizer's groups holds}) of the model the
     checkpoint's config builds: its optimizer groups are formed as training forms them (`param_groups`)."""
-    key = json.dumps([view.config_tree, view.frozen_records, task_name, text_encoder], sort_keys=True)
+    records = {name: record.model_dump() for name, record in view.frozen_records.items()}
+    key = json.dumps([view.config_tree, records, task_name, text_encoder], sort_keys=True)
     if cache is not None and key in cache:
         return cache[key]
     cfg = config_of(view, task_name)

@@ -44,4 +44,6 @@ class FrozenWeights:
 
     config: Any  # trainer.config.Config of the source run; a diffusers folder's config.json (a dict)
     tensors: dict[str, torch.Tensor]
-    record: dict[str, Any]  # url, step, file, digest: saved in this run's checkpoints
+    # Where they came from (url, step, file, digest): a trainer.checkpoint.validity.FrozenRecord, saved in this run's
+    # checkpoints (typed Any: this leaf imports no layer above it).
+    record: Any

@@ -37,7 +37,7 @@ from trainer.checkpoint.format import join_tensors, split_tensors, torch_dtype
 from trainer.checkpoint.layout import TRAINER_JSON, ema_file, group_name, model_file, optimizer_file, rank_files
 from trainer.checkpoint.sharded import ShardIndex, is_sharded, load_group, local_slices
 from trainer.checkpoint.store import CheckpointInfo, CheckpointStore, Payload
-from trainer.checkpoint.validity import check_rank_tensors, tensor_refs
+from trainer.checkpoint.validity import FrozenRecord, check_rank_tensors, tensor_refs
 from trainer.checkpoint.writer import storage_key
 from trainer.errors import CheckpointCorrupt, ConfigError
 from trainer.randomness import rng_state, set_rng_state
@@ -68,8 +68,9 @@ def _part_meta(state: Mapping[str, Any], opt_skeleton: Any) -> dict[str, Any]:
     }
 
 
-def _trainer_json(progress: Stateful, part_meta: Mapping[str, Any], frozen: Mapping[str, Any]) -> bytes:
-    doc = {"progress": progress.state_dict(), "parts": dict(part_meta), "frozen": dict(frozen)}
+def _trainer_json(progress: Stateful, part_meta: Mapping[str, Any], frozen: Mapping[str, FrozenRecord]) -> bytes:
+    records = {name: record.model_dump() for name, record in frozen.items()}
+    doc = {"progress": progress.state_dict(), "parts": dict(part_meta), "frozen": records}
     return json.dumps(doc, indent=1).encode()
 
 
@@ -77,7 +78,7 @@ def snapshot_files(
     progress: Stateful,
     parts: Mapping[str, Stateful],
     rank_states: list[dict],
-    frozen: Mapping[str, dict[str, Any]],
+    frozen: Mapping[str, FrozenRecord],
 ) -> dict[str, Payload]:
     """Every file of a checkpoint. Tensors are the live ones: snapshot them before saving in the background."""
     files: dict[str, Payload] = {}
@@ -99,7 +100,7 @@ def snapshot_files(
 
 
 def sharded_snapshot_files(
-    progress: Stateful, parts: Mapping[str, Stateful], frozen: Mapping[str, dict[str, Any]], rank: int
+    progress: Stateful, parts: Mapping[str, Stateful], frozen: Mapping[str, FrozenRecord], rank: int
 ) -> tuple[dict[str, Payload], dict[str, Any]]:
     """This rank's files of a sharded checkpoint (its slices, its RNG state; rank 0 also trainer.json) and
     its part of the shard index. Tensors are the live local shards: snapshot them before a background save."""
@@ -134,8 +135,10 @@ def updated_only_in_steps(parts: Mapping[str, Any]) -> Callable[[torch.Tensor], 
     return lambda t: storage_key(t) in keys
 
 
-def read_frozen_records(store: CheckpointStore, info: CheckpointInfo) -> dict[str, dict[str, Any]]:
-    return store.read_json(info, TRAINER_JSON).get("frozen", {})
+def read_frozen_records(store: CheckpointStore, info: CheckpointInfo) -> dict[str, FrozenRecord]:
+    """The frozen parts' records trainer.json pins (schema-checked when it was read)."""
+    found = store.read_json(info, TRAINER_JSON).get("frozen", {})
+    return {name: FrozenRecord.model_validate(record) for name, record in found.items()}
 
 
 class LoadedState:
@@ -148,6 +151,11 @@ class LoadedState:
     def __init__(self, doc, states, rng, progress, parts):
         self.doc, self._states, self._rng = doc, states, rng
         self._progress, self._parts = progress, parts
+
+    @property
+    def frozen(self) -> dict[str, FrozenRecord]:
+        """The frozen parts' records its trainer.json pins."""
+        return {name: FrozenRecord.model_validate(record) for name, record in self.doc.get("frozen", {}).items()}
 
     def apply(self) -> dict[str, Any]:
         # Progress first: the one refusal left at this point is its own (a changed data order, a config

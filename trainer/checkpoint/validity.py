@@ -79,6 +79,10 @@ class FileEntry(BaseModel):
 
 
 class FrozenRecord(_Open):
+    """Where a frozen part's weights came from (a source run's step and file, or a diffusers folder's
+    `"format": "diffusers"`): pinned in trainer.json and the manifest, passed as this model from the view or
+    the loader (`trainer.runs.load_frozen`) to the engine, and dumped with `model_dump()` (the same keys)."""
+
     url: StrictStr
     step: NonNegInt
     file: StrictStr

@@ -41,6 +41,7 @@ from trainer.checkpoint.layout import (
 from trainer.checkpoint.reader import CheckpointInfo, CheckpointReader
 from trainer.checkpoint.sharded import ShardIndex, load_group
 from trainer.checkpoint.store import describe_owner
+from trainer.checkpoint.validity import FrozenRecord
 from trainer.errors import CheckpointCorrupt, ConfigError
 
 log = logging.getLogger(__name__)
@@ -158,11 +159,12 @@ class CheckpointView:
         return self._derived[key]
 
     @property
-    def frozen_records(self) -> dict[str, dict[str, Any]]:
-        """{part: record} of the frozen parts the run loaded: the source's url, step, file and digest."""
-        return copy.deepcopy(self._manifest.get("frozen") or {})
+    def frozen_records(self) -> dict[str, FrozenRecord]:
+        """{part: record} of the frozen parts the run loaded: the source's url, step, file and digest (copies)."""
+        found = self._manifest.get("frozen") or {}
+        return {name: FrozenRecord.model_validate(copy.deepcopy(record)) for name, record in found.items()}
 
-    def frozen_record(self, part: str) -> dict[str, Any] | None:
+    def frozen_record(self, part: str) -> FrozenRecord | None:
         return self.frozen_records.get(part)
 
     @property

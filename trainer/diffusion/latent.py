@@ -106,7 +106,7 @@ class LatentSpace:
         self.services = services
         self.weights = weights
         self.seed = seed
-        url = weights.record["url"]
+        url = weights.record.url
         g = _geometry(weights, url)
         if channels != g.in_channels:
             raise ConfigError(
@@ -134,17 +134,17 @@ class LatentSpace:
         self.geometry = g
         self.side = side
         self.shape = (g.latent_channels, side, side)
-        self.cache = LatentCache(c.cache, weights.record["digest"]) if c.cache and encoding is None else None
+        self.cache = LatentCache(c.cache, weights.record.digest) if c.cache and encoding is None else None
         if encoding is not None:
             self._check_encoding(encoding, url)
 
     def _check_encoding(self, encoding: Mapping[str, Any], url: str) -> None:
         """Encoded shards must come from this very autoencoder (digest) at this geometry: exit 2 naming both."""
         made = encoding["autoencoder"]
-        if made["digest"] != self.weights.record["digest"]:
+        if made["digest"] != self.weights.record.digest:
             raise ConfigError(
                 f"data.urls: the shards were encoded by the autoencoder {made['url']} ({made['digest']}), but "
-                f"model.autoencoder.url={self.cfg.url} is {url} ({self.weights.record['digest']}): the latents "
+                f"model.autoencoder.url={self.cfg.url} is {url} ({self.weights.record.digest}): the latents "
                 "would not be this autoencoder's. Point model.autoencoder.url at the autoencoder that encoded them, "
                 "or encode the data again with `gentrain data encode`"
             )

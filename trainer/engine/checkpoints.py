@@ -46,6 +46,7 @@ from trainer.checkpoint.store import (
     Timeline,
     new_owner_id,
 )
+from trainer.checkpoint.validity import FrozenRecord
 from trainer.checkpoint.view import check_pinned_inputs
 from trainer.checkpoint.writer import Checkpointer, SnapshotError
 from trainer.config import Config
@@ -152,7 +153,7 @@ class CheckpointManager:
         self._memory_meta: dict[str, Any] | None = None
         self.progress: Stateful | None = None
         self.parts: Mapping[str, Stateful] = {}
-        self.frozen: Mapping[str, dict[str, Any]] = {}
+        self.frozen: Mapping[str, FrozenRecord] = {}
         self.inputs: Mapping[str, dict[str, Any]] = {}
 
     def _memory_tier(
@@ -192,7 +193,7 @@ class CheckpointManager:
         self,
         progress: Stateful,
         parts: Mapping[str, Stateful],
-        frozen: Mapping[str, dict[str, Any]],
+        frozen: Mapping[str, FrozenRecord],
         inputs: Mapping[str, dict[str, Any]] | None = None,
     ) -> None:
         """The state a checkpoint holds: progress, trainable parts, frozen parts' source records, and the
@@ -205,12 +206,12 @@ class CheckpointManager:
         their weights, optimizer state or EMA, so a background save can copy them while the next
         forward and backward run."""
         self.progress, self.parts = progress, parts
-        self.frozen = {name: redact(record) for name, record in frozen.items()}
+        self.frozen = {name: FrozenRecord.model_validate(redact(r.model_dump())) for name, r in frozen.items()}
         self.inputs = dict(inputs or {})
 
     # ---------------------------------------------------------------- resume
 
-    def pinned_frozen_sources(self, source_urls: Mapping[str, str]) -> dict[str, dict[str, Any]] | None:
+    def pinned_frozen_sources(self, source_urls: Mapping[str, str]) -> dict[str, FrozenRecord] | None:
         """Frozen-part records of the checkpoint a resume would start from (None on a fresh start).
 
         A record's URL is stored with its credentials redacted; where the part's URL in this run's
@@ -229,10 +230,7 @@ class CheckpointManager:
         records = broadcast_object(records)
         if records is None:
             return None
-        return {
-            name: _with_credentials(record, source_urls.get(name)) if isinstance(record, dict) else record
-            for name, record in records.items()
-        }
+        return {name: _with_credentials(record, source_urls.get(name)) for name, record in records.items()}
 
     def resume(self) -> str | None:
         """Load the newest checkpoint every rank can load (digests, structure and fit checked).
@@ -384,9 +382,10 @@ class CheckpointManager:
         try:
             loaded = read_state(store, info, self.progress, self.parts, self.env.rank)
             # By digest: the URL may differ (stored redacted, or the source run moved on with the same weights).
-            recorded = redact(loaded.doc.get("frozen", {}))
-            if {k: v["digest"] for k, v in recorded.items()} != {k: v["digest"] for k, v in self.frozen.items()}:
-                raise CheckpointCorrupt(f"its frozen parts {recorded} differ from the ones loaded now {self.frozen}")
+            recorded = {k: redact(v.model_dump()) for k, v in loaded.frozen.items()}
+            now = {k: v.model_dump() for k, v in self.frozen.items()}
+            if {k: v.digest for k, v in loaded.frozen.items()} != {k: v.digest for k, v in self.frozen.items()}:
+                raise CheckpointCorrupt(f"its frozen parts {recorded} differ from the ones loaded now {now}")
         except ConfigError as e:  # the config, not the checkpoint, is wrong: an older one would not help
             error = ("config", str(e))
         except CheckpointError as e:
@@ -485,7 +484,7 @@ class CheckpointManager:
             "torch_version": torch.__version__,
             "task": self.cfg.task,
             "config": self.cfg.to_dict(),
-            "frozen": dict(self.frozen),
+            "frozen": {name: record.model_dump() for name, record in self.frozen.items()},
             "inputs": dict(self.inputs),
             # Who wrote it, for both tiers: the one place the timeline's fields are merged (the store commits
             # what it is given; the memory tier's pieces carry them before any commit).
@@ -811,14 +810,14 @@ def final_save_error(step: int, url: str, err: BaseException, kept: str | None) 
 _ORIGIN = re.compile(r"^(?P<scheme>[A-Za-z][A-Za-z0-9+.\-]*://)(?:(?P<userinfo>[^/@\s'\"]+)@)?(?P<host>[^/?#@]*)")
 
 
-def _with_credentials(record: dict[str, Any], source_url: str | None) -> dict[str, Any]:
+def _with_credentials(record: FrozenRecord, source_url: str | None) -> FrozenRecord:
     """`record` with the redacted user info of its URL replaced by `source_url`'s (same scheme and host;
     none if `source_url` has none)."""
-    url = record.get("url")
-    stored = _ORIGIN.match(url) if isinstance(url, str) else None
+    url = record.url
+    stored = _ORIGIN.match(url)
     given = _ORIGIN.match(source_url) if source_url else None
     if stored is None or given is None or stored["userinfo"] != REDACTED:
         return record
     if (stored["scheme"], stored["host"]) != (given["scheme"], given["host"]):
         return record
-    return {**record, "url": given.group(0) + url[stored.end() :]}
+    return record.model_copy(update={"url": given.group(0) + url[stored.end() :]})

@@ -221,7 +221,7 @@ class FrozenPart:
         missing, unexpected = module.load_state_dict(weights.tensors, strict=False)
         if missing or unexpected:
             raise ConfigError(
-                f"frozen part {name!r} from {weights.record['url']}: its weights do not fit the model this task "
+                f"frozen part {name!r} from {weights.record.url}: its weights do not fit the model this task "
                 f"builds (missing {missing[:5]}, unexpected {unexpected[:5]}). Is the URL a run of the right task?"
             )
         module.requires_grad_(False)

@@ -98,10 +98,10 @@ class MaskedTokenTask(Task):
 
     def build(self, frozen) -> dict[str, nn.Module]:
         source = frozen["tokenizer"].config
-        self.num_codes, self.grid = self._check_tokenizer(source, frozen["tokenizer"].record["url"])
+        self.num_codes, self.grid = self._check_tokenizer(source, frozen["tokenizer"].record.url)
         c = self.cfg
         if c.token_cache:
-            self.cache = TokenCache(c.token_cache, frozen["tokenizer"].record["digest"])
+            self.cache = TokenCache(c.token_cache, frozen["tokenizer"].record.digest)
         tokenizer = self.build_tokenizer(source)
         cond_tokens = (1 if c.num_classes else 0) + (c.text.tokens if c.text else 0)
         transformer = MaskTransformer(c, self.num_codes, self.token_layout(), cond_tokens)
