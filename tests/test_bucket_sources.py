@@ -32,6 +32,7 @@ from trainer.data.buckets import BucketPlan, cover_size
 from trainer.data.pack import pack_folder
 from trainer.data.sampler import SampleRef
 from trainer.data.shards import ShardList, ShardSet, ShardSplit
+from trainer.data.shards.encoded import parse_settings
 from trainer.data.shards.latents import decode_encoded_sample
 from trainer.encode import encode_dataset
 from trainer.errors import ConfigError
@@ -242,7 +243,7 @@ def test_a_bucketed_encode_writes_each_posterior_and_its_mirror_at_its_buckets_s
             sizes = np.load(io.BytesIO(members["size.npy"])).tolist()  # original, crop top-left, bucket
             assert sizes[:2] == [h, w] and sizes[4:] == expected
             # Read with the mirrored posterior, the crop's left is the mirror's (counted from the right).
-            settings = json.loads(open(f"{url}/shards.json").read())["encoded"]
+            settings = parse_settings(json.loads(open(f"{url}/shards.json").read())["encoded"])
             plain = decode_encoded_sample(members, settings, True, 0, tuple(expected))[2]["size_conditions"]
             mirrored = decode_encoded_sample(members, settings, True, 1, tuple(expected))[2]["size_conditions"]
             assert plain.tolist() == sizes

@@ -6,8 +6,10 @@ autoencoder or text encoder (or images where latents are expected, and the rever
 
 from __future__ import annotations
 
+import ast
 import io
 import json
+import re
 import shutil
 import subprocess
 import sys
@@ -28,7 +30,7 @@ from test_latent import vae_folder
 from test_shards import make_folder, pack
 from test_vqgan_maskgit import _kill_and_resume_one_process
 
-from trainer.data.shards import ShardStream, filesystem
+from trainer.data.shards import ShardStream, filesystem, shard_list_json
 from trainer.data.shards.tar import scan_tar
 from trainer.diffusion.latent import PART, LatentSpace, frozen_source
 from trainer.elastic import DistEnv
@@ -270,6 +272,59 @@ def test_encoded_shards_without_digests_are_refused_naming_the_fix(tmp_path, enc
     assert load_shard_list(f"{encoded}/{{000001..000002}}.tar", None).index_digests == pinned[1:3]
 
 
+def test_a_shards_json_with_malformed_encoded_settings_exits_2_naming_the_file_and_the_field(tmp_path, capsys):
+    """The `encoded` settings are parsed once, where shards.json is read (an EncodedSettings): a field of the
+    wrong type is exit 2 naming the list and `encoded.<field>` before a shard is opened, never a traceback."""
+    from trainer.cli import main
+
+    listed = json.loads(shard_list_json([{"url": "000000.tar", "nsamples": 4, "filesize": 10240}], None, None))
+    listed["encoded"] = {  # what encode writes, but for image_size: a string
+        **{"format": "gentrain-encoded/1", "kind": "latents", "autoencoder": {"url": "vae", "digest": "blake3:0"}},
+        **{"image_size": "8", "channels": 1, "latent_shape": [4, 4, 4], "dtype": "float32", "flip": False},
+        **{"text": None, "data": {"source": "digits"}, "samples": 4, "samples_per_shard": 4, "shuffle_seed": 0},
+    }
+    (tmp_path / "shards").mkdir()
+    (tmp_path / "shards" / "shards.json").write_text(json.dumps(listed))
+    assert main(["train", "digits-ddpm", *tiny(tmp_path, *from_shards(f"{tmp_path}/shards"), max_steps=1)]) == 2
+    err = capsys.readouterr().err
+    assert f"{tmp_path}/shards/shards.json" in err and "encoded.image_size" in err and "'8'" in err, err
+    assert "Traceback" not in err
+
+
+def _settings_key_reads(source: str) -> list[int]:
+    """Lines that read the encoded settings by string key: `X["key"]` or `X.get("key")` where X names the
+    settings (`encoded`, `encoding`, `self.encoding`, `(encoding or {})`, ...), or any read of `"encoded"`."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Subscript) and isinstance(node.ctx, ast.Load):
+            key, owner = node.slice, node.value
+        elif isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "get":
+            key, owner = (node.args or [None])[0], node.func.value
+        else:
+            continue
+        if isinstance(key, ast.Constant) and isinstance(key.value, str):
+            if key.value == "encoded" or re.search(r"\bencod(ed|ing)\b", ast.unparse(owner)):
+                found.append(node.lineno)
+    return found
+
+
+def test_the_encoded_settings_are_read_by_attribute_outside_their_module():
+    """`gentrain data encode`'s settings are one EncodedSettings from where shards.json is read to every use
+    (issue 51): outside trainer/data/shards/encoded.py nothing in trainer/ or bench/ reads them by key."""
+    probe = 'def f(doc, e, self):\n    doc["encoded"] = 1\n    return e.encoded["a"], doc.get("encoded"), self.encoding.text\n'
+    assert _settings_key_reads(probe) == [3, 3]
+    defining = REPO / "trainer" / "data" / "shards" / "encoded.py"
+    files = sorted((REPO / "trainer").rglob("*.py")) + sorted((REPO / "bench").rglob("*.py"))
+    assert defining in files and REPO / "trainer" / "encode.py" in files
+    found = [
+        f"{path.relative_to(REPO)}:{line}"
+        for path in files
+        if path != defining
+        for line in _settings_key_reads(path.read_text("utf-8"))
+    ]
+    assert found == [], "read the settings by attribute (trainer.data.shards.encoded.EncodedSettings)"
+
+
 _KILLING_ENCODE = """
 import os, signal, sys
 import trainer.encode as encode
@@ -449,14 +504,18 @@ def test_a_member_reads_as_np_load_reads_it(a, fortran, version):
 def test_an_encoded_sample_decodes_to_its_stored_posterior(shape, dtype, fortran, aug_seed):
     """decode_encoded_sample converts mean and std straight into one float32 tensor: cat(mean, std) of
     what np.load reads, the mirrored pair when the draw flips, the label and caption beside it."""
+    from trainer.data.shards.encoded import EncodedSettings
     from trainer.data.shards.latents import decode_encoded_sample
+
+    def settings(latent_shape) -> EncodedSettings:  # what the decoder reads of a set's settings
+        return EncodedSettings.model_construct(latent_shape=tuple(latent_shape), text=None, buckets=None)
 
     rng = np.random.default_rng(list(shape))
     arrays_ = {k: rng.standard_normal(shape).astype(dtype) for k in ("mean", "std", "flip.mean", "flip.std")}
     members = {f"{k}.npy": _npy(np.asfortranarray(a) if fortran else a) for k, a in arrays_.items()}
     members.update({"cls": b"7\n", "txt": b" a caption "})
     for flip in (False, True):
-        x, label, extras = decode_encoded_sample(members, {"latent_shape": list(shape)}, flip, aug_seed)
+        x, label, extras = decode_encoded_sample(members, settings(shape), flip, aug_seed)
         pre = "flip." if flip and aug_seed & 1 else ""
         want = np.concatenate(
             [np.load(io.BytesIO(members[f"{pre}{k}.npy"])).astype(np.float32) for k in ("mean", "std")]
@@ -464,7 +523,7 @@ def test_an_encoded_sample_decodes_to_its_stored_posterior(shape, dtype, fortran
         assert x.dtype == torch.float32 and x.is_contiguous() and torch.equal(x, torch.from_numpy(want))
         assert label == 7 and extras == {"caption": "a caption"}
     with pytest.raises(ValueError, match=r"posterior of shape"):
-        decode_encoded_sample(members, {"latent_shape": [shape[0] + 1, *shape[1:]]}, False, 0)
+        decode_encoded_sample(members, settings([shape[0] + 1, *shape[1:]]), False, 0)
 
 
 def test_a_broken_member_is_a_clear_error():

@@ -26,6 +26,7 @@ from trainer.checkpoint.format import FiniteScan, NonFiniteTensor
 from trainer.checkpoint.quantized import plain_tensors
 from trainer.checkpoint.validity import MAX_HEADER_BYTES, parse_safetensors_header
 from trainer.data.datasets import read_embedding
+from trainer.data.shards.encoded import EncodedSettings
 from trainer.data.shards.latents import decode_encoded_sample
 from trainer.engine.parts import nonfinite
 from trainer.optim import step_unless
@@ -232,7 +233,7 @@ def test_an_inf_in_a_stored_posterior_or_embedding_is_a_corrupt_sample():
 
     mean = np.zeros((4, 2, 2), np.float32)
     std = np.ones((4, 2, 2), np.float32)
-    encoded = {"latent_shape": [4, 2, 2]}
+    encoded = EncodedSettings.model_construct(latent_shape=(4, 2, 2), text=None, buckets=None)
     assert decode_encoded_sample({"mean.npy": npy(mean), "std.npy": npy(std)}, encoded, False, 0)[0].shape[0] == 8
     mean[1, 0, 1] = np.inf
     with pytest.raises(ValueError, match="inf or NaN"):

@@ -71,6 +71,16 @@ from trainer.data.hf import HFDataset
 from trainer.data.pack import PackSummary
 from trainer.data.sampler import SampleRef
 from trainer.data.shards import ShardSet, ShardSplit, load_shard_list
+from trainer.data.shards.encoded import (
+    ENCODED_FORMAT,
+    EncodedAutoencoder,
+    EncodedBuckets,
+    EncodedSettings,
+    EncodedText,
+    EncodedTextPart,
+    parse_settings,
+    settings_in,
+)
 from trainer.data.shards.index import (
     SHARDLIST_NAME,
     digest,
@@ -82,7 +92,6 @@ from trainer.data.shards.index import (
     shard_list_json,
     strip_protocol,
 )
-from trainer.data.shards.latents import ENCODED_FORMAT
 from trainer.data.shards.tar import scan_tar
 from trainer.diffusion.latent import PART, LatentSpace, frozen_source
 from trainer.engine.parts import FrozenPart
@@ -146,39 +155,39 @@ def _source(cfg) -> _Source:
     return _Source(items, lambda i: f"{i:09d}", None, num_classes)
 
 
-def _settings(cfg, ae_record, geometry: tuple[int, ...], text, dtype: str, flip: bool, **how) -> dict:
+def _settings(cfg, ae_record, geometry: tuple[int, ...], text, dtype: str, flip: bool, **how) -> EncodedSettings:
     d = cfg.data
     where = {"source": d.source}
     for k in ("path", "urls", "hf_split", "image_column", "caption_column", "label_column"):
         if getattr(d, k) is not None and (d.source != "digits"):
             where[k] = getattr(d, k)
-    return {
-        "format": ENCODED_FORMAT,
-        "kind": "latents",
-        "autoencoder": {"url": ae_record.url, "digest": ae_record.digest},
-        "image_size": d.image_size,
-        "channels": d.channels,
-        "latent_shape": list(geometry),
-        "dtype": dtype,
-        "flip": flip,
-        "text": None if text is None else _text_record(text),
-        "data": where,
+    return EncodedSettings(
+        format=ENCODED_FORMAT,
+        kind="latents",
+        autoencoder=EncodedAutoencoder(url=ae_record.url, digest=ae_record.digest),
+        image_size=d.image_size,
+        channels=d.channels,
+        latent_shape=tuple(geometry),
+        dtype=dtype,
+        flip=flip,
+        text=None if text is None else _text_record(text),
+        data=where,
         **how,
-    }
+    )
 
 
-def _text_record(text) -> dict:
+def _text_record(text) -> EncodedText:
     """The caption encoder(s) the stored embeddings are of: the combined digest a run checks, and each folder
     (a pipeline's text_encoder, text_encoder_2, ... and tokenizers) with its own digest, so a run with a pipeline
     of another encoder is told which part differs."""
-    parts = {role: {"url": src, "digest": text.part_digests[role]} for role, src in text.cfg.folders()}
-    return {
-        "encoder": text.cfg.encoder,
-        "kind": text.cfg.kind,
-        "digest": text.digest,
-        "max_tokens": text.cfg.max_tokens,
-        "parts": parts,
-    }
+    parts = {role: EncodedTextPart(url=src, digest=text.part_digests[role]) for role, src in text.cfg.folders()}
+    return EncodedText(
+        encoder=text.cfg.encoder,
+        kind=text.cfg.kind,
+        digest=text.digest,
+        max_tokens=text.cfg.max_tokens,
+        parts=parts,
+    )
 
 
 def _commit(fs, local_or_bytes: str | bytes, url: str) -> None:
@@ -192,7 +201,7 @@ def _commit(fs, local_or_bytes: str | bytes, url: str) -> None:
     fs.mv(strip_protocol(fs, partial), strip_protocol(fs, url))
 
 
-def _finished(fs, out: str, settings: dict) -> dict[int, dict]:
+def _finished(fs, out: str, settings: EncodedSettings) -> dict[int, dict]:
     """The shards already committed in `out` (an interrupted encode's, or other ranks'), as shard list entries
     by shard number, each index checked against `settings`: ConfigError (exit 2) naming the first shard of
     another encode, or of anything else, and what differs. A shard whose tar is missing or not the size its
@@ -224,13 +233,17 @@ def _finished(fs, out: str, settings: dict) -> dict[int, dict]:
         except (ValueError, UnicodeDecodeError) as e:
             foreign.append((tar, f"its index is not one gentrain writes ({e})"))
             continue
-        found = doc.get("encoded")
-        if not isinstance(found, dict):
+        try:
+            found = settings_in(doc)
+        except ValueError as e:
+            foreign.append((tar, f"its index records encode settings this gentrain does not write ({e})"))
+            continue
+        if found is None:
             why = "its index records no encode settings (shards of data pack or data index, or of an encode"
             foreign.append((tar, f"{why} by a gentrain that did not pin them)"))
             continue
         if found != settings:
-            foreign.append((tar, f"encoded with other settings ({_differences(found, settings)})"))
+            foreign.append((tar, f"encoded with other settings ({found.differences(settings)})"))
             continue
         if pins is None or not isinstance(doc.get("digest"), str) or sizes.get(tar) != doc.get("shard_bytes"):
             continue  # its tar missing or cut short: unfinished
@@ -249,11 +262,6 @@ def _finished(fs, out: str, settings: dict) -> dict[int, dict]:
             "empty folder, or rerun with the settings those shards were encoded with"
         )
     return done
-
-
-def _differences(found: dict, settings: dict) -> str:
-    diff = sorted(k for k in set(found) | set(settings) if found.get(k) != settings.get(k))
-    return "; ".join(f"{k}: {found.get(k)!r} there, {settings.get(k)!r} now" for k in diff)
 
 
 def _device() -> torch.device:
@@ -337,7 +345,7 @@ def encode_dataset(
     recorded = _check_settings(fs, out, settings)
     finished = _finished(fs, out, settings)  # before anything is written: a folder of another encode exits 2
     if not recorded:
-        _commit(fs, json.dumps(settings, indent=1).encode(), posixpath.join(out, SETTINGS_NAME))
+        _commit(fs, json.dumps(settings.model_dump(mode="json"), indent=1).encode(), posixpath.join(out, SETTINGS_NAME))
     num_shards = -(-n // samples_per_shard)
     mine = list(range(rank, num_shards, world_size))
     summary = PackSummary()
@@ -403,7 +411,7 @@ def encode_dataset(
             pins = {
                 "digest": digest(data),
                 "sample_digests": [sample_digest(view[a:b]).hex() for a, b in zip(offsets, offsets[1:], strict=False)],
-                "encoded": settings,
+                "encoded": settings.model_dump(mode="json"),
                 **({"buckets": sample_buckets} if bucketing is not None else {}),
             }
             size = len(data)
@@ -443,7 +451,7 @@ class _Bucketing:
     """A bucketed encode: each sample's bucket number (by the bucketed source's index) and the settings."""
 
     bucket: np.ndarray
-    settings: dict
+    settings: EncodedBuckets
 
 
 def _bucketed_source(cfg, src: _Source, latent) -> tuple[_Source, _Bucketing, dict[str, int]]:
@@ -474,21 +482,21 @@ def _bucketed_source(cfg, src: _Source, latent) -> tuple[_Source, _Bucketing, di
     else:
         placed = BucketedSubset(items.dataset, items.indices, False, d.channels, plan, digest, 1)
         keys, bucket = (lambda i: src.keys(int(placed.indices[i]))), plan.assign[placed.indices]
-    settings = {
-        "list": [list(b) for b in buckets],
-        "latent_shapes": [[latent.shape[0], h // factor, w // factor] for h, w in buckets],
-        "step": d.bucket_step,
-        "max_ratio": d.bucket_max_ratio,
-        "min_fraction": d.bucket_min_fraction,
-        "crop": d.crop,
-        "crop_seed": cfg.seed if d.crop == "random" else None,  # a random crop is drawn from (seed, sample)
-        "assignment": digest,
-    }
+    settings = EncodedBuckets(
+        list=[tuple(b) for b in buckets],
+        latent_shapes=[(latent.shape[0], h // factor, w // factor) for h, w in buckets],
+        step=d.bucket_step,
+        max_ratio=d.bucket_max_ratio,
+        min_fraction=d.bucket_min_fraction,
+        crop=d.crop,
+        crop_seed=cfg.seed if d.crop == "random" else None,  # a random crop is drawn from (seed, sample)
+        assignment=digest,
+    )
     log.info("data encode: data.buckets: %s", placed.summary())
     return _Source(placed, keys, src.classes, src.num_classes), _Bucketing(bucket, settings), placed.skipped
 
 
-def _check_settings(fs, out: str, settings: dict) -> bool:
+def _check_settings(fs, out: str, settings: EncodedSettings) -> bool:
     """Whether `encode.json` is there (an earlier, interrupted encode's), checked to hold the same settings.
     Not proof of what the shards are (it may be lost, or never copied with them): `_finished` checks those."""
     url = posixpath.join(out, SETTINGS_NAME)
@@ -500,8 +508,15 @@ def _check_settings(fs, out: str, settings: dict) -> bool:
         raise ConfigError(
             f"data encode: {url} is not JSON ({e}): not an encode's folder; encode into another"
         ) from None
-    if found != settings:
-        shown = _differences(found, settings) if isinstance(found, dict) else repr(found)
+    try:
+        recorded = parse_settings(found)
+    except ValueError as e:
+        raise ConfigError(
+            f"data encode: {url} holds settings this gentrain's encode does not write ({e}): not an encode's "
+            "folder of this version; encode into another"
+        ) from None
+    if recorded != settings:
+        shown = recorded.differences(settings)
         raise ConfigError(
             f"data encode: {out} holds shards encoded with other settings ({shown}); resume with the same "
             "config and options, or encode into another folder"
@@ -510,7 +525,7 @@ def _check_settings(fs, out: str, settings: dict) -> bool:
 
 
 def _maybe_write_shard_list(
-    fs, out: str, num_shards: int, settings: dict, classes: list[str] | None, num_classes: int | None
+    fs, out: str, num_shards: int, settings: EncodedSettings, classes: list[str] | None, num_classes: int | None
 ) -> bool:
     """`shards.json` with the `encoded` settings and every shard's digests, once every shard is committed (by
     any rank: the same bytes)."""
@@ -518,6 +533,6 @@ def _maybe_write_shard_list(
     if any(j not in done for j in range(num_shards)):
         return False
     doc = json.loads(shard_list_json([done[j] for j in range(num_shards)], classes, num_classes))
-    doc["encoded"] = settings
+    doc["encoded"] = settings.model_dump(mode="json")
     _commit(fs, json.dumps(doc, indent=1).encode(), posixpath.join(out, SHARDLIST_NAME))
     return True

@@ -109,7 +109,7 @@ class Trainer:
             self.uploader = run_dir_uploader(cfg) if env.is_main else None
             self.train_set, self.val_set, num_classes = build_splits(cfg)
             held_out = self.val_set or self.train_set
-            encoding = getattr(self.train_set, "encoding", None)
+            encoding = self.train_set.encoding  # `gentrain data encode`'s settings (EncodedSettings), or None
             self.task = build_task(cfg, num_classes=num_classes, encoding=encoding, stages=t.stages)
             self.wrapping = wrapping_for(runtime, t)
             self.parts, self.frozen = self._build_parts()

@@ -34,6 +34,7 @@ from trainer.conditioning.text import check_stored_encoders
 from trainer.config import Config
 from trainer.config.redact import redact
 from trainer.data import is_video
+from trainer.data.shards.encoded import EncodedSettings
 from trainer.errors import CheckpointCorrupt, CheckpointError, ConfigError
 from trainer.models.finetune import CONFIG_NAME, WEIGHTS_NAME, cast_frozen_base, read_folder
 from trainer.registry import check_stored_task, config_from_dict, task_class
@@ -52,7 +53,7 @@ def build_task(
     cfg: Config,
     *,
     num_classes: int | None = None,
-    encoding: Mapping[str, Any] | None = None,
+    encoding: EncodedSettings | None = None,
     stages: list[int] | None = None,
     load_pretrained: bool = True,
 ) -> Task:

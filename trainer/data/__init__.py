@@ -14,7 +14,7 @@ from trainer.data.hf import HFDataset
 from trainer.data.joint import JointSet
 from trainer.data.sampler import SampleRef, SampleStream, StepBatchSampler
 from trainer.data.shards import ShardSet, ShardSplit, load_shard_list
-from trainer.data.shards.latents import ENCODED_FORMAT, posterior_shape
+from trainer.data.shards.encoded import EncodedSettings
 from trainer.data.video import MovingDigitsDataset, VideoFolderDataset, import_av
 from trainer.errors import ConfigError
 
@@ -85,7 +85,7 @@ def build_splits(cfg: Config) -> tuple[Subset, Subset | None, int | None]:
     """(train, validation or None, number of classes or None)."""
     if cfg.data.source == "shards":
         train, val, num_classes = build_shard_splits(cfg)
-        if cfg.data.buckets is not None or (train.encoding or {}).get("buckets") is not None:
+        if cfg.data.buckets is not None or (train.encoding is not None and train.encoding.buckets is not None):
             # Imported here: only a run in buckets needs it (it reads each sample's size once per data version).
             from trainer.data.bucket_sources import bucketed_shards
 
@@ -193,7 +193,7 @@ def build_shard_splits(cfg: Config):
             f"{_what(encoded)}: validate on shards made the same way"
         )
     if encoded is not None:
-        shape = posterior_shape(encoded)
+        shape = encoded.posterior_shape()
     if val_set is not None:
         train = ShardSplit(train_set, "all", 0.0, d.flip, shape, d.shard_window, d.shuffle_block)
         val = ShardSplit(val_set, "all", 0.0, False, shape)
@@ -206,13 +206,13 @@ def build_shard_splits(cfg: Config):
     return train, (val if len(val) else None), train_set.num_classes
 
 
-def _what(encoded: dict | None) -> str:
+def _what(encoded: EncodedSettings | None) -> str:
     if encoded is None:
         return "image shards"
-    return f"latents encoded by the autoencoder {encoded['autoencoder']['digest']}"
+    return f"latents encoded by the autoencoder {encoded.autoencoder.digest}"
 
 
-def check_encoded(cfg: Config, encoded: dict | None) -> dict | None:
+def check_encoded(cfg: Config, encoded: EncodedSettings | None) -> EncodedSettings | None:
     """The `encoded` settings of `gentrain data encode`'s shards (None: image shards), checked against the
     run: latents need a latent diffusion model of the same image geometry; `data.encoded` (when set) says
     which kind the run expects. Everything here exits 2 before a model is built."""
@@ -230,20 +230,18 @@ def check_encoded(cfg: Config, encoded: dict | None) -> dict | None:
             f"data.encoded=false but {urls} are {_what(encoded)}, not images: point data.urls at image shards, "
             "or unset data.encoded"
         )
-    if encoded.get("format") != ENCODED_FORMAT:
-        raise ConfigError(f"{urls}: encoded shards of format {encoded.get('format')!r}, not {ENCODED_FORMAT}")
     if getattr(cfg.model_cfg, "autoencoder", None) is None:
         raise ConfigError(
             f"{urls} are {_what(encoded)}, not images, and this {cfg.task} model has no model.autoencoder to "
             "decode them: set model.autoencoder.url to that autoencoder, or point data.urls at image shards"
         )
-    for key in ("image_size", "channels"):
-        if getattr(d, key) != encoded[key]:
+    for key, made in (("image_size", encoded.image_size), ("channels", encoded.channels)):
+        if getattr(d, key) != made:
             raise ConfigError(
-                f"data.{key}={getattr(d, key)} but {urls} were encoded from {key}={encoded[key]}: set "
-                f"data.{key}={encoded[key]}, or encode the images again at {getattr(d, key)}"
+                f"data.{key}={getattr(d, key)} but {urls} were encoded from {key}={made}: set "
+                f"data.{key}={made}, or encode the images again at {getattr(d, key)}"
             )
-    if d.flip and not encoded.get("flip"):
+    if d.flip and not encoded.flip:
         raise ConfigError(
             f"data.flip=true but {urls} hold no posteriors of the mirrored images (encoded without --flip): "
             "set data.flip=false, or encode again with --flip"

@@ -49,6 +49,7 @@ from trainer.data.buckets import (
 )
 from trainer.data.datasets import IMAGE_EXTENSIONS
 from trainer.data.sampler import BucketStream, SampleRef
+from trainer.data.shards.encoded import EncodedSettings
 from trainer.data.shards.index import digest as blob_digest
 from trainer.data.shards.index import index_url, read_index, strip_protocol, url_dir
 from trainer.data.shards.tar import parse_samples
@@ -208,17 +209,16 @@ def shard_sizes(shardset, cache_dir: str | None) -> tuple[list, str]:
 # ------------------------------------------------------------------------------------------------ latent shards
 
 
-def encoded_buckets(encoded: dict) -> list[tuple[int, int]] | None:
+def encoded_buckets(encoded: EncodedSettings) -> list[tuple[int, int]] | None:
     """The buckets a `gentrain data encode` set was encoded at (None: square, data.image_size)."""
-    made = encoded.get("buckets")
-    return [(int(h), int(w)) for h, w in made["list"]] if isinstance(made, dict) else None
+    return [(h, w) for h, w in encoded.buckets.list] if encoded.buckets is not None else None
 
 
 def _show(buckets: list[tuple[int, int]] | None) -> str:
     return "null" if buckets is None else "[" + ", ".join(f"[{h},{w}]" for h, w in buckets) + "]"
 
 
-def check_encoded_buckets(cfg, encoded: dict) -> list[tuple[int, int]] | None:
+def check_encoded_buckets(cfg, encoded: EncodedSettings) -> list[tuple[int, int]] | None:
     """The run's buckets when they are the encode's (None: neither has any); ConfigError (exit 2) naming both
     otherwise: latents are at the shape they were encoded at, and no run can put them in other buckets."""
     d = cfg.data
@@ -379,9 +379,9 @@ def bucketed_shards(cfg, train, val):
             return train, val
         assign, version = encoded_assignment(train.shardset, cfg.run_dir)
         plan = BucketPlan.from_assignment(assign, buckets)
-        made = encoded["buckets"]
-        digest = plan_digest(version, buckets, made["max_ratio"], made["min_fraction"])
-        shapes = [(2 * c, h, w) for c, h, w in made["latent_shapes"]]
+        made = encoded.buckets
+        digest = plan_digest(version, buckets, made.max_ratio, made.min_fraction)
+        shapes = [(2 * c, h, w) for c, h, w in made.latent_shapes]
         out = BucketedShardSplit(train, plan, digest, cfg.train.batch_size, shapes, square=False)
         if val is not None:
             val_assign = assign if val.shardset is train.shardset else encoded_assignment(val.shardset, cfg.run_dir)[0]

@@ -313,6 +313,8 @@ class BucketedSubset:
     loaded at its bucket's shape; `make_stream` gives the bucketed order. The validation split, previews
     and FID keep square `data.image_size` crops."""
 
+    encoding = None  # images, never `gentrain data encode` latents (see ShardSplit.encoding)
+
     def __init__(
         self,
         dataset,

@@ -444,6 +444,8 @@ def resize_center_crop(im: Image.Image, size: int) -> Image.Image:
 class Subset:
     """Training or validation part of a dataset, mapping local to dataset indices."""
 
+    encoding = None  # images, never `gentrain data encode` latents (a ShardSplit's `encoding` may be set)
+
     def __init__(self, dataset, indices: np.ndarray, flip: bool, image_shape: tuple[int, ...]):
         # image_shape: (C, H, W), or (T, C, H, W) for clips; an unreadable sample's slot is zeros of it.
         self.dataset = dataset

@@ -70,6 +70,8 @@ class DreamBoothSet:
     """Instance and class samples interleaved one for one by global position (see the module doc). Class items'
     indices in the batch (`indices`, the ledger's) are shifted past the instance dataset's; their labels are -1."""
 
+    encoding = None  # images, never `gentrain data encode` latents (see ShardSplit.encoding)
+
     def __init__(self, instance: Prompted, classes: Prompted):
         self.instance = instance
         self.classes = classes

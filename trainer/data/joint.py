@@ -67,6 +67,8 @@ class JointSet:
     (`index_offset`), so labels and the ledger keep the two apart.
     """
 
+    encoding = None  # clips and images, never `gentrain data encode` latents (see ShardSplit.encoding)
+
     def __init__(self, clips, images, ratio: float, clip_shape: tuple[int, ...], label_offset: int):
         self.clips = clips
         self.images = images

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -99,7 +98,7 @@ class LatentSpace:
         channels: int,
         seed: int,
         services: Any = None,  # TaskContext.services: asked whether calls to a module are collective
-        encoding: Mapping[str, Any] | None = None,
+        encoding: Any = None,  # TaskContext.encoding: an EncodedSettings (the data layer's), read by attribute
     ):
         self.cfg = c
         self.encoding = encoding  # the data are `gentrain data encode` latents: the encoder is never built
@@ -138,19 +137,19 @@ class LatentSpace:
         if encoding is not None:
             self._check_encoding(encoding, url)
 
-    def _check_encoding(self, encoding: Mapping[str, Any], url: str) -> None:
+    def _check_encoding(self, encoding: Any, url: str) -> None:
         """Encoded shards must come from this very autoencoder (digest) at this geometry: exit 2 naming both."""
-        made = encoding["autoencoder"]
-        if made["digest"] != self.weights.record.digest:
+        made = encoding.autoencoder
+        if made.digest != self.weights.record.digest:
             raise ConfigError(
-                f"data.urls: the shards were encoded by the autoencoder {made['url']} ({made['digest']}), but "
+                f"data.urls: the shards were encoded by the autoencoder {made.url} ({made.digest}), but "
                 f"model.autoencoder.url={self.cfg.url} is {url} ({self.weights.record.digest}): the latents "
                 "would not be this autoencoder's. Point model.autoencoder.url at the autoencoder that encoded them, "
                 "or encode the data again with `gentrain data encode`"
             )
-        if tuple(encoding["latent_shape"]) != self.shape:
+        if tuple(encoding.latent_shape) != self.shape:
             raise ConfigError(
-                f"data.urls: the shards hold {list(encoding['latent_shape'])} latents but this autoencoder at "
+                f"data.urls: the shards hold {list(encoding.latent_shape)} latents but this autoencoder at "
                 f"data.image_size gives {list(self.shape)}: encode the data again at this size"
             )
 

@@ -136,8 +136,9 @@ class TaskContext:
     stages: list[int] | None = None  # `train.stages`: the cascade stages this run trains (None = all)
     num_frames: int = 1  # `data.num_frames`: frames per clip of video sources (batches are (N, T, C, H, W))
     # The settings of `gentrain data encode` when the training data are its latent shards (see
-    # trainer/encode.py): batches then carry posteriors, not images. None: images.
-    encoding: Mapping[str, Any] | None = None
+    # trainer/encode.py): batches then carry posteriors, not images. None: images. An EncodedSettings
+    # (trainer/data/shards/encoded.py, a layer tasks do not import), read by attribute.
+    encoding: Any = None
     # `data.buckets`: the (height, width) aspect-ratio buckets the run trains (trained, when sampling) at, each
     # side in pixels; None: data.image_size squares. A task checks them against its model's size factor.
     buckets: list[tuple[int, int]] | None = None

@@ -186,26 +186,26 @@ class DDPMTask(Task):
             )
 
     def _check_stored_text(self, encoding) -> bool:
-        """Whether the data carry this encoder's caption embeddings; other ones exit 2 naming both digests."""
-        made = (encoding or {}).get("text")
+        """Whether the data carry this encoder's caption embeddings; other ones exit 2 naming both digests.
+        `encoding`: TaskContext.encoding (an EncodedSettings, read by attribute) or None."""
+        made = encoding.text if encoding is not None else None
         if made is None:
             return False
         assert self.text is not None and self.cfg.text is not None
-        if made["digest"] != self.text.digest or made["max_tokens"] != self.cfg.text.max_tokens:
+        if made.digest != self.text.digest or made.max_tokens != self.cfg.text.max_tokens:
             # Shards of `data encode` record each folder's digest (a pipeline's text_encoder_2, ...): name those
             # that differ, where a combined digest alone would not say which of a pipeline's encoders changed.
-            parts = made.get("parts") if isinstance(made.get("parts"), dict) else {}
-            pinned = {role: p for role, p in parts.items() if isinstance(p, dict)}
+            pinned = made.parts
             differ = [
-                f"model.text.{role} is {src} ({self.text.part_digests[role]}), the shards' {pinned[role].get('url')} "
-                f"({pinned[role].get('digest')})"
+                f"model.text.{role} is {src} ({self.text.part_digests[role]}), the shards' {pinned[role].url} "
+                f"({pinned[role].digest})"
                 for role, src in self.cfg.text.folders()
-                if role in pinned and pinned[role].get("digest") != self.text.part_digests[role]
+                if role in pinned and pinned[role].digest != self.text.part_digests[role]
             ]
             which = f"other encoder files ({'; '.join(differ)}): " if differ else ""
             raise ConfigError(
-                f"data.urls: {which}the shards' caption embeddings are {made['encoder']} ({made['digest']}, max_tokens "
-                f"{made['max_tokens']}), but model.text is {self.cfg.text.encoder} ({self.text.digest}, max_tokens "
+                f"data.urls: {which}the shards' caption embeddings are {made.encoder} ({made.digest}, max_tokens "
+                f"{made.max_tokens}), but model.text is {self.cfg.text.encoder} ({self.text.digest}, max_tokens "
                 f"{self.cfg.text.max_tokens}): set model.text to the encoder that embedded them, or encode the "
                 "data again with `gentrain data encode --text`"
             )

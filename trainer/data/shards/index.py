@@ -42,6 +42,7 @@ import blake3
 import numpy as np
 
 from trainer import storage
+from trainer.data.shards.encoded import EncodedSettings, settings_in
 from trainer.errors import ConfigError
 
 INDEX_FORMAT = "gentrain-tar-index/1"
@@ -145,7 +146,7 @@ class ShardList:
     classes: list[str] | None = None
     num_classes: int | None = None
     # `shards.json`'s `encoded` settings when `gentrain data encode` wrote the shards (latents, not images).
-    encoded: dict | None = None
+    encoded: EncodedSettings | None = None
     # Per shard, the blake3 of its `.idx.json` the list pins ("blake3:..."), None where it pins none; None: no pins.
     index_digests: list[str | None] | None = None
 
@@ -157,7 +158,7 @@ def load_shard_list(urls: str | list[str], storage_options: dict | None, key: st
         entries = _entries(listed, urls, key)
         shard_urls = [posixpath.join(url_dir(urls), rel) for rel, _, _ in entries]
         counts = np.array([n for _, n, _ in entries], dtype=np.int64)
-        return _shard_list(shard_urls, counts, listed, [pin for _, _, pin in entries], f"{key}={urls!r}")
+        return _shard_list(shard_urls, counts, listed, [pin for _, _, pin in entries], f"{key}={urls!r}", urls)
 
     shard_urls = expand_urls(urls)
     if not shard_urls:
@@ -168,6 +169,7 @@ def load_shard_list(urls: str | list[str], storage_options: dict | None, key: st
     pins: dict[str, str | None] = {}
     listed: dict = {}
     folders = {url_dir(u) for u in shard_urls}
+    list_url = SHARDLIST_NAME  # none read: `listed` stays empty
     if len(folders) == 1:
         list_url = posixpath.join(folders.pop(), SHARDLIST_NAME)
         try:
@@ -194,19 +196,27 @@ def load_shard_list(urls: str | list[str], storage_options: dict | None, key: st
             counts[strip_protocol(fs, u)] = len(parse_index(blob, index_url(u))) - 1
     counted = np.array([counts[strip_protocol(fs, u)] for u in shard_urls])
     pinned = [pins.get(strip_protocol(fs, u)) for u in shard_urls]
-    return _shard_list(shard_urls, counted, listed, pinned, f"{key}={urls!r}")
+    return _shard_list(shard_urls, counted, listed, pinned, f"{key}={urls!r}", list_url)
 
 
-def _shard_list(urls: list[str], counts: np.ndarray, listed: dict, pins: list[str | None], what: str) -> ShardList:
-    """The list; an encoded set (`encoded` settings) must pin every shard's index by digest.
+def _shard_list(
+    urls: list[str], counts: np.ndarray, listed: dict, pins: list[str | None], what: str, list_url: str
+) -> ShardList:
+    """The list; an encoded set (`encoded` settings, parsed here once: malformed ones exit 2 naming the file
+    and the field) must pin every shard's index by digest.
 
     Why refused, not read with a warning: nothing else proves that the shards of an encoded set are the
     ones that encode wrote (Found 1 of issue 47: another encode's shards under a new shards.json trained
     with exit 0), and encoding again is the way to pins."""
     classes = listed.get("classes")
     num_classes = listed.get("num_classes") or (len(classes) if classes else None)
-    encoded = listed.get("encoded")
-    encoded = encoded if isinstance(encoded, dict) else None
+    try:
+        encoded = settings_in(listed)
+    except ValueError as e:
+        raise ConfigError(
+            f"{what}: the `encoded` settings of {list_url} are not ones this gentrain's `data encode` writes "
+            f"({e}): encode the images again with `gentrain data encode`, or train from image shards"
+        ) from None
     if encoded is not None and None in pins:
         bare = urls[pins.index(None)]
         raise ConfigError(

@@ -1,7 +1,7 @@
 """Reading `gentrain data encode`'s shards: a sample's stored posterior (and caption embeddings) for the loader.
 
 The member layout is written by trainer/encode.py (see its docstring); the `encoded` settings come
-from the set's `shards.json`.
+from the set's `shards.json` (`trainer.data.shards.encoded.EncodedSettings`).
 """
 
 from __future__ import annotations
@@ -13,8 +13,8 @@ import numpy as np
 import torch
 
 from trainer.data.buckets import SIZE_CONDITIONS, cover_size
+from trainer.data.shards.encoded import EncodedSettings
 
-ENCODED_FORMAT = "gentrain-encoded/1"
 # A sample's members: the posterior (and, mirrored, `flip.*`), the caption's embeddings.
 _POSTERIOR = ("mean", "std")
 _TEXT = ("tokens", "mask", "pooled")
@@ -69,7 +69,7 @@ def _read_npy(raw: bytes, name: str) -> np.ndarray:
     return _npy_view(raw, name).astype(np.float32, order="C")
 
 
-def decode_encoded_sample(members: dict[str, bytes], encoded: dict, flip: bool, aug_seed: int, size=None):
+def decode_encoded_sample(members: dict[str, bytes], encoded: EncodedSettings, flip: bool, aug_seed: int, size=None):
     """(posterior, label, extras) of an encoded sample: posterior = cat(mean, std) on the channel axis,
     float32 (the loader moves it like an image; the task splits it). The mirrored image's posterior when
     `flip` and the sample's augmentation draw says so (the draw an image source flips by). ValueError (the
@@ -78,7 +78,7 @@ def decode_encoded_sample(members: dict[str, bytes], encoded: dict, flip: bool, 
     flipped = bool(flip and aug_seed & 1)
     names = _POSTERIOR_MEMBERS[flipped]
     mean, std = (_npy_view(members[name], name) for name in names)
-    want = tuple(encoded["latent_shape"]) if size is None else bucket_latent_shape(encoded, size)
+    want = encoded.latent_shape if size is None else encoded.buckets.latent_shape(size)
     if mean.shape != want or std.shape != want:
         raise ValueError(f"posterior of shape {list(mean.shape)}, the set's is {list(want)}")
     posterior = np.empty((2 * want[0], *want[1:]), np.float32)  # both halves converted straight into it
@@ -99,22 +99,10 @@ def decode_encoded_sample(members: dict[str, bytes], encoded: dict, flip: bool, 
             resized_width = cover_size(int(sizes[0]), int(sizes[1]), int(sizes[4]), int(sizes[5]))[1]
             sizes[3] = resized_width - sizes[5] - sizes[3]
         extras[SIZE_CONDITIONS] = torch.from_numpy(sizes)
-    if encoded.get("text") is not None:
+    if encoded.text is not None:
         for k in _TEXT:
             values = _read_npy(members[f"text.{k}.npy"], f"text.{k}.npy")
             if not np.isfinite(values).all():
                 raise ValueError(f"member text.{k}.npy holds inf or NaN values")
             extras[f"text_{k}"] = torch.from_numpy(values)
     return x, label, extras
-
-
-def bucket_latent_shape(encoded: dict, size) -> tuple[int, ...]:
-    """The latent shape of bucket (height, width) of a set encoded in aspect-ratio buckets."""
-    made = encoded["buckets"]
-    return tuple(made["latent_shapes"][[tuple(b) for b in made["list"]].index(tuple(size))])
-
-
-def posterior_shape(encoded: dict) -> tuple[int, ...]:
-    """What the loader yields per encoded sample (mean and std stacked on the channel axis)."""
-    c, h, w = encoded["latent_shape"]
-    return (2 * c, h, w)

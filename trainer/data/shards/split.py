@@ -9,6 +9,7 @@ import numpy as np
 
 from trainer.data.datasets import skipped_item
 from trainer.data.sampler import SampleRef
+from trainer.data.shards.encoded import EncodedSettings
 from trainer.data.shards.fetch import FetchStats, ShardSet
 from trainer.data.shards.order import ShardStream
 
@@ -30,7 +31,7 @@ class ShardSplit:
     """
 
     # `gentrain data encode`'s settings when the shards hold latents (set by `build_shard_splits`), else None.
-    encoding: dict | None = None
+    encoding: EncodedSettings | None = None
 
     def __init__(
         self, shardset: ShardSet, part: str, fraction: float, flip: bool, image_shape, window: int = 0, block: int = 1
