@@ -142,7 +142,7 @@ def weight_files(checkpoints: Path, step: int) -> dict[str, dict[str, torch.Tens
     store = CheckpointStore(str(checkpoints))
     info = store.check(step)
     assert info.valid, info.reason
-    names = [n for n in info.manifest["files"] if n.endswith(".model.safetensors")]
+    names = [n for n in info.manifest.files if n.endswith(".model.safetensors")]
     return {n.removesuffix(".safetensors"): store.read_tensors(info, n) for n in names}
 
 

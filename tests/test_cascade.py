@@ -35,7 +35,7 @@ def checkpoint_files(root: str, step: int) -> tuple[dict[str, dict[str, torch.Te
     store = CheckpointStore(root)
     info = store.check(step)
     assert info.valid, info.reason
-    tensors = {n: store.read_tensors(info, n) for n in info.manifest["files"] if n.endswith(".safetensors")}
+    tensors = {n: store.read_tensors(info, n) for n in info.manifest.files if n.endswith(".safetensors")}
     return tensors, store.read_json(info, "trainer.json")
 
 
@@ -375,7 +375,7 @@ def test_a_run_refuses_to_resume_or_sample_with_different_text_encoder_weights(t
     train(tmp_path, *args, max_steps=2)
     root = f"{tmp_path}/run/checkpoints"
     store = CheckpointStore(root)
-    recorded = store.latest_valid().manifest["inputs"]["text_encoder"]
+    recorded = store.latest_valid().manifest.inputs["text_encoder"]
     assert recorded["source"] == str(encoder) and recorded["pin"] and recorded["digest"].startswith("blake3:")
 
     weights = load_file(encoder / "model.safetensors")
@@ -413,7 +413,7 @@ def test_digits_decoder_preset_embeds_images_with_the_shipped_cnn_and_samples_fr
     )
     assert r.returncode == 0, r.stderr[-3000:]
     root = f"{tmp_path}/run/checkpoints"
-    inputs = CheckpointStore(root).latest_valid().manifest["inputs"]
+    inputs = CheckpointStore(root).latest_valid().manifest.inputs
     assert inputs["image_encoder"]["source"] == "digits-features" and inputs["image_encoder"]["pin"]
 
     emb = tmp_path / "digits.npy"
@@ -478,7 +478,7 @@ def test_cascade_under_fsdp_starts_from_rank_0_weights_built_nowhere_else(tmp_pa
     def weights(run: str) -> dict[str, torch.Tensor]:
         store = CheckpointStore(f"{tmp_path}/{run}/run/checkpoints")
         info = store.latest_valid()
-        files = info.manifest["files"]
+        files = info.manifest.files
         assert (run == "fsdp") == ("shards.json" in files)
         out = {}
         for stage in ("stage1", "stage2"):

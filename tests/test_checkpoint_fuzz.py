@@ -258,7 +258,7 @@ def assert_loads(store: CheckpointStore, info) -> None:
     """Every file of a checkpoint through the loaders themselves, past gentrain's checks: the safetensors
     library on every tensor file, the RNG setters on every rank's state (the process's own RNG restored
     after), and the schedule, scaler and EMA settings through the `load_state_dict` of a fresh part."""
-    files = info.manifest["files"]
+    files = info.manifest.files
     for name in files:
         if name.endswith(".safetensors"):
             safetensors_load(store.read_file(info, name))
@@ -401,7 +401,7 @@ def test_training_on_a_fuzzed_root_resumes_exactly_or_starts_over(reference, tmp
     # Every step it saved past the one it resumed from is its own timeline's: a step another timeline left
     # there (the reference run's, valid or not) was replaced, never kept; older steps keep their writer.
     start = newest or 0
-    ours = {s: store.check(s).manifest.get("timeline") for s in (2, 4, 6) if s > start}
+    ours = {s: store.check(s).manifest.timeline for s in (2, 4, 6) if s > start}
     assert len(set(ours.values())) == 1 and None not in ours.values(), ours
     if start < 6:
         assert ours[6] != manifest(reference, 6)["timeline"], "the reference run's step 6 was kept"

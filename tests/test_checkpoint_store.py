@@ -88,9 +88,9 @@ def test_commit_then_discover_newest(store_url):
     assert latest.step == 200
     assert store.read_tensors(latest, "weights.safetensors")["w"][0, 0] == 200.0
     m = latest.manifest
-    assert m["format_version"] == 2 and m["step"] == 200 and m["world_size"] == 1 and m["time_utc"]
-    assert set(m["files"]) == {"weights.safetensors", "state.json"}
-    assert m["digest"] == "blake3" and all(len(e["blake3"]) == 64 for e in m["files"].values())
+    assert m.format_version == 2 and m.step == 200 and m.world_size == 1 and m.time_utc
+    assert set(m.files) == {"weights.safetensors", "state.json"}
+    assert m.digest == "blake3" and all(len(e.blake3) == 64 for e in m.files.values())
 
 
 def test_truncated_payload_is_skipped_for_the_previous_checkpoint(store_url):

@@ -562,12 +562,12 @@ def test_ddpm_with_a_transformer_backbone_trains_checkpoints_and_samples_through
     assert "the UNet keys model.attention, model.block_out_channels, model.norm_num_groups are ignored" in caplog.text
     store = CheckpointStore(str(tmp_path / "run" / "checkpoints"))
     info = store.latest_valid()
-    assert {"transformer.model.safetensors", "transformer.ema.safetensors"} <= set(info.manifest["files"])
+    assert {"transformer.model.safetensors", "transformer.ema.safetensors"} <= set(info.manifest.files)
     _, task, modules = load_for_inference(store.view(info), True, CPU)
     assert list(modules) == ["transformer"] and type(modules["transformer"]).__name__ == cls
     text = task.text is not None
     if text:
-        assert info.manifest["inputs"]["text_encoder"]["digest"] == task.text.digest
+        assert info.manifest.inputs["text_encoder"]["digest"] == task.text.digest
     request = SampleRequest(num=4, seed=1, inference_steps=2, prompts=["a handwritten seven"] if text else None)
     guided = task.sample(modules, request.replace(guidance_scale=3.0), CPU)
     assert guided.shape == (4, 1, 8, 8) and torch.isfinite(guided).all()
@@ -750,7 +750,7 @@ def test_cascade_with_transformer_stages_trains_checkpoints_and_samples_through_
     assert Trainer(cfg, DistEnv()).fit() == 0
     store = CheckpointStore(str(tmp_path / "run" / "checkpoints"))
     info = store.latest_valid()
-    assert {"stage1.model.safetensors", "stage2.model.safetensors"} <= set(info.manifest["files"])
+    assert {"stage1.model.safetensors", "stage2.model.safetensors"} <= set(info.manifest.files)
     _, task, modules = load_for_inference(store.view(info), True, CPU)
     request = SampleRequest(num=4, seed=1, inference_steps=2, **conditions)
     guided = task.sample(modules, request.replace(guidance_scale=3.0), CPU)

@@ -141,7 +141,7 @@ def full_weights(root: str) -> dict[str, torch.Tensor]:
     """The transformer's whole weights, whichever layout wrote the checkpoint."""
     store = CheckpointStore(root)
     info = store.latest_valid()
-    files = info.manifest["files"]
+    files = info.manifest.files
     return store.view(info).read_weights(
         "transformer.model.safetensors" if "transformer.model.safetensors" in files else "transformer.model",
     )

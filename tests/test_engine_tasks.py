@@ -41,7 +41,7 @@ def checkpoint_tensors(root: str, step: int) -> dict[str, dict[str, torch.Tensor
     store = CheckpointStore(root)
     info = store.check(step)
     assert info.valid, info.reason
-    return {n: store.read_tensors(info, n) for n in info.manifest["files"] if n.endswith(".safetensors")}
+    return {n: store.read_tensors(info, n) for n in info.manifest.files if n.endswith(".safetensors")}
 
 
 @pytest.mark.slow
@@ -51,14 +51,14 @@ def test_two_phases_per_part_optimizers_and_a_frozen_encoder_kept_out_of_checkpo
     root = f"{tmp_path}/run/checkpoints"
     store = CheckpointStore(root)
     info = store.latest_valid()
-    files = set(info.manifest["files"])
+    files = set(info.manifest.files)
     assert {"generator.model.safetensors", "discriminator.optimizer.safetensors", "generator.ema.safetensors"} <= files
     assert not any(f.startswith("encoder") for f in files), files
 
     doc = store.read_json(info, "trainer.json")
     # The frozen source is pinned by digest: the DDPM run's EMA weights file.
     src = CheckpointStore(encoder_url).latest_valid()
-    assert doc["frozen"]["encoder"]["digest"] == "blake3:" + src.manifest["files"]["unet.ema.safetensors"]["blake3"]
+    assert doc["frozen"]["encoder"]["digest"] == "blake3:" + src.manifest.files["unet.ema.safetensors"].blake3
     assert doc["frozen"]["encoder"]["url"] == src.url
     # The discriminator learns from model.disc_start_step=2 on, with its own optimizer settings.
     assert doc["parts"]["generator"]["step"] == 6 and doc["parts"]["discriminator"]["step"] == 4

@@ -290,9 +290,9 @@ def _digits(cfg, n: int = 8) -> torch.Tensor:
 
 
 def _card_names_the_generator_digest(out: Path, root: str) -> str:
-    entry = resolve_checkpoint(root, {}).info.manifest["files"]["generator.ema.safetensors"]
+    entry = resolve_checkpoint(root, {}).info.manifest.files["generator.ema.safetensors"]
     card = (out / "README.md").read_text()
-    assert f"`generator.ema.safetensors`: `blake3:{entry['blake3']}`" in card, card
+    assert f"`generator.ema.safetensors`: `blake3:{entry.blake3}`" in card, card
     assert "discriminator" not in {p.name for p in out.iterdir()}
     return card
 

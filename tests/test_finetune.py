@@ -40,7 +40,7 @@ def read_all(url: str, options: dict, step: int) -> tuple[dict[str, dict[str, to
     store = CheckpointStore(url, options)
     info = store.check(step)
     assert info.valid, info.reason
-    return {n: store.read_tensors(info, n) for n in info.manifest["files"] if n.endswith(".safetensors")}, info.manifest
+    return {n: store.read_tensors(info, n) for n in info.manifest.files if n.endswith(".safetensors")}, info.manifest
 
 
 @pytest.fixture(scope="module")
@@ -113,8 +113,8 @@ def test_pretrained_folders_on_s3_start_the_run_and_lora_trains_only_the_adapter
     lora = {k for k in stage2 if ".lora_" in k}
     assert lora and lora == set(stage2) == set(files["stage2.ema.safetensors"])
     assert any(stage2[k].abs().max() > 0 for k in lora if ".lora_B." in k)
-    assert manifest["adapter_only"] == {"stage2": "stage2.pretrained"}
-    assert manifest["inputs"]["stage2.pretrained"]["pin"] is True
+    assert manifest.adapter_only == {"stage2": "stage2.pretrained"}
+    assert manifest.inputs["stage2.pretrained"]["pin"] is True
     store = CheckpointStore(url, options)
     _, _, modules = load_for_inference(
         store.view(store.check(6)),
@@ -132,8 +132,8 @@ def test_pretrained_folders_on_s3_start_the_run_and_lora_trains_only_the_adapter
     n_opt = sum(len(g["params"]) for g in opt["parts"]["stage2"]["optimizer"]["param_groups"])
     assert n_opt == len(lora)
     # Every checkpoint records where its starting weights came from.
-    assert manifest["inputs"]["stage2.pretrained"]["url"] == f"{base_folders}/stage2"
-    assert manifest["inputs"]["stage2.pretrained"]["digest"].startswith("blake3:")
+    assert manifest.inputs["stage2.pretrained"]["url"] == f"{base_folders}/stage2"
+    assert manifest.inputs["stage2.pretrained"]["digest"].startswith("blake3:")
 
 
 @pytest.mark.slow

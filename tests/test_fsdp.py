@@ -103,7 +103,7 @@ def test_fsdp_matches_ddp_within_float_tolerance_and_writes_a_sharded_checkpoint
     assert worst <= bound, (worst, bound)
 
     info = CheckpointStore(fsdp).latest_valid()
-    files = set(info.manifest["files"])
+    files = set(info.manifest.files)
     # Every rank wrote its own slices and RNG state; rank 0 the index and trainer.json; manifest lists all.
     for rank in (0, 1):
         assert {
@@ -113,8 +113,8 @@ def test_fsdp_matches_ddp_within_float_tolerance_and_writes_a_sharded_checkpoint
             f"rank-{rank:05d}.safetensors",
         } <= files
     assert {"shards.json", "trainer.json"} <= files and "unet.model.safetensors" not in files
-    assert info.manifest["digest"] == "blake3" and info.manifest["parallel"] == "fsdp"
-    assert all(len(e["blake3"]) == 64 for e in info.manifest["files"].values())
+    assert info.manifest.digest == "blake3" and info.manifest.parallel == "fsdp"
+    assert all(len(e.blake3) == 64 for e in info.manifest.files.values())
     index = json.loads((tmp_path / f"fsdp/run/checkpoints/step-{steps:09d}/shards.json").read_text())
     chunks = index["tensors"]["unet.model"]["conv_in.weight"]["chunks"]
     assert [c["offsets"][0] for c in chunks] == [0, 4] and {c["file"] for c in chunks} == {
@@ -157,7 +157,7 @@ def test_sigkilled_fsdp_rank_resumes_bit_identical_from_an_async_save(tmp_path):
     def tensors(root: str, step: int) -> dict[str, dict[str, torch.Tensor]]:
         store = CheckpointStore(root)
         info = store.check(step)
-        return {n: store.read_tensors(info, n) for n in info.manifest["files"] if n.endswith(".safetensors")}
+        return {n: store.read_tensors(info, n) for n in info.manifest.files if n.endswith(".safetensors")}
 
     for step in (4, steps):  # the async-written checkpoint the restart read, and the end
         a, b = tensors(f"{tmp_path}/ref/run/checkpoints", step), tensors(str(killed), step)
@@ -202,8 +202,8 @@ def test_resharding_2_to_3_and_1_and_ddp_fsdp_round_trips_are_exact(tmp_path):
         out = f"{tmp_path}/{name}/out"
         roundtrip(tmp_path, name, nproc, source, out, batch, *args)
         info = CheckpointStore(out).latest_valid()
-        sharded = "shards.json" in info.manifest["files"]
-        assert info.manifest["world_size"] == nproc and sharded == (bool(args) and nproc > 1)
+        sharded = "shards.json" in info.manifest.files
+        assert info.manifest.world_size == nproc and sharded == (bool(args) and nproc > 1)
         assert_same_state(saved, full_state(out))
 
 
@@ -290,7 +290,7 @@ def test_sharded_checkpoints_on_s3_consolidate_and_sample_the_same_images(tmp_pa
     out = str(tmp_path / "consolidated")
     r = run_cli("checkpoints", "consolidate", url, out, "--storage-options", options)
     assert r.returncode == 0, r.stderr[-3000:]
-    files = set(CheckpointStore(out).latest_valid().manifest["files"])
+    files = set(CheckpointStore(out).latest_valid().manifest.files)
     assert files == {"unet.model.safetensors", "unet.ema.safetensors"}
     grids = []
     for source, extra in ((url, ["--storage-options", options]), (out, [])):

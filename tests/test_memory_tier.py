@@ -433,7 +433,7 @@ def test_the_memory_tier_resumes_only_the_run_its_root_holds_and_a_deleted_root_
     assert "resumed_from=none (fresh start) step=0 " in r.stderr, r.stderr[-3000:]
     assert "not resuming from it, its snapshots are not of the run in" in r.stderr, r.stderr[-3000:]
     runs = {json.loads(p.read_text())["meta"]["run"] for p in mem.glob("step-*/piece-r00000.json")}
-    assert runs and first.manifest["run"] not in runs, "the deleted run's snapshots were cleared"
+    assert runs and first.manifest.run not in runs, "the deleted run's snapshots were cleared"
 
 
 @pytest.mark.slow

@@ -162,7 +162,7 @@ def test_the_sd3_preset_trains_lora_and_samples_from_an_sd3_folder(sd3, images, 
     r = _train("sd3-lora", sd3, images, root)
     assert r.returncode == 0, r.stderr[-3000:]
     info, weights = _trained_lora(root)
-    assert info.manifest["config"]["model"]["flow_shift"] == 3.0
+    assert info.manifest.config["model"]["flow_shift"] == 3.0
     folder = load_file(sd3 / "transformer" / "diffusion_pytorch_model.safetensors")
     # Whatever of the frozen base a checkpoint holds is the folder's (bf16, train.precision's dtype); the
     # adapters on both streams moved off B = 0.
@@ -363,7 +363,7 @@ def test_a_sigkilled_lora_run_of_each_transformer_family_resumes_bit_identically
     a, b = (CheckpointStore(str(root / "checkpoints"), {}) for root in (tmp_path / "straight", killed))
     ia, ib = a.check(4), b.check(4)
     assert ia.valid and ib.valid
-    names = [n for n in ia.manifest["files"] if n.endswith(".safetensors")]
+    names = [n for n in ia.manifest.files if n.endswith(".safetensors")]
     assert "transformer.optimizer.safetensors" in names
     for name in names:
         ta, tb = a.read_tensors(ia, name), b.read_tensors(ib, name)

@@ -70,7 +70,7 @@ def tensors(root: str, step: int | None = None) -> dict[str, dict[str, torch.Ten
     store = CheckpointStore(root)
     info = store.check(step) if step is not None else store.latest_valid()
     assert info is not None and info.valid, info.reason if info else root
-    return {n: store.read_tensors(info, n) for n in info.manifest["files"] if n.endswith(".safetensors")}
+    return {n: store.read_tensors(info, n) for n in info.manifest.files if n.endswith(".safetensors")}
 
 
 def step_lines(log: str) -> dict[int, str]:
@@ -177,11 +177,11 @@ def test_maskgit_trains_on_a_pinned_frozen_tokenizer_and_samples_through_it(tmp_
     root = f"{tmp_path}/run/checkpoints"
     store = CheckpointStore(root)
     info = store.latest_valid()
-    assert not any(f.startswith("tokenizer") for f in info.manifest["files"]), info.manifest["files"]
+    assert not any(f.startswith("tokenizer") for f in info.manifest.files), info.manifest.files
     record = store.read_json(info, "trainer.json")["frozen"]["tokenizer"]
     src = CheckpointStore(tokenizer).latest_valid()
     assert record["file"] == "generator.ema.safetensors" and record["url"] == src.url
-    assert record["digest"] == "blake3:" + src.manifest["files"]["generator.ema.safetensors"]["blake3"]
+    assert record["digest"] == "blake3:" + src.manifest.files["generator.ema.safetensors"].blake3
 
     grids = {}
     for steps in (1, 8):
@@ -410,7 +410,7 @@ def test_token_cache_is_keyed_by_tokenizer_digest_and_changes_nothing(tmp_path, 
         "train", *maskgit_args(tmp_path / "b", tokenizer, f"model.token_cache={cache}", max_steps=3), env=ENV
     )
     assert cached.returncode == 0, cached.stderr[-3000:]
-    digest = CheckpointStore(tokenizer).latest_valid().manifest["files"]["generator.ema.safetensors"]["blake3"]
+    digest = CheckpointStore(tokenizer).latest_valid().manifest.files["generator.ema.safetensors"].blake3
     entries = list((cache / f"blake3-{digest}").glob("*.npy"))
     assert len(entries) >= 8  # 3 steps of 8 images (flips make their own entries)
     assert all(np.load(e).shape == (16,) for e in entries)

@@ -304,14 +304,6 @@ def new_digest(algorithm: str = DIGEST, threads: int = 0):
     raise ValueError(f"unknown digest algorithm {algorithm!r} (known: blake3, sha256)")
 
 
-def entry_digest(entry: Mapping[str, Any]) -> tuple[str, str]:
-    """(algorithm, hex) of a manifest file entry, whichever algorithm wrote it."""
-    for algorithm in ("blake3", "sha256"):
-        if algorithm in entry:
-            return algorithm, entry[algorithm]
-    raise KeyError("manifest entry has no digest (blake3 or sha256)")
-
-
 class Hasher:
     """The digest on a helper thread, overlapped with the write of the same bytes.
 

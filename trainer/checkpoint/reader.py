@@ -38,7 +38,7 @@ import torch
 from fsspec.implementations.local import LocalFileSystem
 from safetensors.torch import load as safetensors_load
 
-from trainer.checkpoint.format import FiniteScan, NonFiniteTensor, check_finite, entry_digest, new_digest
+from trainer.checkpoint.format import FiniteScan, NonFiniteTensor, check_finite, new_digest
 from trainer.checkpoint.layout import (
     MANIFEST,
     SHARD_INDEX,
@@ -54,6 +54,8 @@ from trainer.checkpoint.layout import (
 )
 from trainer.checkpoint.validity import (
     MAX_HEADER_BYTES,
+    FileEntry,
+    Manifest,
     check_rank_tensors,
     parse_json,
     parse_manifest,
@@ -83,7 +85,7 @@ class CheckpointInfo:
     step: int
     valid: bool
     reason: str = ""
-    manifest: dict[str, Any] | None = None
+    manifest: Manifest | None = None
     fingerprint: str = ""  # blake3 of the manifest's bytes: which commit of this step was checked
 
     @property
@@ -92,13 +94,13 @@ class CheckpointInfo:
 
     @property
     def total_bytes(self) -> int:
-        if not self.manifest:
+        if self.manifest is None:
             return 0
-        return sum(int(v["bytes"]) for v in self.manifest.get("files", {}).values())
+        return sum(entry.bytes for entry in self.manifest.files.values())
 
     @property
     def time_utc(self) -> str:
-        return (self.manifest or {}).get("time_utc", "")
+        return (self.manifest.time_utc if self.manifest is not None else None) or ""
 
 
 class CheckpointReader:
@@ -172,7 +174,7 @@ class CheckpointReader:
             listing = {posixpath.basename(e["name"]): e for e in self.fs.ls(d, detail=True, refresh=True)}
         except OSError as e:
             return CheckpointInfo(url, step, False, f"cannot list the step dir ({type(e).__name__}: {e})", manifest)
-        for name, entry in manifest["files"].items():
+        for name, entry in manifest.files.items():
             found = listing.get(name)
             why = None
             if found is None:
@@ -181,8 +183,8 @@ class CheckpointReader:
                 why = f"{name} is a symbolic link (gentrain never follows links in a checkpoint)"
             elif found.get("type") != "file":
                 why = f"{name} is a {found.get('type')}, not a file"
-            elif int(found.get("size") or 0) != entry["bytes"]:
-                why = f"{name} has {found.get('size')} bytes, manifest says {entry['bytes']}"
+            elif int(found.get("size") or 0) != entry.bytes:
+                why = f"{name} has {found.get('size')} bytes, manifest says {entry.bytes}"
             if why:
                 return CheckpointInfo(url, step, False, why, manifest, fingerprint)
         return CheckpointInfo(url, step, True, "", manifest, fingerprint)
@@ -231,19 +233,19 @@ class CheckpointReader:
     def file_path(self, info: CheckpointInfo, name: str) -> str:
         return self._path(info.name, name)
 
-    def manifest_entry(self, info: CheckpointInfo, name: str) -> Mapping[str, Any]:
+    def manifest_entry(self, info: CheckpointInfo, name: str) -> FileEntry:
         if info.manifest is None:
             raise CheckpointCorrupt(f"{info.url}: {info.reason or 'no manifest'}")
-        entry = info.manifest["files"].get(name)
+        entry = info.manifest.files.get(name)
         if entry is None:
             raise CheckpointCorrupt(f"{info.url}: manifest lists no file {name!r}")
         return entry
 
     def check_digest(self, info: CheckpointInfo, name: str, size: int, hexdigest: str, algorithm: str) -> None:
         entry = self.manifest_entry(info, name)
-        if size != int(entry["bytes"]):
-            raise CheckpointCorrupt(f"{info.url}/{name}: {size} bytes, manifest says {entry['bytes']}")
-        want_algorithm, want = entry_digest(entry)
+        if size != entry.bytes:
+            raise CheckpointCorrupt(f"{info.url}/{name}: {size} bytes, manifest says {entry.bytes}")
+        want_algorithm, want = entry.algorithm, entry.hexdigest
         if algorithm != want_algorithm or hexdigest != want:
             raise CheckpointCorrupt(f"{info.url}/{name}: {algorithm} {hexdigest[:12]}… does not match the manifest")
         self._digests_ok.add((info.step, info.fingerprint, name))
@@ -254,7 +256,7 @@ class CheckpointReader:
 
     def read_file(self, info: CheckpointInfo, name: str) -> bytes:
         """One payload file, checked against the manifest's size and digest."""
-        algorithm, _ = entry_digest(self.manifest_entry(info, name))
+        algorithm = self.manifest_entry(info, name).algorithm
         try:
             data = self.fs.cat_file(self._path(info.name, name))
         except FileNotFoundError:
@@ -269,12 +271,12 @@ class CheckpointReader:
     def verify_file(self, info: CheckpointInfo, name: str, chunk_bytes: int = 16 << 20) -> None:
         """Stream one file through its digest (memory: one chunk); raises CheckpointCorrupt. A safetensors
         file's tensors are checked for inf and NaN on the same bytes (NonFiniteTensor, after the digest)."""
-        algorithm, _ = entry_digest(self.manifest_entry(info, name))
+        algorithm = self.manifest_entry(info, name).algorithm
         h, n = new_digest(algorithm), 0
         what = f"{info.url}/{name}"
         scan = None
         if is_tensor_file(name):
-            size = int(self.manifest_entry(info, name)["bytes"])
+            size = self.manifest_entry(info, name).bytes
             scan = FiniteScan(
                 lambda raw: parse_safetensors_header(lambda s, k: raw[s : s + k], size, what), MAX_HEADER_BYTES
             )
@@ -310,7 +312,7 @@ class CheckpointReader:
     def read_safetensors_header(self, info: CheckpointInfo, name: str) -> tuple[dict[str, Any], int]:
         """A payload's safetensors header (checked) and its data offset, by ranged reads (no digest)."""
         path = self._path(info.name, name)
-        size = int(self.manifest_entry(info, name)["bytes"])
+        size = self.manifest_entry(info, name).bytes
         what = f"{info.url}/{name}"
         try:
             with self.fs.open(path, "rb") as f:
@@ -332,7 +334,7 @@ class CheckpointReader:
         problems: list[str] = []
         parsed: dict[str, Any] = {}
         skip = set(digests_checked)
-        for name in info.manifest["files"]:
+        for name in info.manifest.files:
             try:
                 if name not in skip:
                     self.verify_file(info, name)
@@ -340,7 +342,7 @@ class CheckpointReader:
                     parsed[name] = self.read_safetensors_header(info, name)[0]
                     if is_rank_tensors(name):  # small: its RNG state is read and tried on scratch generators
                         partner = name.removesuffix(".safetensors") + ".json"
-                        if partner not in info.manifest["files"]:  # a resume reads both: one without the other
+                        if partner not in info.manifest.files:  # a resume reads both: one without the other
                             raise CheckpointCorrupt(f"{info.url}: {name} is listed without its {partner}")
                         check_rank_tensors(self.read_tensors(info, name), f"{info.url}/{name}")
                 elif name.endswith(".json"):
@@ -360,7 +362,7 @@ def _parse_json_payload(name: str, raw: bytes, info: CheckpointInfo) -> Any:
         if name == TRAINER_JSON:
             return parse_trainer_json(raw, info.step)
         if name == SHARD_INDEX:
-            return parse_shard_index(raw, (info.manifest or {}).get("files", {}))
+            return parse_shard_index(raw, info.manifest.files if info.manifest is not None else {})
         if is_rank_json(name):
             return parse_rank_json(raw)
         return parse_json(raw, name)
@@ -371,7 +373,7 @@ def _parse_json_payload(name: str, raw: bytes, info: CheckpointInfo) -> Any:
 def _cross_check(info: CheckpointInfo, parsed: Mapping[str, Any]) -> list[str]:
     """Structure across files: what trainer.json and shards.json refer to exists, EMA fits its weights."""
     problems = []
-    files = info.manifest["files"]
+    files = info.manifest.files
     index = parsed.get(SHARD_INDEX)
     if index is not None:
         for group, tensors in index["tensors"].items():
@@ -380,7 +382,7 @@ def _cross_check(info: CheckpointInfo, parsed: Mapping[str, Any]) -> list[str]:
                     h = (parsed.get(c["file"]) or {}).get(key)
                     if h is None or h["dtype"] != t["dtype"] or h["shape"] != c["sizes"]:
                         problems.append(f"{info.url}/{c['file']}: {group}:{key} does not match shards.json")
-    if TRAINER_JSON in files and not isinstance(info.manifest.get("config"), dict):
+    if TRAINER_JSON in files and not isinstance(info.manifest.config, dict):
         # A training checkpoint: sampling and export build the model from its config, so one without it
         # would verify and then not load there.
         problems.append(f"{info.url}: manifest.json holds no config (a mapping) for {TRAINER_JSON}'s run")

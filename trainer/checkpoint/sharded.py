@@ -48,7 +48,7 @@ from torch.distributed.checkpoint.storage import StorageReader
 from torch.distributed.tensor import DTensor
 from torch.futures import Future
 
-from trainer.checkpoint.format import DTYPE_NAMES, check_finite, entry_digest, new_digest, torch_dtype
+from trainer.checkpoint.format import DTYPE_NAMES, check_finite, new_digest, torch_dtype
 from trainer.checkpoint.layout import (
     SHARD_INDEX,
     group_files,
@@ -78,7 +78,7 @@ _READ_CHUNK = 16 << 20
 
 
 def is_sharded(info: CheckpointInfo) -> bool:
-    return SHARD_INDEX in (info.manifest or {}).get("files", {})
+    return info.manifest is not None and SHARD_INDEX in info.manifest.files
 
 
 # ------------------------------------------------------------------ save side
@@ -247,7 +247,7 @@ class ShardIndex:
         )
 
     def has(self, group: str) -> bool:
-        return group in self._groups or whole_file(group) in self.info.manifest["files"]
+        return group in self._groups or whole_file(group) in self.info.manifest.files
 
     def group(self, group: str) -> dict[str, Any]:
         """{key: {dtype, shape, chunks: [{file, offsets, sizes}]}} of `<part>.<kind>`."""
@@ -375,8 +375,7 @@ class ChunkReader(StorageReader):
             else:
                 stop, rows_shape = start + dtype.itemsize, []
             ranges.append((start, stop, bytearray(stop - start), item, dtype, rows_shape))
-        entry = self.store.manifest_entry(self.info, name)
-        algorithm, _ = entry_digest(entry)
+        algorithm = self.store.manifest_entry(self.info, name).algorithm
         digest, pos = new_digest(algorithm), 0
         with self.store.fs.open(self.store.file_path(self.info, name), "rb") as f:
             while chunk := f.read(_READ_CHUNK):
@@ -405,4 +404,4 @@ def index_file_bytes(index: Mapping[str, Any], world_size: int) -> bytes:
 
 def files_of_group(info: CheckpointInfo, group: str) -> list[str]:
     """Every file holding (a slice of) `<part>.<kind>`, in either layout."""
-    return group_files(info.manifest["files"], group)
+    return group_files(info.manifest.files, group)

@@ -180,7 +180,7 @@ def read_state(
     whatever the world size at save time.
     """
     doc = store.read_json(info, TRAINER_JSON)  # schema-checked (trainer.checkpoint.validity)
-    files = info.manifest["files"]
+    files = info.manifest.files
     index = ShardIndex(store, info) if is_sharded(info) or any(p.sharded for p in parts.values()) else None
     states = {}
     for name, part in parts.items():

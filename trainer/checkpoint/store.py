@@ -45,7 +45,7 @@ from trainer.checkpoint.format import DIGEST, Hasher, fsync, write_safetensors
 from trainer.checkpoint.layout import MANIFEST, step_dir_name
 from trainer.checkpoint.reader import LATEST, CheckpointInfo, CheckpointReader, resolve_checkpoint
 from trainer.checkpoint.retention import CheckpointRetention
-from trainer.checkpoint.validity import FORMAT_VERSION
+from trainer.checkpoint.validity import FORMAT_VERSION, Manifest
 from trainer.errors import CheckpointCorrupt, CheckpointError
 
 log = logging.getLogger(__name__)
@@ -89,16 +89,15 @@ class Timeline:
 
     def wrote(self, info: CheckpointInfo) -> bool:
         """`info` is this timeline's: committed by it, or the checkpoint it started from."""
-        manifest = info.manifest or {}
-        return manifest.get("timeline") == self.timeline or (info.step, info.fingerprint) == self.origin
+        timeline = info.manifest.timeline if info.manifest is not None else None
+        return timeline == self.timeline or (info.step, info.fingerprint) == self.origin
 
 
-def describe_owner(manifest: Mapping[str, Any] | None) -> str:
+def describe_owner(manifest: Manifest | None) -> str:
     """Who wrote a checkpoint, in words (for logs and errors)."""
-    m = manifest or {}
-    if not m.get("run"):
+    if manifest is None or not manifest.run:
         return "a run that recorded no run id (an older gentrain)"
-    return f"run {m['run']} (timeline {m.get('timeline')}, job {m.get('job')}, at {m.get('time_utc')})"
+    return f"run {manifest.run} (timeline {manifest.timeline}, job {manifest.job}, at {manifest.time_utc})"
 
 
 @dataclass

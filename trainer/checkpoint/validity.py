@@ -77,6 +77,15 @@ class FileEntry(BaseModel):
             raise ValueError("needs exactly one digest (blake3 or sha256)")
         return self
 
+    @property
+    def algorithm(self) -> str:
+        """`blake3`, or `sha256` in a checkpoint written before blake3."""
+        return "blake3" if self.blake3 is not None else "sha256"
+
+    @property
+    def hexdigest(self) -> str:
+        return self.blake3 if self.blake3 is not None else self.sha256  # type: ignore[return-value]
+
 
 class FrozenRecord(_Open):
     """Where a frozen part's weights came from (a source run's step and file, or a diffusers folder's
@@ -90,6 +99,10 @@ class FrozenRecord(_Open):
 
 
 class Manifest(_Open):
+    """manifest.json, the commit point of a step dir: `parse_manifest` makes it, `CheckpointInfo.manifest` carries
+    it and `trainer.checkpoint.view.CheckpointView` interprets it. Fields a run records beyond these (`parallel`,
+    `adapter_only`, versions) are kept as extras; the store writes the JSON in its own key order (`commit`)."""
+
     format_version: Annotated[StrictInt, Field(ge=1, le=FORMAT_VERSION)] = 1
     step: NonNegInt
     files: dict[StrictStr, FileEntry]
@@ -233,18 +246,19 @@ def _model(schema: type[BaseModel], doc: Any, what: str) -> BaseModel:
 # ------------------------------------------------------------------ manifest
 
 
-def parse_manifest(raw: bytes, step: int) -> dict[str, Any]:
-    """The manifest as a dict, checked against its schema and the step dir it is in; CheckpointCorrupt if not."""
+def parse_manifest(raw: bytes, step: int) -> Manifest:
+    """The manifest, checked against its schema and the step dir it is in; CheckpointCorrupt if not."""
     doc = parse_json(raw, MANIFEST)
     if not isinstance(doc, dict):
         raise CheckpointCorrupt(f"{MANIFEST} holds a {type(doc).__name__}, not an object")
-    _model(Manifest, doc, MANIFEST)
-    if doc["step"] != step:
-        raise CheckpointCorrupt(f"{MANIFEST} says step {doc['step']}, but it is in the dir of step {step}")
-    for name in doc["files"]:
+    manifest = _model(Manifest, doc, MANIFEST)
+    assert isinstance(manifest, Manifest)
+    if manifest.step != step:
+        raise CheckpointCorrupt(f"{MANIFEST} says step {manifest.step}, but it is in the dir of step {step}")
+    for name in manifest.files:
         if not FILE_NAME.match(name) or name == MANIFEST or ".." in name:
             raise CheckpointCorrupt(f"{MANIFEST} lists a file named {name!r}, which is not a payload file name")
-    return doc
+    return manifest
 
 
 def parse_piece(raw: bytes, step: int, owner: int) -> dict[str, Any]:

@@ -27,7 +27,7 @@ from typing import Any, TypeVar
 
 import torch
 
-from trainer.checkpoint.format import entry_digest, new_digest, torch_dtype
+from trainer.checkpoint.format import new_digest, torch_dtype
 from trainer.checkpoint.layout import (
     SHARD_INDEX,
     TRAINER_JSON,
@@ -64,7 +64,7 @@ class CheckpointView:
         self.reader = reader
         self.info = info
         self._manifest = manifest
-        self._files: dict[str, Any] = manifest["files"]
+        self._files = manifest.files
         self._derived: dict[Any, Any] = {}
         self._index: ShardIndex | None = None
 
@@ -92,16 +92,16 @@ class CheckpointView:
     @property
     def run(self) -> str | None:
         """The run id that wrote it (None: an older gentrain, or a tool)."""
-        return self._manifest.get("run")
+        return self._manifest.run
 
     @property
     def timeline(self) -> str | None:
-        return self._manifest.get("timeline")
+        return self._manifest.timeline
 
     @property
     def job(self) -> str | None:
         """TORCHELASTIC_RUN_ID of the job that wrote it."""
-        return self._manifest.get("job")
+        return self._manifest.job
 
     @property
     def owner(self) -> str:
@@ -110,7 +110,7 @@ class CheckpointView:
 
     @property
     def world_size(self) -> int | None:
-        return self._manifest.get("world_size")
+        return self._manifest.world_size
 
     # -- files
     @property
@@ -127,7 +127,7 @@ class CheckpointView:
     @property
     def digest_algorithms(self) -> list[str]:
         """The digest algorithms its files were listed with (`blake3`; `sha256` in older checkpoints)."""
-        return sorted({"blake3" if "blake3" in e else "sha256" for e in self._files.values()})
+        return sorted({e.algorithm for e in self._files.values()})
 
     @property
     def holds_training_state(self) -> bool:
@@ -149,7 +149,7 @@ class CheckpointView:
     def config_tree(self) -> dict[str, Any] | None:
         """The run's config as the manifest holds it (a copy; None if it holds no mapping). Parse it with
         `trainer.runs.config_of`, which keeps the result on the view."""
-        tree = self._manifest.get("config")
+        tree = self._manifest.config
         return copy.deepcopy(tree) if isinstance(tree, dict) else None
 
     def derived(self, key: Any, build: Callable[[], T]) -> T:
@@ -161,8 +161,7 @@ class CheckpointView:
     @property
     def frozen_records(self) -> dict[str, FrozenRecord]:
         """{part: record} of the frozen parts the run loaded: the source's url, step, file and digest (copies)."""
-        found = self._manifest.get("frozen") or {}
-        return {name: FrozenRecord.model_validate(copy.deepcopy(record)) for name, record in found.items()}
+        return {name: record.model_copy(deep=True) for name, record in self._manifest.frozen.items()}
 
     def frozen_record(self, part: str) -> FrozenRecord | None:
         return self.frozen_records.get(part)
@@ -171,7 +170,7 @@ class CheckpointView:
     def inputs(self) -> dict[str, dict[str, Any]]:
         """{name: record} of the other things the run depends on (a text encoder, a pretrained folder):
         URL or source and digest; `"pin": True` ones must match on resume and sampling."""
-        return copy.deepcopy(self._manifest.get("inputs") or {})
+        return copy.deepcopy(self._manifest.inputs)
 
     @property
     def adapter_only(self) -> dict[str, str]:
@@ -179,7 +178,7 @@ class CheckpointView:
         (a LoRA part's adapters, their optimizer state and EMA): a resume, `sample` and `export` rebuild the
         base from that pinned folder and load the adapters over it. Empty for checkpoints of whole parts
         (full fine-tunes, runs from scratch, every checkpoint written before adapter-only ones)."""
-        found = self._manifest.get("adapter_only")
+        found = (self._manifest.model_extra or {}).get("adapter_only")
         if not isinstance(found, dict):
             return {}
         return {k: v for k, v in found.items() if isinstance(k, str) and isinstance(v, str)}
@@ -187,7 +186,8 @@ class CheckpointView:
     def metadata(self) -> dict[str, Any]:
         """What the run recorded about itself (config, inputs, frozen sources, world size, owner, ...):
         the manifest without the store's own bookkeeping. Not redacted: redact before writing it anywhere."""
-        return copy.deepcopy({k: v for k, v in self._manifest.items() if k not in _BOOKKEEPING})
+        doc = self._manifest.model_dump(exclude_unset=True)
+        return copy.deepcopy({k: v for k, v in doc.items() if k not in _BOOKKEEPING})
 
     # -- parts
     @property
@@ -218,16 +218,16 @@ class CheckpointView:
         (`unet.ema.safetensors`); for the shards of a sharded checkpoint (`unet.ema`), a blake3 over their
         names and digests. KeyError if it has neither."""
         if name in self._files:
-            algorithm, hexdigest = entry_digest(self._files[name])
-            return f"{algorithm}:{hexdigest}"
+            entry = self._files[name]
+            return f"{entry.algorithm}:{entry.hexdigest}"
         parsed = parse_group(name)
         shards = self.files_of_group(parsed.group) if parsed is not None else []
         if not shards:
             raise KeyError(f"{self.url}: manifest has no file or shards {name!r}")
         h = new_digest("blake3")
         for shard in shards:
-            algorithm, hexdigest = entry_digest(self._files[shard])
-            h.update(f"{shard} {algorithm}:{hexdigest}\n".encode())
+            entry = self._files[shard]
+            h.update(f"{shard} {entry.algorithm}:{entry.hexdigest}\n".encode())
         return f"blake3-shards:{h.hexdigest()}"
 
     def whole_file_digests(self, parts: Iterable[str], use_ema: bool) -> dict[str, str]:
@@ -235,11 +235,9 @@ class CheckpointView:
         suffix = ".ema.safetensors" if use_ema else ".model.safetensors"
         wanted = set(parts)
         return {
-            f: f"{algo}:{entry[algo]}"
+            f: f"{entry.algorithm}:{entry.hexdigest}"
             for f, entry in self._files.items()
             if f.endswith(suffix) and f.removesuffix(suffix) in wanted
-            for algo in ("blake3", "sha256")
-            if algo in entry
         }
 
     def read_weights(self, name: str) -> dict[str, torch.Tensor]:
