@@ -7,7 +7,8 @@ One module per concern:
 - `fetch`: `ShardSet`, random access through merged concurrent range requests, retries, dead-shard timers
   (why byte ranges and not whole shards: see there);
 - `split`: `ShardSplit`, the training or validation members of every shard, read a step at a time;
-- `order`: `ShardStream`, the per-epoch order.
+- `order`: `ShardStream`, the per-epoch order;
+- `encoded`, `latents`: `gentrain data encode`'s settings (`EncodedSettings`, parsed with the list) and its samples.
 
 The order: each epoch permutes the shards, groups them into windows of
 `data.shard_window` shards and permutes runs of `data.shuffle_block`
