@@ -61,8 +61,8 @@ def test_training_stage_2_alone_keeps_stage_1_weights_ema_and_optimizer_bit_iden
     after, doc_after = checkpoint_files(root, 6)
     for f in ("stage1.model.safetensors", "stage1.ema.safetensors", "stage1.optimizer.safetensors"):
         assert_tensors_equal(before[f], after[f], f)
-    assert doc_after["parts"]["stage1"] == doc_before["parts"]["stage1"]  # step, schedule, scaler, optimizer groups
-    assert doc_after["parts"]["stage1"]["step"] == 3 and doc_after["parts"]["stage2"]["step"] == 6
+    assert doc_after.parts["stage1"] == doc_before.parts["stage1"]  # step, schedule, scaler, optimizer groups
+    assert doc_after.parts["stage1"].step == 3 and doc_after.parts["stage2"].step == 6
     assert not torch.equal(
         before["stage2.model.safetensors"]["unet.conv_in.weight"],
         after["stage2.model.safetensors"]["unet.conv_in.weight"],

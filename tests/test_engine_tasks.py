@@ -58,12 +58,12 @@ def test_two_phases_per_part_optimizers_and_a_frozen_encoder_kept_out_of_checkpo
     doc = store.read_json(info, "trainer.json")
     # The frozen source is pinned by digest: the DDPM run's EMA weights file.
     src = CheckpointStore(encoder_url).latest_valid()
-    assert doc["frozen"]["encoder"]["digest"] == "blake3:" + src.manifest.files["unet.ema.safetensors"].blake3
-    assert doc["frozen"]["encoder"]["url"] == src.url
+    assert doc.frozen["encoder"].digest == "blake3:" + src.manifest.files["unet.ema.safetensors"].blake3
+    assert doc.frozen["encoder"].url == src.url
     # The discriminator learns from model.disc_start_step=2 on, with its own optimizer settings.
-    assert doc["parts"]["generator"]["step"] == 6 and doc["parts"]["discriminator"]["step"] == 4
-    disc_group = doc["parts"]["discriminator"]["optimizer"]["param_groups"][0]
-    gen_group = doc["parts"]["generator"]["optimizer"]["param_groups"][0]
+    assert doc.parts["generator"].step == 6 and doc.parts["discriminator"].step == 4
+    disc_group = doc.parts["discriminator"].optimizer["param_groups"][0]
+    gen_group = doc.parts["generator"].optimizer["param_groups"][0]
     assert disc_group["initial_lr"] == 1e-3 and disc_group["betas"] == [0.5, 0.9]
     assert gen_group["initial_lr"] == 2e-4 and gen_group["betas"] == [0.9, 0.999]
     # Named loss terms and validation metrics reach the log; the preview uses a real batch.

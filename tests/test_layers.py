@@ -452,6 +452,8 @@ _STRING_KEY_READS = {
     ],
     # Manifest (CheckpointInfo.manifest, read through CheckpointView).
     "manifest": [r"\bmanifest\s*\[", r"\bmanifest\.get\("],
+    # TrainerState: trainer.json's progress and parts (CheckpointView.trainer_state, part steps).
+    "trainer.json": [r'\[\s*"(parts|progress)"\s*\]', r'\.get\(\s*"(parts|progress)"'],
 }
 
 
@@ -466,8 +468,8 @@ def _string_key_reads(text: str) -> dict[str, list[int]]:
 
 
 def test_checkpoint_documents_are_read_by_attribute_outside_the_checkpoint_library():
-    """Outside trainer/checkpoint/ the manifest and its frozen records are models (`manifest.files`, `record.digest`),
-    never dicts indexed by key: the JSON's keys are the store's format, checked once where it is parsed."""
+    """Outside trainer/checkpoint/ the manifest, its frozen records and trainer.json are models (`manifest.files`,
+    `record.digest`, `state.parts[name].step`), never dicts indexed by key: the JSON's keys are the store's format, checked once where it is parsed."""
     assert _string_key_reads('x = weights.record["url"]\ny = view.frozen_records[p].digest\n') == {
         "frozen records": [1]
     }

@@ -109,10 +109,10 @@ def test_vqgan_discriminator_starts_late_with_its_own_optimizer_and_penalty_on_c
 
     info = CheckpointStore(root).check(7)
     doc = CheckpointStore(root).read_json(info, "trainer.json")
-    assert doc["parts"]["generator"]["step"] == 7 and doc["parts"]["discriminator"]["step"] == 4
-    disc_group = doc["parts"]["discriminator"]["optimizer"]["param_groups"][0]
+    assert doc.parts["generator"].step == 7 and doc.parts["discriminator"].step == 4
+    disc_group = doc.parts["discriminator"].optimizer["param_groups"][0]
     assert disc_group["initial_lr"] == 2e-4 and disc_group["betas"] == [0.5, 0.9]
-    assert doc["parts"]["generator"]["optimizer"]["param_groups"][0]["initial_lr"] == 1e-3
+    assert doc.parts["generator"].optimizer["param_groups"][0]["initial_lr"] == 1e-3
 
     # The penalty runs on the discriminator's own steps 0, 2 (global steps 3, 5 = log lines 4, 6).
     lines = step_lines(r.stderr)
@@ -178,7 +178,7 @@ def test_maskgit_trains_on_a_pinned_frozen_tokenizer_and_samples_through_it(tmp_
     store = CheckpointStore(root)
     info = store.latest_valid()
     assert not any(f.startswith("tokenizer") for f in info.manifest.files), info.manifest.files
-    record = store.read_json(info, "trainer.json")["frozen"]["tokenizer"]
+    record = store.read_json(info, "trainer.json").frozen["tokenizer"].model_dump()
     src = CheckpointStore(tokenizer).latest_valid()
     assert record["file"] == "generator.ema.safetensors" and record["url"] == src.url
     assert record["digest"] == "blake3:" + src.manifest.files["generator.ema.safetensors"].blake3

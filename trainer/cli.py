@@ -839,8 +839,8 @@ def cmd_runs(args: argparse.Namespace) -> int:
                 "(its checkpoint.url) once it has saved a checkpoint"
             )
         view = reader.view(info)
-        progress = view.trainer_state().get("progress") or {}
-    record = parse_record(progress.get("goodput"))
+        progress = view.trainer_state().progress
+    record = parse_record(progress.goodput)
     if record is None:
         raise ConfigError(
             f"{info.url} holds no time accounting (written by a gentrain that did not keep it): resume the run "

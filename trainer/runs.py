@@ -420,10 +420,10 @@ def _optimizer_problems(view: CheckpointView, part: str, want: list[int]) -> lis
     a checkpoint with weights only (a consolidated copy)."""
     if not view.holds_training_state:
         return []
-    saved = view.trainer_state()["parts"].get(part)
+    saved = view.trainer_state().parts.get(part)
     if saved is None:
         return [f"{view.url}: trainer.json holds no state of part {part!r}, which its config builds"]
-    found = [len(g["params"]) for g in saved["optimizer"]["param_groups"]]
+    found = [len(g["params"]) for g in saved.optimizer["param_groups"]]
     if found != want:
         return [
             f"{view.url}: trainer.json parts.{part}.optimizer has parameter groups of {found} parameters, "
@@ -437,7 +437,7 @@ def consolidate(view: CheckpointView, out_url: str, storage_options: Mapping[str
     inference: `gentrain sample` reads it like any checkpoint; the copy's view is returned. Optimizer state
     is not copied, so training does not resume from it. Memory: one part's weights at a time."""
     files = {}
-    for part in view.trainer_state()["parts"]:
+    for part in view.trainer_state().parts:
         for kind in ("model", "ema"):
             name = view.weights_name(part, use_ema=kind == "ema")
             if _kind(name) == kind:  # no EMA: weights_name falls back to the online weights

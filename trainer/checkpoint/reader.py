@@ -388,8 +388,8 @@ def _cross_check(info: CheckpointInfo, parsed: Mapping[str, Any]) -> list[str]:
         problems.append(f"{info.url}: manifest.json holds no config (a mapping) for {TRAINER_JSON}'s run")
     doc = parsed.get(TRAINER_JSON)
     if doc is not None:
-        for part, state in doc["parts"].items():
-            refs = tensor_refs(state["optimizer"])
+        for part, state in doc.parts.items():
+            refs = tensor_refs(state.optimizer)
             group = group_name(part, "optimizer")
             saved = set((index or {}).get("tensors", {}).get(group, {})) | set(parsed.get(whole_file(group)) or {})
             if refs - saved:

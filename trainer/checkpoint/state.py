@@ -37,7 +37,7 @@ from trainer.checkpoint.format import join_tensors, split_tensors, torch_dtype
 from trainer.checkpoint.layout import TRAINER_JSON, ema_file, group_name, model_file, optimizer_file, rank_files
 from trainer.checkpoint.sharded import ShardIndex, is_sharded, load_group, local_slices
 from trainer.checkpoint.store import CheckpointInfo, CheckpointStore, Payload
-from trainer.checkpoint.validity import FrozenRecord, check_rank_tensors, tensor_refs
+from trainer.checkpoint.validity import FrozenRecord, PartState, TrainerState, check_rank_tensors, tensor_refs
 from trainer.checkpoint.writer import storage_key
 from trainer.errors import CheckpointCorrupt, ConfigError
 from trainer.randomness import rng_state, set_rng_state
@@ -137,8 +137,7 @@ def updated_only_in_steps(parts: Mapping[str, Any]) -> Callable[[torch.Tensor], 
 
 def read_frozen_records(store: CheckpointStore, info: CheckpointInfo) -> dict[str, FrozenRecord]:
     """The frozen parts' records trainer.json pins (schema-checked when it was read)."""
-    found = store.read_json(info, TRAINER_JSON).get("frozen", {})
-    return {name: FrozenRecord.model_validate(record) for name, record in found.items()}
+    return dict(store.read_json(info, TRAINER_JSON).frozen)
 
 
 class LoadedState:
@@ -148,20 +147,20 @@ class LoadedState:
     checkpoint that fails on any rank (or in the check of files no rank read) applies nothing anywhere.
     """
 
-    def __init__(self, doc, states, rng, progress, parts):
+    def __init__(self, doc: TrainerState, states, rng, progress, parts):
         self.doc, self._states, self._rng = doc, states, rng
         self._progress, self._parts = progress, parts
 
     @property
     def frozen(self) -> dict[str, FrozenRecord]:
         """The frozen parts' records its trainer.json pins."""
-        return {name: FrozenRecord.model_validate(record) for name, record in self.doc.get("frozen", {}).items()}
+        return dict(self.doc.frozen)
 
-    def apply(self) -> dict[str, Any]:
+    def apply(self) -> TrainerState:
         # Progress first: the one refusal left at this point is its own (a changed data order, a config
         # error that ends the run), and it comes before anything else is applied. Everything after it was
         # tried on scratch objects when it was read (read_state), so nothing fails half-way.
-        self._progress.load_state_dict(self.doc["progress"])
+        self._progress.load_state_dict(self.doc.progress.model_dump(exclude_unset=True))
         if self._rng is not None:
             set_rng_state(*self._rng)
         for name, state in self._states.items():
@@ -179,36 +178,36 @@ def read_state(
     checkpoint, or a sharded part, goes through the chunk reader: this rank reads only its slices,
     whatever the world size at save time.
     """
-    doc = store.read_json(info, TRAINER_JSON)  # schema-checked (trainer.checkpoint.validity)
+    doc: TrainerState = store.read_json(info, TRAINER_JSON)  # parsed and checked (trainer.checkpoint.validity)
     files = info.manifest.files
     index = ShardIndex(store, info) if is_sharded(info) or any(p.sharded for p in parts.values()) else None
     states = {}
     for name, part in parts.items():
-        if name not in doc["parts"]:
-            raise CheckpointCorrupt(f"checkpoint {info.url} has no part {name!r} (it has {sorted(doc['parts'])})")
-        meta = doc["parts"][name]
+        if name not in doc.parts:
+            raise CheckpointCorrupt(f"checkpoint {info.url} has no part {name!r} (it has {sorted(doc.parts)})")
+        meta = doc.parts[name]
         check_optimizer_name(meta, part, f"checkpoint {info.url}")
         if index is not None:
             states[name] = _read_part_slices(index, name, part, meta)
         else:
             opt_tensors = store.read_tensors(info, optimizer_file(name))
-            missing = tensor_refs(meta["optimizer"]) - set(opt_tensors)
+            missing = tensor_refs(meta.optimizer) - set(opt_tensors)
             if missing:
                 raise CheckpointCorrupt(f"{info.url}/{optimizer_file(name)} lacks tensors {sorted(missing)[:3]}")
             states[name] = {
                 "model": store.read_tensors(info, model_file(name)),
-                "ema": store.read_tensors(info, ema_file(name)) if ema_file(name) in files and meta["ema"] else None,
+                "ema": store.read_tensors(info, ema_file(name)) if ema_file(name) in files and meta.ema else None,
                 "optimizer": quantized.rebuild(
-                    join_tensors(meta["optimizer"], opt_tensors),
+                    join_tensors(meta.optimizer, opt_tensors),
                     part.optimizer_params(),
                     f"{info.url}: part {name!r}",
                     quantizes=part.settings.optimizer == "adamw8bit",
                 ),
-                "optimizer_name": meta.get("optimizer_name") or "adamw",
-                "lr_schedule": meta["lr_schedule"],
-                "scaler": meta["scaler"],
-                "ema_meta": meta["ema"],
-                "step": meta["step"],
+                "optimizer_name": meta.optimizer_name or "adamw",
+                "lr_schedule": meta.lr_schedule,
+                "scaler": meta.scaler,
+                "ema_meta": meta.ema,
+                "step": meta.step,
             }
         check_fits(part, states[name], f"{info.url}: part {name!r}")
         check_settings_load(part, states[name], f"{info.url}: part {name!r}")
@@ -223,18 +222,18 @@ def read_state(
 
 def restore(
     store: CheckpointStore, info: CheckpointInfo, progress: Stateful, parts: Mapping[str, Any], rank: int
-) -> dict[str, Any]:
-    """Load a checkpoint into `progress` and `parts` (digest- and structure-checked); returns trainer.json.
+) -> TrainerState:
+    """Load a checkpoint into `progress` and `parts` (digest- and structure-checked); returns its trainer.json.
     Nothing is applied unless everything this rank needs was read and checked."""
     return read_state(store, info, progress, parts, rank).apply()
 
 
-def check_optimizer_name(meta: Mapping[str, Any], part: Any, what: str) -> None:
+def check_optimizer_name(meta: PartState, part: Any, what: str) -> None:
     """The saved part's optimizer is the one this run built (checkpoints from before `train.optimizer`
     were all adamw). Their states differ in kind (float32 averages vs 8-bit codes and scales, a float lr vs
     torchao's lr tensor), and converting one into the other would not continue the same run: a config
     error (exit 2), not a corrupt checkpoint, since an older checkpoint of the same run would not help."""
-    saved = meta.get("optimizer_name") or "adamw"
+    saved = meta.optimizer_name or "adamw"
     live = part.settings.optimizer
     if saved != live:
         raise ConfigError(
@@ -339,7 +338,7 @@ def _check_like(saved: Any, live: Mapping[str, Any], what: str) -> None:
             raise CheckpointCorrupt(f"{what} state: {k} is a {type(v).__name__}, expected {type(want).__name__}")
 
 
-def _read_part_slices(index: ShardIndex, name: str, part: Any, meta: Mapping[str, Any]) -> dict[str, Any]:
+def _read_part_slices(index: ShardIndex, name: str, part: Any, meta: PartState) -> dict[str, Any]:
     """A part's state from either layout, shaped like the live part: DTensor slices for a sharded part."""
     model_targets = dict(part.module.state_dict())
     adapters = getattr(part, "saved_keys", None)
@@ -348,7 +347,7 @@ def _read_part_slices(index: ShardIndex, name: str, part: Any, meta: Mapping[str
         model_targets = {k: v for k, v in model_targets.items() if k in adapters}  # adapter-only (Part.saved_keys)
     model = load_group(index, group, model_targets)
     ema = None
-    if part.ema is not None and meta["ema"] and index.has(group_name(name, "ema")):
+    if part.ema is not None and meta.ema and index.has(group_name(name, "ema")):
         ema_targets = {k: v for k, v in part.ema_weights().items() if k in model_targets}
         ema = load_group(index, group_name(name, "ema"), ema_targets)
     # Optimizer state is keyed by parameter index; each tensor is shaped like its parameter (and sharded
@@ -356,7 +355,7 @@ def _read_part_slices(index: ShardIndex, name: str, part: Any, meta: Mapping[str
     params = part.optimizer_params()
     opt_group = group_name(name, "optimizer")
     opt_targets = {}
-    per_params = meta["optimizer"].get("state", {})
+    per_params = meta.optimizer.get("state", {})
     if not isinstance(per_params, dict):
         raise CheckpointCorrupt(f"{index.info.url}: {opt_group} state is not keyed by parameter")
     for index_key, per_param in per_params.items():
@@ -383,11 +382,11 @@ def _read_part_slices(index: ShardIndex, name: str, part: Any, meta: Mapping[str
     return {
         "model": model,
         "ema": ema,
-        "optimizer": join_tensors(meta["optimizer"], optimizer),
-        "lr_schedule": meta["lr_schedule"],
-        "scaler": meta["scaler"],
-        "ema_meta": meta["ema"],
-        "step": meta["step"],
+        "optimizer": join_tensors(meta.optimizer, optimizer),
+        "lr_schedule": meta.lr_schedule,
+        "scaler": meta.scaler,
+        "ema_meta": meta.ema,
+        "step": meta.step,
     }
 
 

@@ -141,6 +141,7 @@ class ProgressState(_Open):
     seed: StrictInt | None = None
     order: dict[StrictStr, Any] | None = None
     time_unix: StrictFloat | StrictInt | None = None
+    goodput: Any = None  # the time accounting (trainer.engine.goodput), read by `gentrain goodput`
     rng_stream: Annotated[StrictInt, Field(ge=1, le=CURRENT_STREAM)] | None = None  # absent: stream 1
 
 
@@ -157,6 +158,9 @@ class PartState(_Open):
 
 
 class TrainerState(_Open):
+    """trainer.json: `parse_trainer_json` makes it, `CheckpointReader.read_json` hands it out, and resume
+    (trainer.checkpoint.state), `verify` and the view read it by attribute (`parts[name].step`)."""
+
     progress: ProgressState
     parts: dict[StrictStr, PartState]
     frozen: dict[StrictStr, FrozenRecord] = {}
@@ -397,19 +401,20 @@ def parse_attempts(raw: bytes) -> dict[str, Any]:
 # ------------------------------------------------------------------ JSON state
 
 
-def parse_trainer_json(raw: bytes, step: int | None = None) -> dict[str, Any]:
+def parse_trainer_json(raw: bytes, step: int | None = None) -> TrainerState:
     """trainer.json (progress, per-part state, frozen sources), checked; CheckpointCorrupt if malformed."""
     doc = parse_json(raw, "trainer.json")
     if not isinstance(doc, dict):
         raise CheckpointCorrupt(f"trainer.json holds a {type(doc).__name__}, not an object")
-    _model(TrainerState, doc, "trainer.json")
+    state = _model(TrainerState, doc, "trainer.json")
+    assert isinstance(state, TrainerState)
     if step is not None and doc["progress"]["step"] != step:
         raise CheckpointCorrupt(f"trainer.json says step {doc['progress']['step']}, the manifest {step}")
     for name, part in doc["parts"].items():
         _check_skeleton(part["optimizer"], f"trainer.json parts.{name}.optimizer")
         check_param_groups(part["optimizer"], f"trainer.json parts.{name}.optimizer")
         _check_settings_load(part, f"trainer.json parts.{name}")
-    return doc
+    return state
 
 
 # The settings a saved group must have: torch's Adam/AdamW `__setstate__` fills in the others (maximize,

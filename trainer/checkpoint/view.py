@@ -41,7 +41,7 @@ from trainer.checkpoint.layout import (
 from trainer.checkpoint.reader import CheckpointInfo, CheckpointReader
 from trainer.checkpoint.sharded import ShardIndex, load_group
 from trainer.checkpoint.store import describe_owner
-from trainer.checkpoint.validity import FrozenRecord
+from trainer.checkpoint.validity import FrozenRecord, TrainerState
 from trainer.errors import CheckpointCorrupt, ConfigError
 
 log = logging.getLogger(__name__)
@@ -269,15 +269,15 @@ class CheckpointView:
         what = shards[0] if shards == [whole_file(group)] else group
         return what, {key: list(entry["shape"]) for key, entry in index.group(group).items()}
 
-    def trainer_state(self) -> dict[str, Any]:
-        """trainer.json (schema-checked), read once; CheckpointCorrupt if the checkpoint has none."""
+    def trainer_state(self) -> TrainerState:
+        """trainer.json (parsed and checked), read once; CheckpointCorrupt if the checkpoint has none."""
         return self.derived(TRAINER_JSON, lambda: self.read_json(TRAINER_JSON))
 
     def part_steps(self) -> dict[str, int] | None:
         """Each part's step count; None for a checkpoint with weights only (a consolidated copy)."""
         if not self.holds_training_state:
             return None
-        return {n: int(p["step"]) for n, p in self.trainer_state()["parts"].items()}
+        return {n: p.step for n, p in self.trainer_state().parts.items()}
 
 
 def candidate_views(
