@@ -118,6 +118,8 @@ def test_the_view_gives_part_weights_digests_identity_and_what_the_run_recorded(
     assert view.frozen_record("autoencoder").digest == "blake3:" + "a" * 64 and view.inputs["text_encoder"]["pin"]
     assert view.config_tree == {"task": "ddpm", "seed": 7}
     assert "files" not in view.metadata() and view.metadata()["world_size"] == 2
+    # As the manifest holds it, in its order (a consolidated copy writes the same JSON).
+    assert list(view.metadata()) == ["config", "frozen", "inputs", "world_size", "run", "timeline", "job"]
     # Weights only (no trainer.json): no part steps, as for a consolidated copy.
     assert not view.holds_training_state and view.part_steps() is None
 

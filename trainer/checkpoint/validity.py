@@ -34,6 +34,7 @@ from pydantic import (
     BaseModel,
     ConfigDict,
     Field,
+    PrivateAttr,
     StrictBool,
     StrictFloat,
     StrictInt,
@@ -117,6 +118,14 @@ class Manifest(_Open):
     run: Annotated[StrictStr, Field(pattern=OWNER_ID)] | None = None
     timeline: Annotated[StrictStr, Field(pattern=OWNER_ID)] | None = None
     job: Annotated[StrictStr, Field(max_length=256)] | None = None
+    # The document's keys in the order it holds them (`parse_manifest`): what a copy of its metadata writes
+    # (`CheckpointView.metadata`, `checkpoints consolidate`) keeps the order the format always had.
+    _keys: list[str] = PrivateAttr(default_factory=list)
+
+    def dump(self) -> dict[str, Any]:
+        """The document as parsed: its keys in their order, nothing added (no defaults for absent fields)."""
+        doc = self.model_dump(exclude_unset=True)
+        return {k: doc[k] for k in [*self._keys, *(k for k in doc if k not in self._keys)] if k in doc}
 
 
 class PieceDoc(_Open):
@@ -257,6 +266,7 @@ def parse_manifest(raw: bytes, step: int) -> Manifest:
         raise CheckpointCorrupt(f"{MANIFEST} holds a {type(doc).__name__}, not an object")
     manifest = _model(Manifest, doc, MANIFEST)
     assert isinstance(manifest, Manifest)
+    manifest._keys = list(doc)
     if manifest.step != step:
         raise CheckpointCorrupt(f"{MANIFEST} says step {manifest.step}, but it is in the dir of step {step}")
     for name in manifest.files:

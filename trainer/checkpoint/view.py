@@ -186,8 +186,7 @@ class CheckpointView:
     def metadata(self) -> dict[str, Any]:
         """What the run recorded about itself (config, inputs, frozen sources, world size, owner, ...):
         the manifest without the store's own bookkeeping. Not redacted: redact before writing it anywhere."""
-        doc = self._manifest.model_dump(exclude_unset=True)
-        return copy.deepcopy({k: v for k, v in doc.items() if k not in _BOOKKEEPING})
+        return copy.deepcopy({k: v for k, v in self._manifest.dump().items() if k not in _BOOKKEEPING})
 
     # -- parts
     @property
