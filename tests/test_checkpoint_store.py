@@ -93,6 +93,23 @@ def test_commit_then_discover_newest(store_url):
     assert m.digest == "blake3" and all(len(e.blake3) == 64 for e in m.files.values())
 
 
+def test_a_manifest_is_written_from_its_model_as_the_json_it_always_was_and_a_bad_one_is_never_committed(tmp_path):
+    """The store builds the Manifest and dumps it (issue 51): the keys in the order the run gave them, nothing
+    added; a record that is not a manifest is refused before the commit (CheckpointCorrupt naming the field)."""
+    store = CheckpointStore(str(tmp_path / "root"))
+    frozen = {"ae": {"url": "/ae/step-000000003", "step": 3, "file": "g.ema.safetensors", "digest": "blake3:0"}}
+    meta = {"world_size": 1, "parallel": "ddp", "config": {"seed": 7}, "frozen": frozen, "inputs": {}, "run": "ab" * 4}
+    info = store.write(1, payload(1), meta).info
+    raw = (tmp_path / "root" / "step-000000001" / "manifest.json").read_bytes()
+    doc = json.loads(raw)
+    assert raw == json.dumps(doc, indent=1).encode()
+    assert list(doc) == ["format_version", "step", "time_utc", "digest", *meta, "files"]
+    assert {k: doc[k] for k in meta} == meta and info.manifest.frozen["ae"].digest == "blake3:0"
+    with pytest.raises(CheckpointCorrupt, match="world_size"):
+        store.write(2, payload(2), {"world_size": 0})
+    assert store.steps() == [1] or not (tmp_path / "root" / "step-000000002" / "manifest.json").exists()
+
+
 def test_truncated_payload_is_skipped_for_the_previous_checkpoint(store_url):
     url, so = store_url
     store = CheckpointStore(url, so, keep=5)

@@ -26,7 +26,6 @@ which discovery skips and retention removes.
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import posixpath
@@ -45,7 +44,7 @@ from trainer.checkpoint.format import DIGEST, Hasher, fsync, write_safetensors
 from trainer.checkpoint.layout import MANIFEST, step_dir_name
 from trainer.checkpoint.reader import LATEST, CheckpointInfo, CheckpointReader, resolve_checkpoint
 from trainer.checkpoint.retention import CheckpointRetention
-from trainer.checkpoint.validity import FORMAT_VERSION, Manifest
+from trainer.checkpoint.validity import FORMAT_VERSION, Manifest, manifest_json
 from trainer.errors import CheckpointCorrupt, CheckpointError
 
 log = logging.getLogger(__name__)
@@ -246,9 +245,10 @@ class CheckpointStore(CheckpointRetention):
             **dict(meta),  # the run's record, its timeline's fields among them (the caller's, see `timeline`)
             "files": dict(entries),
         }
+        raw = manifest_json(manifest)  # built as a Manifest, dumped in this key order
         if self.check_lease is not None:
             self.check_lease()  # never commit once another trainer holds the root
-        self._put_small(posixpath.join(d, MANIFEST), json.dumps(manifest, indent=1).encode())
+        self._put_small(posixpath.join(d, MANIFEST), raw)
         info = self.check(step)
         if not info.valid:
             raise CheckpointError(f"checkpoint {info.url} did not verify after writing: {info.reason}")

@@ -275,6 +275,15 @@ def parse_manifest(raw: bytes, step: int) -> Manifest:
     return manifest
 
 
+def manifest_json(doc: Mapping[str, Any]) -> bytes:
+    """The bytes `CheckpointStore.commit` writes for `doc`: made a `Manifest` (CheckpointCorrupt if it is not
+    one, before anything is committed) and dumped in `doc`'s own key order, the JSON the format always had."""
+    manifest = _model(Manifest, dict(doc), MANIFEST)
+    assert isinstance(manifest, Manifest)
+    manifest._keys = list(doc)
+    return json.dumps(manifest.dump(), indent=1).encode()
+
+
 def parse_piece(raw: bytes, step: int, owner: int) -> dict[str, Any]:
     """A memory-tier piece file, checked against its schema, its step dir and its name; CheckpointCorrupt if not."""
     doc = parse_json(raw, f"piece of rank {owner}")
