@@ -172,7 +172,7 @@ def thread_times() -> tuple[float, float]:
 
 
 def spread(values: list[float], digits: int = 3) -> dict:
-    q = statistics.quantiles(values, n=4) if len(values) > 1 else [values[0]] * 3
+    q = statistics.quantiles(values, n=4, method="inclusive") if len(values) > 1 else [values[0]] * 3
     return {
         "median": round(statistics.median(values), digits),
         "min": round(min(values), digits),

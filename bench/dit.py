@@ -211,7 +211,7 @@ def handwritten_iterations(args: list[str], vae_folder: str, size: dict) -> tupl
 
 
 def summary(values: list[float], digits: int = 4) -> dict[str, float]:
-    q1, med, q3 = statistics.quantiles(values, n=4) if len(values) > 1 else (values[0],) * 3
+    q1, med, q3 = statistics.quantiles(values, n=4, method="inclusive") if len(values) > 1 else (values[0],) * 3
     return {"median": round(med, digits), "q1": round(q1, digits), "q3": round(q3, digits)}
 
 

@@ -169,7 +169,9 @@ def main() -> None:
             samples["hand"] += hand_iterations(args.batch, args.steps)[2:]
             samples["gentrain"] += gentrain_iterations(args.batch, args.steps, os.path.join(tmp, str(r)))[2:]
     med = {k: statistics.median(v) for k, v in samples.items()}
-    quart = {k: [round(1000 * x, 3) for x in statistics.quantiles(v, n=4)] for k, v in samples.items()}
+    quart = {
+        k: [round(1000 * x, 3) for x in statistics.quantiles(v, n=4, method="inclusive")] for k, v in samples.items()
+    }
     print(
         json.dumps(
             {

@@ -137,7 +137,7 @@ def main() -> None:
                 # The first iterations of a run still allocate; keep the steady state.
                 samples[name] += fn(os.path.join(tmp, f"{name}-{r}"))[2:]
     med = {k: statistics.median(v) for k, v in samples.items()}
-    q = {k: [round(x, 4) for x in statistics.quantiles(v, n=4)] for k, v in samples.items()}
+    q = {k: [round(x, 4) for x in statistics.quantiles(v, n=4, method="inclusive")] for k, v in samples.items()}
     print(
         json.dumps(
             {

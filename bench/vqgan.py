@@ -117,7 +117,7 @@ def main() -> None:
             samples["hand"] += hand_iterations(args.steps)[2:]
             samples["gentrain"] += gentrain_iterations(args.steps, os.path.join(tmp, f"g{r}"))[2:]
     med = {k: statistics.median(v) for k, v in samples.items()}
-    q = {k: [round(x, 4) for x in statistics.quantiles(v, n=4)] for k, v in samples.items()}
+    q = {k: [round(x, 4) for x in statistics.quantiles(v, n=4, method="inclusive")] for k, v in samples.items()}
     print(
         json.dumps(
             {
