@@ -376,7 +376,7 @@ def test_a_run_refuses_to_resume_or_sample_with_different_text_encoder_weights(t
     root = f"{tmp_path}/run/checkpoints"
     store = CheckpointStore(root)
     recorded = store.latest_valid().manifest.inputs["text_encoder"]
-    assert recorded["source"] == str(encoder) and recorded["pin"] and recorded["digest"].startswith("blake3:")
+    assert recorded.source == str(encoder) and recorded.pin and recorded.digest.startswith("blake3:")
 
     weights = load_file(encoder / "model.safetensors")
     name = next(k for k in weights if k.endswith("word_embeddings.weight"))
@@ -384,7 +384,7 @@ def test_a_run_refuses_to_resume_or_sample_with_different_text_encoder_weights(t
     save_file(weights, encoder / "model.safetensors", metadata={"format": "pt"})
     r = run_cli("train", YAML, f"run.dir={tmp_path}/run", "train.max_steps=4", *args, env=ENV)
     assert r.returncode == 2, r.stderr[-3000:]
-    assert f"text_encoder: the run at {root} was trained with {encoder} ({recorded['digest']})" in r.stderr
+    assert f"text_encoder: the run at {root} was trained with {encoder} ({recorded.digest})" in r.stderr
     assert "Use the same weights again, or start a new run" in r.stderr
     assert store.latest_valid().step == 2  # nothing was written
     with pytest.raises(ConfigError, match="text_encoder: checkpoint .* was trained with"):
@@ -414,7 +414,7 @@ def test_digits_decoder_preset_embeds_images_with_the_shipped_cnn_and_samples_fr
     assert r.returncode == 0, r.stderr[-3000:]
     root = f"{tmp_path}/run/checkpoints"
     inputs = CheckpointStore(root).latest_valid().manifest.inputs
-    assert inputs["image_encoder"]["source"] == "digits-features" and inputs["image_encoder"]["pin"]
+    assert inputs["image_encoder"].source == "digits-features" and inputs["image_encoder"].pin
 
     emb = tmp_path / "digits.npy"
     assert embed_main([str(emb)]) == 0  # one embedding per digit 0-9 of the built-in set

@@ -18,6 +18,7 @@ from trainer.checkpoint import (
     split_tensors,
     write_safetensors,
 )
+from trainer.checkpoint.validity import InputRecord
 
 
 def payload(step: int) -> dict:
@@ -98,13 +99,31 @@ def test_a_manifest_is_written_from_its_model_as_the_json_it_always_was_and_a_ba
     added; a record that is not a manifest is refused before the commit (CheckpointCorrupt naming the field)."""
     store = CheckpointStore(str(tmp_path / "root"))
     frozen = {"ae": {"url": "/ae/step-000000003", "step": 3, "file": "g.ema.safetensors", "digest": "blake3:0"}}
-    meta = {"world_size": 1, "parallel": "ddp", "config": {"seed": 7}, "frozen": frozen, "inputs": {}, "run": "ab" * 4}
+    # The inputs of each kind, made as their readers make them and dumped as the engine does: their keys in the
+    # order the tasks always wrote them (a folder's digest before its files, a pipeline's after), pin last.
+    files = {"model_index.json": {"blake3": "0" * 64, "bytes": 3}}
+    records = {
+        "pipeline": InputRecord(url="/sd", family="sd", files=files, digest="blake3:1").pinned(),
+        "unet.pretrained": InputRecord(url="/sd/unet", digest="blake3:2", files=["config.json"]).pinned(),
+        "text_encoder": InputRecord(source="/sd/clip", digest="blake3:3", pin=True),
+    }
+    inputs = {name: record.dump() for name, record in records.items()}
+    assert [list(r) for r in inputs.values()] == [
+        ["url", "family", "files", "digest", "pin"],
+        ["url", "digest", "files", "pin"],
+        ["source", "digest", "pin"],
+    ]
+    meta = {"world_size": 1, "parallel": "ddp", "config": {"seed": 7}, "frozen": frozen, "inputs": inputs}
+    meta["run"] = "ab" * 4
     info = store.write(1, payload(1), meta).info
     raw = (tmp_path / "root" / "step-000000001" / "manifest.json").read_bytes()
     doc = json.loads(raw)
     assert raw == json.dumps(doc, indent=1).encode()
     assert list(doc) == ["format_version", "step", "time_utc", "digest", *meta, "files"]
     assert {k: doc[k] for k in meta} == meta and info.manifest.frozen["ae"].digest == "blake3:0"
+    assert [list(r) for r in doc["inputs"].values()] == [list(r) for r in inputs.values()]
+    assert info.manifest.inputs["pipeline"].files == files and info.manifest.inputs["text_encoder"].pin
+    assert {name: r.dump() for name, r in info.manifest.inputs.items()} == inputs  # read back, written again
     with pytest.raises(CheckpointCorrupt, match="world_size"):
         store.write(2, payload(2), {"world_size": 0})
     assert store.steps() == [1] or not (tmp_path / "root" / "step-000000002" / "manifest.json").exists()

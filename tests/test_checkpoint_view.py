@@ -111,11 +111,11 @@ def test_the_view_gives_part_weights_digests_identity_and_what_the_run_recorded(
     }
     # The digests of what the run was trained with: its frozen autoencoder and its pinned text encoder.
     assert view.frozen_record("autoencoder").digest == "blake3:" + "a" * 64
-    assert view.inputs["text_encoder"]["digest"] == "blake3:" + "b" * 64
+    assert view.inputs["text_encoder"].digest == "blake3:" + "b" * 64
     view.frozen_records["autoencoder"].digest = "changed"  # a read-only view: callers get copies
-    view.inputs["text_encoder"]["pin"] = False
+    view.inputs["text_encoder"].pin = False
     view.config_tree["seed"] = 8
-    assert view.frozen_record("autoencoder").digest == "blake3:" + "a" * 64 and view.inputs["text_encoder"]["pin"]
+    assert view.frozen_record("autoencoder").digest == "blake3:" + "a" * 64 and view.inputs["text_encoder"].pin
     assert view.config_tree == {"task": "ddpm", "seed": 7}
     assert "files" not in view.metadata() and view.metadata()["world_size"] == 2
     # As the manifest holds it, in its order (a consolidated copy writes the same JSON).

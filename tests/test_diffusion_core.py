@@ -567,7 +567,7 @@ def test_ddpm_with_a_transformer_backbone_trains_checkpoints_and_samples_through
     assert list(modules) == ["transformer"] and type(modules["transformer"]).__name__ == cls
     text = task.text is not None
     if text:
-        assert info.manifest.inputs["text_encoder"]["digest"] == task.text.digest
+        assert info.manifest.inputs["text_encoder"].digest == task.text.digest
     request = SampleRequest(num=4, seed=1, inference_steps=2, prompts=["a handwritten seven"] if text else None)
     guided = task.sample(modules, request.replace(guidance_scale=3.0), CPU)
     assert guided.shape == (4, 1, 8, 8) and torch.isfinite(guided).all()

@@ -114,7 +114,7 @@ def test_pretrained_folders_on_s3_start_the_run_and_lora_trains_only_the_adapter
     assert lora and lora == set(stage2) == set(files["stage2.ema.safetensors"])
     assert any(stage2[k].abs().max() > 0 for k in lora if ".lora_B." in k)
     assert manifest.adapter_only == {"stage2": "stage2.pretrained"}
-    assert manifest.inputs["stage2.pretrained"]["pin"] is True
+    assert manifest.inputs["stage2.pretrained"].pin is True
     store = CheckpointStore(url, options)
     _, _, modules = load_for_inference(
         store.view(store.check(6)),
@@ -132,8 +132,8 @@ def test_pretrained_folders_on_s3_start_the_run_and_lora_trains_only_the_adapter
     n_opt = sum(len(g["params"]) for g in opt["parts"]["stage2"]["optimizer"]["param_groups"])
     assert n_opt == len(lora)
     # Every checkpoint records where its starting weights came from.
-    assert manifest.inputs["stage2.pretrained"]["url"] == f"{base_folders}/stage2"
-    assert manifest.inputs["stage2.pretrained"]["digest"].startswith("blake3:")
+    assert manifest.inputs["stage2.pretrained"].url == f"{base_folders}/stage2"
+    assert manifest.inputs["stage2.pretrained"].digest.startswith("blake3:")
 
 
 @pytest.mark.slow
@@ -233,7 +233,7 @@ def test_ddpm_unet_starts_from_a_folder_with_lora_and_half_precision_base(tmp_pa
     assert all(torch.equal(base[k], v) for k, v in source.state_dict().items())
     trainable = [n for n, p in unet.named_parameters() if p.requires_grad]
     assert trainable and all(".lora_" in n for n in trainable)
-    assert t.inputs()["unet.pretrained"]["url"] == f"{tmp_path}/unet"
+    assert t.inputs()["unet.pretrained"].url == f"{tmp_path}/unet"
     # Adapters trained a little, exported, put back with peft onto the folder's UNet: the same function.
     with torch.no_grad():
         for n, p in unet.named_parameters():

@@ -454,6 +454,12 @@ _STRING_KEY_READS = {
     "manifest": [r"\bmanifest\s*\[", r"\bmanifest\.get\("],
     # TrainerState: trainer.json's progress and parts (CheckpointView.trainer_state, part steps).
     "trainer.json": [r'\[\s*"(parts|progress)"\s*\]', r'\.get\(\s*"(parts|progress)"'],
+    # InputRecord: a run's `inputs` (Task.inputs, CheckpointView.inputs, PretrainedFolder/PipelineFolder.record).
+    "input records": [
+        r"\binputs(\(\))?\[[^\]]+\]\s*\[",
+        r"\b(folder|pipeline)\.record(\[|\.get\()",
+        r"(?<!\.)\b(record|recorded|pinned|pipeline|base|was|now)(\s*\[\s*|\.get\(\s*)[\"'](url|source|family|files|digest|pin)[\"']",
+    ],
 }
 
 
@@ -472,6 +478,9 @@ def test_checkpoint_documents_are_read_by_attribute_outside_the_checkpoint_libra
     `record.digest`, `state.parts[name].step`), never dicts indexed by key: the JSON's keys are the store's format, checked once where it is parsed."""
     assert _string_key_reads('x = weights.record["url"]\ny = view.frozen_records[p].digest\n') == {
         "frozen records": [1]
+    }
+    assert _string_key_reads('a = view.inputs["pipeline"]["url"]\nb = record.get("digest")\nc = record.digest\n') == {
+        "input records": [1, 2]
     }
     found = [
         f"{path.relative_to(REPO)}:{line} ({document})"

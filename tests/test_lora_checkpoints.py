@@ -197,11 +197,12 @@ def test_merged_export_of_a_run_without_a_pipeline_folder_is_refused():
     is a ConfigError (exit 2) saying to export without --merged, before anything is written."""
     from torch import nn
 
+    from trainer.checkpoint.validity import InputRecord
     from trainer.errors import ConfigError
     from trainer.models.export import merged_pipeline
     from trainer.tasks.base import Export
 
-    for base in (None, {"url": "/gone"}):
+    for base in (None, InputRecord(url="/gone")):
         with pytest.raises(ConfigError, match="not trained from a pipeline folder.*without --merged"):
             merged_pipeline(Export(models={"unet": (nn.Linear(1, 1), {})}), base, {})
 

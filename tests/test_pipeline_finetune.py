@@ -98,8 +98,8 @@ def test_the_unet_predicts_what_diffusers_unet_predicts(sd, tmp_path, lora):
         theirs = reference(x, t, encoder_hidden_states=cond["captions"]).sample
     assert torch.equal(ours, theirs)
     assert (
-        task.inputs()["pipeline"]["pin"]
-        and "unet/diffusion_pytorch_model.safetensors" in task.inputs()["pipeline"]["files"]
+        task.inputs()["pipeline"].pin
+        and "unet/diffusion_pytorch_model.safetensors" in task.inputs()["pipeline"].files
     )
 
 
@@ -231,7 +231,7 @@ def test_a_lora_checkpoint_holds_the_adapters_only_and_resumes_on_the_folders_ba
     doc = json.loads(store.read_file(info, "trainer.json"))
     assert doc["parts"]["unet"]["weights"] == "trainable"
     assert info.manifest.adapter_only == {"unet": "unet.pretrained"}
-    assert info.manifest.inputs["unet.pretrained"]["pin"] is True
+    assert info.manifest.inputs["unet.pretrained"].pin is True
     full = CheckpointStore(str(runs["full"] / "checkpoints"), {}).check(2)
     print(
         f"\ntiny SD pipeline: LoRA checkpoint {info.total_bytes} bytes, full fine-tune's {full.total_bytes} "
@@ -385,9 +385,9 @@ def test_a_pipeline_folder_on_object_storage_trains_like_a_local_one(s3_server, 
     r = _train(f"{bucket}/sd", images, tmp_path / "run", *extra, steps=2, env=env)
     assert r.returncode == 0, r.stderr[-3000:]
     manifest = CheckpointStore(str(tmp_path / "run" / "checkpoints"), {}).check(2).manifest
-    assert manifest.inputs["pipeline"]["url"] == f"{bucket}/sd"
+    assert manifest.inputs["pipeline"].url == f"{bucket}/sd"
     assert manifest.config["model"]["autoencoder"]["url"] == f"{bucket}/sd/vae"
     # The checkpoint holds the adapters; the base it needs is the folder on S3, pinned by digest.
-    assert manifest.inputs["unet.pretrained"]["url"] == f"{bucket}/sd/unet"
-    assert manifest.inputs["unet.pretrained"]["pin"] is True
+    assert manifest.inputs["unet.pretrained"].url == f"{bucket}/sd/unet"
+    assert manifest.inputs["unet.pretrained"].pin is True
     assert all(".lora_" in k for k in _files(tmp_path / "run", 2)["unet.model.safetensors"])

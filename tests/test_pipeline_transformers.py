@@ -121,8 +121,8 @@ def test_the_first_prediction_is_diffusers_sd3_transformers(sd3, tmp_path, lora)
         ).sample
     assert torch.equal(ours, theirs)
     pinned = task.inputs()["pipeline"]
-    assert pinned["pin"] and "transformer/diffusion_pytorch_model.safetensors" in pinned["files"]
-    assert "text_encoder_3/model.safetensors" in pinned["files"]
+    assert pinned.pin and "transformer/diffusion_pytorch_model.safetensors" in pinned.files
+    assert "text_encoder_3/model.safetensors" in pinned.files
 
 
 @pytest.fixture(scope="module")

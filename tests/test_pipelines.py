@@ -67,7 +67,7 @@ def test_each_family_is_recognized_with_its_parts_objective_and_every_file_pinne
     assert {"vae", "scheduler", *encoders} <= set(p.components)
     assert all(getattr(p.objective, k) == v for k, v in objective.items()), p.objective
     # Every file a run reads is pinned: each component's config, weights and tokenizer files, and the index.
-    files = p.record["files"]
+    files = p.record.files
     on_disk = {str(f.relative_to(pipelines[name])) for f in pipelines[name].rglob("*") if f.is_file()}
     assert set(files) <= on_disk and MODEL_INDEX in files
     assert {f"{s}/{n}" for s in ("vae", slot) for n in ("config.json", "diffusion_pytorch_model.safetensors")} <= set(
@@ -75,7 +75,7 @@ def test_each_family_is_recognized_with_its_parts_objective_and_every_file_pinne
     )
     assert all(f"{e}/model.safetensors" in files for e in encoders)
     assert all(len(v["blake3"]) == 64 and v["bytes"] > 0 for v in files.values())
-    assert p.record["family"] == name and p.record["digest"].startswith("blake3:")
+    assert p.record.family == name and p.record.digest.startswith("blake3:")
     assert inspect_pipeline(str(pipelines[name])).record == p.record  # the same folder pins the same digests
 
 
@@ -88,7 +88,7 @@ def test_flux_schnell_is_told_from_dev_by_its_guidance_embedding(tmp_path):
 def test_an_fsspec_url_reads_the_same_folder(pipelines):
     local = inspect_pipeline(str(pipelines["sd"]))
     url = inspect_pipeline(f"file://{pipelines['sd']}")
-    assert url.record["files"] == local.record["files"] and url.record["digest"] == local.record["digest"]
+    assert url.record.files == local.record.files and url.record.digest == local.record.digest
 
 
 def test_a_changed_file_changes_the_pin_and_is_named(pipelines, tmp_path):
@@ -99,7 +99,7 @@ def test_a_changed_file_changes_the_pin_and_is_named(pipelines, tmp_path):
     data[-1] ^= 1  # one bit of the last tensor
     weights.write_bytes(bytes(data))
     after = inspect_pipeline(str(folder)).record
-    assert after["digest"] != before["digest"]
+    assert after.digest != before.digest
     assert changed_files(before, after) == ["text_encoder_2/model.safetensors"]
 
 
@@ -112,7 +112,7 @@ def test_sharded_weights_are_read_through_their_index_and_each_shard_pinned(pipe
     model.save_pretrained(folder / "transformer", max_shard_size="50KB")
     shards = sorted(p.name for p in (folder / "transformer").glob("*.safetensors"))
     assert len(shards) > 1
-    files = inspect_pipeline(str(folder)).record["files"]
+    files = inspect_pipeline(str(folder)).record.files
     assert "transformer/diffusion_pytorch_model.safetensors.index.json" in files
     assert all(f"transformer/{s}" in files for s in shards)
 

@@ -406,7 +406,7 @@ def test_a_pixart_ddpm_trains_on_t5_tokens_and_their_mask(folders, tmp_path, mon
     trainer = Trainer(cfg, DistEnv())
     assert trainer.fit() == 0
     info = CheckpointStore(str(tmp_path / "run" / "checkpoints")).latest_valid()
-    assert info.manifest.inputs["text_encoder"]["source"] == str(folders["t5"])
+    assert info.manifest.inputs["text_encoder"].source == str(folders["t5"])
     drop = torch.tensor([False, True])
     cond = trainer.task.conditions(2, torch.device("cpu"), drop, None, ["a handwritten seven", "a red cat"])
     assert cond["caption_mask"].sum(1).tolist() == [4, 1]  # "a handwritten seven </s>"; dropped: "" = </s>
@@ -439,9 +439,9 @@ def test_an_mmdit_trains_on_sd3_encoders_samples_and_refuses_a_changed_t5_on_res
     root = str(tmp_path / "run" / "checkpoints")
     store = CheckpointStore(root)
     recorded = store.latest_valid().manifest.inputs["text_encoder"]
-    assert recorded["pin"] and recorded["source"].startswith(f"encoder={folders['clip_l']}, ")
+    assert recorded.pin and recorded.source.startswith(f"encoder={folders['clip_l']}, ")
     _, task, modules = load_for_inference(store.view(store.latest_valid()), True, torch.device("cpu"))
-    assert task.text.digest == recorded["digest"] and task.cfg.text.kind == "sd3"
+    assert task.text.digest == recorded.digest and task.cfg.text.kind == "sd3"
     request = SampleRequest(num=2, seed=1, inference_steps=2, prompts=["a handwritten seven"], guidance_scale=3.0)
     images = task.sample(modules, request, torch.device("cpu"))
     assert images.shape == (2, 1, 8, 8) and torch.isfinite(images).all()

@@ -151,7 +151,7 @@ def _load_folder(
         raise ConfigError(
             f"frozen part {part!r}: the diffusers folder {source.url} holds a {found}, not a {source.folder_class}"
         )
-    record = FrozenRecord(url=source.url, step=0, file=WEIGHTS_NAME, digest=folder.record["digest"], format="diffusers")
+    record = FrozenRecord(url=source.url, step=0, file=WEIGHTS_NAME, digest=folder.record.digest, format="diffusers")
     if pinned is not None and pinned.digest != record.digest:
         raise ConfigError(
             f"frozen part {part!r}: this run was trained with {pinned.url} ({pinned.digest}), but {source.url} "
@@ -245,14 +245,13 @@ def check_bases(view: CheckpointView) -> None:
     still holds the same files is `check_pinned_inputs`' (after the model is built from it)."""
     inputs = view.inputs
     for part, entry in sorted(view.adapter_only.items()):
-        record = inputs.get(entry) or {}
-        url = record.get("url")
-        if not isinstance(url, str):
+        record = inputs.get(entry)
+        if record is None or record.url is None:
             raise CheckpointCorrupt(f"{view.url}: part {part!r} holds adapters only, but its manifest pins no base")
-        if not _is_folder(url, view.storage_options):
+        if not _is_folder(record.url, view.storage_options):
             raise ConfigError(
                 f"checkpoint {view.url} holds only the LoRA adapters of {part!r}; their frozen base, the folder "
-                f"{url} ({record.get('digest')}), is gone or unreadable: restore that folder (model.pretrained) "
+                f"{record.url} ({record.digest}), is gone or unreadable: restore that folder (model.pretrained) "
                 "and run this again"
             )
 
@@ -264,22 +263,18 @@ def verify_bases(view: CheckpointView) -> list[str]:
     check_bases(view)
     inputs, checked = view.inputs, []
     pipeline = inputs.get("pipeline")
-    if (
-        view.adapter_only
-        and isinstance(pipeline, dict)
-        and pipeline.get("pin")
-        and isinstance(pipeline.get("url"), str)
-    ):
+    if view.adapter_only and pipeline is not None and pipeline.pin and pipeline.url is not None:
         from trainer.models.pipelines import inspect_pipeline  # imports diffusers' configs: only here
 
-        now = {**inspect_pipeline(pipeline["url"], "model.pretrained", view.storage_options).record, "pin": True}
+        now = inspect_pipeline(pipeline.url, "model.pretrained", view.storage_options).record.pinned()
         check_pinned_inputs({"pipeline": pipeline}, {"pipeline": now}, f"checkpoint {view.url}")
-        checked.append(f"{pipeline['url']} ({pipeline.get('digest')})")
+        checked.append(f"{pipeline.url} ({pipeline.digest})")
     for entry in sorted(set(view.adapter_only.values())):
         record = inputs[entry]
-        now = {**read_folder(record["url"], entry, view.storage_options).record, "pin": True}
+        assert record.url is not None  # check_bases refused a base without one
+        now = read_folder(record.url, entry, view.storage_options).record.pinned()
         check_pinned_inputs({entry: record}, {entry: now}, f"checkpoint {view.url}")
-        checked.append(f"{record['url']} ({record.get('digest')})")
+        checked.append(f"{record.url} ({record.digest})")
     return checked
 
 

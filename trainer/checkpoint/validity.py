@@ -40,6 +40,7 @@ from pydantic import (
     StrictInt,
     StrictStr,
     ValidationError,
+    model_serializer,
     model_validator,
 )
 
@@ -99,6 +100,53 @@ class FrozenRecord(_Open):
     digest: StrictStr
 
 
+class InputRecord(_Open):
+    """One of a run's `inputs` in manifest.json: what else the run depends on (`Task.inputs`), by kind:
+
+    - a pretrained folder (`<part>.pretrained`, `trainer.models.finetune.read_folder`): `url`, `digest`, `files`
+      (the names hashed);
+    - a released pipeline folder (`pipeline`, `trainer.models.pipelines.inspect_pipeline`): `url`, `family`,
+      `files` ({path: {"blake3", "bytes"}}), `digest`;
+    - an encoder (`text_encoder`, `image_encoder`): `source`, `digest`.
+
+    `pin` (absent: false) says a resume or a sample must find the same digest (`check_pinned_inputs`). Written in
+    the key order it was made or parsed in (the JSON the format always had), with only the keys it was given."""
+
+    url: StrictStr | None = None
+    source: StrictStr | None = None
+    family: StrictStr | None = None
+    files: list[StrictStr] | dict[StrictStr, dict[StrictStr, Any]] | None = None
+    digest: StrictStr | None = None
+    pin: StrictBool = False
+    _keys: list[str] = PrivateAttr(default_factory=list)
+
+    @model_validator(mode="wrap")
+    @classmethod
+    def _keep_order(cls, data: Any, handler: Any) -> InputRecord:
+        made = handler(data)
+        if isinstance(data, Mapping):
+            made._keys = list(data)
+        return made
+
+    @model_serializer(mode="wrap")
+    def _in_order(self, handler: Any) -> dict[str, Any]:
+        doc = handler(self)
+        return {k: doc[k] for k in [*self._keys, *(k for k in doc if k not in self._keys)] if k in doc}
+
+    def dump(self) -> dict[str, Any]:
+        """The record as written: the keys it was given, in their order."""
+        return self.model_dump(exclude_unset=True)
+
+    @property
+    def name(self) -> str | None:
+        """What it is read from: a folder's URL, an encoder's source."""
+        return self.source or self.url
+
+    def pinned(self, pin: bool = True) -> InputRecord:
+        """This record with `pin` (appended last, as the tasks have always written it)."""
+        return self.model_copy(update={"pin": pin}) if pin else self.model_copy()
+
+
 class Manifest(_Open):
     """manifest.json, the commit point of a step dir: `parse_manifest` makes it, `CheckpointInfo.manifest` carries
     it and `trainer.checkpoint.view.CheckpointView` interprets it. Fields a run records beyond these (`parallel`,
@@ -113,7 +161,7 @@ class Manifest(_Open):
     task: StrictStr | None = None
     config: dict[StrictStr, Any] | None = None  # a training checkpoint's is required (see `_cross_check`)
     frozen: dict[StrictStr, FrozenRecord] = {}
-    inputs: dict[StrictStr, dict[StrictStr, Any]] = {}
+    inputs: dict[StrictStr, InputRecord] = {}
     # Who wrote it (absent before gentrain recorded it: such a checkpoint belongs to no timeline of now).
     run: Annotated[StrictStr, Field(pattern=OWNER_ID)] | None = None
     timeline: Annotated[StrictStr, Field(pattern=OWNER_ID)] | None = None

@@ -41,7 +41,7 @@ from trainer.checkpoint.layout import (
 from trainer.checkpoint.reader import CheckpointInfo, CheckpointReader
 from trainer.checkpoint.sharded import ShardIndex, load_group
 from trainer.checkpoint.store import describe_owner
-from trainer.checkpoint.validity import FrozenRecord, TrainerState
+from trainer.checkpoint.validity import FrozenRecord, InputRecord, TrainerState
 from trainer.errors import CheckpointCorrupt, ConfigError
 
 log = logging.getLogger(__name__)
@@ -167,10 +167,10 @@ class CheckpointView:
         return self.frozen_records.get(part)
 
     @property
-    def inputs(self) -> dict[str, dict[str, Any]]:
+    def inputs(self) -> dict[str, InputRecord]:
         """{name: record} of the other things the run depends on (a text encoder, a pretrained folder):
-        URL or source and digest; `"pin": True` ones must match on resume and sampling."""
-        return copy.deepcopy(self._manifest.inputs)
+        URL or source and digest; pinned ones must match on resume and sampling (copies)."""
+        return {name: record.model_copy(deep=True) for name, record in self._manifest.inputs.items()}
 
     @property
     def adapter_only(self) -> dict[str, str]:
@@ -305,35 +305,39 @@ def candidate_views(
     return False, iter([reader.view(info)])
 
 
-def check_pinned_inputs(recorded: Mapping[str, Any], current: Mapping[str, Any], where: str) -> None:
-    """Refuse (exit 2) when an input the run pinned (`"pin": True`, e.g. its text encoder) now has another
-    digest: the model was trained on the old one's outputs and would silently get different conditions."""
+def check_pinned_inputs(
+    recorded: Mapping[str, InputRecord | Mapping[str, Any]], current: Mapping[str, InputRecord], where: str
+) -> None:
+    """Refuse (exit 2) when an input the run pinned (`pin`, e.g. its text encoder) now has another digest: the
+    model was trained on the old one's outputs and would silently get different conditions. `recorded` may be a
+    memory-tier piece's (its JSON, checked against the manifest's schema when the piece was read)."""
+    recorded = {name: InputRecord.model_validate(r) for name, r in recorded.items()}
     for name, now in current.items():
         was = recorded.get(name)
-        if not now.get("pin") or was is None or was.get("digest") == now.get("digest"):
+        if not now.pin or was is None or was.digest == now.digest:
             continue
-        if isinstance(was.get("files"), Mapping) and isinstance(now.get("files"), Mapping):
+        if isinstance(was.files, Mapping) and isinstance(now.files, Mapping):
             # A folder pinned file by file (a released pipeline's): name the files that changed or are gone.
-            before, after = was["files"], now["files"]
+            before, after = was.files, now.files
             changed = sorted(f for f in before if after.get(f) != before[f]) + sorted(set(after) - set(before))
             raise ConfigError(
-                f"{name}: {where} was trained with {was.get('url')} ({was.get('digest')}), but these of its files "
+                f"{name}: {where} was trained with {was.url} ({was.digest}), but these of its files "
                 f"changed or are gone: {', '.join(changed[:8])}. Its outputs would differ from the ones the model "
                 "learned. Restore the folder as it was, or start a new run (a new checkpoint.url)."
             )
         raise ConfigError(
-            f"{name}: {where} was trained with {was.get('source') or was.get('url')} ({was.get('digest')}), but "
-            f"{now.get('source') or now.get('url')} now gives {now.get('digest')}. Its outputs would differ from the "
-            "ones the model learned. Use the same weights again, or start a new run (a new checkpoint.url)."
+            f"{name}: {where} was trained with {was.name} ({was.digest}), but {now.name} now gives {now.digest}. "
+            "Its outputs would differ from the ones the model learned. Use the same weights again, or start a new "
+            "run (a new checkpoint.url)."
         )
     for name, now in current.items():
         was = recorded.get(name)
-        if not now.get("pin") and was is not None and was.get("digest") != now.get("digest"):
+        if not now.pin and was is not None and was.digest != now.digest:
             log.info(
                 "%s: %s changed since %s started (%s -> %s); the checkpoint's weights are used",
                 name,
-                now.get("url"),
+                now.url,
                 where,
-                was.get("digest"),
-                now.get("digest"),
+                was.digest,
+                now.digest,
             )

@@ -46,7 +46,7 @@ from trainer.checkpoint.store import (
     Timeline,
     new_owner_id,
 )
-from trainer.checkpoint.validity import FrozenRecord
+from trainer.checkpoint.validity import FrozenRecord, InputRecord
 from trainer.checkpoint.view import check_pinned_inputs
 from trainer.checkpoint.writer import Checkpointer, SnapshotError
 from trainer.config import Config
@@ -154,7 +154,7 @@ class CheckpointManager:
         self.progress: Stateful | None = None
         self.parts: Mapping[str, Stateful] = {}
         self.frozen: Mapping[str, FrozenRecord] = {}
-        self.inputs: Mapping[str, dict[str, Any]] = {}
+        self.inputs: Mapping[str, InputRecord] = {}
 
     def _memory_tier(
         self, cfg: Config, runtime: Runtime, metrics: TrainingMetrics
@@ -194,7 +194,7 @@ class CheckpointManager:
         progress: Stateful,
         parts: Mapping[str, Stateful],
         frozen: Mapping[str, FrozenRecord],
-        inputs: Mapping[str, dict[str, Any]] | None = None,
+        inputs: Mapping[str, InputRecord] | None = None,
     ) -> None:
         """The state a checkpoint holds: progress, trainable parts, frozen parts' source records, and the
         task's other inputs (pretrained folders, text encoder: URL and digest, see Task.inputs).
@@ -485,7 +485,7 @@ class CheckpointManager:
             "task": self.cfg.task,
             "config": self.cfg.to_dict(),
             "frozen": {name: record.model_dump() for name, record in self.frozen.items()},
-            "inputs": dict(self.inputs),
+            "inputs": {name: record.dump() for name, record in self.inputs.items()},
             # Who wrote it, for both tiers: the one place the timeline's fields are merged (the store commits
             # what it is given; the memory tier's pieces carry them before any commit).
             **(self.store.timeline.fields() if self.store.timeline is not None else {}),

@@ -34,6 +34,7 @@ import torch
 from torch import nn
 
 from trainer.checkpoint.format import new_digest
+from trainer.checkpoint.validity import InputRecord
 from trainer.errors import ConfigError
 from trainer.models.finetune import (
     CONFIG_NAME,
@@ -161,25 +162,25 @@ def model_index(export: Any) -> dict[str, Any]:
     return {**json.loads(pipe.to_json_string()), **export.index_extra}
 
 
-def merged_pipeline(export: Any, base: Mapping[str, Any] | None, storage_options: Mapping[str, Any] | None) -> Any:
+def merged_pipeline(export: Any, base: InputRecord | None, storage_options: Mapping[str, Any] | None) -> Any:
     """`--merged`: `export` (a released pipeline's fine-tune) as that whole pipeline: the trained models (its
     `lora_prefixes`' folders: the denoiser) written merged (W + scale * B @ A, by peft), the run's sampling
     scheduler, and every other file of the base pipeline `base` (the checkpoint's pinned `pipeline` input: url,
     per-file digests) copied as it is, checked against its digest while copied (`write_export(base=...)`).
     ConfigError (exit 2) for a run that was not trained from a pipeline folder."""
-    if not isinstance(base, Mapping) or not isinstance(base.get("url"), str) or not base.get("files"):
+    if base is None or base.url is None or not isinstance(base.files, Mapping) or not base.files:
         raise ConfigError(
             "--merged writes the released pipeline the run fine-tuned, with the trained weights merged in; this "
             "checkpoint was not trained from a pipeline folder (model.pretrained naming a folder with "
             f"{MODEL_INDEX_NAME}): export it without --merged"
         )
-    url = base["url"]
+    url = base.url
     fs, root = filesystem(url.rstrip("/"), storage_options)
     try:
         index = json.loads(fs.cat_file(posixpath.join(root, MODEL_INDEX_NAME)))
     except (OSError, ValueError) as e:
         raise ConfigError(
-            f"--merged: the base pipeline {url} ({base.get('digest')}) has no readable {MODEL_INDEX_NAME} ({e}): "
+            f"--merged: the base pipeline {url} ({base.digest}) has no readable {MODEL_INDEX_NAME} ({e}): "
             "restore that folder (the run's model.pretrained) and export again"
         ) from None
     trained = {name: export.models[name] for name in export.lora_prefixes if name in export.models}
@@ -201,14 +202,14 @@ def merged_pipeline(export: Any, base: Mapping[str, Any] | None, storage_options
         ),
         notes=[
             *export.notes,
-            f"the whole {cls} of {url} ({base.get('digest')}), its {', '.join(sorted(trained))} fine-tuned "
+            f"the whole {cls} of {url} ({base.digest}), its {', '.join(sorted(trained))} fine-tuned "
             f"(LoRA merged); the other components copied unchanged; {steps}",
         ],
     )
 
 
 def _copy_base_files(
-    base: Mapping[str, Any],
+    base: InputRecord,
     skip: set[str],
     keep_config: set[str],
     out: str,
@@ -218,10 +219,10 @@ def _copy_base_files(
     `skip` and, of the folders `keep_config`, all but config.json, streamed, each checked against its pinned
     blake3 (a changed file: ConfigError naming it, nothing loads the partial copy: no model_index.json yet).
     Returns (URLs written, folders copied)."""
-    src_fs, src_root = filesystem(base["url"].rstrip("/"), storage_options)
+    src_fs, src_root = filesystem(str(base.url).rstrip("/"), storage_options)
     fs, root = filesystem(out, storage_options)
     written, folders = [], set()
-    for rel, pinned in sorted(base["files"].items()):
+    for rel, pinned in sorted(base.files.items() if isinstance(base.files, Mapping) else ()):
         folder = rel.split("/", 1)[0]
         if "/" not in rel or folder in skip or (rel != f"{folder}/{CONFIG_NAME}" and folder in keep_config):
             continue
@@ -235,12 +236,12 @@ def _copy_base_files(
                     dst.write(chunk)
         except FileNotFoundError:
             raise ConfigError(
-                f"--merged: {base['url']}/{rel}, a file of the run's base pipeline, is gone: restore that folder "
+                f"--merged: {base.url}/{rel}, a file of the run's base pipeline, is gone: restore that folder "
                 "(the run's model.pretrained) and export again"
             ) from None
         if isinstance(pinned, Mapping) and pinned.get("blake3") not in (None, h.hexdigest()):
             raise ConfigError(
-                f"--merged: {base['url']}/{rel} changed since the run pinned it ({pinned.get('blake3')}, now "
+                f"--merged: {base.url}/{rel} changed since the run pinned it ({pinned.get('blake3')}, now "
                 f"{h.hexdigest()}): restore the folder as it was, or export without --merged"
             )
         written.append(target)
@@ -248,10 +249,10 @@ def _copy_base_files(
     return written, sorted(folders)
 
 
-def _merged_index(base: Mapping[str, Any], export: Any, folders: list[str], storage_options) -> dict[str, Any]:
+def _merged_index(base: InputRecord, export: Any, folders: list[str], storage_options) -> dict[str, Any]:
     """The base's model_index.json with the run's scheduler class in `scheduler`, and every component slot
     whose folder the export does not hold (a safety checker, a feature extractor gentrain never read) null."""
-    fs, root = filesystem(base["url"].rstrip("/"), storage_options)
+    fs, root = filesystem(str(base.url).rstrip("/"), storage_options)
     index = json.loads(fs.cat_file(posixpath.join(root, MODEL_INDEX_NAME)))
     held = {*folders, *export.models, *export.schedulers}
     for slot, entry in list(index.items()):
@@ -325,7 +326,7 @@ def write_export(
     card: str,
     storage_options: Mapping[str, Any] | None = None,
     about: Mapping[str, Any] | None = None,
-    base: Mapping[str, Any] | None = None,
+    base: InputRecord | None = None,
 ) -> list[str]:
     """Write `export` (a `trainer.tasks.base.Export`) under `out_url` with the model card `card`; returns
     the URLs written, model_index.json last. `about` (step, checkpoint, ...; already redacted) goes into
@@ -357,7 +358,7 @@ def write_export(
             if fs.exists(posixpath.join(root, folder)):
                 fs.rm(posixpath.join(root, folder), recursive=True)
     lora = [f"{name}-lora" for name, (module, _) in export.models.items() if has_lora(module) and base is None]
-    copied = sorted({rel.split("/", 1)[0] for rel in base["files"] if "/" in rel}) if base is not None else []
+    copied = sorted({rel.split("/", 1)[0] for rel in base.files or {} if "/" in rel}) if base is not None else []
     copied = [f for f in copied if f not in export.models and f not in export.schedulers]
     folders = [*export.models, *lora, *export.schedulers, *copied]
     marker = {**dict(about or {}), "format": 1, "complete": False, "folders": folders}

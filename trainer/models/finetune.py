@@ -39,6 +39,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from torch import nn
 
 from trainer.checkpoint.format import new_digest
+from trainer.checkpoint.validity import InputRecord
 from trainer.errors import ConfigError
 
 log = logging.getLogger(__name__)
@@ -122,7 +123,7 @@ class PretrainedFolder:
     config: dict[str, Any]
     tensors: dict[str, torch.Tensor]
     extras: dict[str, torch.Tensor] | None
-    record: dict[str, Any]  # url, digest: recorded in the run's checkpoints
+    record: InputRecord  # url, digest, files: recorded in the run's checkpoints (`inputs`)
 
 
 def read_folder(url: str, key: str, storage_options: Mapping[str, Any] | None = None) -> PretrainedFolder:
@@ -161,7 +162,7 @@ def read_folder(url: str, key: str, storage_options: Mapping[str, Any] | None = 
         extras = load_safetensors(blobs[EXTRAS_NAME]) if EXTRAS_NAME in blobs else None
     except (ValueError, RuntimeError) as e:  # safetensors raises SafetensorError (a RuntimeError subclass)
         raise ConfigError(f"{key}={url!r}: unreadable {CONFIG_NAME} or safetensors file ({e})") from None
-    record = {"url": url, "digest": f"blake3:{h.hexdigest()}", "files": sorted(blobs)}
+    record = InputRecord(url=url, digest=f"blake3:{h.hexdigest()}", files=sorted(blobs))
     return PretrainedFolder(config, tensors, extras, record)
 
 
@@ -434,7 +435,7 @@ def prepare_unet(
         where = f"{key}.pretrained={url!r}"
         check_architecture(unet, folder.config, where, hints)
         load_weights(unet, folder.tensors, where, f"the weights of {WEIGHTS_NAME}")
-        log.info("%s: weights from %s (%s)", key, c.pretrained, folder.record["digest"])
+        log.info("%s: weights from %s (%s)", key, c.pretrained, folder.record.digest)
     if c.lora is not None:
         n = apply_lora(unet, c.lora, f"{key}.lora", lora_targets)
         targets = c.lora.targets or list(lora_targets)

@@ -37,6 +37,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from trainer.checkpoint.format import new_digest
+from trainer.checkpoint.validity import InputRecord
 from trainer.errors import ConfigError
 
 MODEL_INDEX = "model_index.json"
@@ -184,7 +185,7 @@ class PipelineFolder:
     family: Family
     components: dict[str, Component]
     objective: Objective
-    record: dict[str, Any]  # url, family, files {path: {blake3, bytes}}, digest: pinned in the run's checkpoints
+    record: InputRecord  # url, family, files {path: {blake3, bytes}}, digest: pinned in the run's checkpoints
 
     @property
     def denoiser(self) -> Component:
@@ -458,7 +459,7 @@ def inspect_pipeline(
         )
     objective = _objective(components["scheduler"], key)
     if not digests:
-        return PipelineFolder(url, family, components, objective, {"url": url, "family": family.name})
+        return PipelineFolder(url, family, components, objective, InputRecord(url=url, family=family.name))
     files: dict[str, dict[str, Any]] = {MODEL_INDEX: folder.digest(MODEL_INDEX)}
     for component in components.values():
         for rel in component.files:
@@ -466,14 +467,15 @@ def inspect_pipeline(
     h = new_digest("blake3")
     for rel in sorted(files):
         h.update(f"{rel}\0{files[rel]['bytes']}\0{files[rel]['blake3']}\n".encode())
-    record = {"url": url, "family": family.name, "files": files, "digest": f"blake3:{h.hexdigest()}"}
+    record = InputRecord(url=url, family=family.name, files=files, digest=f"blake3:{h.hexdigest()}")
     return PipelineFolder(url, family, components, objective, record)
 
 
-def changed_files(pinned: Mapping[str, Any], now: Mapping[str, Any]) -> list[str]:
+def changed_files(pinned: InputRecord, now: InputRecord) -> list[str]:
     """The files of a pinned pipeline record (`PipelineFolder.record`) that differ in, or are gone from, the
     folder as it is `now` (another record): what a resume against a changed base names."""
-    before, after = pinned.get("files", {}), now.get("files", {})
+    before = pinned.files if isinstance(pinned.files, dict) else {}
+    after = now.files if isinstance(now.files, dict) else {}
     return sorted(rel for rel in before if after.get(rel) != before[rel]) + sorted(set(after) - set(before))
 
 

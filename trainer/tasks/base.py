@@ -252,10 +252,11 @@ class Task:
         """Parts loaded from other runs, by part name; resolved before `build`."""
         return {}
 
-    def inputs(self) -> dict[str, dict[str, Any]]:
-        """What else the run depends on, recorded in every checkpoint (after `build`): a pretrained folder's
-        URL and digest, a text encoder's. A record with `"pin": True` must match on resume (exit 2 otherwise);
-        the others are provenance (the checkpoint's weights replace them)."""
+    def inputs(self) -> dict[str, Any]:
+        """What else the run depends on, recorded in every checkpoint (after `build`), each an `InputRecord`
+        (trainer.checkpoint.validity, typed Any here: tasks import no checkpoint): a pretrained folder's URL and
+        digest, a text encoder's. A pinned record must match on resume (exit 2 otherwise); the others are
+        provenance (the checkpoint's weights replace them)."""
         return {}
 
     def export_unets(self, modules: Mapping[str, nn.Module]) -> dict[str, tuple[nn.Module, dict[str, torch.Tensor]]]:

@@ -53,7 +53,7 @@ from trainer.diffusion import (
 from trainer.diffusion.backbones import UNetBackbone
 from trainer.diffusion.stages import CascadeConfig, StageConfig, StageNet, TransformerStageNet, stage_hints
 from trainer.errors import ConfigError
-from trainer.models.finetune import EXTRAS_NAME, load_weights, prepare_unet
+from trainer.models.finetune import EXTRAS_NAME, InputRecord, load_weights, prepare_unet
 from trainer.randomness import Stream, per_sample_randn, sample_draws, sample_generators
 from trainer.tasks.base import Batch, Export, Loss, Phase, PreviewContext, StepInfo, Task, TaskContext
 from trainer.tasks.sampling import SampleRequest
@@ -107,7 +107,7 @@ class CascadeTask(Task):
         self.objectives = [build_objective(s) for s in c.stages]
         self.aug_scheduler = DDPMScheduler(num_train_timesteps=_AUG_TIMESTEPS, beta_schedule="squaredcos_cap_v2")
         self.text = TextEncoder(c.text, ctx.storage_options) if c.text is not None else None
-        self._inputs: dict[str, dict] = {}
+        self._inputs: dict[str, InputRecord] = {}
         self.image_encoder = None
         if c.image_encoder is not None:
             self.image_encoder = ImageEncoder(c.image_encoder)
@@ -154,7 +154,7 @@ class CascadeTask(Task):
             if folder is None:
                 continue
             # LoRA: checkpoints hold the adapters only, the base is this folder's: pinned (a changed one is exit 2).
-            self._inputs[f"stage{k}.pretrained"] = {**folder.record, **({"pin": True} if s.lora else {})}
+            self._inputs[f"stage{k}.pretrained"] = folder.record.pinned(s.lora is not None)
             if folder.extras is not None:
                 load_weights(
                     net,
@@ -171,13 +171,13 @@ class CascadeTask(Task):
                         p.requires_grad_(folder.extras is None)
         return nets
 
-    def inputs(self) -> dict[str, dict]:
+    def inputs(self) -> dict[str, InputRecord]:
         out = dict(self._inputs)
         if self.text is not None:
-            out["text_encoder"] = {"source": self.cfg.text.source, "digest": self.text.digest, "pin": True}
+            out["text_encoder"] = InputRecord(source=self.cfg.text.source, digest=self.text.digest, pin=True)
         if self.image_encoder is not None:
             enc = self.image_encoder
-            out["image_encoder"] = {"source": enc.name, "digest": enc.digest, "pin": True}
+            out["image_encoder"] = InputRecord(source=enc.name, digest=enc.digest, pin=True)
         return out
 
     def export_unets(self, modules) -> dict[str, tuple[nn.Module, dict[str, torch.Tensor]]]:

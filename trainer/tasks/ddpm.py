@@ -41,7 +41,7 @@ from trainer.diffusion.config import PART as AUTOENCODER
 from trainer.diffusion.config import LatentAutoencoderConfig, NoiseConfig, frozen_source
 from trainer.errors import ConfigError
 from trainer.models.export import DIT_PIPELINE_NULL_CLASS, dit_for_pipeline
-from trainer.models.finetune import attach_text_lora, prepare_unet
+from trainer.models.finetune import InputRecord, attach_text_lora, prepare_unet
 from trainer.models.pipelines import expand_ddpm_model, inspect_pipeline, is_pipeline_folder, pipeline_for_text
 from trainer.randomness import sample_draws
 from trainer.tasks.base import Batch, Export, FrozenSource, Loss, Phase, PreviewContext, StepInfo, Task, TaskContext
@@ -163,7 +163,7 @@ class DDPMTask(Task):
         self._check_text_lora()
         self.backbone: Backbone | None = None  # set by `build`: how to call the part
         self.latent: LatentSpace | None = None  # set by `build` in latent diffusion
-        self._inputs: dict[str, dict] = {}
+        self._inputs: dict[str, InputRecord] = {}
 
     def _check_text_lora(self) -> None:
         """model.lora.text_encoder: the CLIP text encoders of an SD 1.x/2.x or SDXL pipeline, whose captions are
@@ -261,7 +261,7 @@ class DDPMTask(Task):
             # tokenizer's, the scheduler's) is pinned by digest, first in the inputs, so a resume or a sample
             # against a changed folder is refused naming the file (check_pinned_inputs).
             pipeline = inspect_pipeline(c.pretrained, "model.pretrained", self.ctx.storage_options)
-            self._inputs = {"pipeline": {**pipeline.record, "pin": True}, **self._inputs}
+            self._inputs = {"pipeline": pipeline.record.pinned(), **self._inputs}
             within = pipeline.family.denoiser
         folder = prepare_unet(
             net,
@@ -280,7 +280,7 @@ class DDPMTask(Task):
             self.text_lora = attach_text_lora(net, clips, c.lora, "model.lora")
         if folder is not None:
             # LoRA: checkpoints hold the adapters only, the base is this folder's: pinned (a changed one is exit 2).
-            self._inputs[f"{self.part}.pretrained"] = {**folder.record, **({"pin": True} if c.lora else {})}
+            self._inputs[f"{self.part}.pretrained"] = folder.record.pinned(c.lora is not None)
         return {self.part: net, **extra}
 
     def size_factor(self) -> tuple[int, str]:
@@ -307,10 +307,10 @@ class DDPMTask(Task):
                 f"whose sides are multiples of {factor}"
             )
 
-    def inputs(self) -> dict[str, dict]:
+    def inputs(self) -> dict[str, InputRecord]:
         out = dict(self._inputs)
         if self.text is not None:
-            out["text_encoder"] = {"source": self.cfg.text.source, "digest": self.text.digest, "pin": True}
+            out["text_encoder"] = InputRecord(source=self.cfg.text.source, digest=self.text.digest, pin=True)
         return out
 
     def export_unets(self, modules) -> dict[str, tuple[nn.Module, dict[str, torch.Tensor]]]:
