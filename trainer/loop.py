@@ -261,17 +261,20 @@ class Trainer:
             batch = next(batches)
             t_data = time.perf_counter() - t0
             ledger.switch(ledger.step_kind(progress.step))
-            # FLOPs, once per run, on fake tensors before the second step this process runs: the first one has
-            # moved what libraries keep on the device (a scheduler's tables), which a count before it would
-            # leave fake. Where fake tensors cannot count, the step itself is counted.
+            # FLOPs, once per run, at the second step this process runs (the first one has moved what libraries
+            # keep on the device, a scheduler's tables, which a count before it would leave fake). A compiled run
+            # counts on fake tensors before it: a counted step runs eagerly, with an eager step's memory. An eager
+            # run counts the step itself, as does one whose shapes fake tensors cannot run: the dispatch mode costs
+            # that one step little, where fake tensors cost seconds (1-2 s for the test suite's tiny UNet on CPU,
+            # at every process that starts a run).
             timed = not first_step and self.throughput.flops_per_step is not None  # a step's time, nothing else
-            if self.throughput.flops_per_step is None and not first_step:
+            if self.throughput.flops_per_step is None and not first_step and cfg.train.compile:
                 self._count_flops(batch)
             counting = self.throughput.flops_per_step is None and not first_step
             with self.throughput.counting() if counting else contextlib.nullcontext():
                 logs = self.step_runner.run(batch, progress.step)
             if counting:
-                progress.flops_per_sample = self.throughput.flops_per_step * env.world_size / progress.batch_size
+                self._counted_on_step()
             elif compile_pending:  # the first compiled step (a step counted for real runs eagerly)
                 compile_pending = False
                 compiled = CompileStats.now()
@@ -362,6 +365,16 @@ class Trainer:
         if flops is not None:
             self.throughput.set_counted(flops)
             self.progress.flops_per_sample = flops * self.env.world_size / self.progress.batch_size
+
+    def _counted_on_step(self) -> None:
+        """The FLOPs the step just taken counted: logged with the device's peak (a CPU's is measured now,
+        between steps, kept out of the step rates as `_count_flops` keeps its count) and saved with the progress."""
+        t0 = time.perf_counter()
+        kind = self.ledger.switch("idle")
+        self.throughput.set_counted(self.throughput.flops_per_step)
+        self.ledger.switch(kind)
+        self.reporter.on_other_work(time.perf_counter() - t0)
+        self.progress.flops_per_sample = self.throughput.flops_per_step * self.env.world_size / self.progress.batch_size
 
     def stop_for_preemption(self) -> NoReturn:
         """Emergency checkpoint, clean-up, exit 143: all within elastic.grace_seconds of the signal.

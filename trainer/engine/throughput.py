@@ -131,7 +131,7 @@ class Throughput:
         return f"{peak / 1e12:.3g} TFLOP/s ({self.peak_source})" if peak else self.peak_source
 
     def set_counted(self, flops: int) -> None:
-        """This process's FLOPs per step, counted on fake tensors before the run's first step."""
+        """This process's FLOPs per step, counted once per run (on fake tensors or on the step); logs the peak."""
         self.flops_per_step = int(flops)
         log.info("throughput: %.4g GFLOP per step on this process; peak %s", flops / 1e9, self._peak_line())
 
@@ -155,9 +155,9 @@ class Throughput:
         # compiled run eager); the count is taken once per run, so only the run's first step is eager.
         with torch.compiler.set_stance("force_eager"), counter:
             yield
+        # Not logged here, nor the peak measured: this is inside the step's time (the caller logs it with
+        # set_counted after the step, out of the step rates).
         self.flops_per_step = counter.total
-        # No peak here: this is inside the step's time (the first rate measures it, outside the window).
-        log.info("throughput: %.4g GFLOP per step on this process (counted on the step)", counter.total / 1e9)
 
     def rates(self, seconds: float) -> dict[str, float]:
         """`flops_per_s` of a step that took `seconds`, and `mfu` (its fraction of the peak) where known."""
