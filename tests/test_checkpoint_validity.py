@@ -326,6 +326,38 @@ def test_verify_sample_and_export_refuse_a_header_only_python_can_read_without_a
     no_traceback(exported)
 
 
+def test_trainer_json_is_written_from_its_model_as_the_json_it_always_was_and_a_bad_one_is_refused():
+    """A save builds trainer.json as a TrainerState (issue 51): the progress' keys in the order its state_dict
+    gives them, a LoRA part's "weights" first, nothing added; read back and written again, the same bytes; a
+    state that is not one is CheckpointCorrupt naming the field, before anything is written."""
+    from trainer.checkpoint.validity import PartState, parse_trainer_json, trainer_json
+
+    progress = {"step": 3, "cursor": 6, "epoch": 0, "skipped_samples": 0, "skipped_files": [], "world_size": 1}
+    progress |= {"seed": 7, "time_unix": 1.5, "trackers": {}, "rng_stream": 2}
+    group = {"params": [0], "lr": 1e-3, "betas": [0.9, 0.999], "eps": 1e-8, "weight_decay": 0.0}
+    part = PartState(
+        weights="trainable",
+        step=3,
+        optimizer={"state": {}, "param_groups": [group]},
+        optimizer_name="adamw",
+        lr_schedule=None,
+        scaler=None,
+        ema=None,
+    )
+    frozen = {"ae": FrozenRecord(url="/ae/step-000000003", step=3, file="g.ema.safetensors", digest="blake3:0")}
+    raw = trainer_json(progress, {"unet": part}, frozen)
+    doc = json.loads(raw)
+    assert raw == json.dumps(doc, indent=1).encode() and list(doc) == ["progress", "parts", "frozen"]
+    assert doc["progress"] == progress and list(doc["progress"]) == list(progress)
+    keys = ["weights", "step", "optimizer", "optimizer_name", "lr_schedule", "scaler", "ema"]  # as it always was
+    assert list(doc["parts"]["unet"]) == keys
+    state = parse_trainer_json(raw, 3)
+    assert state.parts["unet"].weights == "trainable" and state.frozen["ae"].digest == "blake3:0"
+    assert trainer_json(state.progress.dump(), state.parts, state.frozen) == raw
+    with pytest.raises(CheckpointCorrupt, match="trainer.json .*progress.world_size"):
+        trainer_json({**progress, "world_size": 0}, {"unet": part}, frozen)
+
+
 def test_verify_accepts_exactly_the_rng_states_the_setters_accept():
     import random
 

@@ -37,7 +37,14 @@ from trainer.checkpoint.format import join_tensors, split_tensors, torch_dtype
 from trainer.checkpoint.layout import TRAINER_JSON, ema_file, group_name, model_file, optimizer_file, rank_files
 from trainer.checkpoint.sharded import ShardIndex, is_sharded, load_group, local_slices
 from trainer.checkpoint.store import CheckpointInfo, CheckpointStore, Payload
-from trainer.checkpoint.validity import FrozenRecord, PartState, TrainerState, check_rank_tensors, tensor_refs
+from trainer.checkpoint.validity import (
+    FrozenRecord,
+    PartState,
+    TrainerState,
+    check_rank_tensors,
+    tensor_refs,
+    trainer_json,
+)
 from trainer.checkpoint.writer import storage_key
 from trainer.errors import CheckpointCorrupt, ConfigError
 from trainer.randomness import rng_state, set_rng_state
@@ -54,24 +61,24 @@ def capture_rank_state() -> dict[str, Any]:
     return {"tensors": tensors, "values": {"rng": values}}
 
 
-def _part_meta(state: Mapping[str, Any], opt_skeleton: Any) -> dict[str, Any]:
-    # "weights": "trainable" only when the base is left out: a whole part's entry is as it always was.
+def _part_meta(state: Mapping[str, Any], opt_skeleton: Any) -> PartState:
+    # "weights": "trainable" only when the base is left out (first, where it has always been written): a whole
+    # part's entry is as it always was.
     adapters = {"weights": "trainable"} if state.get("weights") == "trainable" else {}
-    return {
+    return PartState(
         **adapters,
-        "step": state["step"],
-        "optimizer": opt_skeleton,
-        "optimizer_name": state["optimizer_name"],
-        "lr_schedule": _jsonable(state["lr_schedule"]),
-        "scaler": _jsonable(state["scaler"]),
-        "ema": state["ema_meta"],
-    }
+        step=state["step"],
+        optimizer=opt_skeleton,
+        optimizer_name=state["optimizer_name"],
+        lr_schedule=_jsonable(state["lr_schedule"]),
+        scaler=_jsonable(state["scaler"]),
+        ema=state["ema_meta"],
+    )
 
 
-def _trainer_json(progress: Stateful, part_meta: Mapping[str, Any], frozen: Mapping[str, FrozenRecord]) -> bytes:
-    records = {name: record.model_dump() for name, record in frozen.items()}
-    doc = {"progress": progress.state_dict(), "parts": dict(part_meta), "frozen": records}
-    return json.dumps(doc, indent=1).encode()
+def _trainer_json(progress: Stateful, part_meta: Mapping[str, PartState], frozen: Mapping[str, FrozenRecord]) -> bytes:
+    """trainer.json as a `TrainerState` (validity.trainer_json): the progress, the parts' states, frozen records."""
+    return trainer_json(progress.state_dict(), part_meta, frozen)
 
 
 def snapshot_files(
@@ -82,7 +89,7 @@ def snapshot_files(
 ) -> dict[str, Payload]:
     """Every file of a checkpoint. Tensors are the live ones: snapshot them before saving in the background."""
     files: dict[str, Payload] = {}
-    part_meta: dict[str, Any] = {}
+    part_meta: dict[str, PartState] = {}
     for name, part in parts.items():
         state = part.state_dict()
         files[model_file(name)] = state["model"]
@@ -106,7 +113,7 @@ def sharded_snapshot_files(
     its part of the shard index. Tensors are the live local shards: snapshot them before a background save."""
     files: dict[str, Payload] = {}
     index: dict[str, Any] = {}
-    part_meta: dict[str, Any] = {}
+    part_meta: dict[str, PartState] = {}
     for name, part in parts.items():
         state = part.state_dict()
         opt_tensors, opt_skeleton = split_tensors(state["optimizer"])

@@ -67,6 +67,30 @@ class _Open(BaseModel):
     model_config = ConfigDict(extra="allow")
 
 
+class _Ordered(_Open):
+    """A document written in the key order it was made or parsed in, with only the keys it was given: the JSON
+    the format always had (its writers built dicts; a model's own order is its fields', then its extras)."""
+
+    _keys: list[str] = PrivateAttr(default_factory=list)
+
+    @model_validator(mode="wrap")
+    @classmethod
+    def _keep_order(cls, data: Any, handler: Any) -> Any:
+        made = handler(data)
+        if isinstance(data, Mapping):
+            made._keys = list(data)
+        return made
+
+    @model_serializer(mode="wrap")
+    def _in_order(self, handler: Any) -> dict[str, Any]:
+        doc = handler(self)
+        return {k: doc[k] for k in [*self._keys, *(k for k in doc if k not in self._keys)] if k in doc}
+
+    def dump(self) -> dict[str, Any]:
+        """The document as made or parsed: its keys in their order, nothing added (no defaults for absent ones)."""
+        return self.model_dump(exclude_unset=True)
+
+
 class FileEntry(BaseModel):
     model_config = ConfigDict(extra="forbid")
     bytes: NonNegInt
@@ -100,7 +124,7 @@ class FrozenRecord(_Open):
     digest: StrictStr
 
 
-class InputRecord(_Open):
+class InputRecord(_Ordered):
     """One of a run's `inputs` in manifest.json: what else the run depends on (`Task.inputs`), by kind:
 
     - a pretrained folder (`<part>.pretrained`, `trainer.models.finetune.read_folder`): `url`, `digest`, `files`
@@ -118,24 +142,6 @@ class InputRecord(_Open):
     files: list[StrictStr] | dict[StrictStr, dict[StrictStr, Any]] | None = None
     digest: StrictStr | None = None
     pin: StrictBool = False
-    _keys: list[str] = PrivateAttr(default_factory=list)
-
-    @model_validator(mode="wrap")
-    @classmethod
-    def _keep_order(cls, data: Any, handler: Any) -> InputRecord:
-        made = handler(data)
-        if isinstance(data, Mapping):
-            made._keys = list(data)
-        return made
-
-    @model_serializer(mode="wrap")
-    def _in_order(self, handler: Any) -> dict[str, Any]:
-        doc = handler(self)
-        return {k: doc[k] for k in [*self._keys, *(k for k in doc if k not in self._keys)] if k in doc}
-
-    def dump(self) -> dict[str, Any]:
-        """The record as written: the keys it was given, in their order."""
-        return self.model_dump(exclude_unset=True)
 
     @property
     def name(self) -> str | None:
@@ -147,7 +153,7 @@ class InputRecord(_Open):
         return self.model_copy(update={"pin": pin}) if pin else self.model_copy()
 
 
-class Manifest(_Open):
+class Manifest(_Ordered):
     """manifest.json, the commit point of a step dir: `parse_manifest` makes it, `CheckpointInfo.manifest` carries
     it and `trainer.checkpoint.view.CheckpointView` interprets it. Fields a run records beyond these (`parallel`,
     `adapter_only`, versions) are kept as extras; the store writes the JSON in its own key order (`commit`)."""
@@ -166,14 +172,8 @@ class Manifest(_Open):
     run: Annotated[StrictStr, Field(pattern=OWNER_ID)] | None = None
     timeline: Annotated[StrictStr, Field(pattern=OWNER_ID)] | None = None
     job: Annotated[StrictStr, Field(max_length=256)] | None = None
-    # The document's keys in the order it holds them (`parse_manifest`): what a copy of its metadata writes
-    # (`CheckpointView.metadata`, `checkpoints consolidate`) keeps the order the format always had.
-    _keys: list[str] = PrivateAttr(default_factory=list)
-
-    def dump(self) -> dict[str, Any]:
-        """The document as parsed: its keys in their order, nothing added (no defaults for absent fields)."""
-        doc = self.model_dump(exclude_unset=True)
-        return {k: doc[k] for k in [*self._keys, *(k for k in doc if k not in self._keys)] if k in doc}
+    # `dump()` keeps the document's key order: what a copy of its metadata writes (`CheckpointView.metadata`,
+    # `checkpoints consolidate`) and the store's commit (`manifest_json`) keep the order the format always had.
 
 
 class PieceDoc(_Open):
@@ -189,7 +189,7 @@ class PieceDoc(_Open):
     meta: dict[StrictStr, Any] | None = None  # owner 0: what the manifest says about the run
 
 
-class ProgressState(_Open):
+class ProgressState(_Ordered):
     step: NonNegInt
     cursor: NonNegInt
     skipped_samples: NonNegInt = 0
@@ -202,7 +202,7 @@ class ProgressState(_Open):
     rng_stream: Annotated[StrictInt, Field(ge=1, le=CURRENT_STREAM)] | None = None  # absent: stream 1
 
 
-class PartState(_Open):
+class PartState(_Ordered):
     step: NonNegInt
     optimizer: dict[StrictStr, Any]
     optimizer_name: StrictStr | None = None  # absent before train.optimizer: adamw
@@ -214,9 +214,11 @@ class PartState(_Open):
     weights: Literal["all", "trainable"] | None = None
 
 
-class TrainerState(_Open):
+class TrainerState(_Ordered):
     """trainer.json: `parse_trainer_json` makes it, `CheckpointReader.read_json` hands it out, and resume
-    (trainer.checkpoint.state), `verify` and the view read it by attribute (`parts[name].step`)."""
+    (trainer.checkpoint.state), `verify` and the view read it by attribute (`parts[name].step`). A save builds
+    it (`trainer.checkpoint.state.snapshot_files`) and writes `trainer_json(state)`: the keys in the order they
+    were given (a LoRA part's `weights` first), the JSON the format always had."""
 
     progress: ProgressState
     parts: dict[StrictStr, PartState]
@@ -314,7 +316,6 @@ def parse_manifest(raw: bytes, step: int) -> Manifest:
         raise CheckpointCorrupt(f"{MANIFEST} holds a {type(doc).__name__}, not an object")
     manifest = _model(Manifest, doc, MANIFEST)
     assert isinstance(manifest, Manifest)
-    manifest._keys = list(doc)
     if manifest.step != step:
         raise CheckpointCorrupt(f"{MANIFEST} says step {manifest.step}, but it is in the dir of step {step}")
     for name in manifest.files:
@@ -328,7 +329,6 @@ def manifest_json(doc: Mapping[str, Any]) -> bytes:
     one, before anything is committed) and dumped in `doc`'s own key order, the JSON the format always had."""
     manifest = _model(Manifest, dict(doc), MANIFEST)
     assert isinstance(manifest, Manifest)
-    manifest._keys = list(doc)
     return json.dumps(manifest.dump(), indent=1).encode()
 
 
@@ -482,6 +482,18 @@ def parse_trainer_json(raw: bytes, step: int | None = None) -> TrainerState:
         check_param_groups(part["optimizer"], f"trainer.json parts.{name}.optimizer")
         _check_settings_load(part, f"trainer.json parts.{name}")
     return state
+
+
+def trainer_json(
+    progress: Mapping[str, Any], parts: Mapping[str, PartState], frozen: Mapping[str, FrozenRecord]
+) -> bytes:
+    """The bytes a save writes for trainer.json: a `TrainerState` of the progress (its `state_dict`, in its
+    order), the parts' states and the frozen records (CheckpointCorrupt naming the field if it is not one,
+    before anything is written), dumped in the key order it was given."""
+    doc = {"progress": dict(progress), "parts": dict(parts), "frozen": dict(frozen)}
+    state = _model(TrainerState, doc, "trainer.json")
+    assert isinstance(state, TrainerState)
+    return json.dumps(state.dump(), indent=1).encode()
 
 
 # The settings a saved group must have: torch's Adam/AdamW `__setstate__` fills in the others (maximize,
