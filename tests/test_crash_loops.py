@@ -92,17 +92,17 @@ def test_the_count_continues_only_from_the_same_resume_point_with_nothing_saved_
     assert attempt(None, boom, 5, saved=4) is None  # a fresh start that saved step 4: crash 1 from step 4
     text = (Path(store.root) / "attempts.json").read_text()
     assert secret not in text and "<redacted>" in text, text
-    assert attempt(4, boom, 5) is None and read_attempts(store)["crash"]["count"] == 2
-    assert attempt(2, boom, 5) is None and read_attempts(store)["crash"]["count"] == 1  # resumed elsewhere
-    assert attempt(2, boom, 5) is None and read_attempts(store)["crash"]["count"] == 2
+    assert attempt(4, boom, 5) is None and read_attempts(store).crash.count == 2
+    assert attempt(2, boom, 5) is None and read_attempts(store).crash.count == 1  # resumed elsewhere
+    assert attempt(2, boom, 5) is None and read_attempts(store).crash.count == 2
     other = _crash("a different place")  # same type, same line here: the same signature, as intended
     assert error_signature(other) == error_signature(boom)
-    assert attempt(2, KeyError("x"), 5) is None and read_attempts(store)["crash"]["count"] == 1  # another error
+    assert attempt(2, KeyError("x"), 5) is None and read_attempts(store).crash.count == 1  # another error
     assert attempt(2, KeyError("x"), 5) is None
     loop = attempt(2, KeyError("x"), 5)
     assert isinstance(loop, CrashLoop) and "3 times in a row" in str(loop) and "from the state of step 2" in str(loop)
     assert attempt(2, ConfigError("a refusal"), 5) is None  # exit 2 already: not a crash
-    assert read_attempts(store)["crash"]["count"] == 3  # and nothing recorded for it
+    assert read_attempts(store).crash.count == 3  # and nothing recorded for it
 
 
 def test_the_signature_is_the_exception_type_and_its_innermost_frame_in_gentrain():
@@ -145,7 +145,7 @@ def test_an_attempts_record_that_is_not_one_gentrain_wrote_is_not_read_and_never
     assert outcome and isinstance(outcome[0], UnusableRecord), outcome
     if kind in ("fifo", "link"):  # and the next write replaces it (never writes through it)
         write_attempts(store, {"format_version": 1, "attempt": {"pid": 1}, "crash": None})
-        assert read_attempts(store)["attempt"] == {"pid": 1}
+        assert read_attempts(store).attempt == {"pid": 1}
         assert json.loads(secret.read_text())["attempt"] == {}
 
 

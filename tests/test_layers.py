@@ -454,6 +454,10 @@ _STRING_KEY_READS = {
     "manifest": [r"\bmanifest\s*\[", r"\bmanifest\.get\("],
     # TrainerState: trainer.json's progress and parts (CheckpointView.trainer_state, part steps).
     "trainer.json": [r'\[\s*"(parts|progress)"\s*\]', r'\.get\(\s*"(parts|progress)"'],
+    # PieceDoc: a memory-tier piece (parse_piece, read_piece, scan; its owner 0's `manifest`).
+    "memory-tier pieces": [r'\[\s*"(sharded|meta|owner)"\s*\]', r'\.get\(\s*"meta"', r"\bread_piece\(.*\)\s*\["],
+    # AttemptsDoc: attempts.json (read_attempts; its `crash`, a CrashRecord).
+    "attempts.json": [r'\[\s*"crash"\s*\]', r'\.get\(\s*"crash"', r"\b(crash|streak)\[\s*\""],
     # InputRecord: a run's `inputs` (Task.inputs, CheckpointView.inputs, PretrainedFolder/PipelineFolder.record).
     "input records": [
         r"\binputs(\(\))?\[[^\]]+\]\s*\[",

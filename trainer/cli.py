@@ -607,9 +607,9 @@ def _list_memory_tier(memory_dir: str, root: str) -> bool:
     print(f"{'step':>10}  {'pieces here':<24}  {'size':>9}  status")
     for step, held in sorted(pieces.items(), reverse=True):
         first = next(iter(held.values()))
-        needed = first["world_size"] if first["sharded"] else 1
-        size = sum(int(e["bytes"]) for doc in held.values() for e in doc["files"].values())
-        ranks = ",".join(str(o) for o in sorted(held)) if first["sharded"] else "whole state"
+        needed = first.world_size if first.sharded else 1
+        size = sum(e.bytes for doc in held.values() for e in doc.files.values())
+        ranks = ",".join(str(o) for o in sorted(held)) if first.sharded else "whole state"
         status = "complete here" if len(held) == needed else f"{len(held)} of {needed} ranks' pieces here"
         print(f"{step:>10}  {ranks:<24}  {_human_bytes(size):>9}  {status}")
     return True

@@ -22,7 +22,7 @@ from typing import Any
 from trainer.checkpoint.layout import ATTEMPTS_FILE
 from trainer.checkpoint.store import CheckpointStore
 from trainer.checkpoint.untrusted import NotRegularFile, read_regular
-from trainer.checkpoint.validity import MAX_ATTEMPTS_BYTES, parse_attempts
+from trainer.checkpoint.validity import MAX_ATTEMPTS_BYTES, AttemptsDoc, parse_attempts
 from trainer.errors import CheckpointCorrupt
 
 
@@ -30,7 +30,7 @@ class UnusableRecord(Exception):
     """attempts.json is there but is not a record gentrain wrote (the message says why)."""
 
 
-def read_attempts(store: CheckpointStore) -> dict[str, Any] | None:
+def read_attempts(store: CheckpointStore) -> AttemptsDoc | None:
     """The record in `store`'s root, None if there is none; UnusableRecord if something else is there; OSError
     if the store cannot be read."""
     path = store._path(ATTEMPTS_FILE)

@@ -67,7 +67,7 @@ import torch.distributed as dist
 from trainer.checkpoint.layout import MANIFEST, SHARD_INDEX, parse_piece_file, parse_step_dir, piece_file, step_dir_name
 from trainer.checkpoint.sharded import index_file_bytes, merge_indexes
 from trainer.checkpoint.store import CheckpointError, CheckpointStore, Payload
-from trainer.checkpoint.validity import FORMAT_VERSION, parse_json, parse_piece
+from trainer.checkpoint.validity import FORMAT_VERSION, PieceDoc, parse_json, parse_piece
 from trainer.config.redact import redact
 from trainer.elastic import DistEnv, gather_objects, new_gloo_group
 from trainer.errors import CheckpointCorrupt
@@ -303,8 +303,8 @@ class MemoryTier:
         raw = _read(os.path.join(d, piece_file(owner)))
         dist.send(torch.tensor([len(raw)], dtype=torch.int64), to, group=self.group)
         dist.send(torch.frombuffer(bytearray(raw), dtype=torch.uint8), to, group=self.group)
-        for name, entry in sorted(json.loads(raw)["files"].items()):
-            n = int(entry["bytes"])
+        for name, entry in sorted(parse_piece(raw, step, owner).files.items()):
+            n = entry.bytes
             if n == 0:
                 continue
             data = torch.from_file(os.path.join(d, name), shared=False, size=n, dtype=torch.uint8)
@@ -332,8 +332,8 @@ class MemoryTier:
         doc = parse_piece(raw_bytes, step, owner)
         d = self._step_path(step)
         _real_dir(d)
-        for name, entry in sorted(doc["files"].items()):
-            size = int(entry["bytes"])
+        for name, entry in sorted(doc.files.items()):
+            size = entry.bytes
             path = os.path.join(d, name)
             with _create(path) as f:
                 f.truncate(size)
@@ -343,7 +343,7 @@ class MemoryTier:
             for start in range(0, size, _CHUNK):
                 dist.recv(data[start : start + _CHUNK], src, group=self.group)
             del data  # unmapped: the bytes are in the file
-        _put(os.path.join(d, piece_file(doc["owner"])), raw_bytes)  # last: the copy is complete
+        _put(os.path.join(d, piece_file(doc.owner)), raw_bytes)  # last: the copy is complete
 
     def _put_piece(self, step: int, owner: int, doc: Mapping[str, Any]) -> None:
         _put(os.path.join(self._step_path(step), piece_file(owner)), json.dumps(doc).encode())
@@ -385,11 +385,11 @@ class MemoryTier:
         """{step: {owner: (world size, sharded)}} of the complete pieces this node holds (files present
         with their sizes; digests are checked when the step is loaded)."""
         return {
-            step: {owner: (doc["world_size"], doc["sharded"]) for owner, doc in pieces.items()}
+            step: {owner: (doc.world_size, doc.sharded) for owner, doc in pieces.items()}
             for step, pieces in scan(self.root).items()
         }
 
-    def read_piece(self, step: int, owner: int) -> dict[str, Any]:
+    def read_piece(self, step: int, owner: int) -> PieceDoc:
         return read_piece(self.root, step, owner)
 
     def reached(self) -> int | None:
@@ -415,11 +415,11 @@ class MemoryTier:
         docs = [self.read_piece(step, owner) for owner in owners]
         entries: dict[str, Any] = {}
         for doc in docs:
-            entries.update(doc["files"])
-        meta = dict(docs[0]["meta"])
-        if docs[0]["sharded"]:
-            index = merge_indexes([doc["index"] for doc in docs])
-            entries.update(self.store.write_files(step, {SHARD_INDEX: index_file_bytes(index, docs[0]["world_size"])}))
+            entries.update(doc.entries())
+        meta = dict(docs[0].meta or {})
+        if docs[0].sharded:
+            index = merge_indexes([doc.index_entries() for doc in docs])
+            entries.update(self.store.write_files(step, {SHARD_INDEX: index_file_bytes(index, docs[0].world_size)}))
         manifest = os.path.join(self._step_path(step), MANIFEST)
         if os.path.exists(manifest):
             os.unlink(manifest)
@@ -495,10 +495,10 @@ class _MemoryStore(CheckpointStore):
         return super().write_files(step, files)
 
 
-def scan(root: str) -> dict[int, dict[int, dict[str, Any]]]:
+def scan(root: str) -> dict[int, dict[int, PieceDoc]]:
     """{step: {owner: piece}} of the complete pieces in one node's memory folder, oldest step first; a
     piece that does not parse or whose files are missing or of the wrong size is skipped with a warning."""
-    out: dict[int, dict[int, dict[str, Any]]] = {}
+    out: dict[int, dict[int, PieceDoc]] = {}
     if os.path.islink(root):
         log.warning("memory tier %s is a symbolic link; it is never followed", root)
         return out
@@ -511,7 +511,7 @@ def scan(root: str) -> dict[int, dict[int, dict[str, Any]]]:
     return out
 
 
-def read_piece(root: str, step: int, owner: int) -> dict[str, Any]:
+def read_piece(root: str, step: int, owner: int) -> PieceDoc:
     d = os.path.join(root, step_dir_name(step))
     if os.path.islink(d):
         raise CheckpointCorrupt(f"{d} is a symbolic link (the memory tier never follows links)")
@@ -519,9 +519,9 @@ def read_piece(root: str, step: int, owner: int) -> dict[str, Any]:
         doc = parse_piece(_read(os.path.join(d, piece_file(owner))), step, owner)
     except OSError as e:
         raise CheckpointCorrupt(f"piece of rank {owner} cannot be read ({e})") from e
-    for name, entry in doc["files"].items():
+    for name, entry in doc.files.items():
         path = os.path.join(d, name)
-        if os.path.islink(path) or not os.path.isfile(path) or os.path.getsize(path) != entry["bytes"]:
+        if os.path.islink(path) or not os.path.isfile(path) or os.path.getsize(path) != entry.bytes:
             raise CheckpointCorrupt(f"{name} of rank {owner}'s piece is missing or has the wrong size")
     return doc
 

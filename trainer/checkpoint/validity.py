@@ -177,7 +177,9 @@ class Manifest(_Ordered):
 
 
 class PieceDoc(_Open):
-    """A memory-tier piece (trainer.checkpoint.memory): the files one rank contributes to a step."""
+    """A memory-tier piece (trainer.checkpoint.memory): the files one rank contributes to a step. `parse_piece`
+    makes it; the tier, its resume and `checkpoints list` read it by attribute (`files`, `sharded`), and owner
+    0's `manifest` (its `meta`, checked as a manifest's fields) says whose run it is and what it pinned."""
 
     format_version: Annotated[StrictInt, Field(ge=1, le=FORMAT_VERSION)]
     step: NonNegInt
@@ -187,6 +189,20 @@ class PieceDoc(_Open):
     files: dict[StrictStr, FileEntry]
     index: dict[StrictStr, dict[StrictStr, IndexedTensor]] = {}  # this owner's part of shards.json (sharded)
     meta: dict[StrictStr, Any] | None = None  # owner 0: what the manifest says about the run
+    _manifest: Manifest | None = PrivateAttr(default=None)
+
+    @property
+    def manifest(self) -> Manifest | None:
+        """Owner 0's `meta` as the manifest its commit writes (no files yet); None for the other owners."""
+        return self._manifest
+
+    def entries(self) -> dict[str, dict[str, Any]]:
+        """The manifest entries of its files (as `CheckpointStore.write_files` made them)."""
+        return {name: entry.model_dump(exclude_none=True) for name, entry in self.files.items()}
+
+    def index_entries(self) -> dict[str, dict[str, dict[str, Any]]]:
+        """Its part of shards.json (`trainer.checkpoint.sharded.merge_indexes` takes them)."""
+        return {g: {k: t.model_dump() for k, t in tensors.items()} for g, tensors in self.index.items()}
 
 
 class ProgressState(_Ordered):
@@ -332,25 +348,29 @@ def manifest_json(doc: Mapping[str, Any]) -> bytes:
     return json.dumps(manifest.dump(), indent=1).encode()
 
 
-def parse_piece(raw: bytes, step: int, owner: int) -> dict[str, Any]:
+def parse_piece(raw: bytes, step: int, owner: int) -> PieceDoc:
     """A memory-tier piece file, checked against its schema, its step dir and its name; CheckpointCorrupt if not."""
     doc = parse_json(raw, f"piece of rank {owner}")
     if not isinstance(doc, dict):
         raise CheckpointCorrupt(f"piece of rank {owner} holds a {type(doc).__name__}, not an object")
-    _model(PieceDoc, doc, f"piece of rank {owner}")
-    if doc["step"] != step or doc["owner"] != owner or owner >= doc["world_size"]:
+    piece = _model(PieceDoc, doc, f"piece of rank {owner}")
+    assert isinstance(piece, PieceDoc)
+    if piece.step != step or piece.owner != owner or owner >= piece.world_size:
         raise CheckpointCorrupt(
-            f"piece of rank {owner} in the dir of step {step} says rank {doc['owner']} of {doc['world_size']}, "
-            f"step {doc['step']}"
+            f"piece of rank {owner} in the dir of step {step} says rank {piece.owner} of {piece.world_size}, "
+            f"step {piece.step}"
         )
-    if (owner == 0) != (doc.get("meta") is not None):
+    if (owner == 0) != (piece.meta is not None):
         raise CheckpointCorrupt(f"piece of rank {owner}: only rank 0's piece carries the run's manifest fields")
-    if doc.get("meta") is not None:  # what the manifest will say: its fields and types, as in a manifest
-        _model(Manifest, {**doc["meta"], "step": step, "files": {}}, f"piece of rank {owner}: its manifest fields")
-    for name in doc["files"]:
+    if piece.meta is not None:  # what the manifest will say: its fields and types, as in a manifest
+        fields = {**piece.meta, "step": step, "files": {}}
+        manifest = _model(Manifest, fields, f"piece of rank {owner}: its manifest fields")
+        assert isinstance(manifest, Manifest)
+        piece._manifest = manifest
+    for name in piece.files:
         if not FILE_NAME.match(name) or name == MANIFEST or ".." in name or name.startswith("piece-"):
             raise CheckpointCorrupt(f"piece of rank {owner} lists a file named {name!r}, not a payload file name")
-    return doc
+    return piece
 
 
 # ------------------------------------------------------------------ safetensors
@@ -449,20 +469,23 @@ class CrashRecord(_Open):
 
 
 class AttemptsDoc(_Open):
+    """attempts.json (trainer.engine.attempts): `parse_attempts` makes it, the next attempt reads its `crash`."""
+
     format_version: Annotated[StrictInt, Field(ge=1, le=1)]
     attempt: dict[StrictStr, Any]
     crash: CrashRecord | None = None
 
 
-def parse_attempts(raw: bytes) -> dict[str, Any]:
+def parse_attempts(raw: bytes) -> AttemptsDoc:
     """attempts.json, checked against its schema; CheckpointCorrupt if it is not one gentrain wrote."""
     if len(raw) > MAX_ATTEMPTS_BYTES:
         raise CheckpointCorrupt(f"attempts.json is {len(raw)} bytes, more than gentrain writes")
     doc = parse_json(raw, "attempts.json")
     if not isinstance(doc, dict):
         raise CheckpointCorrupt(f"attempts.json holds a {type(doc).__name__}, not an object")
-    _model(AttemptsDoc, doc, "attempts.json")
-    return doc
+    record = _model(AttemptsDoc, doc, "attempts.json")
+    assert isinstance(record, AttemptsDoc)
+    return record
 
 
 # ------------------------------------------------------------------ JSON state

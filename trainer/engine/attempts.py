@@ -44,6 +44,7 @@ from typing import Any
 import trainer
 from trainer.checkpoint.attempts import UnusableRecord, read_attempts, write_attempts
 from trainer.checkpoint.store import CheckpointStore
+from trainer.checkpoint.validity import AttemptsDoc, CrashRecord
 from trainer.config.redact import REDACTED, redact_text
 from trainer.elastic import DistEnv, StopRequested, broadcast_object
 from trainer.errors import ConfigError, CrashLoop
@@ -95,7 +96,7 @@ class Attempts:
         self.started = False
         self.resume_step: int | None = None  # the step this attempt resumed from (None: a fresh start)
         self.run: str | None = None
-        self.streak: dict[str, Any] | None = None  # the previous crashes this attempt continues, if any
+        self.streak: CrashRecord | None = None  # the previous crashes this attempt continues, if any
         self.attempt: dict[str, Any] = {}
 
     @property
@@ -119,12 +120,8 @@ class Attempts:
         streak = None
         if self.env.is_main:
             previous = self._read()
-            crash = previous.get("crash") if previous else None
-            if (
-                crash is not None
-                and crash["resume_step"] == resume_step
-                and (resume_step is None or crash["run"] == run)
-            ):
+            crash = previous.crash if previous else None
+            if crash is not None and crash.resume_step == resume_step and (resume_step is None or crash.run == run):
                 streak = crash
         self.streak = broadcast_object(streak) if self.env.world_size > 1 else streak
 
@@ -141,8 +138,8 @@ class Attempts:
         next_resume = max(known) if known else None
         progressed = next_resume != self.resume_step
         streak = self.streak
-        same = streak is not None and streak["signature"] == signature and not progressed
-        count = streak["count"] + 1 if same else 1
+        same = streak is not None and streak.signature == signature and not progressed
+        count = streak.count + 1 if same and streak is not None else 1
         crash = {
             "signature": signature,
             "error": message,
@@ -176,7 +173,7 @@ class Attempts:
 
     # ---------------------------------------------------------------- the record
 
-    def _read(self) -> dict[str, Any] | None:
+    def _read(self) -> AttemptsDoc | None:
         try:
             return read_attempts(self.store)
         except UnusableRecord as e:

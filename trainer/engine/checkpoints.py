@@ -324,14 +324,16 @@ class CheckpointManager:
                 problems.append(f"rank {self.env.rank}: {type(e).__name__}: {e}")
             problems = [p for ps in gather_objects(problems) for p in ps]
             if not problems:
-                meta = tier.read_piece(step, 0)["meta"]
-                if belongs is not None and meta.get(belongs[0]) != belongs[1]:  # every rank reads the same piece
+                run = tier.read_piece(step, 0).manifest  # owner 0's: what its manifest will say about the run
+                assert run is not None  # parse_piece refuses an owner 0 piece without it
+                # belongs: ("run" | "job", the value the root's run has), a field of the manifest
+                found = getattr(run, belongs[0], None) if belongs is not None else None
+                if belongs is not None and found != belongs[1]:  # every rank reads the same piece
                     self.steps_reached = None
                     field, want = belongs
-                    self._stale_memory(f"its step {step} is of {field} {meta.get(field)}, the root's {want}")
+                    self._stale_memory(f"its step {step} is of {field} {found}, the root's {want}")
                     return None
-                inputs = meta.get("inputs") or {}
-                check_pinned_inputs(inputs, self.inputs, f"the memory tier at {tier.root}")
+                check_pinned_inputs(run.inputs, self.inputs, f"the memory tier at {tier.root}")
                 problems = self._load_everywhere(tier.store.check(step), tier.store)
             if not problems:
                 tier.forget_after(step)
