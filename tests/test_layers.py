@@ -457,7 +457,7 @@ _STRING_KEY_READS = {
     # PieceDoc: a memory-tier piece (parse_piece, read_piece, scan; its owner 0's `manifest`).
     "memory-tier pieces": [r'\[\s*"(sharded|meta|owner)"\s*\]', r'\.get\(\s*"meta"', r"\bread_piece\(.*\)\s*\["],
     # AttemptsDoc: attempts.json (read_attempts; its `crash`, a CrashRecord).
-    "attempts.json": [r'\[\s*"crash"\s*\]', r'\.get\(\s*"crash"', r"\b(crash|streak)\[\s*\""],
+    "attempts.json": [r'\[\s*"crash"\s*\]', r'\.get\(\s*"crash"', r"\b(crash|streak)(\[\s*\"|\.get\()"],
     # InputRecord: a run's `inputs` (Task.inputs, CheckpointView.inputs, PretrainedFolder/PipelineFolder.record).
     "input records": [
         r"\binputs(\(\))?\[[^\]]+\]\s*\[",

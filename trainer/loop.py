@@ -484,11 +484,10 @@ class Trainer:
         """After the resume: continue the run's time sums from the checkpoint, count a failure if this process
         follows one, and mark the steps it trains again (up to the newest step the job had reached: the memory
         tier's record, or the step attempts.json recorded for a crash from this resume point)."""
-        crash = self.attempts.streak or {}
-        reached = [self.progress.step, self.checkpoints.steps_reached, crash.get("step")]
+        crash = self.attempts.streak  # a CrashRecord (trainer.checkpoint.validity), None if none
+        reached = [self.progress.step, self.checkpoints.steps_reached, crash.step if crash is not None else None]
         self.ledger.redo_until = max(s for s in reached if isinstance(s, int) and not isinstance(s, bool))
-        count = crash.get("count")
-        crashes = count if isinstance(count, int) and not isinstance(count, bool) else 0
+        crashes = crash.count if crash is not None else 0
         saved = self.progress.saved_goodput if resumed is not None else None
         self.ledger.continue_from(saved, resumed is not None, crashes)
 
