@@ -124,7 +124,7 @@ def test_fsdp_matches_ddp_within_float_tolerance_and_writes_a_sharded_checkpoint
 
 
 def test_sigkilled_fsdp_rank_resumes_bit_identical_from_an_async_save(tmp_path):
-    from test_engine_tasks import probe_args, train_ddpm
+    from test_multi_part_tasks import probe_args, train_ddpm
 
     encoder = train_ddpm(tmp_path / "ddpm")
     steps, common = 12, ("checkpoint.every_steps=4", FSDP)

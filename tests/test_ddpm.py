@@ -1,7 +1,7 @@
-"""The diffusion core (issue 25, trainer/diffusion): the ddpm and cascade tasks compute their losses and samples
-through it (the task's result equals the core's, composed here from the same generators, to the bit; that the
-core reproduces the tasks as they were before is tests/test_golden.py's job), backbones build tiny and refuse
-conditioning they cannot use, and the objectives refuse DREAM where the cascade does. Tiny models, no
+"""DDPM through the diffusion core (issue 25, trainer/diffusion): the ddpm and cascade tasks compute their losses
+and samples through it (the task's result equals the core's, composed here from the same generators, to the bit;
+that the core reproduces the tasks as they were before is tests/test_golden.py's job), backbones build tiny and
+refuse conditioning they cannot use, and the objectives refuse DREAM where the cascade does. Tiny models, no
 subprocesses."""
 
 from __future__ import annotations
