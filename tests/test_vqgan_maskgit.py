@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import re
 import shutil
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -61,9 +62,24 @@ def train_vqgan(root, *extra: str, max_steps: int = 3, seed: int = 0) -> str:
     return f"{root}/run/checkpoints"
 
 
+TOKENIZER = ("model.disc_start_step=1",)  # the shared tokenizer's run, 3 steps
+PLAIN = ("train.val_every_steps=3",)  # the shared MaskGIT run's, 3 steps
+
+
 @pytest.fixture(scope="module")
 def tokenizer(tmp_path_factory) -> str:
-    return train_vqgan(tmp_path_factory.mktemp("vqgan"), "model.disc_start_step=1")
+    return train_vqgan(tmp_path_factory.mktemp("vqgan"), *TOKENIZER)
+
+
+@pytest.fixture(scope="module")
+def maskgit_run(tmp_path_factory, tokenizer) -> str:
+    """A plain 3-step MaskGIT run on the shared tokenizer, validated at its last step; its stderr in
+    run/train.log. Read by several tests (copy it before changing it)."""
+    root = tmp_path_factory.mktemp("maskgit")
+    r = run_cli("train", *maskgit_args(root, tokenizer, *PLAIN, max_steps=3), env=ENV)
+    assert r.returncode == 0, r.stderr[-3000:]
+    (root / "run" / "train.log").write_text(r.stderr)
+    return f"{root}/run/checkpoints"
 
 
 def tensors(root: str, step: int | None = None) -> dict[str, dict[str, torch.Tensor]]:
@@ -170,11 +186,10 @@ def test_quantizers_encode_and_decode_what_the_forward_reconstructs(quantizer):
 
 
 @pytest.mark.slow
-def test_maskgit_trains_on_a_pinned_frozen_tokenizer_and_samples_through_it(tmp_path, tokenizer):
-    r = run_cli("train", *maskgit_args(tmp_path, tokenizer, "train.val_every_steps=4", max_steps=4), env=ENV)
-    assert r.returncode == 0, r.stderr[-3000:]
-    assert "tokenizer(frozen)" in r.stderr and "val/token_ce=" in r.stderr
-    root = f"{tmp_path}/run/checkpoints"
+def test_maskgit_trains_on_a_pinned_frozen_tokenizer_and_samples_through_it(tmp_path, tokenizer, maskgit_run):
+    root = maskgit_run
+    log = (Path(root).parent / "train.log").read_text()
+    assert "tokenizer(frozen)" in log and "val/token_ce=" in log
     store = CheckpointStore(root)
     info = store.latest_valid()
     assert not any(f.startswith("tokenizer") for f in info.manifest.files), info.manifest.files
@@ -207,13 +222,14 @@ def test_maskgit_refuses_a_tokenizer_of_another_geometry(tmp_path, tokenizer):
 
 
 @pytest.mark.slow
-def test_maskgit_resume_with_a_changed_tokenizer_is_refused(tmp_path):
+def test_maskgit_resume_with_a_changed_tokenizer_is_refused(tmp_path, tokenizer):
     tok_root = tmp_path / "tok"
-    url = train_vqgan(tok_root, max_steps=2)
+    shutil.copytree(Path(tokenizer).parent, tok_root / "run")  # the shared tokenizer, at a URL of its own
+    url = f"{tok_root}/run/checkpoints"
     args = maskgit_args(tmp_path / "mg", url, max_steps=2)
     assert run_cli("train", *args, env=ENV).returncode == 0
     shutil.rmtree(tok_root)
-    train_vqgan(tok_root, max_steps=2, seed=1)  # same URL and steps, other weights
+    train_vqgan(tok_root, *TOKENIZER, seed=1)  # same URL and steps, other weights
     r = run_cli("train", *args[:-1], "train.max_steps=3", env=ENV)
     assert r.returncode == 2, r.stderr[-3000:]
     assert "frozen part 'tokenizer'" in r.stderr and "different frozen weights" in r.stderr
@@ -402,12 +418,10 @@ def test_vqgan_under_fsdp_matches_ddp_and_refuses_the_gradient_penalty(tmp_path)
 
 
 @pytest.mark.slow
-def test_token_cache_is_keyed_by_tokenizer_digest_and_changes_nothing(tmp_path, tokenizer):
-    cache = tmp_path / "cache"
-    plain = run_cli("train", *maskgit_args(tmp_path / "a", tokenizer, max_steps=3), env=ENV)
-    assert plain.returncode == 0, plain.stderr[-3000:]
+def test_token_cache_is_keyed_by_tokenizer_digest_and_changes_nothing(tmp_path, tokenizer, maskgit_run):
+    cache = tmp_path / "cache"  # maskgit_run: the same run without the cache
     cached = run_cli(
-        "train", *maskgit_args(tmp_path / "b", tokenizer, f"model.token_cache={cache}", max_steps=3), env=ENV
+        "train", *maskgit_args(tmp_path / "b", tokenizer, *PLAIN, f"model.token_cache={cache}", max_steps=3), env=ENV
     )
     assert cached.returncode == 0, cached.stderr[-3000:]
     digest = CheckpointStore(tokenizer).latest_valid().manifest.files["generator.ema.safetensors"].blake3
@@ -416,11 +430,11 @@ def test_token_cache_is_keyed_by_tokenizer_digest_and_changes_nothing(tmp_path, 
     assert all(np.load(e).shape == (16,) for e in entries)
     # A second run reads every token from the cache (no new entries) and trains the same weights.
     again = run_cli(
-        "train", *maskgit_args(tmp_path / "c", tokenizer, f"model.token_cache={cache}", max_steps=3), env=ENV
+        "train", *maskgit_args(tmp_path / "c", tokenizer, *PLAIN, f"model.token_cache={cache}", max_steps=3), env=ENV
     )
     assert again.returncode == 0, again.stderr[-3000:]
     assert sorted((cache / f"blake3-{digest}").glob("*.npy")) == sorted(entries)
-    a = tensors(f"{tmp_path}/a/run/checkpoints")["transformer.model.safetensors"]
+    a = tensors(maskgit_run)["transformer.model.safetensors"]
     for run in ("b", "c"):
         b = tensors(f"{tmp_path}/{run}/run/checkpoints")["transformer.model.safetensors"]
         assert all(torch.equal(a[k], b[k]) for k in a), run
