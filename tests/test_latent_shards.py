@@ -21,7 +21,7 @@ import hypothesis.strategies as st
 import numpy as np
 import pytest
 import torch
-from conftest import REPO, clean_env, run_bench, run_cli, tiny
+from conftest import REPO, clean_env, run_bench, tiny
 from elastic_helpers import _start_agent, finish, standalone, worker_command
 from helpers import assert_tensors_equal
 from hypothesis import given, settings
@@ -30,6 +30,7 @@ from test_latent import vae_folder
 from test_shards import make_folder, pack
 from test_vqgan_maskgit import _kill_and_resume_one_process
 
+from trainer.cli import main
 from trainer.data.shards import ShardStream, filesystem, shard_list_json
 from trainer.data.shards.tar import scan_tar
 from trainer.diffusion.latent import PART, LatentSpace, frozen_source
@@ -70,6 +71,13 @@ def members(url: str, shard: int, options=None) -> list[dict[str, bytes]]:
             key, ext = m.name.split(".", 1)
             out[key][ext] = tf.extractfile(m).read()
     return list(out.values())
+
+
+def cli(capsys, *args: str) -> tuple[int, str]:
+    """`gentrain ARGS` in this process (a config error needs no process of its own): exit code and stderr."""
+    capsys.readouterr()
+    code = main(list(args))
+    return code, capsys.readouterr().err
 
 
 def npy(raw: bytes) -> np.ndarray:
@@ -165,33 +173,40 @@ def test_a_run_on_encoded_shards_builds_no_encoder_and_draws_the_posterior_noise
 
 
 @pytest.mark.slow
-def test_another_autoencoder_images_where_latents_are_expected_and_the_reverse_exit_2(tmp_path, vae, encoded):
-    other = vae_folder(tmp_path / "other", seed=1)
-    r = run_cli("train", *latent_args(tmp_path / "a", other, *from_shards(encoded)), env=ENV)
-    assert r.returncode == 2, r.stderr[-3000:]
+def test_another_autoencoder_images_where_latents_are_expected_and_the_reverse_exit_2(
+    tmp_path, vae, other_vae, encoded, plain, capsys
+):
+    code, err = cli(capsys, "train", *latent_args(tmp_path / "a", other_vae, *from_shards(encoded)))
+    assert code == 2, err[-3000:]
     made = json.loads(open(f"{encoded}/shards.json").read())["encoded"]["autoencoder"]["digest"]
-    assert made in r.stderr and other in r.stderr and "encoded by the autoencoder" in r.stderr
+    assert made in err and other_vae in err and "encoded by the autoencoder" in err
     # Latent shards for a pixel model.
     pixels = ["digits-ddpm", *tiny(tmp_path / "b", "model.num_classes=10", *from_shards(encoded))]
-    r = run_cli("train", *pixels, env=ENV)
-    assert r.returncode == 2 and "no model.autoencoder" in r.stderr, r.stderr[-3000:]
+    code, err = cli(capsys, "train", *pixels)
+    assert code == 2 and "no model.autoencoder" in err, err[-3000:]
     # Image shards where the config expects latents.
     src = tmp_path / "imgs"
     make_folder(src, per_class=4, size=8)
     pack(src, tmp_path / "img-shards", 4)
     expects = latent_args(tmp_path / "c", vae, *from_shards(str(tmp_path / "img-shards")), "data.encoded=true")
-    r = run_cli("train", *expects, env=ENV)
-    assert r.returncode == 2 and "data.encoded=true but" in r.stderr, r.stderr[-3000:]
+    code, err = cli(capsys, "train", *expects)
+    assert code == 2 and "data.encoded=true but" in err, err[-3000:]
     # data.flip=true on shards encoded without mirrored posteriors.
-    plain = f"{tmp_path}/plain"
-    encode_dataset(config(latent_args(tmp_path, vae)), plain, 900, progress=False)
-    r = run_cli("train", *latent_args(tmp_path / "d", vae, *from_shards(plain), "data.flip=true"), env=ENV)
-    assert r.returncode == 2 and "--flip" in r.stderr, r.stderr[-3000:]
+    code, err = cli(capsys, "train", *latent_args(tmp_path / "d", vae, *from_shards(plain), "data.flip=true"))
+    assert code == 2 and "--flip" in err, err[-3000:]
 
 
 @pytest.fixture(scope="module")
 def other_vae(tmp_path_factory) -> str:
     return vae_folder(tmp_path_factory.mktemp("other-vae") / "vae", seed=1)
+
+
+@pytest.fixture(scope="module")
+def plain(tmp_path_factory, vae) -> str:
+    """The digits through the tiny VAE in one shard, as `data encode` writes by default (float16, no mirrors)."""
+    root = tmp_path_factory.mktemp("plain")
+    encode_dataset(config(latent_args(root, vae)), f"{root}/shards", DIGITS, progress=False)
+    return f"{root}/shards"
 
 
 def _digest(cfg) -> str:
@@ -200,7 +215,7 @@ def _digest(cfg) -> str:
 
 @pytest.mark.slow
 def test_a_rerun_into_another_autoencoders_shards_without_their_encode_json_exits_2_naming_the_mismatch(
-    tmp_path, vae, other_vae
+    tmp_path, vae, other_vae, capsys
 ):
     """Found 1 of issue 47: the rerun encoded "0 shards, 0 samples", exited 0 and wrote a shards.json naming
     this autoencoder over the other one's latents. Each shard's index records its encode settings."""
@@ -210,27 +225,29 @@ def test_a_rerun_into_another_autoencoders_shards_without_their_encode_json_exit
     (out / "encode.json").unlink()
     before = (out / "shards.json").read_bytes()
     args = ["data", "encode", *latent_args(tmp_path, vae), "--samples-per-shard", "900", "--out", str(out)]
-    r = run_cli(*args, env=ENV)
-    assert r.returncode == 2, r.stderr[-3000:]
-    line = r.stderr.strip().splitlines()[-1]
-    assert "000000.tar" in line and "other settings" in line and "Traceback" not in r.stderr
+    code, err = cli(capsys, *args)
+    assert code == 2, err[-3000:]
+    line = err.strip().splitlines()[-1]
+    assert "000000.tar" in line and "other settings" in line and "Traceback" not in err
     assert _digest(theirs) in line and _digest(config(latent_args(tmp_path, vae))) in line
     assert (out / "shards.json").read_bytes() == before and not (out / "encode.json").exists()  # nothing written
     # Shards of `data pack` (their indexes record no encode settings) are refused the same way.
     src = tmp_path / "imgs"
     make_folder(src, per_class=2, size=8)
     pack(src, tmp_path / "packed", 2)
-    r = run_cli(*args[:-1], str(tmp_path / "packed"), env=ENV)
-    assert r.returncode == 2 and "records no encode settings" in r.stderr, r.stderr[-3000:]
+    code, err = cli(capsys, *args[:-1], str(tmp_path / "packed"))
+    assert code == 2 and "records no encode settings" in err, err[-3000:]
 
 
 @pytest.mark.slow
-def test_a_shard_swapped_for_one_of_another_encode_of_the_same_size_is_never_trained_on(tmp_path, vae, other_vae):
+def test_a_shard_swapped_for_one_of_another_encode_of_the_same_size_is_never_trained_on(
+    tmp_path, vae, other_vae, plain, capsys
+):
     """Found 1 of issue 47: a shard copied in from another encode (same size, so the same offsets) was read
     without complaint. shards.json pins each shard's index by digest, the index each sample's bytes."""
     ours, theirs = tmp_path / "ours", tmp_path / "theirs"
     # One shard of every sample: the one replaced is the one the run reads.
-    encode_dataset(config(latent_args(tmp_path, vae)), str(ours), DIGITS, progress=False)
+    shutil.copytree(plain, ours)
     encode_dataset(config(latent_args(tmp_path, other_vae)), str(theirs), DIGITS, progress=False)
     assert (ours / "000000.tar").stat().st_size == (theirs / "000000.tar").stat().st_size
     listed = json.loads((ours / "shards.json").read_text())
@@ -238,19 +255,19 @@ def test_a_shard_swapped_for_one_of_another_encode_of_the_same_size_is_never_tra
         assert e["digest"] == "blake3:" + blake3.blake3((ours / f"{j:06d}.tar").read_bytes()).hexdigest()
         assert e["index_digest"] == "blake3:" + blake3.blake3((ours / f"{j:06d}.tar.idx.json").read_bytes()).hexdigest()
 
-    def train(name: str):
-        return run_cli("train", *latent_args(tmp_path / name, vae, *from_shards(str(ours)), *STRICT), env=ENV)
+    def train(name: str) -> tuple[int, str]:
+        return cli(capsys, "train", *latent_args(tmp_path / name, vae, *from_shards(str(ours)), *STRICT))
 
     # The tar alone: its samples' bytes are not those its index records.
     shutil.copy(theirs / "000000.tar", ours / "000000.tar")
-    r = train("tar")
-    assert r.returncode == 2, r.stderr[-3000:]
-    assert "000000.tar#" in r.stderr and "digest" in r.stderr and "Traceback" not in r.stderr
+    code, err = train("tar")
+    assert code == 2, err[-3000:]
+    assert "000000.tar#" in err and "digest" in err and "Traceback" not in err
     # The tar with its index: the index is not the one shards.json pins.
     shutil.copy(theirs / "000000.tar.idx.json", ours / "000000.tar.idx.json")
-    r = train("both")
-    assert r.returncode == 2, r.stderr[-3000:]
-    assert "000000.tar" in r.stderr and "index" in r.stderr and "Traceback" not in r.stderr
+    code, err = train("both")
+    assert code == 2, err[-3000:]
+    assert "000000.tar" in err and "index" in err and "Traceback" not in err
 
 
 def test_encoded_shards_without_digests_are_refused_naming_the_fix(tmp_path, encoded):
@@ -275,8 +292,6 @@ def test_encoded_shards_without_digests_are_refused_naming_the_fix(tmp_path, enc
 def test_a_shards_json_with_malformed_encoded_settings_exits_2_naming_the_file_and_the_field(tmp_path, capsys):
     """The `encoded` settings are parsed once, where shards.json is read (an EncodedSettings): a field of the
     wrong type is exit 2 naming the list and `encoded.<field>` before a shard is opened, never a traceback."""
-    from trainer.cli import main
-
     listed = json.loads(shard_list_json([{"url": "000000.tar", "nsamples": 4, "filesize": 10240}], None, None))
     listed["encoded"] = {  # what encode writes, but for image_size: a string
         **{"format": "gentrain-encoded/1", "kind": "latents", "autoencoder": {"url": "vae", "digest": "blake3:0"}},
@@ -344,11 +359,11 @@ sys.exit(main(sys.argv[1:]))
 
 @pytest.mark.slow
 def test_sigkill_during_encoding_keeps_finished_shards_hides_the_half_written_one_and_resumes_to_the_same_bytes(
-    tmp_path, vae
+    tmp_path, vae, capsys
 ):
     args = ["data", "encode", *latent_args(tmp_path, vae), "--samples-per-shard", "300", "--batch-size", "50"]
-    ref = run_cli(*args, "--out", f"{tmp_path}/ref", env=ENV)
-    assert ref.returncode == 0, ref.stderr[-3000:]
+    code, err = cli(capsys, *args, "--out", f"{tmp_path}/ref")  # the reference: an uninterrupted encode
+    assert code == 0, err[-3000:]
     out = tmp_path / "killed"
     cmd = [sys.executable, "-c", _KILLING_ENCODE, *args, "--out", str(out)]
     killed = subprocess.run(cmd, env=ENV, cwd=REPO, capture_output=True, text=True, timeout=600)
@@ -358,8 +373,8 @@ def test_sigkill_during_encoding_keeps_finished_shards_hides_the_half_written_on
     assert visible == ["000000.tar", "000001.tar"]  # the third is only under its temporary name
     assert any(".partial-" in p.name for p in out.iterdir())
     finished = {p: p.stat().st_mtime_ns for p in out.glob("*.tar")}
-    resumed = run_cli(*args, "--out", str(out), env=ENV)
-    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    code, err = cli(capsys, *args, "--out", str(out))
+    assert code == 0, err[-3000:]
     assert {p: p.stat().st_mtime_ns for p in finished} == finished  # kept, not encoded again
     names = sorted(p.name for p in (tmp_path / "ref").iterdir())
     assert names == sorted(p.name for p in out.iterdir() if ".partial-" not in p.name)
@@ -368,13 +383,13 @@ def test_sigkill_during_encoding_keeps_finished_shards_hides_the_half_written_on
     for e in json.loads((out / "shards.json").read_text())["shardlist"]:  # pinned: the resumed shards' own digests
         assert e["digest"] == "blake3:" + blake3.blake3((out / e["url"]).read_bytes()).hexdigest()
     # Settings that differ from the interrupted encode's are refused.
-    again = run_cli(*args, "--out", str(out), "--dtype", "float32", env=ENV)
-    assert again.returncode == 2 and "other settings" in again.stderr and "dtype" in again.stderr
+    code, err = cli(capsys, *args, "--out", str(out), "--dtype", "float32")
+    assert code == 2 and "other settings" in err and "dtype" in err, err[-3000:]
 
 
 @pytest.mark.slow
 def test_sigkill_while_training_from_encoded_shards_resumes_bit_identical(tmp_path, vae, encoded):
-    steps = 6
+    steps = 4  # a checkpoint (2) before the kill (in 3), a step after it
     extra = [*from_shards(encoded), "data.flip=true", "checkpoint.every_steps=2", "task=probe_tasks:KillableDDPM"]
 
     def args(root):
@@ -439,7 +454,9 @@ def test_encode_under_torchrun_to_s3_then_train_across_world_sizes_reads_every_s
 
 
 @pytest.mark.slow
-def test_caption_embeddings_are_stored_and_a_run_with_another_text_encoder_setting_exits_2(tmp_path, vae, monkeypatch):
+def test_caption_embeddings_are_stored_and_a_run_with_another_text_encoder_setting_exits_2(
+    tmp_path, vae, monkeypatch, capsys
+):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     backbone = "model.backbone={kind: pixart, patch_size: 2, num_layers: 1, num_attention_heads: 2, attention_head_dim: 8, caption_channels: 384}"
     text = f"model.text={{cache_dir: {tmp_path}/text, max_tokens: 8}}"
@@ -459,9 +476,9 @@ def test_caption_embeddings_are_stored_and_a_run_with_another_text_encoder_setti
     t = Trainer(config([*args, *from_shards(url)]), DistEnv())
     assert t.task.stored_text and t.fit() == 0
     wider = ["digits-ddpm", *tiny(tmp_path / "b", f"model.autoencoder.url={vae}", backbone, text.replace("8}", "6}"))]
-    r = run_cli("train", *wider, *from_shards(url), env=ENV)
-    assert r.returncode == 2, r.stderr[-3000:]
-    assert settings["digest"] in r.stderr and "max_tokens 8" in r.stderr and "max_tokens 6" in r.stderr
+    code, err = cli(capsys, "train", *wider, *from_shards(url))
+    assert code == 2, err[-3000:]
+    assert settings["digest"] in err and "max_tokens 8" in err and "max_tokens 6" in err
 
 
 # ---------------------------------------------------------------- reading a member
@@ -545,7 +562,10 @@ def test_the_latent_shards_bench_prints_every_way_and_the_read_cost(tmp_path):
     import math
 
     out = tmp_path / "bench.json"
-    r = run_bench("latent_shards.py", *"--steps 4 --warmup 1 --rounds 1 --batch-size 8 --json".split(), str(out))
+    # The preset's geometry (16 px -> 4x4x4) at the smallest widths, and a one-block DiT: the figures' plumbing.
+    small = ["--autoencoder", vae_folder(tmp_path / "vae", levels=3), "--json", str(out)]
+    small += [*"--steps 3 --warmup 1 --rounds 1 --batch-size 8 --set model.backbone.num_layers=1".split()]
+    r = run_bench("latent_shards.py", *small)
     assert r.returncode == 0, r.stderr[-3000:]
     got = json.loads(out.read_text())
     ways = {"on_the_fly", "cache", "shards", "in_memory", "hand_loop"}
