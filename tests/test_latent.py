@@ -7,6 +7,7 @@ latent cache fills once and changes nothing."""
 from __future__ import annotations
 
 import json
+import logging
 import os
 
 import fsspec
@@ -205,26 +206,29 @@ def test_geometry_mismatches_are_refused_naming_both_numbers(tmp_path, autoencod
 
 
 @pytest.mark.slow
-def test_geometry_mismatch_exits_2_naming_both_numbers(tmp_path, autoencoder_run):
-    r = run_cli("train", *ldm(tmp_path, autoencoder_run, "model.autoencoder.latent_channels=8"), env=ENV)
-    assert r.returncode == 2, r.stderr[-3000:]
-    assert "latent_channels=8" in r.stderr and "4 latent channels" in r.stderr
+def test_geometry_mismatch_exits_2_naming_both_numbers(tmp_path, autoencoder_run, capsys):
+    # In this process: a config error needs no process of its own.
+    assert cli_main(["train", *ldm(tmp_path, autoencoder_run, "model.autoencoder.latent_channels=8")]) == 2
+    err = capsys.readouterr().err
+    assert "latent_channels=8" in err and "4 latent channels" in err, err[-3000:]
 
 
 @pytest.mark.slow
-def test_a_changed_autoencoder_at_resume_exits_2_naming_it_and_keeps_the_last_checkpoint(tmp_path):
+def test_a_changed_autoencoder_at_resume_exits_2_naming_it_and_keeps_the_last_checkpoint(tmp_path, capsys, caplog):
+    """`gentrain train` in this process (its exit code and stderr, its log lines in caplog)."""
     folder = vae_folder(tmp_path / "vae")
     args = ldm(tmp_path, folder, "checkpoint.every_steps=2", max_steps=2)
-    r = run_cli("train", *args, env=ENV)
-    assert r.returncode == 0, r.stderr[-3000:]
+    assert cli_main(["train", *args]) == 0, capsys.readouterr().err[-3000:]
     # The same folder again: the resume passes the pin.
-    r = run_cli("train", *ldm(tmp_path, folder, "checkpoint.every_steps=1", max_steps=3), env=ENV)
-    assert r.returncode == 0, r.stderr[-3000:]
-    assert "resumed_from=" in r.stderr
+    caplog.clear()
+    caplog.set_level(logging.INFO, logger="gentrain")
+    assert cli_main(["train", *ldm(tmp_path, folder, "checkpoint.every_steps=1", max_steps=3)]) == 0
+    assert f"resumed_from={tmp_path}/run/checkpoints/step-000000002" in caplog.text
     vae_folder(tmp_path / "vae", seed=1)  # other weights at the same URL
-    r = run_cli("train", *ldm(tmp_path, folder, "checkpoint.every_steps=1", max_steps=4), env=ENV)
-    assert r.returncode == 2, r.stderr[-3000:]
-    assert "frozen part 'autoencoder'" in r.stderr and folder in r.stderr
+    capsys.readouterr()
+    assert cli_main(["train", *ldm(tmp_path, folder, "checkpoint.every_steps=1", max_steps=4)]) == 2
+    err = capsys.readouterr().err
+    assert "frozen part 'autoencoder'" in err and folder in err, err[-3000:]
     store = CheckpointStore(f"{tmp_path}/run/checkpoints")
     assert store.latest_valid().step == 3
 
@@ -232,7 +236,7 @@ def test_a_changed_autoencoder_at_resume_exits_2_naming_it_and_keeps_the_last_ch
 @pytest.mark.slow
 def test_sigkill_mid_step_then_resume_is_bit_identical_to_an_uninterrupted_run(tmp_path, autoencoder_run):
     """Posterior samples (counter-based draws), noise, timesteps and label dropout all resume exactly."""
-    steps = 6
+    steps = 4  # a checkpoint (2) before the kill (in 3), a step after it
     extra = ["model.num_classes=10", "checkpoint.every_steps=2", "task=probe_tasks:KillableDDPM"]
 
     def args(root):
