@@ -16,6 +16,7 @@ from helpers import assert_tensors_equal
 from PIL import Image
 
 from trainer.checkpoint import CheckpointStore
+from trainer.cli import main as cli_main
 from trainer.errors import ConfigError
 from trainer.registry import load_config
 from trainer.runs import load_for_inference
@@ -70,30 +71,33 @@ def test_training_stage_2_alone_keeps_stage_1_weights_ema_and_optimizer_bit_iden
 
 
 @pytest.mark.slow
-def test_stage_max_steps_and_unknown_stages(tmp_path):
-    r = train(tmp_path, "optim.stage1.max_steps=2", max_steps=4)
-    doc = json.loads((tmp_path / "run/checkpoints/step-000000004/trainer.json").read_text())
-    assert doc["parts"]["stage1"]["step"] == 2 and doc["parts"]["stage2"]["step"] == 4
-    assert "step=3/4 stage2/loss" in r.stderr  # stage 1 stopped at its own max_steps
-    r = run_cli("train", YAML, f"run.dir={tmp_path}/bad", "train.stages=[3]", env=ENV)
-    assert r.returncode == 2 and "train.stages=[3]" in r.stderr and "1..2" in r.stderr
-    r = run_cli("train", f"run.dir={tmp_path}/ddpm", "train.stages=[1]", "train.max_steps=1")
-    assert r.returncode == 2 and "only cascade tasks have stages" in r.stderr
+def test_stage_max_steps_and_unknown_stages(tmp_path, capsys):
+    r = train(tmp_path, "optim.stage1.max_steps=2", max_steps=3)
+    doc = json.loads((tmp_path / "run/checkpoints/step-000000003/trainer.json").read_text())
+    assert doc["parts"]["stage1"]["step"] == 2 and doc["parts"]["stage2"]["step"] == 3
+    assert "step=3/3 stage2/loss" in r.stderr  # stage 1 stopped at its own max_steps
+    # Config errors: in this process (the same CLI code, without a process start each).
+    assert cli_main(["train", YAML, f"run.dir={tmp_path}/bad", "train.stages=[3]"]) == 2
+    err = capsys.readouterr().err
+    assert "train.stages=[3]" in err and "1..2" in err
+    assert cli_main(["train", f"run.dir={tmp_path}/ddpm", "train.stages=[1]", "train.max_steps=1"]) == 2
+    assert "only cascade tasks have stages" in capsys.readouterr().err
 
 
 @pytest.mark.slow
-def test_sampling_refuses_never_trained_stages_and_stops_at_a_stage(tmp_path):
+def test_sampling_refuses_never_trained_stages_and_stops_at_a_stage(tmp_path, capsys):
     train(tmp_path, "train.stages=[1]", max_steps=2)
     root = f"{tmp_path}/run/checkpoints"
-    r = run_cli("sample", root, "--num", "4", "--out", str(tmp_path / "all.png"), env=ENV)
-    assert r.returncode == 2, r.stderr[-2000:]
-    assert "stage 2 of this checkpoint was never trained (step 0)" in r.stderr and "--stop-at-stage 1" in r.stderr
+    # The CLI in this process: the same code as `gentrain sample`, without a process start each.
+    assert cli_main(["sample", root, "--num", "4", "--out", str(tmp_path / "all.png")]) == 2
+    err = capsys.readouterr().err
+    assert "stage 2 of this checkpoint was never trained (step 0)" in err and "--stop-at-stage 1" in err
     out = tmp_path / "low.png"
-    r = run_cli("sample", root, "--num", "4", "--class", "7", "--stop-at-stage", "1", "--out", str(out), env=ENV)
-    assert r.returncode == 0, r.stderr[-2000:]
+    code = cli_main(["sample", root, "--num", "4", "--class", "7", "--stop-at-stage", "1", "--out", str(out)])
+    assert code == 0, capsys.readouterr().err[-2000:]
     assert out.exists()
-    r = run_cli("sample", root, "--num", "4", "--prompt", "a seven", "--stop-at-stage", "1", env=ENV)
-    assert r.returncode == 2 and "--prompt" in r.stderr
+    assert cli_main(["sample", root, "--num", "4", "--prompt", "a seven", "--stop-at-stage", "1"]) == 2
+    assert "--prompt" in capsys.readouterr().err
 
 
 @pytest.mark.slow
@@ -137,7 +141,7 @@ LAYOUTS = {
 @pytest.mark.slow
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_two_stages_under_torchrun_resume_bit_identical_after_sigkill_and_sample_on_one_process(tmp_path, layout):
-    steps = 10
+    steps = 8  # checkpoints at 3 and 6, killed in step 7, resumed from 6
     common = ["checkpoint.every_steps=3", "task=cascade_probe:KillableCascadeTask", *LAYOUTS[layout]]
 
     def args(name: str) -> list[str]:
@@ -216,22 +220,17 @@ def test_text_conditioning_runs_offline_with_the_real_encoder_and_reuses_its_cac
 
 
 @pytest.mark.slow
-def test_text_encoder_errors_are_config_errors(tmp_path):
-    r = run_cli("train", YAML, f"run.dir={tmp_path}/run", *text_args(tmp_path), "model.text.width=512", env=ENV)
-    assert r.returncode == 2 and "gives 384-wide embeddings but model.text.width=512" in r.stderr
-    r = run_cli(
-        "train",
-        YAML,
-        f"run.dir={tmp_path}/run",
-        *text_args(tmp_path),
-        f"model.text.encoder={tmp_path}/nowhere",
-        env=ENV,
-    )
-    assert r.returncode == 2 and "is not a folder" in r.stderr
+def test_text_encoder_errors_are_config_errors(tmp_path, capsys):
+    # In this process: the same CLI code as `gentrain train`, without a process start each.
+    assert cli_main(["train", YAML, f"run.dir={tmp_path}/run", *text_args(tmp_path), "model.text.width=512"]) == 2
+    assert "gives 384-wide embeddings but model.text.width=512" in capsys.readouterr().err
+    nowhere = f"model.text.encoder={tmp_path}/nowhere"
+    assert cli_main(["train", YAML, f"run.dir={tmp_path}/run", *text_args(tmp_path), nowhere]) == 2
+    assert "is not a folder" in capsys.readouterr().err
 
 
 @pytest.mark.slow
-def test_image_embeddings_beside_folder_images_condition_the_decoder(tmp_path):
+def test_image_embeddings_beside_folder_images_condition_the_decoder(tmp_path, capsys):
     rng = np.random.default_rng(0)
     data = tmp_path / "images"
     data.mkdir()
@@ -266,8 +265,8 @@ def test_image_embeddings_beside_folder_images_condition_the_decoder(tmp_path):
     )
     assert r.returncode == 0, r.stderr[-3000:]
     np.save(tmp_path / "wide.npy", np.zeros(7, np.float32))
-    r = run_cli("sample", root, "--num", "2", "--embeddings", str(tmp_path / "wide.npy"), env=ENV)
-    assert r.returncode == 2 and "7-wide but model.image_embed_dim=6" in r.stderr
+    assert cli_main(["sample", root, "--num", "2", "--embeddings", str(tmp_path / "wide.npy")]) == 2
+    assert "7-wide but model.image_embed_dim=6" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize(
@@ -362,7 +361,7 @@ def test_cascade_presets_validate(preset):
 
 
 @pytest.mark.slow
-def test_a_run_refuses_to_resume_or_sample_with_different_text_encoder_weights(tmp_path):
+def test_a_run_refuses_to_resume_or_sample_with_different_text_encoder_weights(tmp_path, capsys):
     """The encoder's digest is pinned in every checkpoint: new weights at the same path are exit 2."""
     import shutil
 
@@ -382,10 +381,11 @@ def test_a_run_refuses_to_resume_or_sample_with_different_text_encoder_weights(t
     name = next(k for k in weights if k.endswith("word_embeddings.weight"))
     weights[name] = weights[name] * 1.01  # the same model, slightly different weights
     save_file(weights, encoder / "model.safetensors", metadata={"format": "pt"})
-    r = run_cli("train", YAML, f"run.dir={tmp_path}/run", "train.max_steps=4", *args, env=ENV)
-    assert r.returncode == 2, r.stderr[-3000:]
-    assert f"text_encoder: the run at {root} was trained with {encoder} ({recorded.digest})" in r.stderr
-    assert "Use the same weights again, or start a new run" in r.stderr
+    code = cli_main(["train", YAML, f"run.dir={tmp_path}/run", "train.max_steps=4", *args])  # in this process
+    err = capsys.readouterr().err
+    assert code == 2, err[-3000:]
+    assert f"text_encoder: the run at {root} was trained with {encoder} ({recorded.digest})" in err
+    assert "Use the same weights again, or start a new run" in err
     assert store.latest_valid().step == 2  # nothing was written
     with pytest.raises(ConfigError, match="text_encoder: checkpoint .* was trained with"):
         load_for_inference(store.view(store.latest_valid()), use_ema=True, device=torch.device("cpu"))
@@ -393,7 +393,6 @@ def test_a_run_refuses_to_resume_or_sample_with_different_text_encoder_weights(t
 
 @pytest.mark.slow
 def test_digits_decoder_preset_embeds_images_with_the_shipped_cnn_and_samples_from_an_embeddings_file(tmp_path):
-    from trainer.cli import main as cli_main
     from trainer.conditioning.image import main as embed_main
 
     r = run_cli(
