@@ -250,20 +250,9 @@ def test_image_embeddings_beside_folder_images_condition_the_decoder(tmp_path, c
     train(tmp_path, *common, max_steps=2)
     np.save(tmp_path / "query.npy", rng.normal(size=(2, 6)).astype(np.float32))
     root = f"{tmp_path}/run/checkpoints"
-    r = run_cli(
-        "sample",
-        root,
-        "--num",
-        "4",
-        "--embeddings",
-        str(tmp_path / "query.npy"),
-        "--guidance-scale",
-        "2",
-        "--out",
-        str(tmp_path / "g.png"),
-        env=ENV,
-    )
-    assert r.returncode == 0, r.stderr[-3000:]
+    query = ["--embeddings", str(tmp_path / "query.npy"), "--guidance-scale", "2", "--out", str(tmp_path / "g.png")]
+    code = cli_main(["sample", root, "--num", "4", *query])  # the CLI in this process, as below
+    assert code == 0, capsys.readouterr().err[-3000:]
     np.save(tmp_path / "wide.npy", np.zeros(7, np.float32))
     assert cli_main(["sample", root, "--num", "2", "--embeddings", str(tmp_path / "wide.npy")]) == 2
     assert "7-wide but model.image_embed_dim=6" in capsys.readouterr().err
