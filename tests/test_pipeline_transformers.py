@@ -147,6 +147,35 @@ def _train(preset: str, folder, images, root, *extra: str, max_steps: int = 2, e
     return run_cli("train", *args, env=env or ENV)
 
 
+# Each family's LoRA run through its preset, trained once in this module (`straight`): the preset tests read its
+# step-2 checkpoint and preview, the kill/resume tests compare a SIGKILLed run with it (KillableDDPM dies only where
+# PROBE_TASK_KILL says; previews at step 2 in both runs).
+LORA_PRESETS = {"sd3": "sd3-lora", "pixart": "pixart-sigma-lora", "flux-dev": "flux-lora"}
+FAMILY_FIXTURES = {"sd3": "sd3", "pixart": "pixart", "flux-dev": "flux_dev"}
+
+
+def _lora_run(family: str, folder, images, root, env=None):
+    preset = LORA_PRESETS.get(family, "flux-lora")
+    return _train(preset, folder, images, root, "task=probe_tasks:KillableDDPM", max_steps=3, env=env)
+
+
+@pytest.fixture(scope="module")
+def straight(images, tmp_path_factory):
+    """`straight(family, folder)`: the run folder of that family's uninterrupted 3-step LoRA run, trained on first
+    use."""
+    runs = {}
+
+    def get(family: str, folder):
+        if family not in runs:
+            root = tmp_path_factory.mktemp(f"straight-{family}") / "run"
+            r = _lora_run(family, folder, images, root)
+            assert r.returncode == 0, r.stderr[-3000:]
+            runs[family] = root
+        return runs[family]
+
+    return get
+
+
 def _trained_lora(root) -> tuple:
     """(info, transformer weights) of the step-2 checkpoint, after checking the preview grid and its validity."""
     assert (root / "samples" / "step-000000002.png").is_file()
@@ -157,11 +186,8 @@ def _trained_lora(root) -> tuple:
 
 
 @pytest.mark.slow
-def test_the_sd3_preset_trains_lora_and_samples_from_an_sd3_folder(sd3, images, tmp_path):
-    root = tmp_path / "run"
-    r = _train("sd3-lora", sd3, images, root)
-    assert r.returncode == 0, r.stderr[-3000:]
-    info, weights = _trained_lora(root)
+def test_the_sd3_preset_trains_lora_and_samples_from_an_sd3_folder(sd3, straight):
+    info, weights = _trained_lora(straight("sd3", sd3))
     assert info.manifest.config["model"]["flow_shift"] == 3.0
     folder = load_file(sd3 / "transformer" / "diffusion_pytorch_model.safetensors")
     # Whatever of the frozen base a checkpoint holds is the folder's (bf16, train.precision's dtype); the
@@ -182,7 +208,7 @@ def test_the_exported_sd3_lora_loads_into_the_base_pipeline_and_draws_what_gentr
     schedule, draws the images gentrain draws within 1/255 (same seed, steps, guidance, prompt)."""
     from diffusers import StableDiffusion3Pipeline
 
-    prompt, steps, scale = "the red photo", 4, 3.0
+    prompt, steps, scale = "the red photo", 2, 3.0
     out, _, ours = _exported("sd3-lora", sd3, images, tmp_path, steps, scale)
 
     pipe = StableDiffusion3Pipeline.from_pretrained(sd3)
@@ -255,20 +281,24 @@ def test_text_encoder_lora_on_t5_is_refused_naming_the_key(pixart, tmp_path):
 
 
 @pytest.mark.slow
-def test_the_pixart_sigma_preset_trains_lora_from_a_pixart_folder(pixart, images, tmp_path):
-    root = tmp_path / "run"
-    r = _train("pixart-sigma-lora", pixart, images, root)
-    assert r.returncode == 0, r.stderr[-3000:]
-    info, weights = _trained_lora(root)
+def test_the_pixart_sigma_preset_trains_lora_from_a_pixart_folder(pixart, straight):
+    info, weights = _trained_lora(straight("pixart", pixart))
     assert any(weights[k].abs().max() > 0 for k in weights if ".lora_B." in k)
 
 
 # ---------------------------------------------------------------- Flux.1
 
 
+@pytest.fixture(scope="module")
+def flux_dev(tmp_path_factory):
+    return BUILDERS["flux"](tmp_path_factory.mktemp("pipelines-flux-dev"), dev=True)
+
+
 @pytest.fixture(scope="module", params=["dev", "schnell"])
 def flux(request, tmp_path_factory):
-    return BUILDERS["flux"](tmp_path_factory.mktemp(f"pipelines-flux-{request.param}"), dev=request.param == "dev")
+    if request.param == "dev":  # one dev folder for this module's every test (the kill/resume test's too)
+        return request.getfixturevalue("flux_dev")
+    return BUILDERS["flux"](tmp_path_factory.mktemp("pipelines-flux-schnell"), dev=False)
 
 
 def test_a_flux_folder_sets_the_model_keys(flux, tmp_path):
@@ -326,42 +356,31 @@ def test_flux_captions_are_encode_prompts_and_the_first_prediction_is_diffusers_
 
 
 @pytest.mark.slow
-def test_the_flux_preset_trains_lora_from_a_flux_folder(flux, images, tmp_path):
-    root = tmp_path / "run"
-    r = _train("flux-lora", flux, images, root)
-    assert r.returncode == 0, r.stderr[-3000:]
-    info, weights = _trained_lora(root)
+def test_the_flux_preset_trains_lora_from_a_flux_folder(flux, straight):
+    dev = json.loads((flux / "transformer" / "config.json").read_text())["guidance_embeds"]
+    info, weights = _trained_lora(straight("flux-dev" if dev else "flux-schnell", flux))
     assert any(weights[k].abs().max() > 0 for k in weights if ".lora_B." in k)
-
-
-LORA_PRESETS = {"sd3": "sd3-lora", "pixart": "pixart-sigma-lora", "flux-dev": "flux-lora"}
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("family", sorted(LORA_PRESETS))
-def test_a_sigkilled_lora_run_of_each_transformer_family_resumes_bit_identically(family, request, images, tmp_path):
-    """An SD3, PixArt-Sigma or Flux.1 dev LoRA run SIGKILLed in step 3 and restarted ends at step 4 with the
-    weights, EMA, optimizer state and RNG of a run never interrupted (bf16 base, fp32 adapters). Flux dev:
-    packing, position ids and the guidance embedding; SD 1.x and SDXL: tests/test_pipeline_finetune.py and
-    tests/test_bucket_conditioning.py."""
-    if family == "flux-dev":
-        folder = BUILDERS["flux"](tmp_path / "pipeline", dev=True)
-    else:
-        folder = request.getfixturevalue(family)
-
-    def run(root, env):
-        extra = ("sample.every_steps=0", "task=probe_tasks:KillableDDPM")
-        return _train(LORA_PRESETS[family], folder, images, root, *extra, max_steps=4, env=env)
-
-    r = run(tmp_path / "straight", ENV)
-    assert r.returncode == 0, r.stderr[-3000:]
+def test_a_sigkilled_lora_run_of_each_transformer_family_resumes_bit_identically(
+    family, request, straight, images, tmp_path
+):
+    """An SD3, PixArt-Sigma or Flux.1 dev LoRA run SIGKILLed in its third step (after the step-2 checkpoint) and
+    restarted ends at step 3 with the weights, EMA, optimizer state and RNG of a run never interrupted (bf16 base,
+    fp32 adapters). Flux dev: packing, position ids and the guidance embedding; SD 1.x and SDXL:
+    tests/test_pipeline_finetune.py and tests/test_bucket_conditioning.py."""
+    folder = request.getfixturevalue(FAMILY_FIXTURES[family])
+    reference = straight(family, folder)  # the uninterrupted run, shared with the preset tests
     killed = tmp_path / "killed"
-    r = run(killed, clean_env(PYTHONPATH=str(REPO / "tests"), PROBE_TASK_KILL="0:3"))
+    kill = clean_env(PYTHONPATH=str(REPO / "tests"), PROBE_TASK_KILL="0:2")  # KillableDDPM's step index 2: the third
+    r = _lora_run(family, folder, images, killed, env=kill)
     assert r.returncode == -9, r.stderr[-3000:]
-    r = run(killed, ENV)
+    r = _lora_run(family, folder, images, killed)
     assert r.returncode == 0 and "resumed_from=" in r.stderr, r.stderr[-3000:]
-    a, b = (CheckpointStore(str(root / "checkpoints"), {}) for root in (tmp_path / "straight", killed))
-    ia, ib = a.check(4), b.check(4)
+    a, b = (CheckpointStore(str(root / "checkpoints"), {}) for root in (reference, killed))
+    ia, ib = a.check(3), b.check(3)
     assert ia.valid and ib.valid
     names = [n for n in ia.manifest.files if n.endswith(".safetensors")]
     assert "transformer.optimizer.safetensors" in names
