@@ -376,12 +376,12 @@ def _cross_check(info: CheckpointInfo, parsed: Mapping[str, Any]) -> list[str]:
     files = info.manifest.files
     index = parsed.get(SHARD_INDEX)
     if index is not None:
-        for group, tensors in index["tensors"].items():
+        for group, tensors in index.tensors.items():
             for key, t in tensors.items():
-                for c in t["chunks"]:
-                    h = (parsed.get(c["file"]) or {}).get(key)
-                    if h is None or h["dtype"] != t["dtype"] or h["shape"] != c["sizes"]:
-                        problems.append(f"{info.url}/{c['file']}: {group}:{key} does not match shards.json")
+                for c in t.chunks:
+                    h = (parsed.get(c.file) or {}).get(key)
+                    if h is None or h["dtype"] != t.dtype or h["shape"] != c.sizes:
+                        problems.append(f"{info.url}/{c.file}: {group}:{key} does not match shards.json")
     if TRAINER_JSON in files and not isinstance(info.manifest.config, dict):
         # A training checkpoint: sampling and export build the model from its config, so one without it
         # would verify and then not load there.
@@ -391,11 +391,12 @@ def _cross_check(info: CheckpointInfo, parsed: Mapping[str, Any]) -> list[str]:
         for part, state in doc.parts.items():
             refs = tensor_refs(state.optimizer)
             group = group_name(part, "optimizer")
-            saved = set((index or {}).get("tensors", {}).get(group, {})) | set(parsed.get(whole_file(group)) or {})
+            indexed = index.tensors if index is not None else {}
+            saved = set(indexed.get(group, {})) | set(parsed.get(whole_file(group)) or {})
             if refs - saved:
                 problems.append(f"{info.url}: {group} lacks tensors trainer.json refers to: {sorted(refs - saved)[:3]}")
             model = group_name(part, "model")
-            if whole_file(model) not in files and model not in (index or {}).get("tensors", {}):
+            if whole_file(model) not in files and model not in indexed:
                 problems.append(f"{info.url}: trainer.json has part {part!r}, but no weights of it are listed")
     for name, header in parsed.items():
         g = parse_group_file(name)

@@ -58,6 +58,7 @@ from trainer.checkpoint.layout import (
 )
 from trainer.checkpoint.reader import CheckpointReader
 from trainer.checkpoint.store import CheckpointCorrupt, CheckpointError, CheckpointInfo, CheckpointStore, SaveResult
+from trainer.checkpoint.validity import Chunk, IndexedTensor
 from trainer.elastic import broadcast_object, gather_objects
 
 log = logging.getLogger(__name__)
@@ -242,24 +243,25 @@ class ShardIndex:
     def __init__(self, store: CheckpointReader, info: CheckpointInfo):
         self.store = store
         self.info = info
-        self._groups: dict[str, dict[str, Any]] = (
-            store.read_json(info, SHARD_INDEX)["tensors"] if is_sharded(info) else {}
+        self._groups: dict[str, dict[str, IndexedTensor]] = (
+            dict(store.read_json(info, SHARD_INDEX).tensors) if is_sharded(info) else {}
         )
 
     def has(self, group: str) -> bool:
         return group in self._groups or whole_file(group) in self.info.manifest.files
 
-    def group(self, group: str) -> dict[str, Any]:
-        """{key: {dtype, shape, chunks: [{file, offsets, sizes}]}} of `<part>.<kind>`."""
+    def group(self, group: str) -> dict[str, IndexedTensor]:
+        """{key: IndexedTensor (dtype, shape, chunks of file, offsets, sizes)} of `<part>.<kind>`: shards.json's,
+        or one chunk of the whole file per tensor (from its safetensors header)."""
         if group not in self._groups:
             name = whole_file(group)
             header, _ = read_header(self.store, self.info, name)
             self._groups[group] = {
-                key: {
-                    "dtype": h["dtype"],
-                    "shape": h["shape"],
-                    "chunks": [{"file": name, "offsets": [0] * len(h["shape"]), "sizes": h["shape"]}],
-                }
+                key: IndexedTensor(
+                    dtype=h["dtype"],
+                    shape=h["shape"],
+                    chunks=[Chunk(file=name, offsets=[0] * len(h["shape"]), sizes=h["shape"])],
+                )
                 for key, h in header.items()
             }
         return self._groups[group]
@@ -273,9 +275,9 @@ def load_group(index: ShardIndex, group: str, targets: Mapping[str, torch.Tensor
     if missing:
         raise KeyError(f"{index.info.url}: {group} has no tensors {missing[:5]} (a checkpoint of another model?)")
     for key, t in targets.items():
-        if list(t.shape) != list(entries[key]["shape"]):
+        if list(t.shape) != entries[key].shape:
             raise ValueError(
-                f"{index.info.url}: {group}:{key} has shape {entries[key]['shape']}, this model's is {list(t.shape)}"
+                f"{index.info.url}: {group}:{key} has shape {entries[key].shape}, this model's is {list(t.shape)}"
             )
     out = {key: torch.empty_like(t) for key, t in targets.items()}
     if out:
@@ -301,7 +303,7 @@ class ChunkReader(StorageReader):
     through its manifest digest; only the needed ranges are kept.
     """
 
-    def __init__(self, store: CheckpointReader, info: CheckpointInfo, entries: Mapping[str, Mapping[str, Any]]):
+    def __init__(self, store: CheckpointReader, info: CheckpointInfo, entries: Mapping[str, IndexedTensor]):
         super().__init__()
         self.store = store
         self.info = info
@@ -317,11 +319,11 @@ class ChunkReader(StorageReader):
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         md, storage = {}, {}
         for key, e in self.entries.items():
-            chunks = [ChunkStorageMetadata(torch.Size(c["offsets"]), torch.Size(c["sizes"])) for c in e["chunks"]]
-            props = TensorProperties(dtype=torch_dtype(e["dtype"]))
-            md[key] = TensorStorageMetadata(props, torch.Size(e["shape"]), chunks)
-            for c in e["chunks"]:
-                storage[MetadataIndex(key, torch.Size(c["offsets"]))] = c["file"]
+            chunks = [ChunkStorageMetadata(torch.Size(c.offsets), torch.Size(c.sizes)) for c in e.chunks]
+            props = TensorProperties(dtype=torch_dtype(e.dtype))
+            md[key] = TensorStorageMetadata(props, torch.Size(e.shape), chunks)
+            for c in e.chunks:
+                storage[MetadataIndex(key, torch.Size(c.offsets))] = c.file
         return Metadata(state_dict_metadata=md, storage_data=storage)
 
     def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
@@ -356,10 +358,10 @@ class ChunkReader(StorageReader):
             if h is None:
                 raise CheckpointCorrupt(f"{self.info.url}/{name} has no tensor {item.storage_index.fqn!r}")
             dtype = torch_dtype(h["dtype"])
-            if h["dtype"] != self.entries[item.storage_index.fqn]["dtype"]:
+            if h["dtype"] != self.entries[item.storage_index.fqn].dtype:
                 raise CheckpointCorrupt(
                     f"{self.info.url}/{name}: {item.storage_index.fqn!r} is {h['dtype']}, "
-                    f"the index says {self.entries[item.storage_index.fqn]['dtype']}"
+                    f"the index says {self.entries[item.storage_index.fqn].dtype}"
                 )
             shape = h["shape"]
             if len(shape) != len(item.lengths) or any(

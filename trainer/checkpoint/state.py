@@ -39,6 +39,7 @@ from trainer.checkpoint.sharded import ShardIndex, is_sharded, load_group, local
 from trainer.checkpoint.store import CheckpointInfo, CheckpointStore, Payload
 from trainer.checkpoint.validity import (
     FrozenRecord,
+    IndexedTensor,
     PartState,
     TrainerState,
     check_rank_tensors,
@@ -374,13 +375,13 @@ def _read_part_slices(index: ShardIndex, name: str, part: Any, meta: PartState) 
             if isinstance(value, dict) and "__tensor__" in value:
                 key = value["__tensor__"]
                 saved = index.group(opt_group)[key] if key in index.group(opt_group) else None
-                if saved is not None and list(saved["shape"]) == list(param.shape):
+                if saved is not None and saved.shape == list(param.shape):
                     opt_targets[key] = param
-                elif saved is not None and math.prod(saved["shape"]) <= 1:  # a step count
-                    opt_targets[key] = torch.empty(saved["shape"], dtype=_saved_dtype(saved))
+                elif saved is not None and math.prod(saved.shape) <= 1:  # a step count
+                    opt_targets[key] = torch.empty(saved.shape, dtype=_saved_dtype(saved))
                 elif saved is not None:
                     raise CheckpointCorrupt(
-                        f"{index.info.url}: {opt_group}:{key} has shape {saved['shape']}, its parameter's is "
+                        f"{index.info.url}: {opt_group}:{key} has shape {saved.shape}, its parameter's is "
                         f"{list(param.shape)}"
                     )
                 else:
@@ -397,9 +398,9 @@ def _read_part_slices(index: ShardIndex, name: str, part: Any, meta: PartState) 
     }
 
 
-def _saved_dtype(entry: Mapping[str, Any]) -> torch.dtype:
+def _saved_dtype(entry: IndexedTensor) -> torch.dtype:
     try:
-        return torch_dtype(entry["dtype"])
+        return torch_dtype(entry.dtype)
     except ValueError as e:
         raise CheckpointCorrupt(str(e)) from None
 

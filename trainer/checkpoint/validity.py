@@ -179,7 +179,7 @@ class Manifest(_Ordered):
 class PieceDoc(_Open):
     """A memory-tier piece (trainer.checkpoint.memory): the files one rank contributes to a step. `parse_piece`
     makes it; the tier, its resume and `checkpoints list` read it by attribute (`files`, `sharded`), and owner
-    0's `manifest` (its `meta`, checked as a manifest's fields) says whose run it is and what it pinned."""
+    0's `manifest_fields` (its `meta`, checked as a manifest's) say whose run it is and what it pinned."""
 
     format_version: Annotated[StrictInt, Field(ge=1, le=FORMAT_VERSION)]
     step: NonNegInt
@@ -192,7 +192,7 @@ class PieceDoc(_Open):
     _manifest: Manifest | None = PrivateAttr(default=None)
 
     @property
-    def manifest(self) -> Manifest | None:
+    def manifest_fields(self) -> Manifest | None:
         """Owner 0's `meta` as the manifest its commit writes (no files yet); None for the other owners."""
         return self._manifest
 
@@ -287,6 +287,9 @@ class IndexedTensor(BaseModel):
 
 
 class ShardIndexDoc(_Open):
+    """shards.json of a sharded step: `parse_shard_index` makes it, `trainer.checkpoint.sharded.ShardIndex` reads
+    its `tensors` ({group: {key: IndexedTensor}}) by attribute, as it makes the same entries of a whole file."""
+
     version: Annotated[StrictInt, Field(ge=1, le=1)]
     world_size: Annotated[StrictInt, Field(ge=1)]
     tensors: dict[StrictStr, dict[StrictStr, IndexedTensor]]
@@ -717,21 +720,22 @@ def check_rank_tensors(tensors: Mapping[str, Any], what: str) -> None:
         raise CheckpointCorrupt(f"{what}: its RNG state cannot be set ({e})") from None
 
 
-def parse_shard_index(raw: bytes, files: Mapping[str, Any]) -> dict[str, Any]:
+def parse_shard_index(raw: bytes, files: Mapping[str, Any]) -> ShardIndexDoc:
     """shards.json: every chunk inside its tensor and in a file the manifest lists."""
     doc = parse_json(raw, "shards.json")
-    _model(ShardIndexDoc, doc, "shards.json")
-    for group, tensors in doc["tensors"].items():
+    index = _model(ShardIndexDoc, doc, "shards.json")
+    assert isinstance(index, ShardIndexDoc)
+    for group, tensors in index.tensors.items():
         for key, t in tensors.items():
-            if t["dtype"] not in SAFETENSORS_DTYPES:
-                raise CheckpointCorrupt(f"shards.json: {group}:{key} has unknown dtype {t['dtype']!r}")
-            for c in t["chunks"]:
-                if c["file"] not in files:
-                    raise CheckpointCorrupt(f"shards.json: {group}:{key} points to {c['file']!r}, not in the manifest")
+            if t.dtype not in SAFETENSORS_DTYPES:
+                raise CheckpointCorrupt(f"shards.json: {group}:{key} has unknown dtype {t.dtype!r}")
+            for c in t.chunks:
+                if c.file not in files:
+                    raise CheckpointCorrupt(f"shards.json: {group}:{key} points to {c.file!r}, not in the manifest")
                 if (
-                    len(c["offsets"]) != len(t["shape"])
-                    or len(c["sizes"]) != len(t["shape"])
-                    or any(o + s > d for o, s, d in zip(c["offsets"], c["sizes"], t["shape"], strict=True))
+                    len(c.offsets) != len(t.shape)
+                    or len(c.sizes) != len(t.shape)
+                    or any(o + s > d for o, s, d in zip(c.offsets, c.sizes, t.shape, strict=True))
                 ):
-                    raise CheckpointCorrupt(f"shards.json: a chunk of {group}:{key} lies outside shape {t['shape']}")
-    return doc
+                    raise CheckpointCorrupt(f"shards.json: a chunk of {group}:{key} lies outside shape {t.shape}")
+    return index

@@ -245,7 +245,7 @@ class CheckpointView:
             return self.reader.read_tensors(self.info, name)
         index = self.shard_index()
         entries = index.group(name)
-        targets = {k: torch.empty(e["shape"], dtype=torch_dtype(e["dtype"])) for k, e in entries.items()}
+        targets = {k: torch.empty(e.shape, dtype=torch_dtype(e.dtype)) for k, e in entries.items()}
         return load_group(index, name, targets)
 
     def part_weights(self, part: str, use_ema: bool) -> dict[str, torch.Tensor]:
@@ -266,7 +266,7 @@ class CheckpointView:
             return None
         shards = self.files_of_group(group)
         what = shards[0] if shards == [whole_file(group)] else group
-        return what, {key: list(entry["shape"]) for key, entry in index.group(group).items()}
+        return what, {key: list(entry.shape) for key, entry in index.group(group).items()}
 
     def trainer_state(self) -> TrainerState:
         """trainer.json (parsed and checked), read once; CheckpointCorrupt if the checkpoint has none."""

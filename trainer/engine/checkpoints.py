@@ -324,7 +324,7 @@ class CheckpointManager:
                 problems.append(f"rank {self.env.rank}: {type(e).__name__}: {e}")
             problems = [p for ps in gather_objects(problems) for p in ps]
             if not problems:
-                run = tier.read_piece(step, 0).manifest  # owner 0's: what its manifest will say about the run
+                run = tier.read_piece(step, 0).manifest_fields  # owner 0's: what its manifest will say
                 assert run is not None  # parse_piece refuses an owner 0 piece without it
                 # belongs: ("run" | "job", the value the root's run has), a field of the manifest
                 found = getattr(run, belongs[0], None) if belongs is not None else None
