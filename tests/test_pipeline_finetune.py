@@ -98,8 +98,7 @@ def test_the_unet_predicts_what_diffusers_unet_predicts(sd, tmp_path, lora):
         theirs = reference(x, t, encoder_hidden_states=cond["captions"]).sample
     assert torch.equal(ours, theirs)
     assert (
-        task.inputs()["pipeline"].pin
-        and "unet/diffusion_pytorch_model.safetensors" in task.inputs()["pipeline"].files
+        task.inputs()["pipeline"].pin and "unet/diffusion_pytorch_model.safetensors" in task.inputs()["pipeline"].files
     )
 
 
@@ -252,36 +251,54 @@ def test_a_lora_checkpoint_holds_the_adapters_only_and_resumes_on_the_folders_ba
     assert any(v.abs().max() > 0 for k, v in saved.items() if ".lora_B." in k)
 
 
+# The 2-step fp32 LoRA run on a copy of the folder (with the memory tier) that the pinned-folder tests change
+# and put back, and the export test draws from: trained once in this module.
+PINNED_RUN = ("train.precision=no", "checkpoint.memory=true")
+
+
+@pytest.fixture(scope="module")
+def pinned(sd, images, tmp_path_factory):
+    """(the folder's copy the run pins, the run folder, the memory tier's folder). A test that changes a file of
+    the copy, or moves it, puts it back before it ends."""
+    root = tmp_path_factory.mktemp("pinned")
+    copy, shm = root / "sd", root / "shm"
+    shutil.copytree(sd, copy)
+    r = _train(copy, images, root / "run", *PINNED_RUN, f"checkpoint.memory_dir={shm}", steps=2)
+    assert r.returncode == 0, r.stderr[-3000:]
+    return copy, root / "run", shm
+
+
 @pytest.mark.slow
-def test_sample_verify_and_export_need_the_pinned_base_folder(sd, images, tmp_path):
+def test_sample_verify_and_export_need_the_pinned_base_folder(pinned, tmp_path):
     """An adapter-only checkpoint plus its pinned folder verifies; a changed file in the folder is exit 2
     naming it; a folder that is gone is one line, exit 2, naming it, for sample, verify and export alike."""
-    copy = tmp_path / "sd"
-    shutil.copytree(sd, copy)
-    shm = tmp_path / "shm"
-    r = _train(copy, images, tmp_path / "run", "checkpoint.memory=true", f"checkpoint.memory_dir={shm}", steps=2)
-    assert r.returncode == 0, r.stderr[-3000:]
+    copy, run, shm = pinned
     # The memory tier's snapshots hold the adapters alone too.
     snapshots = sorted(shm.rglob("unet.model.safetensors"))
     assert snapshots and all(k == "__metadata__" or ".lora_" in k for f in snapshots for k in _raw_header(f))
-    ckpt = str(tmp_path / "run" / "checkpoints")
+    ckpt = str(run / "checkpoints")
     task_flag = ["--task", "probe_tasks:KillableDDPM"]
     r = run_cli("checkpoints", "verify", ckpt, *task_flag, env=ENV)
     assert r.returncode == 0 and f"base: {copy}" in r.stdout and "valid:" in r.stdout, r.stdout + r.stderr
     config = copy / "unet" / "config.json"
     kept = config.read_text()
-    config.write_text(kept.replace("{", '{"_note": "edited", ', 1))
-    r = run_cli("checkpoints", "verify", ckpt, *task_flag, env=ENV)
+    try:
+        config.write_text(kept.replace("{", '{"_note": "edited", ', 1))
+        r = run_cli("checkpoints", "verify", ckpt, *task_flag, env=ENV)
+    finally:
+        config.write_text(kept)
     assert r.returncode == 2 and "unet/config.json" in r.stderr and "Traceback" not in r.stderr, r.stderr[-3000:]
-    config.write_text(kept)
     shutil.move(copy, tmp_path / "moved")
-    sample = ["sample", ckpt, "--num", "1", "--steps", "2", "--out", str(tmp_path / "x.png")]
-    export = ["checkpoints", "export", ckpt, str(tmp_path / "out")]
-    for args in (sample, ["checkpoints", "verify", ckpt], export):
-        r = run_cli(*args, *task_flag, env=ENV)
-        lines = r.stderr.strip().splitlines()
-        assert r.returncode == 2 and "Traceback" not in r.stderr, (args, r.stderr[-3000:])
-        assert "holds only the LoRA adapters" in lines[-1] and f"{copy}/unet" in lines[-1], (args, r.stderr[-3000:])
+    try:
+        sample = ["sample", ckpt, "--num", "1", "--steps", "2", "--out", str(tmp_path / "x.png")]
+        export = ["checkpoints", "export", ckpt, str(tmp_path / "out")]
+        for args in (sample, ["checkpoints", "verify", ckpt], export):
+            r = run_cli(*args, *task_flag, env=ENV)
+            lines = r.stderr.strip().splitlines()
+            assert r.returncode == 2 and "Traceback" not in r.stderr, (args, r.stderr[-3000:])
+            assert "holds only the LoRA adapters" in lines[-1] and f"{copy}/unet" in lines[-1], (args, r.stderr[-3000:])
+    finally:
+        shutil.move(tmp_path / "moved", copy)
 
 
 @pytest.mark.slow
@@ -313,23 +330,24 @@ def test_gentrain_sample_draws_from_the_run(runs, tmp_path):
 
 
 @pytest.mark.slow
-def test_a_changed_file_in_the_pipeline_folder_is_refused_on_resume_naming_it(sd, images, tmp_path):
-    copy = tmp_path / "sd"
-    shutil.copytree(sd, copy)
-    r = _train(copy, images, tmp_path / "run", steps=2)
-    assert r.returncode == 0, r.stderr[-3000:]
+def test_a_changed_file_in_the_pipeline_folder_is_refused_on_resume_naming_it(pinned, images, tmp_path):
+    copy, run, shm = pinned
     weights = copy / "unet" / "diffusion_pytorch_model.safetensors"
+    kept = weights.read_bytes()
     tensors = load_file(weights)
     name = sorted(tensors)[0]
     tensors[name] = tensors[name] + 1
-    save_file(tensors, weights)
-    r = _train(copy, images, tmp_path / "run", steps=4)
+    try:
+        save_file(tensors, weights)
+        r = _train(copy, images, run, *PINNED_RUN, f"checkpoint.memory_dir={shm}", steps=4)
+    finally:
+        weights.write_bytes(kept)
     assert r.returncode == 2, r.stderr[-3000:]
     assert "unet/diffusion_pytorch_model.safetensors" in r.stderr and "Traceback" not in r.stderr
 
 
 @pytest.mark.slow
-def test_the_exported_lora_loads_into_the_base_pipeline_and_draws_what_gentrain_samples(sd, images, tmp_path):
+def test_the_exported_lora_loads_into_the_base_pipeline_and_draws_what_gentrain_samples(pinned, tmp_path):
     """`checkpoints export` writes the adapters as `unet.`-prefixed keys (diffusers' pipeline LoRA layout): the
     base StableDiffusionPipeline plus `load_lora_weights(OUT/unet-lora)`, with the run's DDIM schedule, draws
     the images gentrain draws within 1/255 (same seed, steps, guidance, prompt)."""
@@ -338,15 +356,14 @@ def test_the_exported_lora_loads_into_the_base_pipeline_and_draws_what_gentrain_
     from trainer.runs import load_for_inference
     from trainer.tasks.sampling import SampleRequest
 
-    r = _train(sd, images, tmp_path / "run", "train.precision=no", steps=2)
-    assert r.returncode == 0, r.stderr[-3000:]
+    sd, run, _ = pinned  # the run's fp32 LoRA and the folder it pins
     out = tmp_path / "export"
     task_flag = ["--task", "probe_tasks:KillableDDPM"]
-    r = run_cli("checkpoints", "export", str(tmp_path / "run" / "checkpoints"), str(out), *task_flag, env=ENV)
+    r = run_cli("checkpoints", "export", str(run / "checkpoints"), str(out), *task_flag, env=ENV)
     assert r.returncode == 0, r.stderr[-3000:]
     assert all(k.startswith("unet.") for k in load_file(out / "unet-lora" / "pytorch_lora_weights.safetensors"))
 
-    store = CheckpointStore(str(tmp_path / "run" / "checkpoints"), {})
+    store = CheckpointStore(str(run / "checkpoints"), {})
     view = store.view(store.check(2))
     _, task, modules = load_for_inference(view, use_ema=True, device=CPU, task_name="probe_tasks:KillableDDPM")
     prompt, steps, scale = "the red photo", 4, 3.0
