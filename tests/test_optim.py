@@ -244,16 +244,20 @@ def test_a_checkpoint_resumes_only_with_the_optimizer_that_wrote_it():
     from types import SimpleNamespace
 
     from trainer.checkpoint.state import check_optimizer_name
+    from trainer.checkpoint.validity import PartState
     from trainer.errors import ConfigError
 
     def part(name: str) -> SimpleNamespace:
         return SimpleNamespace(name="unet", settings=SimpleNamespace(optimizer=name))
 
-    check_optimizer_name({"optimizer_name": "adamw8bit"}, part("adamw8bit"), "ckpt")
-    check_optimizer_name({}, part("adamw"), "ckpt")  # written before train.optimizer: adamw
-    for saved, live in [({}, "adamw8bit"), ({"optimizer_name": "adamw8bit"}, "adamw")]:
+    def saved(**fields) -> PartState:  # a part's record in trainer.json, as a resume parses it
+        return PartState.model_validate({"step": 1, "optimizer": {}, **fields})
+
+    check_optimizer_name(saved(optimizer_name="adamw8bit"), part("adamw8bit"), "ckpt")
+    check_optimizer_name(saved(), part("adamw"), "ckpt")  # written before train.optimizer: adamw
+    for record, live in [(saved(), "adamw8bit"), (saved(optimizer_name="adamw8bit"), "adamw")]:
         with pytest.raises(ConfigError, match=r"ckpt: part 'unet' was trained with optimizer \w+, this run builds"):
-            check_optimizer_name(saved, part(live), "ckpt")
+            check_optimizer_name(record, part(live), "ckpt")
 
 
 def test_8bit_state_in_a_part_whose_optimizer_keeps_none_is_a_corrupt_checkpoint():
