@@ -10,9 +10,11 @@ learns a task's name.
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import logging
 import time
+from collections.abc import Callable
 from typing import NoReturn
 
 import torch
@@ -269,12 +271,12 @@ class Trainer:
             # at every process that starts a run).
             timed = not first_step and self.throughput.flops_per_step is not None  # a step's time, nothing else
             if self.throughput.flops_per_step is None and not first_step and cfg.train.compile:
-                self._count_flops(batch)
+                self._record_flops(functools.partial(self.step_runner.count_flops, batch, progress.step))
             counting = self.throughput.flops_per_step is None and not first_step
             with self.throughput.counting() if counting else contextlib.nullcontext():
                 logs = self.step_runner.run(batch, progress.step)
             if counting:
-                self._counted_on_step()
+                self._record_flops(lambda: self.throughput.flops_per_step)
             elif compile_pending:  # the first compiled step (a step counted for real runs eagerly)
                 compile_pending = False
                 compiled = CompileStats.now()
@@ -356,25 +358,18 @@ class Trainer:
         skip of its steps, so the agreement is settled first."""
         return self.checkpoints.saves_at(step)
 
-    def _count_flops(self, batch: dict) -> None:
+    def _record_flops(self, count: Callable[[], int | None]) -> None:
+        """`count()` (on fake tensors, or the count the step just taken holds), logged with the device's peak (a
+        CPU's is measured here) and saved with the progress: all off the step's time (idle in the ledger, other
+        work for the step rates)."""
         t0 = time.perf_counter()
         kind = self.ledger.switch("idle")
-        flops = self.step_runner.count_flops(batch, self.progress.step)
-        self.ledger.switch(kind)
-        self.reporter.on_other_work(time.perf_counter() - t0)  # not the step's time
+        flops = count()
         if flops is not None:
             self.throughput.set_counted(flops)
             self.progress.flops_per_sample = flops * self.env.world_size / self.progress.batch_size
-
-    def _counted_on_step(self) -> None:
-        """The FLOPs the step just taken counted: logged with the device's peak (a CPU's is measured now,
-        between steps, kept out of the step rates as `_count_flops` keeps its count) and saved with the progress."""
-        t0 = time.perf_counter()
-        kind = self.ledger.switch("idle")
-        self.throughput.set_counted(self.throughput.flops_per_step)
         self.ledger.switch(kind)
         self.reporter.on_other_work(time.perf_counter() - t0)
-        self.progress.flops_per_sample = self.throughput.flops_per_step * self.env.world_size / self.progress.batch_size
 
     def stop_for_preemption(self) -> NoReturn:
         """Emergency checkpoint, clean-up, exit 143: all within elastic.grace_seconds of the signal.
