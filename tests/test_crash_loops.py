@@ -20,7 +20,7 @@ from helpers import wait_for_log
 
 from trainer.checkpoint import CheckpointStore
 from trainer.checkpoint.attempts import UnusableRecord, read_attempts, write_attempts
-from trainer.checkpoint.validity import MAX_ATTEMPTS_BYTES
+from trainer.checkpoint.validity import MAX_ATTEMPTS_BYTES, AttemptsDoc
 from trainer.elastic import DistEnv
 from trainer.engine.attempts import Attempts, error_signature
 from trainer.errors import ConfigError, CrashLoop
@@ -144,7 +144,7 @@ def test_an_attempts_record_that_is_not_one_gentrain_wrote_is_not_read_and_never
     reader.join(timeout=30)
     assert outcome and isinstance(outcome[0], UnusableRecord), outcome
     if kind in ("fifo", "link"):  # and the next write replaces it (never writes through it)
-        write_attempts(store, {"format_version": 1, "attempt": {"pid": 1}, "crash": None})
+        write_attempts(store, AttemptsDoc(format_version=1, attempt={"pid": 1}))
         assert read_attempts(store).attempt == {"pid": 1}
         assert json.loads(secret.read_text())["attempt"] == {}
 

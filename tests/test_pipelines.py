@@ -74,7 +74,7 @@ def test_each_family_is_recognized_with_its_parts_objective_and_every_file_pinne
         files
     )
     assert all(f"{e}/model.safetensors" in files for e in encoders)
-    assert all(len(v["blake3"]) == 64 and v["bytes"] > 0 for v in files.values())
+    assert all(len(v.blake3) == 64 and v.bytes > 0 for v in files.values())
     assert p.record.family == name and p.record.digest.startswith("blake3:")
     assert inspect_pipeline(str(pipelines[name])).record == p.record  # the same folder pins the same digests
 

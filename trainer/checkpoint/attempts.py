@@ -17,7 +17,6 @@ to the bucket can put anything at that name.
 from __future__ import annotations
 
 import json
-from typing import Any
 
 from trainer.checkpoint.layout import ATTEMPTS_FILE
 from trainer.checkpoint.store import CheckpointStore
@@ -43,9 +42,9 @@ def read_attempts(store: CheckpointStore) -> AttemptsDoc | None:
         raise UnusableRecord(str(e)) from None
 
 
-def write_attempts(store: CheckpointStore, doc: dict[str, Any]) -> None:
+def write_attempts(store: CheckpointStore, doc: AttemptsDoc) -> None:
     """Replace the record whole (readers see the old one or the new one); OSError if the store refuses."""
-    store._put_small(store._path(ATTEMPTS_FILE), json.dumps(doc, indent=1).encode())
+    store._put_small(store._path(ATTEMPTS_FILE), json.dumps(doc.model_dump(), indent=1).encode())
 
 
 def _read_local(path: str) -> bytes | None:

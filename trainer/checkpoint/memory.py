@@ -248,16 +248,16 @@ class MemoryTier:
         if owner is not None and error is None:
             try:
                 entries = self.store.write_files(step, files)
-                doc = {
-                    "format_version": FORMAT_VERSION,
-                    "step": step,
-                    "owner": owner,
-                    "world_size": self.env.world_size,
-                    "sharded": self.sharded,
-                    "files": entries,
-                    "index": index or {},
-                    "meta": meta if owner == 0 else None,
-                }
+                doc = PieceDoc(
+                    format_version=FORMAT_VERSION,
+                    step=step,
+                    owner=owner,
+                    world_size=self.env.world_size,
+                    sharded=self.sharded,
+                    files=entries,
+                    index=index or {},
+                    meta=meta if owner == 0 else None,
+                )
                 self._put_piece(step, owner, doc)
                 self.mark_reached(step, stored=True)
             except Exception as e:
@@ -270,7 +270,7 @@ class MemoryTier:
         if error:
             raise CheckpointError(f"memory snapshot of step {step} failed on rank {self.env.rank}: {error}")
 
-    def _trade(self, step: int, owner: int | None, doc: dict[str, Any] | None) -> None:
+    def _trade(self, step: int, owner: int | None, doc: PieceDoc | None) -> None:
         """Send this rank's piece to its buddy, receive the pieces it keeps copies of (both at once)."""
         to, sources = self.topology.buddy(self.env.rank), self.topology.sources(self.env.rank)
         done = threading.Event()
@@ -345,8 +345,8 @@ class MemoryTier:
             del data  # unmapped: the bytes are in the file
         _put(os.path.join(d, piece_file(doc.owner)), raw_bytes)  # last: the copy is complete
 
-    def _put_piece(self, step: int, owner: int, doc: Mapping[str, Any]) -> None:
-        _put(os.path.join(self._step_path(step), piece_file(owner)), json.dumps(doc).encode())
+    def _put_piece(self, step: int, owner: int, doc: PieceDoc) -> None:
+        _put(os.path.join(self._step_path(step), piece_file(owner)), json.dumps(doc.dump()).encode())
 
     def _remove_files(self, step: int, names: list[str]) -> None:
         """What a failed snapshot wrote (never through a link), and its step folder if nothing else is in it

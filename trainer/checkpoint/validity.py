@@ -124,13 +124,20 @@ class FrozenRecord(_Open):
     digest: StrictStr
 
 
+class PinnedFile(_Open):
+    """One file of a pinned pipeline folder (`InputRecord.files`): its blake3 and size, as hashed when read."""
+
+    blake3: Annotated[StrictStr, Field(pattern=_HEX64)]
+    bytes: NonNegInt
+
+
 class InputRecord(_Ordered):
     """One of a run's `inputs` in manifest.json: what else the run depends on (`Task.inputs`), by kind:
 
     - a pretrained folder (`<part>.pretrained`, `trainer.models.finetune.read_folder`): `url`, `digest`, `files`
       (the names hashed);
     - a released pipeline folder (`pipeline`, `trainer.models.pipelines.inspect_pipeline`): `url`, `family`,
-      `files` ({path: {"blake3", "bytes"}}), `digest`;
+      `files` ({path: PinnedFile}), `digest`;
     - an encoder (`text_encoder`, `image_encoder`): `source`, `digest`.
 
     `pin` (absent: false) says a resume or a sample must find the same digest (`check_pinned_inputs`). Written in
@@ -139,7 +146,7 @@ class InputRecord(_Ordered):
     url: StrictStr | None = None
     source: StrictStr | None = None
     family: StrictStr | None = None
-    files: list[StrictStr] | dict[StrictStr, dict[StrictStr, Any]] | None = None
+    files: list[StrictStr] | dict[StrictStr, PinnedFile] | None = None
     digest: StrictStr | None = None
     pin: StrictBool = False
 
@@ -178,7 +185,7 @@ class Manifest(_Ordered):
 
 class PieceDoc(_Open):
     """A memory-tier piece (trainer.checkpoint.memory): the files one rank contributes to a step. `parse_piece`
-    makes it; the tier, its resume and `checkpoints list` read it by attribute (`files`, `sharded`), and owner
+    makes it, the tier builds it to write one; the tier, its resume and `checkpoints list` read it by attribute (`files`, `sharded`), and owner
     0's `manifest_fields` (its `meta`, checked as a manifest's) say whose run it is and what it pinned."""
 
     format_version: Annotated[StrictInt, Field(ge=1, le=FORMAT_VERSION)]
@@ -195,6 +202,10 @@ class PieceDoc(_Open):
     def manifest_fields(self) -> Manifest | None:
         """Owner 0's `meta` as the manifest its commit writes (no files yet); None for the other owners."""
         return self._manifest
+
+    def dump(self) -> dict[str, Any]:
+        """The piece file's JSON (`trainer.checkpoint.memory` writes it, `parse_piece` reads it back)."""
+        return {**self.model_dump(), "files": self.entries(), "index": self.index_entries()}
 
     def entries(self) -> dict[str, dict[str, Any]]:
         """The manifest entries of its files (as `CheckpointStore.write_files` made them)."""
@@ -469,6 +480,7 @@ class CrashRecord(_Open):
     resume_step: NonNegInt | None  # where the next attempt is expected to resume from (None: a fresh start)
     run: Annotated[StrictStr, Field(pattern=OWNER_ID)] | None = None
     count: Annotated[StrictInt, Field(ge=1, le=1 << 20)]
+    time_utc: StrictStr | None = None
 
 
 class AttemptsDoc(_Open):

@@ -140,15 +140,15 @@ class Attempts:
         streak = self.streak
         same = streak is not None and streak.signature == signature and not progressed
         count = streak.count + 1 if same and streak is not None else 1
-        crash = {
-            "signature": signature,
-            "error": message,
-            "step": step,
-            "resume_step": next_resume,
-            "run": self.run,
-            "count": count,
-            "time_utc": _now(),
-        }
+        crash = CrashRecord(
+            signature=signature,
+            error=message,
+            step=step,
+            resume_step=next_resume,
+            run=self.run,
+            count=count,
+            time_utc=_now(),
+        )
         if self.env.is_main:
             self._write(crash)
             log.error(
@@ -182,10 +182,9 @@ class Attempts:
             log.warning("attempts record %s could not be read (%s): crashes are not counted", self.url, e)
         return None
 
-    def _write(self, crash: dict[str, Any] | None) -> None:
-        doc = {"format_version": 1, "attempt": self.attempt, "crash": crash}
+    def _write(self, crash: CrashRecord) -> None:
         try:
-            write_attempts(self.store, doc)
+            write_attempts(self.store, AttemptsDoc(format_version=1, attempt=self.attempt, crash=crash))
         except OSError as e:
             log.warning("attempts record %s could not be written (%s): crashes are not counted", self.url, e)
 

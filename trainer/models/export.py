@@ -239,9 +239,9 @@ def _copy_base_files(
                 f"--merged: {base.url}/{rel}, a file of the run's base pipeline, is gone: restore that folder "
                 "(the run's model.pretrained) and export again"
             ) from None
-        if isinstance(pinned, Mapping) and pinned.get("blake3") not in (None, h.hexdigest()):
+        if pinned.blake3 != h.hexdigest():
             raise ConfigError(
-                f"--merged: {base.url}/{rel} changed since the run pinned it ({pinned.get('blake3')}, now "
+                f"--merged: {base.url}/{rel} changed since the run pinned it ({pinned.blake3}, now "
                 f"{h.hexdigest()}): restore the folder as it was, or export without --merged"
             )
         written.append(target)

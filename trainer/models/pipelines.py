@@ -37,7 +37,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from trainer.checkpoint.format import new_digest
-from trainer.checkpoint.validity import InputRecord
+from trainer.checkpoint.validity import InputRecord, PinnedFile
 from trainer.errors import ConfigError
 
 MODEL_INDEX = "model_index.json"
@@ -185,7 +185,7 @@ class PipelineFolder:
     family: Family
     components: dict[str, Component]
     objective: Objective
-    record: InputRecord  # url, family, files {path: {blake3, bytes}}, digest: pinned in the run's checkpoints
+    record: InputRecord  # url, family, files {path: PinnedFile}, digest: pinned in the run's checkpoints
 
     @property
     def denoiser(self) -> Component:
@@ -261,7 +261,7 @@ class _Folder:
             raise ConfigError(f"{self.key}={self.url!r}: {rel} holds {type(value).__name__}, not a JSON object")
         return value
 
-    def digest(self, rel: str) -> dict[str, Any]:
+    def digest(self, rel: str) -> PinnedFile:
         """blake3 and size of one file, streamed."""
         h = new_digest("blake3")
         n = 0
@@ -273,7 +273,7 @@ class _Folder:
                     n += len(chunk)
         except OSError as e:
             raise ConfigError(f"{self.key}={self.url!r}: cannot read {rel} ({e})") from None
-        return {"blake3": h.hexdigest(), "bytes": n}
+        return PinnedFile(blake3=h.hexdigest(), bytes=n)
 
 
 def _slot_entry(index: dict[str, Any], slot: str) -> tuple[str, str] | None:
@@ -460,13 +460,13 @@ def inspect_pipeline(
     objective = _objective(components["scheduler"], key)
     if not digests:
         return PipelineFolder(url, family, components, objective, InputRecord(url=url, family=family.name))
-    files: dict[str, dict[str, Any]] = {MODEL_INDEX: folder.digest(MODEL_INDEX)}
+    files = {MODEL_INDEX: folder.digest(MODEL_INDEX)}
     for component in components.values():
         for rel in component.files:
             files[rel] = folder.digest(rel)
     h = new_digest("blake3")
     for rel in sorted(files):
-        h.update(f"{rel}\0{files[rel]['bytes']}\0{files[rel]['blake3']}\n".encode())
+        h.update(f"{rel}\0{files[rel].bytes}\0{files[rel].blake3}\n".encode())
     record = InputRecord(url=url, family=family.name, files=files, digest=f"blake3:{h.hexdigest()}")
     return PipelineFolder(url, family, components, objective, record)
 
