@@ -122,7 +122,8 @@ def test_a_manifest_is_written_from_its_model_as_the_json_it_always_was_and_a_ba
     assert list(doc) == ["format_version", "step", "time_utc", "digest", *meta, "files"]
     assert {k: doc[k] for k in meta} == meta and info.manifest.frozen["ae"].digest == "blake3:0"
     assert [list(r) for r in doc["inputs"].values()] == [list(r) for r in inputs.values()]
-    assert info.manifest.inputs["pipeline"].files == files and info.manifest.inputs["text_encoder"].pin
+    pinned = info.manifest.inputs["pipeline"].files
+    assert {rel: f.model_dump() for rel, f in pinned.items()} == files and info.manifest.inputs["text_encoder"].pin
     assert {name: r.dump() for name, r in info.manifest.inputs.items()} == inputs  # read back, written again
     with pytest.raises(CheckpointCorrupt, match="world_size"):
         store.write(2, payload(2), {"world_size": 0})

@@ -59,11 +59,12 @@ def lora(sd, images, tmp_path_factory):
     """The LoRA run, uninterrupted and killed-and-restarted: (final checkpoint tensors, the killed run's log, root)."""
     tmp_path = tmp_path_factory.mktemp("lora-fsdp")
     extra = ["train.activation_checkpointing=blocks", "checkpoint.memory=true", "checkpoint.memory_dir=ROOT/shm"]
-    # Rank 1 dies once its memory-tier piece of step 3 is written: the restart resumes from that snapshot (newer
-    # than the store's step 2).
-    piece = f"{tmp_path}/killed/shm/*/step-{KILL_AT:09d}/piece-r00001.json"
+    # Rank 1 dies once both ranks' memory-tier pieces of step 3 are written (its own alone would race rank 0's):
+    # the restart resumes from that snapshot (newer than the store's step 2).
+    pieces = f"{tmp_path}/killed/shm/*/step-{KILL_AT:09d}/piece-r0000[01].json"
     make = _args(sd, images, tmp_path, *extra)
-    a = _kill_and_compare(tmp_path, make, KILL_AT, STEPS, HF_HUB_OFFLINE="1", PROBE_TASK_KILL_AFTER=piece)
+    env = {"PROBE_TASK_KILL_AFTER": pieces, "PROBE_TASK_KILL_AFTER_COUNT": "2"}
+    a = _kill_and_compare(tmp_path, make, KILL_AT, STEPS, HF_HUB_OFFLINE="1", **env)
     return a, (tmp_path / "killed.log").read_text(), tmp_path
 
 
