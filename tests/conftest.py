@@ -48,8 +48,13 @@ def clean_env(**extra: str) -> dict[str, str]:
     for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(k, None)
     # HF_HUB_OFFLINE: the suite never reaches a model hub (nor does gentrain), and with it in every run's
-    # environment the runs that ask for it explicitly are forked like the others (see run_cli).
-    env.update(PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1")
+    # environment the runs that ask for it explicitly are forked like the others (see run_cli). The other two
+    # are what gentrain sets in its own process when it reads a dataset or a text encoder (so an in-process
+    # test sets them in pytest's environment for good): with them here, an environment made before such a
+    # test and one made after are the same, and both fork (a difference would start a fresh interpreter).
+    env.update(
+        PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", TRANSFORMERS_OFFLINE="1"
+    )
     env.update(extra)
     return env
 
@@ -119,13 +124,15 @@ _FORKABLE_PATHS = {str(REPO), str(REPO / "tests")}
 def fork_server(env: dict[str, str], cwd: Path | None = None) -> _Zygote | None:
     """The test fork server, where a run with this environment and working directory can be forked from
     it (else None: the run starts a fresh interpreter)."""
-    if cwd not in (None, REPO) or not _forkable(env) or os.environ.get("GENTRAIN_TEST_FORK", "1") == "0":
+    if cwd not in (None, REPO) or os.environ.get("GENTRAIN_TEST_FORK", "1") == "0":
         return None
-    return _zygote()
+    server = _zygote()
+    return server if server is not None and _forkable(env, server.env) else None
 
 
-def _forkable(env: dict[str, str]) -> bool:
-    base = clean_env()
+def _forkable(env: dict[str, str], base: dict[str, str]) -> bool:
+    """Whether a run with `env` sees what a fresh interpreter would in a fork of the server started with `base`:
+    the same import-time settings."""
     keys = {k for k in {*env, *base} if k.startswith(_IMPORT_TIME) and not k.startswith(_RUNTIME)}
     for k in keys:
         if env.get(k) == base.get(k):
@@ -208,13 +215,14 @@ class _Zygote:
 
         self.dir = tempfile.mkdtemp(prefix="gentrain-zygote-")
         self.socket = os.path.join(self.dir, "s")
+        self.env = clean_env()  # what its imports saw (fork_server compares a run's import-time settings)
         self.proc = subprocess.Popen(
             [sys.executable, "-u", str(REPO / "tests" / "zygote.py"), self.socket],
             stdin=subprocess.DEVNULL,
             stdout=subprocess.PIPE,
             text=True,
             cwd=REPO,
-            env=clean_env(),
+            env=self.env,
         )
         atexit.register(self.close)
         line = self.proc.stdout.readline()  # the event: its imports are done (or it said why not)
