@@ -9,13 +9,15 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV=${VENV:-.venv-test}
 python3 -m venv "$VENV"
-# Bytecode up front (pip's default; the Dockerfile installs the same way): this machine and CI set
-# PYTHONDONTWRITEBYTECODE=1, so Python never caches what it compiles on import, and without .pyc files every
-# process the suite starts compiled torch's and diffusers' sources again (import torch + diffusers: 7.5 s
-# instead of 4.1 s, times the ~1,000 processes the suite starts). The editable install's own code and the
-# test helpers that subprocesses import get theirs from compileall.
-"$VENV/bin/pip" install -q torch==2.13.0
-"$VENV/bin/pip" install -q -c constraints.txt -e ".[test]"
+# Bytecode: this machine and CI set PYTHONDONTWRITEBYTECODE=1, so Python never caches what it compiles on
+# import, and without .pyc files every process the suite starts would compile torch's and diffusers' sources
+# again (import torch + diffusers: 7.5 s instead of 4.1 s, times the ~1,000 processes the suite starts). pip
+# compiles every module it installs, one at a time (62 of its 114 s of CPU here), most of them never imported;
+# so pip installs without bytecode, and the suite runs without PYTHONDONTWRITEBYTECODE: the first process that
+# imports a module caches its bytecode, the others read it. gentrain's own code and the test helpers are
+# compiled up front (compileall, on both cores).
+"$VENV/bin/pip" install -q --no-compile torch==2.13.0
+"$VENV/bin/pip" install -q --no-compile -c constraints.txt -e ".[test]"
 "$VENV/bin/python" -m compileall -q -j 0 trainer tests bench >/dev/null
 "$VENV/bin/pip" check
 # etcd: the server of torchrun's etcd-v2 rendezvous (tests/test_etcd.py; Debian's 3.4 speaks the v2 API).
@@ -28,4 +30,5 @@ if [ ${#APT_PACKAGES[@]} -gt 0 ]; then
   DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq --no-install-recommends "${APT_PACKAGES[@]}" >/dev/null
 fi
 export PATH="$PWD/$VENV/bin:$PATH"
+unset PYTHONDONTWRITEBYTECODE  # see the install above
 exec "$VENV/bin/python" -m pytest -n "${GENTRAIN_TEST_WORKERS:-2}" --dist loadfile --durations=30 "$@"

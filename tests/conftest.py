@@ -83,14 +83,15 @@ def run_cli(
 
 
 def run_bench(script: str, *args: str, timeout: float = 300) -> subprocess.CompletedProcess:
-    """`python bench/SCRIPT ARGS` from the checkout, offline; killed if it outlives `timeout` (a hang bound)."""
+    """`python bench/SCRIPT ARGS` from the checkout, offline, forked from the test server where it can be (as
+    run_cli); killed if it outlives `timeout` (a hang bound)."""
+    env = clean_env(PYTHONPATH=str(REPO))
+    path = str(REPO / "bench" / script)
+    server = fork_server(env)
+    if server is not None:
+        return server.run([str(a) for a in args], env, timeout, script=path)
     return subprocess.run(
-        [sys.executable, str(REPO / "bench" / script), *args],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        env=clean_env(PYTHONPATH=str(REPO), HF_HUB_OFFLINE="1"),
+        [sys.executable, path, *args], cwd=REPO, capture_output=True, text=True, timeout=timeout, env=env
     )
 
 
@@ -231,14 +232,29 @@ class _Zygote:
             raise RuntimeError(f"the test fork server did not start: {line!r} (GENTRAIN_TEST_FORK=0 avoids it)")
         self.runs = 0
 
-    def start(self, args: list[str], env: dict[str, str], stdout: str, stderr: str, session: bool = False) -> ForkedRun:
-        """Fork a run writing to the files `stdout` and `stderr` (the same path: one file, as
-        Popen(stderr=STDOUT)); `session`: in a session and process group of its own."""
+    def start(
+        self,
+        args: list[str],
+        env: dict[str, str],
+        stdout: str,
+        stderr: str,
+        session: bool = False,
+        module: str = "trainer",
+        script: str | None = None,
+    ) -> ForkedRun:
+        """Fork `python -m MODULE ARGS` (`python SCRIPT ARGS`) writing to the files `stdout` and `stderr` (the
+        same path: one file, as Popen(stderr=STDOUT)); `session`: in a session and process group of its own."""
         import json
 
+        for path in {stdout, stderr}:  # there when this returns, as Popen's are (a test may read them at once)
+            open(path, "w").close()
         request = {"args": args, "env": env, "cwd": str(REPO), "stdout": stdout, "stderr": stderr}
         if session:
             request["session"] = True
+        if module != "trainer":
+            request["module"] = module
+        if script is not None:
+            request["script"] = script
         conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
             conn.connect(self.socket)
@@ -246,19 +262,23 @@ class _Zygote:
         except OSError:
             conn.close()
             raise
-        return ForkedRun(conn, ["gentrain", *args])
+        return ForkedRun(conn, [script or ("gentrain" if module == "trainer" else module), *args])
 
-    def run(self, args: list[str], env: dict[str, str], timeout: float) -> subprocess.CompletedProcess:
+    def run(
+        self, args: list[str], env: dict[str, str], timeout: float, script: str | None = None
+    ) -> subprocess.CompletedProcess:
+        """`python -m trainer ARGS` (`python SCRIPT ARGS`) to its end, as subprocess.run(capture_output=True,
+        text=True) returns it; killed if it outlives `timeout`."""
         self.runs += 1
         out, err = (os.path.join(self.dir, f"{self.runs}.{n}") for n in ("out", "err"))
-        proc = self.start(args, env, out, err)
+        proc = self.start(args, env, out, err, script=script)
         try:
             code = proc.wait(timeout)
         except subprocess.TimeoutExpired:
             proc.kill()
             raise
         with open(out) as o, open(err) as e:
-            result = subprocess.CompletedProcess(["gentrain", *args], code, o.read(), e.read())
+            result = subprocess.CompletedProcess(proc.args, code, o.read(), e.read())
         os.unlink(out)
         os.unlink(err)
         return result

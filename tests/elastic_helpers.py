@@ -10,11 +10,19 @@ from conftest import clean_env, free_port
 from helpers import children, kill_group
 
 
-def _start_agent(cmd: list[str], log_path: Path, env: dict[str, str]) -> subprocess.Popen:
-    """`cmd` as the leader of a new process group (killable as a unit), output to `log_path`."""
-    return subprocess.Popen(
-        cmd, stdout=open(log_path, "w"), stderr=subprocess.STDOUT, env=clean_env(**env), start_new_session=True
-    )
+def _start_agent(module: str, args: list[str], log_path: Path, env: dict[str, str], fork: bool = True):
+    """`python -m MODULE ARGS` as the leader of a new session (killable as a unit), output to `log_path`: forked
+    from the test fork server where a CLI run with this environment would fork (`fork`; the handle offers what the
+    tests use of Popen, tests/conftest.py ForkedRun), else a fresh interpreter. torchrun's agent imports torch
+    (about 1.8 s of CPU here), the suite starts a hundred or more."""
+    from conftest import fork_server
+
+    env = clean_env(**env)
+    server = fork_server(env) if fork else None
+    if server is not None:
+        return server.start(args, env, str(log_path), str(log_path), session=True, module=module)
+    cmd = [sys.executable, "-m", module, *args]
+    return subprocess.Popen(cmd, stdout=open(log_path, "w"), stderr=subprocess.STDOUT, env=env, start_new_session=True)
 
 
 def worker_command(env: dict[str, str], fork: bool = True, script: str | None = None) -> list[str]:
@@ -57,18 +65,25 @@ def finish(proc: subprocess.Popen, log: Path, timeout: float = 600) -> int:
 
 
 def start_torchrun(
-    torchrun_args: list[str], train_args: list[str], log_path: Path, fork: bool = True, **env: str
+    torchrun_args: list[str],
+    train_args: list[str],
+    log_path: Path,
+    fork: bool = True,
+    command: tuple[str, ...] = ("train",),
+    script: str | None = None,
+    **env: str,
 ) -> subprocess.Popen:
-    """`torchrun ... -m trainer train ...`, the ranks forked from the test fork server unless `fork=False`
-    or the environment needs fresh interpreters (`worker_command`)."""
-    worker = worker_command(env, fork)
-    cmd = [sys.executable, "-m", "torch.distributed.run", *torchrun_args, *worker, "train", *train_args]
-    return _start_agent(cmd, log_path, env)
+    """`torchrun ... -m trainer train ...` (`command`: another gentrain command, e.g. ("data", "encode"); with
+    `script` and `command=()`: `torchrun ... SCRIPT ...`), the agent and its ranks forked from the test fork server
+    unless `fork=False` or the environment needs fresh interpreters (`worker_command`)."""
+    worker = worker_command(env, fork, script)
+    args = [*torchrun_args, *worker, *command, *train_args]
+    return _start_agent("torch.distributed.run", args, log_path, env, fork)
 
 
 def start_launch(torchrun_args: list[str], train_args: list[str], log_path: Path, **env: str) -> subprocess.Popen:
     """`gentrain launch TORCHRUN_ARGS -- ARGS` (what a pod runs)."""
-    return _start_agent([sys.executable, "-m", "trainer", "launch", *torchrun_args, "--", *train_args], log_path, env)
+    return _start_agent("trainer", ["launch", *torchrun_args, "--", *train_args], log_path, env)
 
 
 def worker_pids(agent_pid: int) -> list[int]:

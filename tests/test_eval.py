@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 import scipy.linalg
 import torch
-from conftest import clean_env, free_port, run_cli, tiny
-from elastic_helpers import worker_command
+from conftest import run_cli, tiny
+from elastic_helpers import standalone, start_torchrun
 from helpers import kill_group
 
 from trainer.data.datasets import DigitsDataset
@@ -129,34 +129,11 @@ def test_training_evaluates_periodically_and_eval_cli_over_2_ranks_equals_1_rank
     # Same images, same statistics: the training-time evaluation saw the same EMA weights.
     assert single["fid"] == pytest.approx(during["fid"], rel=1e-6)
 
-    import subprocess
-    import sys
-
     def two_ranks(num: int) -> dict:
         (root / "eval-000000002.json").unlink()
-        log, port = tmp_path / f"eval2-{num}.log", free_port()
-        env: dict[str, str] = {}
-        proc = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "torch.distributed.run",
-                "--nproc-per-node=2",
-                "--rdzv-backend=c10d",
-                f"--rdzv-endpoint=127.0.0.1:{port}",
-                f"--rdzv-id=eval-{port}",
-                "--max-restarts=0",
-                *worker_command(env),
-                "eval",
-                str(root),
-                "--num-images",
-                str(num),
-            ],  # torchrun's parser refuses --num
-            stdout=open(log, "w"),
-            stderr=subprocess.STDOUT,
-            env=clean_env(**env),
-            start_new_session=True,
-        )
+        log = tmp_path / f"eval2-{num}.log"
+        # torchrun's parser refuses --num
+        proc = start_torchrun(standalone(2), [str(root), "--num-images", str(num)], log, command=("eval",))
         try:
             assert proc.wait(timeout=600) == 0, log.read_text()[-3000:]
         finally:

@@ -8,14 +8,12 @@ import json
 import os
 import re
 import signal
-import subprocess
-import sys
 from collections import defaultdict
 
 import pytest
 import torch
-from conftest import REPO, clean_env, run_cli, tiny
-from elastic_helpers import finish, rank_of, standalone, start_torchrun, worker_command, worker_pids
+from conftest import REPO, run_cli, tiny
+from elastic_helpers import finish, rank_of, standalone, start_torchrun, worker_pids
 from helpers import assert_tensors_equal, kill_group, wait_until
 from test_elastic import make_images
 
@@ -171,19 +169,8 @@ def test_sigkilled_fsdp_rank_resumes_bit_identical_from_an_async_save(tmp_path):
 def roundtrip(tmp_path, name: str, nproc: int, src: str, out: str, *args: str) -> None:
     """Resume `src` at `nproc` ranks (resharding) and save the same step, untrained, under `out`."""
     log = tmp_path / f"{name}.log"
-    env: dict[str, str] = {}
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        *standalone(nproc, max_restarts=0),
-        *worker_command(env, script=str(REPO / "tests" / "reshard_roundtrip.py")),
-        out,
-        *tiny(tmp_path / name, f"checkpoint.url={src}", *args),
-    ]
-    proc = subprocess.Popen(
-        cmd, stdout=open(log, "w"), stderr=subprocess.STDOUT, env=clean_env(**env), start_new_session=True
-    )
+    args = [out, *tiny(tmp_path / name, f"checkpoint.url={src}", *args)]
+    proc = start_torchrun(standalone(nproc), args, log, command=(), script=str(REPO / "tests" / "reshard_roundtrip.py"))
     assert finish(proc, log) == 0, log.read_text()[-4000:]
 
 

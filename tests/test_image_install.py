@@ -110,7 +110,7 @@ def dockerfile_install() -> tuple[str, list[str], list[tuple[list[str], str]]]:
     project = [c for c in commands if c.startswith("pip install") and re.search(r"""["']?\.\[""", c)]
     assert len(project) == 1, f"expected one `pip install ... .[extras]` in the Dockerfile, found {project}"
     args = shlex.split(project[0].replace("${TORCH_VERSION}", torch_version))[2:]
-    # Only pip's cache differs from the image build: it is what keeps this test fast on a warm machine.
+    # pip's cache and bytecode (--no-compile, see image_venv) differ from the image build: they keep this test fast.
     args = [a for a in args if a != "--no-cache-dir"]
     copies = [(words[1:-1], words[-1]) for words in (shlex.split(line) for line in lines if line.startswith("COPY "))]
     return torch_version, args, copies
@@ -146,7 +146,9 @@ def test_the_dockerfile_install_line_is_parsed_as_written():
 
 def _venv_env(venv: Path) -> dict[str, str]:
     env = clean_env()
-    for key in ("PYTHONPATH", "VIRTUAL_ENV", "PYTHONHOME"):
+    # PYTHONDONTWRITEBYTECODE too: the venv is installed without bytecode (see image_venv), so its first
+    # process caches what it compiles and the later ones read it.
+    for key in ("PYTHONPATH", "VIRTUAL_ENV", "PYTHONHOME", "PYTHONDONTWRITEBYTECODE"):
         env.pop(key, None)
     env["PATH"] = f"{venv / 'bin'}{os.pathsep}{env.get('PATH', '')}"
     return env
@@ -167,9 +169,10 @@ def image_venv(tmp_path_factory) -> Path:
     env = _venv_env(venv)
     _run([sys.executable, "-m", "venv", str(venv)], root, env)
     python = str(venv / "bin" / "python")
-    # With bytecode, as the Dockerfile's pip installs: under PYTHONDONTWRITEBYTECODE=1 (the image sets it, so does
-    # CI) a venv without .pyc files compiles torch, transformers and the rest again in every process it starts.
-    _run([python, "-m", "pip", "install", "-q", f"torch=={torch_version}"], root, env)
+    # Without bytecode (--no-compile), unlike the image's pip: compiling every module of torch, transformers and
+    # the rest took 52 of pip's 114 s of CPU here, and the processes below import a fraction of them. They run
+    # without PYTHONDONTWRITEBYTECODE (`_venv_env`), so what they import is compiled once, by the first.
+    _run([python, "-m", "pip", "install", "-q", "--no-compile", f"torch=={torch_version}"], root, env)
     src = root / "src"  # the Dockerfile's WORKDIR, with what it copies there
     src.mkdir()
     for sources, dest in copies:
@@ -179,7 +182,7 @@ def image_venv(tmp_path_factory) -> Path:
                 shutil.copytree(REPO / name, target, ignore=shutil.ignore_patterns("__pycache__"))
             else:
                 shutil.copy(REPO / name, target)
-    _run([python, "-m", "pip", "install", "-q", *args], src, env)
+    _run([python, "-m", "pip", "install", "-q", "--no-compile", *args], src, env)
     shutil.rmtree(src)  # nothing may import gentrain from its sources
     return venv
 

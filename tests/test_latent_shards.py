@@ -22,7 +22,7 @@ import numpy as np
 import pytest
 import torch
 from conftest import REPO, clean_env, run_bench, tiny
-from elastic_helpers import _start_agent, finish, standalone, worker_command
+from elastic_helpers import finish, standalone, start_torchrun
 from helpers import assert_tensors_equal
 from hypothesis import given, settings
 from hypothesis.extra.numpy import array_shapes, arrays
@@ -406,11 +406,9 @@ def test_encode_under_torchrun_to_s3_then_train_across_world_sizes_reads_every_s
     options = s3_server.storage_options()
     url = f"s3://{s3_server.make_bucket()}/latents"
     log = tmp_path / "encode.log"
-    env = {"PYTHONPATH": ENV["PYTHONPATH"]}
-    cmd = [sys.executable, "-m", "torch.distributed.run", *standalone(2), *worker_command(env), "data", "encode"]
-    cmd += [*latent_args(tmp_path, vae), "--out", url, "--samples-per-shard", "400"]
-    cmd += ["--storage-options", json.dumps(options)]
-    proc = _start_agent(cmd, log, env)
+    args = [*latent_args(tmp_path, vae), "--out", url, "--samples-per-shard", "400"]
+    args += ["--storage-options", json.dumps(options)]
+    proc = start_torchrun(standalone(2), args, log, command=("data", "encode"), PYTHONPATH=ENV["PYTHONPATH"])
     assert finish(proc, log) == 0, log.read_text()[-4000:]
     text = log.read_text()
     assert "rank 0 of 2): 3 shards" in text and "rank 1 of 2): 2 shards" in text
@@ -435,9 +433,8 @@ def test_encode_under_torchrun_to_s3_then_train_across_world_sizes_reads_every_s
     previous = 0
     for i, (world, until) in enumerate([(2, 4), (1, 9)]):
         leg = tmp_path / f"leg{i}.log"
-        env = {"PYTHONPATH": ENV["PYTHONPATH"]}
-        cmd = [sys.executable, "-m", "torch.distributed.run", *standalone(world), *worker_command(env), "train"]
-        proc = _start_agent([*cmd, "digits-ddpm", *base, f"train.max_steps={until}"], leg, env)
+        args = ["digits-ddpm", *base, f"train.max_steps={until}"]
+        proc = start_torchrun(standalone(world), args, leg, PYTHONPATH=ENV["PYTHONPATH"])
         assert finish(proc, leg) == 0, leg.read_text()[-4000:]
         if previous:
             assert f"step={previous} cursor={previous * batch}" in leg.read_text()

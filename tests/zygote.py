@@ -27,7 +27,8 @@ The stdlib's multiprocessing forkserver does the same for its workers; it cannot
 `__main__` with another environment and argv, so this is written here.
 
 Protocol, one connection per run: the client sends one JSON line {args, env, cwd, optionally script (the
-run is `python SCRIPT ARGS`, not `-m trainer`), and either stdout and stderr (file paths) or fds (true:
+run is `python SCRIPT ARGS`, not `-m trainer`) or module (`python -m MODULE ARGS`: torchrun's agent,
+tests/elastic_helpers.py), and either stdout and stderr (file paths) or fds (true:
 stdin, stdout and stderr come with the line as SCM_RIGHTS); optionally session (the run starts a session
 of its own) and tied (the run is SIGKILLed when the client's end of the connection closes)}; the monitor
 answers "pid <n>\\n", then "exit <code>\\n".
@@ -137,7 +138,8 @@ def _run(req: dict, fds: list[int]) -> None:
     os.environ.clear()
     os.environ.update(req["env"])
     script = req.get("script")  # `python SCRIPT ARGS` instead of `python -m trainer ARGS`
-    sys.argv = [script or os.path.join(req["cwd"], "trainer", "__main__.py"), *req["args"]]
+    module = req.get("module", "trainer")  # `python -m MODULE ARGS` (run_module sets argv[0] to its file)
+    sys.argv = [script or module, *req["args"]]
     # what `python -m` puts first (`python SCRIPT`: the script's folder), then PYTHONPATH's folders
     sys.path[0] = os.path.dirname(os.path.abspath(script)) if script else req["cwd"]
     extra = [p for p in req["env"].get("PYTHONPATH", "").split(os.pathsep) if p and p not in sys.path]
@@ -148,7 +150,7 @@ def _run(req: dict, fds: list[int]) -> None:
         if script:
             runpy.run_path(script, run_name="__main__")
         else:
-            runpy.run_module("trainer", run_name="__main__", alter_sys=True)
+            runpy.run_module(module, run_name="__main__", alter_sys=True)
         code = 0
     except SystemExit as e:
         if e.code is None or isinstance(e.code, int):
