@@ -88,6 +88,21 @@ def test_the_cpu_matmul_peak_is_measured():
     assert measure_cpu_matmul_peak(n=128, repeats=2, warmup_s=0) > 0
 
 
+@pytest.mark.parametrize("slow_s, widths", [(0.0, {128}), (float("inf"), {128, 256, 512})])
+def test_the_cpu_matmul_grows_only_while_the_next_size_stays_fast(monkeypatch, slow_s, widths):
+    """A dtype without a fast CPU kernel (fp16 on x86: 2 s per 1024-wide matmul) is measured at a small size: the
+    size doubles only while 8x the last matmul's time stays under `slow_s`."""
+    sizes, mm = [], torch.mm
+
+    def spy(a, b):
+        sizes.append(a.shape[0])
+        return mm(a, b)
+
+    monkeypatch.setattr(torch, "mm", spy)
+    assert measure_cpu_matmul_peak(torch.float16, n=512, repeats=2, warmup_s=0, slow_s=slow_s) > 0
+    assert set(sizes) == widths and sizes[-1] == max(widths)
+
+
 def test_the_cpu_peak_is_measured_on_first_use_not_at_start_up(monkeypatch):
     """The 0.3 s matmul is off a run's path to its first step: asked for between steps, once."""
     from trainer.engine import throughput

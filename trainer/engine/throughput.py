@@ -59,16 +59,31 @@ def gpu_peak(name: str, precision: str, tf32: bool) -> float | None:
 
 
 def measure_cpu_matmul_peak(
-    dtype: torch.dtype = torch.float32, n: int = 1024, repeats: int = 10, warmup_s: float = 0.15
+    dtype: torch.dtype = torch.float32,
+    n: int = 1024,
+    repeats: int = 10,
+    warmup_s: float = 0.15,
+    slow_s: float = 0.05,
 ) -> float:
-    """FLOP/s of the best of `repeats` n x n matmuls in `dtype` on this process's torch threads, after
+    """FLOP/s of the best of `repeats` square matmuls in `dtype` on this process's torch threads, after
     `warmup_s` seconds of the same matmul (thread pool, kernel selection, the cores' clocks: with one
     warm-up matmul and 3 repeats, 2 threads here read 0.09-0.10 TFLOP/s where a warm loop reaches
-    0.16-0.20, and a step could show an MFU above 1)."""
-    a = torch.randn(n, n, generator=torch.Generator().manual_seed(0)).to(dtype)
-    b = torch.randn(n, n, generator=torch.Generator().manual_seed(1)).to(dtype)
-    start = time.perf_counter()
-    torch.mm(a, b)
+    0.16-0.20, and a step could show an MFU above 1).
+
+    The size doubles from 128 up to `n` while the doubled matmul (8x the work) would take less than `slow_s`: a
+    dtype this CPU has no fast kernel for costs a fraction of a second, not `repeats` times a slow one (fp16 on
+    this build machine's x86 CPU: 2.1 s per 1024-wide matmul, a 23 s stall in a run's second step; now 256
+    wide, 0.3 s in all), while float32 and bfloat16 reach 1024 as before."""
+    size = min(128, n)
+    while True:
+        a = torch.randn(size, size, generator=torch.Generator().manual_seed(0)).to(dtype)
+        b = torch.randn(size, size, generator=torch.Generator().manual_seed(1)).to(dtype)
+        start = time.perf_counter()
+        torch.mm(a, b)
+        took = time.perf_counter() - start
+        if size >= n or 8 * took >= slow_s:
+            break
+        size *= 2
     while time.perf_counter() - start < warmup_s:
         torch.mm(a, b)
     best = float("inf")
@@ -76,7 +91,7 @@ def measure_cpu_matmul_peak(
         t0 = time.perf_counter()
         torch.mm(a, b)
         best = min(best, time.perf_counter() - t0)
-    return 2 * n**3 / best
+    return 2 * size**3 / best
 
 
 class StepFlops(TorchDispatchMode):
