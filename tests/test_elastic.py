@@ -6,15 +6,13 @@ import json
 import os
 import re
 import signal
-import subprocess
-import sys
 from collections import defaultdict
 
 import numpy as np
 import pytest
 import torch
-from conftest import tiny
-from elastic_helpers import finish, rank_of, standalone, start_torchrun, worker_pids
+from conftest import run_cli, tiny
+from elastic_helpers import finish, rank_of, standalone, start_launch, start_torchrun, worker_pids
 from helpers import assert_identical, final_weights, kill_group, wait_for_log
 from PIL import Image
 
@@ -29,13 +27,12 @@ def test_sigkilled_worker_is_restarted_and_the_result_equals_an_uninterrupted_ru
     steps = 120
     # Dropout draws from the global RNG: resume must reproduce those draws too.
     args = ["checkpoint.every_steps=10", "train.log_every_steps=5", "model.dropout=0.1"]
-    # The ranks here are fresh interpreters, as torchrun starts them in a pod (fork=False); the suite's other
-    # torchrun tests fork theirs from the test fork server (tests/zygote_worker.py), this one keeps the
-    # unforked path under a SIGKILL and a restart.
+    # The killed run's ranks are fresh interpreters, as torchrun starts them in a pod (fork=False); the suite's
+    # other torchrun tests fork theirs from the test fork server (tests/zygote_worker.py), this one keeps the
+    # unforked path under a SIGKILL and a restart. The uninterrupted run forks: the weights compared below are
+    # also a fork's against a fresh interpreter's.
     ref_log = tmp_path / "ref.log"
-    ref = start_torchrun(
-        standalone(2, max_restarts=3), tiny(tmp_path / "ref", *args, max_steps=steps), ref_log, fork=False
-    )
+    ref = start_torchrun(standalone(2, max_restarts=3), tiny(tmp_path / "ref", *args, max_steps=steps), ref_log)
     assert finish(ref, ref_log) == 0, ref_log.read_text()[-4000:]
 
     log = tmp_path / "killed.log"
@@ -153,15 +150,7 @@ def test_a_batch_the_world_size_cannot_split_is_a_clear_error():
 
 
 def launch(tmp_path, *args: str, timeout: float = 180):
-    from conftest import clean_env
-
-    return subprocess.run(
-        [sys.executable, "-m", "trainer", "launch", *args],
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        env=clean_env(),
-    )
+    return run_cli("launch", *args, timeout=timeout)
 
 
 def test_launch_exits_2_on_a_config_error_before_starting_workers(tmp_path):
@@ -182,21 +171,8 @@ def test_launch_trains_and_exits_0_then_143_on_sigterm(tmp_path):
     assert r.returncode == 0, r.stderr[-3000:]
 
     log = tmp_path / "term.log"
-    proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "trainer",
-            "launch",
-            *standalone(2, max_restarts=3),
-            "--",
-            *tiny(tmp_path / "term", "checkpoint.every_steps=0", max_steps=100000),
-        ],
-        stdout=open(log, "w"),
-        stderr=subprocess.STDOUT,
-        env=__import__("conftest").clean_env(),
-        start_new_session=True,
-    )
+    train = tiny(tmp_path / "term", "checkpoint.every_steps=0", max_steps=100000)
+    proc = start_launch(standalone(2, max_restarts=3), train, log)
     try:
         wait_for_log(log, "step=10/", proc, timeout=300)
         proc.send_signal(signal.SIGTERM)
