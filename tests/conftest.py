@@ -223,7 +223,7 @@ class _Zygote:
             stdout=subprocess.PIPE,
             text=True,
             cwd=REPO,
-            env=self.env,
+            env={**self.env, "SUITE_CPU_LOG": os.environ.get(CPU_LOG, "")},
         )
         atexit.register(self.close)
         line = self.proc.stdout.readline()  # the event: its imports are done (or it said why not)
@@ -249,6 +249,7 @@ class _Zygote:
         for path in {stdout, stderr}:  # there when this returns, as Popen's are (a test may read them at once)
             open(path, "w").close()
         request = {"args": args, "env": env, "cwd": str(REPO), "stdout": stdout, "stderr": stderr}
+        request["test"] = os.environ.get("PYTEST_CURRENT_TEST", "?")  # for the CPU log, if kept
         if session:
             request["session"] = True
         if module != "trainer":
@@ -309,6 +310,34 @@ def _zygote() -> _Zygote | None:
 
             warnings.warn(f"CLI runs start fresh interpreters: {e}", stacklevel=2)
     return _ZYGOTE
+
+
+# The suite's CPU profile (docs/development.md): with GENTRAIN_TEST_CPU_LOG=FILE, each test appends the CPU seconds
+# of its pytest process and of the processes it started and waited for (fresh interpreters, torchrun's agents),
+# and the fork server appends each forked run's (tests/zygote.py); scripts/suite_cpu.py sums them per file.
+CPU_LOG = "GENTRAIN_TEST_CPU_LOG"
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    path = os.environ.get(CPU_LOG)
+    if not path:
+        yield
+        return
+    import json
+    import resource
+    import time
+
+    def cpu(who: int) -> float:
+        usage = resource.getrusage(who)
+        return usage.ru_utime + usage.ru_stime
+
+    own, children, t0 = cpu(resource.RUSAGE_SELF), cpu(resource.RUSAGE_CHILDREN), time.monotonic()
+    yield
+    record = {"test": item.nodeid, "kind": "pytest", "wall": time.monotonic() - t0}
+    record.update(self=cpu(resource.RUSAGE_SELF) - own, children=cpu(resource.RUSAGE_CHILDREN) - children)
+    with open(path, "a") as f:
+        f.write(json.dumps(record) + "\n")
 
 
 def free_port() -> int:

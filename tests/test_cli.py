@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import run_cli
+from conftest import REPO, run_cli
 from helpers import wait_until
 from PIL import Image
 
@@ -80,6 +80,33 @@ def test_a_run_forked_by_the_test_server_matches_a_fresh_interpreter(tmp_path):
         assert (forked.returncode, forked.stdout) == (fresh.returncode, fresh.stdout), args
         assert forked.stderr.splitlines()[-1:] == fresh.stderr.splitlines()[-1:], args
     assert [r.returncode for r in (server.run(a, clean_env(), timeout=300) for a in runs)] == [0, 2, 1]
+
+
+def test_the_suite_cpu_profile_counts_each_forked_run_for_the_test_that_started_it(tmp_path, monkeypatch):
+    """GENTRAIN_TEST_CPU_LOG (docs/development.md): a fork server started with it logs every run's CPU seconds
+    under the test that asked for it, and scripts/suite_cpu.py sums them for that test's file."""
+    from conftest import _Zygote, clean_env
+
+    log = tmp_path / "cpu.jsonl"
+    monkeypatch.setenv("GENTRAIN_TEST_CPU_LOG", str(log))
+    server = _Zygote()
+    try:
+        assert [server.run(["presets"], clean_env(), timeout=300).returncode for _ in range(2)] == [0, 0]
+    finally:
+        server.close()
+    records = [json.loads(line) for line in log.read_text().splitlines()]
+    assert len(records) == 2 and all(r["kind"] == "fork" and r["args"] == ["presets"] for r in records), records
+    assert all(
+        r["test"].startswith(
+            f"tests/test_cli.py::{test_the_suite_cpu_profile_counts_each_forked_run_for_the_test_that_started_it.__name__}"
+        )
+        for r in records
+    )
+    assert all(r["cpu"] > 0 for r in records)  # a run's own CPU time, from the monitor's wait4
+    report = subprocess.run(
+        [sys.executable, str(REPO / "scripts" / "suite_cpu.py"), str(log)], capture_output=True, text=True, check=True
+    ).stdout
+    assert re.search(r"^test_cli\.py +\d+ +\d+ +0 +0 +2 +0$", report, re.M), report
 
 
 RANK_SCRIPT = """\

@@ -44,6 +44,7 @@ import signal
 import socket
 import sys
 
+CPU_LOG = "SUITE_CPU_LOG"  # the server's copy of GENTRAIN_TEST_CPU_LOG (clean_env drops GENTRAIN_*)
 PRELOAD = ("torch", "diffusers", "diffusers.training_utils", "peft", "transformers", "accelerate", "safetensors")
 
 
@@ -89,7 +90,8 @@ def _serve(path: str) -> None:
                 os.close(fd)
             try:
                 conn.sendall(f"pid {pid}\n".encode())
-                status = _wait_tied(conn, pid) if req.get("tied") else os.waitpid(pid, 0)[1]
+                status, usage = _wait_tied(conn, pid) if req.get("tied") else os.wait4(pid, 0)[1:]
+                _log_cpu(req, usage)
                 # As subprocess reports it: the exit code, or minus the signal that killed the run.
                 conn.sendall(f"exit {os.waitstatus_to_exitcode(status)}\n".encode())
             except OSError:
@@ -101,20 +103,32 @@ def _serve(path: str) -> None:
             os.close(fd)
 
 
-def _wait_tied(conn: socket.socket, pid: int) -> int:
-    """The run's wait status; if the client's end closes first (it was killed), SIGKILL the run then."""
+def _log_cpu(req: dict, usage) -> None:
+    """With CPU_LOG set (GENTRAIN_TEST_CPU_LOG, tests/conftest.py), append the run's CPU seconds (its own and its
+    children's) and the test that started it: the suite's profile (scripts/suite_cpu.py)."""
+    path = os.environ.get(CPU_LOG)
+    if path:
+        test = req.get("test") or req["env"].get("PYTEST_CURRENT_TEST", "?")
+        record = {"test": test, "kind": "fork", "cpu": usage.ru_utime + usage.ru_stime, "args": req["args"][:2]}
+        with open(path, "a") as f:
+            f.write(json.dumps(record) + "\n")
+
+
+def _wait_tied(conn: socket.socket, pid: int) -> tuple[int, object]:
+    """The run's wait status and resource usage; if the client's end closes first (it was killed), SIGKILL the
+    run then."""
     try:
         ended = os.pidfd_open(pid)  # readable once the run has exited
     except (AttributeError, OSError):  # no pidfd (Linux before 5.3): look every 50 ms
         ended = None
     while True:
         ready = select.select([conn] if ended is None else [conn, ended], [], [], 0.05 if ended is None else None)[0]
-        done, status = os.waitpid(pid, os.WNOHANG)
+        done, status, usage = os.wait4(pid, os.WNOHANG)
         if done:
-            return status
+            return status, usage
         if conn in ready and not conn.recv(1 << 12):
             os.kill(pid, signal.SIGKILL)
-            return os.waitpid(pid, 0)[1]
+            return os.wait4(pid, 0)[1:]
 
 
 def _run(req: dict, fds: list[int]) -> None:
