@@ -85,22 +85,12 @@ def test_a_whole_lora_state_still_loads_and_a_partial_one_is_refused():
     A state with some base weights but not all fits neither and is refused naming what is missing."""
     from types import SimpleNamespace
 
-    from diffusers import UNet2DModel
+    from tiny_backbones import tiny_unet2d
 
     from trainer.checkpoint.state import check_fits
     from trainer.errors import CheckpointCorrupt
 
-    torch.manual_seed(0)
-    unet = UNet2DModel(
-        sample_size=8,
-        in_channels=1,
-        out_channels=1,
-        block_out_channels=(8, 16),
-        down_block_types=("DownBlock2D", "DownBlock2D"),
-        up_block_types=("UpBlock2D", "UpBlock2D"),
-        norm_num_groups=4,
-        layers_per_block=1,
-    )
+    unet = tiny_unet2d()
     apply_lora(unet, LoraSettings(rank=2, targets=["conv1"]), "model.lora", ["conv1"])
     keep = saved_keys(unet)
     params = [p for p in unet.parameters() if p.requires_grad]

@@ -55,23 +55,13 @@ def test_the_counter_agrees_with_flop_counter_mode_and_leaves_the_gradients_alon
     """StepFlops (torch's formulas without FlopCounterMode's module hooks) counts what FlopCounterMode counts,
     and the gradients of a UNet with attention are bit-identical with and without it (FlopCounterMode's
     backward hooks changed their summation order)."""
-    from diffusers import UNet2DModel
+    from tiny_backbones import tiny_unet2d
     from torch.utils.flop_counter import FlopCounterMode
 
     from trainer.engine.throughput import StepFlops
 
     def step(mode):
-        torch.manual_seed(0)
-        unet = UNet2DModel(
-            sample_size=8,
-            in_channels=1,
-            out_channels=1,
-            block_out_channels=(8, 16),
-            layers_per_block=1,
-            norm_num_groups=4,
-            down_block_types=("DownBlock2D", "AttnDownBlock2D"),
-            up_block_types=("AttnUpBlock2D", "UpBlock2D"),
-        )
+        unet = tiny_unet2d(attention=True)
         x, t = torch.randn(16, 1, 8, 8), torch.randint(0, 1000, (16,))
         with mode:
             unet(x, t).sample.square().mean().backward()

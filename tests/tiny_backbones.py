@@ -60,3 +60,23 @@ def backbone_override(kind: str, text: bool = False, **changes) -> str:
     """The `model.backbone=...` override of `tiny_backbone(kind, text, **changes)` (YAML flow style)."""
     spec = tiny_backbone(kind, text, **changes)
     return "model.backbone=" + yaml.safe_dump(spec, default_flow_style=True, sort_keys=False, width=math.inf).strip()
+
+
+def tiny_unet2d(attention: bool = False, seed: int = 0):
+    """The `unet` kind's tiny shape as a diffusers UNet2DModel built in the test (1 channel, 8 px, one layer per
+    block; `attention`: the inner blocks with attention), its weights drawn from `seed`."""
+    import torch
+    from diffusers import UNet2DModel
+
+    torch.manual_seed(seed)
+    inner = ("AttnDownBlock2D", "AttnUpBlock2D") if attention else ("DownBlock2D", "UpBlock2D")
+    return UNet2DModel(
+        sample_size=8,
+        in_channels=1,
+        out_channels=1,
+        block_out_channels=tuple(TINY["unet"]["block_out_channels"]),
+        norm_num_groups=TINY["unet"]["norm_num_groups"],
+        layers_per_block=1,
+        down_block_types=("DownBlock2D", inner[0]),
+        up_block_types=(inner[1], "UpBlock2D"),
+    )
