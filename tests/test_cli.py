@@ -82,6 +82,7 @@ def test_a_run_forked_by_the_test_server_matches_a_fresh_interpreter(tmp_path):
     assert [r.returncode for r in (server.run(a, clean_env(), timeout=300) for a in runs)] == [0, 2, 1]
 
 
+@pytest.mark.slow
 def test_the_suite_cpu_profile_counts_each_forked_run_for_the_test_that_started_it(tmp_path, monkeypatch):
     """GENTRAIN_TEST_CPU_LOG (docs/development.md): a fork server started with it logs every run's CPU seconds
     under the test that asked for it, and scripts/suite_cpu.py sums them for that test's file."""
