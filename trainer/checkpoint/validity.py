@@ -185,8 +185,9 @@ class Manifest(_Ordered):
 
 class PieceDoc(_Open):
     """A memory-tier piece (trainer.checkpoint.memory): the files one rank contributes to a step. `parse_piece`
-    makes it, the tier builds it to write one; the tier, its resume and `checkpoints list` read it by attribute (`files`, `sharded`), and owner
-    0's `manifest_fields` (its `meta`, checked as a manifest's) say whose run it is and what it pinned."""
+    makes it from a file, the tier builds one to write it (`dump`); the tier, its resume and `checkpoints list`
+    read it by attribute (`files`, `sharded`), and owner 0's `manifest_fields` (its `meta`, checked as a
+    manifest's) say whose run it is and what it pinned."""
 
     format_version: Annotated[StrictInt, Field(ge=1, le=FORMAT_VERSION)]
     step: NonNegInt
