@@ -249,7 +249,7 @@ class _Zygote:
         for path in {stdout, stderr}:  # there when this returns, as Popen's are (a test may read them at once)
             open(path, "w").close()
         request = {"args": args, "env": env, "cwd": str(REPO), "stdout": stdout, "stderr": stderr}
-        request["test"] = os.environ.get("PYTEST_CURRENT_TEST", "?")  # for the CPU log, if kept
+        request["test"] = os.environ.get("PYTEST_CURRENT_TEST", "?")  # the CPU log's (GENTRAIN_TEST_CPU_LOG)
         if session:
             request["session"] = True
         if module != "trainer":
@@ -313,8 +313,9 @@ def _zygote() -> _Zygote | None:
 
 
 # The suite's CPU profile (docs/development.md): with GENTRAIN_TEST_CPU_LOG=FILE, each test appends the CPU seconds
-# of its pytest process and of the processes it started and waited for (fresh interpreters, torchrun's agents),
-# and the fork server appends each forked run's (tests/zygote.py); scripts/suite_cpu.py sums them per file.
+# of its pytest process and of the processes it started and waited for (fresh interpreters: another venv's,
+# torchx's pods, ...), and the fork server appends each forked run's (tests/zygote.py); scripts/suite_cpu.py sums
+# them per file.
 CPU_LOG = "GENTRAIN_TEST_CPU_LOG"
 
 
