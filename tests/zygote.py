@@ -91,9 +91,9 @@ def _serve(path: str) -> None:
             try:
                 conn.sendall(f"pid {pid}\n".encode())
                 status, usage = _wait_tied(conn, pid) if req.get("tied") else os.wait4(pid, 0)[1:]
-                _log_cpu(req, usage)
                 # As subprocess reports it: the exit code, or minus the signal that killed the run.
                 conn.sendall(f"exit {os.waitstatus_to_exitcode(status)}\n".encode())
+                _log_cpu(req, usage)  # after the answer: a log it cannot write changes no exit status
             except OSError:
                 pass  # the client is gone
             finally:
