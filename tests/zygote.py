@@ -91,9 +91,9 @@ def _serve(path: str) -> None:
             try:
                 conn.sendall(f"pid {pid}\n".encode())
                 status, usage = _wait_tied(conn, pid) if req.get("tied") else os.wait4(pid, 0)[1:]
+                _log_cpu(req, usage)  # before the answer: a test that reads the log after the run finds it there
                 # As subprocess reports it: the exit code, or minus the signal that killed the run.
                 conn.sendall(f"exit {os.waitstatus_to_exitcode(status)}\n".encode())
-                _log_cpu(req, usage)  # after the answer: a log it cannot write changes no exit status
             except OSError:
                 pass  # the client is gone
             finally:
@@ -110,8 +110,11 @@ def _log_cpu(req: dict, usage) -> None:
     if path:
         test = req.get("test") or req["env"].get("PYTEST_CURRENT_TEST", "?")
         record = {"test": test, "kind": "fork", "cpu": usage.ru_utime + usage.ru_stime, "args": req["args"][:2]}
-        with open(path, "a") as f:
-            f.write(json.dumps(record) + "\n")
+        try:
+            with open(path, "a") as f:
+                f.write(json.dumps(record) + "\n")
+        except OSError:
+            pass  # a log it cannot write changes no run's exit status
 
 
 def _wait_tied(conn: socket.socket, pid: int) -> tuple[int, object]:
