@@ -93,6 +93,22 @@ def test_an_output_folder_is_refused_where_a_file_or_link_stands_in_its_way(path
     assert str(e.value).startswith(f"run.dir={str(paths[kind])!r} cannot be made a folder: ") and "; fix it" in str(e)
 
 
+def test_an_output_folder_another_rank_makes_during_the_check_is_not_refused(tmp_path, monkeypatch):
+    """The ranks on one machine check run.dir at once and one of them makes it: a folder that appears between
+    two looks is not a file in the way (found under torchrun: exit 2, 'is a file, not a folder')."""
+    run_dir, real_stat = tmp_path / "run", os.stat
+
+    def racing_stat(path, *args, **kwargs):
+        if os.fspath(path) == str(run_dir) and not os.path.lexists(run_dir):
+            run_dir.mkdir()  # the other rank, right after this look found nothing
+            raise FileNotFoundError(path)
+        return real_stat(path, *args, **kwargs)
+
+    monkeypatch.setattr(os, "stat", racing_stat)
+    check_output_folder(str(run_dir), "run.dir", "fix it")
+    assert run_dir.is_dir()
+
+
 def test_remote_output_urls_are_left_to_the_store():
     check_output_folder("s3://bucket/file/x", "checkpoint.url", "fix it")  # no round trip, no refusal
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import stat
 import sys
 from collections.abc import Iterator, Mapping
 from typing import Any
@@ -89,17 +90,24 @@ def _local_path(url: str) -> str | None:
 
 
 def _blocker(path: str) -> tuple[str, str] | None:
-    """(the path that stops a folder being made at `path`, why), or None when `path` is or can be a folder."""
+    """(the path that stops a folder being made at `path`, why), or None when `path` is or can be a folder.
+
+    One `stat` per path decides: another process (the other ranks on this machine) may make the folder at any
+    moment, and a folder seen missing by one call and present by the next is not a file in the way (two
+    calls, isdir then lexists, once refused a run.dir that rank 0 made in between, with exit 2)."""
     probe = path
     while True:
-        if os.path.isdir(probe):  # follows links: a link to a folder is a folder
+        try:
+            mode = os.stat(probe).st_mode  # follows links: a link to a folder is a folder
+        except (FileNotFoundError, NotADirectoryError):
+            mode = None  # missing, a dangling link, or below a file (found further up)
+        if mode is not None and stat.S_ISDIR(mode):
             if not os.access(probe, os.W_OK | os.X_OK):
                 return probe, "is a folder this user cannot write in"
             return None
-        if os.path.lexists(probe):
-            if os.path.islink(probe):
-                target = os.readlink(probe)
-                return probe, f"is a symbolic link to {target!r}, which is not a folder"
+        if os.path.islink(probe):  # to a file, or dangling: links are not made by the ranks
+            return probe, f"is a symbolic link to {os.readlink(probe)!r}, which is not a folder"
+        if mode is not None:
             return probe, "is a file, not a folder"
         parent = os.path.dirname(probe)
         if parent == probe:
