@@ -99,8 +99,8 @@ def _blocker(path: str) -> tuple[str, str] | None:
     while True:
         try:
             mode = os.stat(probe).st_mode  # follows links: a link to a folder is a folder
-        except (FileNotFoundError, NotADirectoryError):
-            mode = None  # missing, a dangling link, or below a file (found further up)
+        except OSError:  # as os.path.isdir does: missing, a dangling link, below a file or an unsearchable folder
+            mode = None  # (what stands in the way is found further up)
         if mode is not None and stat.S_ISDIR(mode):
             if not os.access(probe, os.W_OK | os.X_OK):
                 return probe, "is a folder this user cannot write in"
